@@ -1,0 +1,3 @@
+from anytrain.cli import main
+
+main()

@@ -1,0 +1,138 @@
+"""``anytrain <verb>``: prepare, train, eval, info.
+
+User errors (:class:`~anytrain.errors.AnytrainError`) print one ``error: ...`` line and exit non-zero.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import typer
+
+from anytrain.errors import AnytrainError
+
+app = typer.Typer(add_completion=False, no_args_is_help=True, help="Pre-train language models on any accelerator.")
+
+
+@app.command()
+def prepare(
+    inputs: list[str] = typer.Argument(..., help="Files or directories (.txt, .jsonl, .parquet), or 'shakespeare'."),
+    out: str = typer.Option(..., "--out", "-o", help="Output directory for shards, index.json and tokenizer.json."),
+    tokenizer: str = typer.Option(None, help="Existing tokenizer.json to use instead of training one."),
+    vocab_size: int = typer.Option(8192, help="Vocabulary size when training a tokenizer."),
+    val_fraction: float = typer.Option(0.05, help="Fraction of documents held out for validation."),
+    text_field: str = typer.Option("text", help="Field/column holding the text in .jsonl and .parquet inputs."),
+    shard_tokens: int = typer.Option(100_000_000, help="Maximum tokens per shard file."),
+    overwrite: bool = typer.Option(False, help="Replace an existing prepared dataset in --out."),
+) -> None:
+    """Tokenize raw text into memory-mapped token shards with a validation split."""
+    from anytrain.data.prepare import prepare as run_prepare
+
+    index = run_prepare(inputs, out, tokenizer, vocab_size, val_fraction, text_field, shard_tokens, overwrite)
+    stats = index["meta"]["stats"]
+    typer.echo(
+        f"prepared {out}: vocab {index['vocab_size']} ({index['dtype']}), "
+        f"train {stats['train']['tokens']:,} tokens / {stats['train']['documents']} docs, "
+        f"val {stats['val']['tokens']:,} tokens / {stats['val']['documents']} docs"
+    )
+
+
+@app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
+def train(
+    ctx: typer.Context,
+    config: str = typer.Argument(..., help="YAML recipe, e.g. configs/tiny.yaml."),
+    run_dir: str = typer.Option(None, "--run-dir", help="Output directory (default runs/<name>-<time>)."),
+    resume: bool = typer.Option(False, "--resume", help="Continue the run in --run-dir from its newest checkpoint."),
+    overwrite: bool = typer.Option(False, "--overwrite", help="Delete an existing run in --run-dir first."),
+) -> None:
+    """Train. Extra arguments override config fields: --train.steps 20 --model.args.dim 128."""
+    from anytrain.config import load_config
+    from anytrain.parallel import shutdown
+    from anytrain.train.trainer import run_training
+
+    if resume and overwrite:
+        raise AnytrainError("--resume and --overwrite: choose one")
+    cfg = load_config(config, ctx.args)
+    try:
+        summary = run_training(cfg, run_dir=run_dir, resume=resume, overwrite=overwrite)
+    finally:
+        shutdown()
+    if summary.get("world_size", 1) == 1 or _rank() == 0:
+        _print_summary(summary)
+
+
+def _rank() -> int:
+    import os
+
+    return int(os.environ.get("RANK", "0"))
+
+
+def _print_summary(summary: dict) -> None:
+    first, last = summary["first_val_loss"], summary["final_val_loss"]
+    lines = [f"run dir:     {summary['run_dir']}"]
+    run_dir = Path(summary["run_dir"])
+    lines.append(f"metrics:     {run_dir / 'metrics.jsonl'} (TensorBoard: {run_dir / 'tensorboard'})")
+    lines.append(f"checkpoint:  {summary['checkpoint']}")
+    if first is not None and last is not None:
+        lines.append(f"val loss:    {first:.4f} -> {last:.4f} ({100 * (first - last) / first:.1f}% lower)")
+    mfu = "n/a (no peak FLOP/s for this device)" if summary["mfu"] is None else f"{100 * summary['mfu']:.1f}%"
+    lines.append(f"throughput:  {summary['tokens_per_s']:,.0f} tokens/s ({summary['world_size']} x "
+                 f"{summary['hardware']['device']}), MFU {mfu}")  # fmt: skip
+    typer.echo("\n".join(lines))
+
+
+@app.command("eval")
+def evaluate(
+    run_dir: str = typer.Argument(..., help="A run directory written by `anytrain train`."),
+    prompt: str = typer.Option("ROMEO.\n", help="Text to continue in the generated sample."),
+    max_new_tokens: int = typer.Option(60, help="Tokens to generate."),
+    batches: int = typer.Option(0, help="Validation batches (0 = the run's train.eval_batches)."),
+    seed: int = typer.Option(0, help="Sampling seed."),
+    json_out: bool = typer.Option(False, "--json", help="Print the result as JSON."),
+) -> None:
+    """Validation loss of a run's newest checkpoint, and a generated sample."""
+    from anytrain.evals import evaluate_run
+
+    result = evaluate_run(run_dir, prompt=prompt, max_new_tokens=max_new_tokens, batches=batches, seed=seed)
+    if json_out:
+        typer.echo(json.dumps(result, indent=1))
+        return
+    typer.echo(f"checkpoint:  {result['checkpoint']} (step {result['step']})")
+    typer.echo(f"val loss:    {result['val_loss']:.4f} (perplexity {result['val_ppl']:.1f}) "
+               f"over {result['val_tokens']:,} tokens")  # fmt: skip
+    typer.echo("sample:\n" + result["sample"])
+
+
+@app.command()
+def info() -> None:
+    """Devices, backends, versions and the peak FLOP/s anytrain will use for MFU."""
+    from anytrain import hardware
+
+    device = hardware.resolve_device("auto")
+    typer.echo(json.dumps(hardware.summary(device), indent=1))
+
+
+def main() -> None:
+    try:
+        app(standalone_mode=False)
+    except AnytrainError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        sys.exit(exc.exit_code)
+    except (typer.Abort, KeyboardInterrupt):
+        print("aborted", file=sys.stderr)
+        sys.exit(130)
+    except Exception as exc:  # click usage errors
+        import click
+
+        if isinstance(exc, click.exceptions.Exit):
+            sys.exit(exc.exit_code)
+        if isinstance(exc, click.ClickException):
+            exc.show()
+            sys.exit(exc.exit_code)
+        raise
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,333 @@
+"""Typed, validated run configuration.
+
+A run is described by one YAML file with the sections below, plus dotted command-line overrides
+(``--train.steps 20 --model.args.n_layers 4``). Loading validates every field against its annotation and
+raises :class:`~anytrain.errors.ConfigError` naming the field (``train.steps: expected int, got 'ten'``).
+The resolved config (defaults filled in) is written into the run directory as ``config.yaml``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+
+from anytrain.errors import ConfigError
+
+
+@dataclass
+class ModelConfig:
+    arch: str = "transformer"
+    """Model family in the registry: 'transformer' (Llama-style) or 'mamba'."""
+    flavour: str = "tiny"
+    """Named size of the family (see ``anytrain.models.list_flavours()``), e.g. debug, tiny, 125m, 1.1b."""
+    args: dict[str, Any] = field(default_factory=dict)
+    """Overrides of the flavour's architecture fields (validated by the family's own args class)."""
+
+
+@dataclass
+class DataConfig:
+    path: str = "data/shakespeare"
+    """Directory written by ``anytrain prepare`` (holds index.json, tokenizer.json and token shards)."""
+    seq_len: int = 256
+    """Tokens per training sequence (the model sees seq_len tokens and predicts the next one for each)."""
+
+
+@dataclass
+class TrainConfig:
+    steps: int = 200
+    """Number of optimizer steps."""
+    global_batch: int = 32
+    """Sequences per optimizer step, over all data-parallel ranks. Fixed when the world size changes."""
+    micro_batch: int = 0
+    """Sequences per forward/backward on one rank; 0 = global_batch / dp_world (no accumulation)."""
+    lr: float = 1e-3
+    """Peak learning rate."""
+    min_lr_ratio: float = 0.1
+    """Final learning rate as a fraction of ``lr``."""
+    schedule: Literal["cosine", "wsd", "constant"] = "cosine"
+    """LR schedule after warm-up: cosine decay, warmup-stable-decay, or constant."""
+    warmup_steps: int = 20
+    """Linear warm-up steps from 0 to ``lr``."""
+    decay_fraction: float = 0.2
+    """For schedule 'wsd': fraction of the steps spent in the final linear decay."""
+    weight_decay: float = 0.1
+    """AdamW decoupled weight decay, applied to matrices only (not to norms, biases)."""
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-8
+    grad_clip: float = 1.0
+    """Clip the global gradient norm to this value; 0 disables clipping."""
+    seed: int = 1234
+    """Seeds weight init and the data order; the batch at a step depends only on (seed, step)."""
+    dtype: Literal["auto", "bf16", "fp32"] = "auto"
+    """Compute precision: bf16 mixed precision (fp32 master weights and reductions) or fp32. auto = bf16 on GPU."""
+    compile: bool = False
+    """Compile each block with torch.compile."""
+    activation_checkpointing: Literal["none", "full"] = "none"
+    """Recompute each block's activations in backward to save memory."""
+    log_interval: int = 10
+    """Steps between metric log lines (the only steps that synchronise the host with the device)."""
+    eval_interval: int = 100
+    """Steps between validation evaluations (also at step 0 and at the end); 0 = only at the end."""
+    eval_batches: int = 8
+    """Global batches of validation data per evaluation (always the same sequences)."""
+    check_finite: bool = True
+    """Stop before the optimizer step when the loss or gradient norm is not finite (one host sync per step)."""
+    log_sample_ids: bool = False
+    """Write the global sample ids each rank consumed to samples_rank<r>.jsonl (for data-order audits)."""
+
+
+@dataclass
+class ParallelConfig:
+    strategy: Literal["auto", "ddp", "fsdp"] = "auto"
+    """Data parallelism when the world size is > 1: DDP (replicated) or FSDP2 (sharded). auto = ddp."""
+    reshard_after_forward: bool = True
+    """FSDP only: free gathered parameters after forward (ZeRO-3); False keeps them until backward (ZeRO-2)."""
+
+
+@dataclass
+class CheckpointConfig:
+    interval: int = 0
+    """Save a checkpoint every N steps (and always at the end); 0 = only at the end."""
+    keep_last: int = 2
+    """Committed checkpoints to keep; older ones are deleted by rank 0."""
+    save_final: bool = True
+    """Save a checkpoint at the last step."""
+
+
+@dataclass
+class RunConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    device: str = "auto"
+    """auto (GPU if present), cpu, or gpu."""
+    run_dir: str = ""
+    """Where outputs go; empty = runs/<config name>-<time>. Also settable with --run-dir."""
+    name: str = ""
+    """Run name shown in logs; defaults to the config file's stem."""
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Generic dataclass <-> dict conversion with validation
+
+
+def _describe(tp: Any) -> str:
+    origin = typing.get_origin(tp)
+    if origin is Literal:
+        return " | ".join(repr(a) for a in typing.get_args(tp))
+    return getattr(tp, "__name__", str(tp))
+
+
+def _coerce(value: Any, tp: Any, where: str) -> Any:
+    """Check ``value`` against type ``tp`` (int/float/str/bool/Literal/dict/list/Optional); return it (ints→float)."""
+    origin = typing.get_origin(tp)
+    if origin is Literal:
+        choices = typing.get_args(tp)
+        if value not in choices:
+            raise ConfigError(f"{where}: expected one of {', '.join(map(repr, choices))}, got {value!r}")
+        return value
+    if origin in (typing.Union, types.UnionType):
+        options = typing.get_args(tp)
+        if value is None and type(None) in options:
+            return None
+        errors = []
+        for option in options:
+            if option is type(None):
+                continue
+            try:
+                return _coerce(value, option, where)
+            except ConfigError as exc:
+                errors.append(str(exc))
+        raise ConfigError(errors[0] if errors else f"{where}: invalid value {value!r}")
+    if origin is dict or tp is dict:
+        if not isinstance(value, dict):
+            raise ConfigError(f"{where}: expected a mapping, got {value!r}")
+        return dict(value)
+    if origin is list or tp is list:
+        if not isinstance(value, list):
+            raise ConfigError(f"{where}: expected a list, got {value!r}")
+        return list(value)
+    if tp is Any:
+        return value
+    if tp is bool:
+        if not isinstance(value, bool):
+            raise ConfigError(f"{where}: expected true/false, got {value!r}")
+        return value
+    if tp is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(f"{where}: expected an integer, got {value!r}")
+        return value
+    if tp is float:
+        if isinstance(value, str):  # PyYAML reads 3e-4 (no dot) as a string
+            try:
+                return float(value)
+            except ValueError:
+                pass
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ConfigError(f"{where}: expected a number, got {value!r}")
+        return float(value)
+    if tp is str:
+        if not isinstance(value, str):
+            raise ConfigError(f"{where}: expected a string, got {value!r}")
+        return value
+    raise ConfigError(f"{where}: unsupported field type {_describe(tp)}")
+
+
+def from_dict(cls: type, data: dict[str, Any], prefix: str = "") -> Any:
+    """Build dataclass ``cls`` from ``data``, rejecting unknown keys and wrong types with the field's dotted path."""
+    if not isinstance(data, dict):
+        raise ConfigError(f"{prefix.rstrip('.') or 'config'}: expected a mapping, got {data!r}")
+    hints = typing.get_type_hints(cls)
+    known = {f.name for f in dataclasses.fields(cls)}
+    for key in data:
+        if key not in known:
+            raise ConfigError(f"{prefix}{key}: unknown field; valid fields are {', '.join(sorted(known))}")
+    kwargs = {}
+    for f in dataclasses.fields(cls):
+        if f.name not in data:
+            continue
+        tp = hints[f.name]
+        if dataclasses.is_dataclass(tp):
+            kwargs[f.name] = from_dict(tp, data[f.name] or {}, f"{prefix}{f.name}.")
+        else:
+            kwargs[f.name] = _coerce(data[f.name], tp, f"{prefix}{f.name}")
+    return cls(**kwargs)
+
+
+def to_dict(obj: Any) -> dict[str, Any]:
+    return dataclasses.asdict(obj)
+
+
+def parse_overrides(args: list[str]) -> dict[str, Any]:
+    """Turn ``['--train.steps', '20', '--model.args.dim=64']`` into a nested dict; values parsed as YAML scalars."""
+    nested: dict[str, Any] = {}
+    i = 0
+    while i < len(args):
+        arg = args[i]
+        if not arg.startswith("--") or len(arg) == 2:
+            raise ConfigError(f"{arg}: expected an override like --section.field VALUE")
+        key = arg[2:]
+        if "=" in key:
+            key, raw = key.split("=", 1)
+            i += 1
+        else:
+            if i + 1 >= len(args):
+                raise ConfigError(f"--{key}: missing value")
+            raw = args[i + 1]
+            i += 2
+        try:
+            value = yaml.safe_load(raw) if raw != "" else ""
+        except yaml.YAMLError:
+            value = raw
+        node = nested
+        parts = key.replace("-", "_").split(".")
+        for part in parts[:-1]:
+            node = node.setdefault(part, {})
+            if not isinstance(node, dict):
+                raise ConfigError(f"--{key}: conflicts with another override")
+        node[parts[-1]] = value
+    return nested
+
+
+def deep_merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
+    out = dict(base)
+    for key, value in over.items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = deep_merge(out[key], value)
+        else:
+            out[key] = value
+    return out
+
+
+def load_config(path: str | Path | None, overrides: list[str] | None = None) -> RunConfig:
+    """Read a YAML recipe (or start from defaults when ``path`` is None), apply overrides, validate."""
+    data: dict[str, Any] = {}
+    if path is not None:
+        path = Path(path)
+        if not path.is_file():
+            raise ConfigError(f"{path}: config file not found")
+        try:
+            data = yaml.safe_load(path.read_text()) or {}
+        except yaml.YAMLError as exc:
+            raise ConfigError(f"{path}: not valid YAML ({str(exc).splitlines()[0]})") from None
+        if not isinstance(data, dict):
+            raise ConfigError(f"{path}: expected a mapping of sections at the top level")
+    data = deep_merge(data, parse_overrides(overrides or []))
+    cfg = from_dict(RunConfig, data)
+    if not cfg.name:
+        cfg.name = path.stem if path is not None else "run"
+    validate(cfg)
+    return cfg
+
+
+def _positive(value: float, where: str, allow_zero: bool = False) -> None:
+    if value < 0 or (value == 0 and not allow_zero):
+        raise ConfigError(f"{where}: must be {'>= 0' if allow_zero else '> 0'}, got {value}")
+
+
+def validate(cfg: RunConfig) -> None:
+    """Range and cross-field checks that do not need the world size (those live in ``batching``)."""
+    t = cfg.train
+    _positive(t.steps, "train.steps")
+    _positive(t.global_batch, "train.global_batch")
+    _positive(t.micro_batch, "train.micro_batch", allow_zero=True)
+    _positive(t.lr, "train.lr")
+    _positive(t.warmup_steps, "train.warmup_steps", allow_zero=True)
+    _positive(t.log_interval, "train.log_interval")
+    _positive(t.eval_interval, "train.eval_interval", allow_zero=True)
+    _positive(t.eval_batches, "train.eval_batches", allow_zero=True)
+    _positive(t.grad_clip, "train.grad_clip", allow_zero=True)
+    _positive(t.weight_decay, "train.weight_decay", allow_zero=True)
+    if not 0.0 <= t.min_lr_ratio <= 1.0:
+        raise ConfigError(f"train.min_lr_ratio: must be in [0, 1], got {t.min_lr_ratio}")
+    if not 0.0 < t.decay_fraction <= 1.0:
+        raise ConfigError(f"train.decay_fraction: must be in (0, 1], got {t.decay_fraction}")
+    _positive(cfg.data.seq_len, "data.seq_len")
+    _positive(cfg.checkpoint.interval, "checkpoint.interval", allow_zero=True)
+    _positive(cfg.checkpoint.keep_last, "checkpoint.keep_last")
+    if cfg.device not in ("auto", "cpu", "gpu", "cuda"):
+        raise ConfigError(f"device: expected auto, cpu or gpu, got {cfg.device!r}")
+
+
+@dataclass(frozen=True)
+class BatchPlan:
+    """How the fixed global batch splits over data-parallel ranks and micro-batches."""
+
+    global_batch: int
+    dp_world: int
+    micro_batch: int
+    grad_accum: int
+
+    @property
+    def per_rank(self) -> int:
+        return self.global_batch // self.dp_world
+
+
+def plan_batches(train: TrainConfig, dp_world: int) -> BatchPlan:
+    """Derive micro-batch and accumulation so that the optimisation does not depend on the world size."""
+    if train.global_batch % dp_world:
+        raise ConfigError(
+            f"train.global_batch: {train.global_batch} is not divisible by the data-parallel world size {dp_world}; "
+            f"use a multiple of {dp_world}"
+        )
+    per_rank = train.global_batch // dp_world
+    micro = train.micro_batch or per_rank
+    if per_rank % micro:
+        raise ConfigError(
+            f"train.global_batch: {train.global_batch} is not divisible by world size x micro_batch "
+            f"({dp_world} x {micro}); change train.global_batch or train.micro_batch"
+        )
+    return BatchPlan(train.global_batch, dp_world, micro, per_rank // micro)
+
+
+def save_config(cfg: RunConfig, path: Path) -> None:
+    path.write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))

@@ -1,0 +1,1 @@
+"""Data: tokenizer training, raw text -> memory-mapped token shards, and the deterministic batch loader."""

@@ -1,0 +1,78 @@
+"""Evaluation of trained runs: validation loss / perplexity from a checkpoint, and text samples."""
+
+from __future__ import annotations
+
+import math
+import warnings
+from pathlib import Path
+
+import torch
+import torch.distributed.checkpoint as dcp
+import torch.nn.functional as F
+from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+from anytrain import hardware
+from anytrain.config import load_config
+from anytrain.data.loader import BatchSource, SampleIndex
+from anytrain.data.prepare import load_tokenizer
+from anytrain.data.shards import TokenDataset
+from anytrain.errors import RunDirError
+from anytrain.models import build_model
+from anytrain.train.checkpoint import Checkpointer
+
+
+def load_run_model(run_dir: str | Path, device: torch.device, checkpoint: str | Path | None = None):
+    """(config, model with the newest committed checkpoint's weights, checkpoint path) of a run directory."""
+    run_dir = Path(run_dir)
+    config_file = run_dir / "config.yaml"
+    if not config_file.is_file():
+        raise RunDirError(f"{run_dir}: no config.yaml; is this a directory written by `anytrain train`?")
+    cfg = load_config(config_file)
+    path = Path(checkpoint) if checkpoint else Checkpointer(run_dir / "checkpoints", 1, True).latest()
+    if path is None:
+        raise RunDirError(f"{run_dir}/checkpoints: no committed checkpoint to evaluate")
+    model = build_model(cfg.model).to(device)
+    state = {"model": get_model_state_dict(model)}
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
+        dcp.load({"train": state}, checkpoint_id=str(path))
+    model.load_state_dict(state["model"])
+    model.eval()
+    return cfg, model, path
+
+
+@torch.no_grad()
+def validation_loss(model, dataset: TokenDataset, seq_len: int, batches: int, batch_size: int,
+                    device: torch.device, dtype: torch.dtype) -> tuple[float, int]:  # fmt: skip
+    """Mean next-token loss over the first ``batches`` x ``batch_size`` validation sequences (storage order)."""
+    source = BatchSource(SampleIndex(dataset.split("val"), seq_len, "val"), batch_size, seed=0, shuffle=False)
+    loss_sum, count = 0.0, 0
+    for batch in range(batches):
+        inputs, targets, _ = source.rank_batch(batch, 0, 1)
+        with torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32):
+            logits = model(inputs.to(device))
+        loss_sum += F.cross_entropy(logits.float().flatten(0, 1), targets.to(device).flatten(), reduction="sum").item()
+        count += targets.numel()
+    return loss_sum / count, count
+
+
+def evaluate_run(run_dir: str | Path, prompt: str = "ROMEO.\n", max_new_tokens: int = 60, batches: int = 0,
+                 seed: int = 0) -> dict:  # fmt: skip
+    device = hardware.resolve_device("auto")
+    cfg, model, path = load_run_model(run_dir, device)
+    dataset = TokenDataset(cfg.data.path)
+    dtype = torch.bfloat16 if hardware.supports_bf16(device) else torch.float32
+    loss, tokens = validation_loss(model, dataset, cfg.data.seq_len, batches or cfg.train.eval_batches or 1,
+                                   cfg.train.global_batch, device, dtype)  # fmt: skip
+    tokenizer = load_tokenizer(dataset.tokenizer_path)
+    ids = tokenizer.encode(prompt, add_special_tokens=False).ids or [dataset.eos_id]
+    generator = torch.Generator(device=device).manual_seed(seed)
+    out = model.generate(torch.tensor([ids], device=device), max_new_tokens, generator=generator)
+    return {
+        "checkpoint": str(path),
+        "step": int(path.name.split("_")[-1]),
+        "val_loss": loss,
+        "val_ppl": math.exp(min(loss, 50.0)),
+        "val_tokens": tokens,
+        "sample": tokenizer.decode(out[0].tolist()),
+    }

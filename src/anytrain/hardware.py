@@ -1,0 +1,176 @@
+"""The one module that knows CUDA from ROCm from CPU.
+
+Everything else asks here: which device to use, which collective backend, whether bf16 / fused AdamW / Triton
+are usable, the peak dense bf16 FLOP/s used for MFU, and memory statistics. ROCm builds of PyTorch expose
+AMD GPUs through the ``torch.cuda`` namespace (HIP), so "is this a GPU" and "which vendor" are separate
+questions: ``torch.cuda.is_available()`` is true on both, ``torch.version.hip`` is set only on ROCm.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+
+from anytrain.errors import ConfigError
+
+CPU, CUDA, ROCM = "cpu", "cuda", "rocm"
+
+
+@dataclass(frozen=True)
+class DeviceSpec:
+    """Datasheet figures of one accelerator as PyTorch sees it (one device = one GCD/die on MI250/MI250X).
+
+    Peaks are dense (no sparsity) bf16 tensor-core rates; bandwidths are per device.
+    """
+
+    name: str
+    peak_bf16_tflops: float
+    memory_gib: float
+    hbm_tb_per_s: float
+    tdp_watts: float
+    intra_node_gb_per_s: float  # per direction, per device (NVLink / Infinity Fabric)
+    inter_node_gb_per_s: float  # per device NIC share, typical deployment
+
+
+# Matched against torch.cuda.get_device_name() by substring, most specific first.
+DEVICE_CATALOGUE: tuple[tuple[str, DeviceSpec], ...] = (
+    ("H200", DeviceSpec("H200 SXM", 989.0, 141.0, 4.8, 700.0, 450.0, 50.0)),
+    ("H100 PCIe", DeviceSpec("H100 PCIe", 756.0, 80.0, 2.0, 350.0, 64.0, 25.0)),
+    ("H100", DeviceSpec("H100 SXM", 989.0, 80.0, 3.35, 700.0, 450.0, 50.0)),
+    ("A100-SXM4-40GB", DeviceSpec("A100 40GB", 312.0, 40.0, 1.555, 400.0, 300.0, 25.0)),
+    ("A100", DeviceSpec("A100 80GB", 312.0, 80.0, 2.039, 400.0, 300.0, 25.0)),
+    ("V100", DeviceSpec("V100", 125.0, 32.0, 0.9, 300.0, 150.0, 12.5)),
+    ("MI300X", DeviceSpec("MI300X", 1307.0, 192.0, 5.3, 750.0, 448.0, 50.0)),
+    # MI250X / MI250: one PyTorch device is one graphics compute die (half a card).
+    ("MI250X", DeviceSpec("MI250X (per GCD)", 191.5, 64.0, 1.6, 280.0, 100.0, 25.0)),
+    ("MI250", DeviceSpec("MI250 (per GCD)", 181.0, 64.0, 1.6, 280.0, 100.0, 25.0)),
+)
+
+
+def vendor() -> str:
+    """'cuda' (NVIDIA), 'rocm' (AMD) or 'cpu' for the accelerator this process can use."""
+    if not torch.cuda.is_available():
+        return CPU
+    return ROCM if getattr(torch.version, "hip", None) else CUDA
+
+
+def is_gpu(device: torch.device | str) -> bool:
+    return torch.device(device).type == "cuda"
+
+
+def resolve_device(requested: str = "auto", local_rank: int = 0) -> torch.device:
+    """Pick the device for this process. 'auto' = the local_rank-th GPU if any, else CPU."""
+    if requested not in ("auto", "cpu", "cuda", "gpu"):
+        raise ConfigError(f"device: unknown value {requested!r}; use auto, cpu or gpu")
+    if requested == "cpu" or (requested == "auto" and vendor() == CPU):
+        return torch.device("cpu")
+    if vendor() == CPU:
+        raise ConfigError("device: a GPU was requested but none is visible (check CUDA/HIP_VISIBLE_DEVICES)")
+    index = local_rank % torch.cuda.device_count()
+    torch.cuda.set_device(index)
+    return torch.device("cuda", index)
+
+
+def dist_backend(device: torch.device) -> str:
+    """Collective backend: NCCL on NVIDIA, RCCL on AMD (PyTorch calls both 'nccl'), gloo on CPU."""
+    return "nccl" if is_gpu(device) else "gloo"
+
+
+def device_name(device: torch.device) -> str:
+    if is_gpu(device):
+        return torch.cuda.get_device_name(device)
+    import platform
+
+    return f"cpu ({platform.processor() or platform.machine()}, {os.cpu_count()} cores)"
+
+
+def device_spec(device: torch.device) -> DeviceSpec | None:
+    """Catalogue entry for this device, or None (CPU or unknown GPU). Override peak with ANYTRAIN_PEAK_TFLOPS."""
+    if not is_gpu(device):
+        return None
+    name = torch.cuda.get_device_name(device)
+    return lookup_spec(name)
+
+
+def lookup_spec(name: str) -> DeviceSpec | None:
+    for key, spec in DEVICE_CATALOGUE:
+        if key.lower() in name.lower():
+            return spec
+    return None
+
+
+def peak_flops(device: torch.device) -> float | None:
+    """Dense bf16 peak FLOP/s of one device for MFU; None where no honest peak exists (CPU, unknown GPU).
+
+    ``ANYTRAIN_PEAK_TFLOPS`` overrides (e.g. for a GPU missing from the catalogue).
+    """
+    override = os.environ.get("ANYTRAIN_PEAK_TFLOPS")
+    if override:
+        return float(override) * 1e12
+    spec = device_spec(device)
+    return spec.peak_bf16_tflops * 1e12 if spec else None
+
+
+def supports_bf16(device: torch.device) -> bool:
+    return is_gpu(device) and torch.cuda.is_bf16_supported()
+
+
+def fused_adamw_available(device: torch.device) -> bool:
+    """torch's fused AdamW kernel exists for CUDA and ROCm tensors (and CPU from torch 2.4, but it is slower)."""
+    return is_gpu(device)
+
+
+def triton_available(device: torch.device) -> bool:
+    """Triton kernels run on NVIDIA and AMD GPUs; on CPU only in the interpreter (TRITON_INTERPRET=1)."""
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return is_gpu(device) or os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def synchronize(device: torch.device) -> None:
+    if is_gpu(device):
+        torch.cuda.synchronize(device)
+
+
+def reset_peak_memory(device: torch.device) -> None:
+    if is_gpu(device):
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+def peak_memory_gib(device: torch.device) -> float:
+    """Peak bytes held by the caching allocator since the last reset, in GiB (0.0 on CPU: not tracked)."""
+    if is_gpu(device):
+        return torch.cuda.max_memory_allocated(device) / 2**30
+    return 0.0
+
+
+def apply_env_defaults() -> None:
+    """Per-vendor environment defaults, set only where the user has not set them."""
+    # Surface NCCL/RCCL errors as exceptions instead of hangs (same variable on both vendors).
+    os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")
+    if vendor() == ROCM:
+        # hipBLASLt is the fast GEMM path on MI200/MI300 with recent ROCm.
+        os.environ.setdefault("TORCH_BLAS_PREFER_HIPBLASLT", "1")
+
+
+def summary(device: torch.device) -> dict:
+    """Versions and device facts recorded with every run and benchmark."""
+    info = {
+        "vendor": vendor() if is_gpu(device) else CPU,
+        "device": device_name(device),
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "hip": getattr(torch.version, "hip", None),
+        "peak_bf16_tflops": (peak_flops(device) or 0.0) / 1e12 or None,
+    }
+    try:
+        import triton
+
+        info["triton"] = triton.__version__
+    except ImportError:
+        info["triton"] = None
+    return info

@@ -1,0 +1,233 @@
+"""Llama-style decoder: RMSNorm pre-norm blocks, rotary position embeddings, grouped-query SDPA attention, SwiGLU.
+
+Single-device ``nn.Module`` only: parallelism is applied from outside (``anytrain.parallel``). Shapes in comments:
+B batch, T sequence, D model width, H query heads, K key/value heads, E head dim (D = H*E), F FFN width, V vocab.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+@dataclass
+class TransformerArgs:
+    vocab_size: int = 8192
+    """Embedding rows; must be >= the tokenizer's vocabulary."""
+    dim: int = 256
+    """Model width D."""
+    n_layers: int = 6
+    n_heads: int = 8
+    """Query heads H; D must be divisible by H."""
+    n_kv_heads: int = 0
+    """Key/value heads K for grouped-query attention; 0 = n_heads (multi-head). H must be divisible by K."""
+    ffn_dim: int = 0
+    """SwiGLU hidden width F; 0 = 8/3·D rounded up to a multiple of ``ffn_multiple_of``."""
+    ffn_multiple_of: int = 64
+    max_seq_len: int = 2048
+    """Longest sequence the RoPE tables cover."""
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-5
+    tie_embeddings: bool = False
+    """Share the token embedding with the output projection."""
+    init_std: float = 0.02
+
+    def __post_init__(self) -> None:
+        if self.n_kv_heads == 0:
+            self.n_kv_heads = self.n_heads
+        if self.ffn_dim == 0:
+            hidden = int(8 * self.dim / 3)
+            self.ffn_dim = self.ffn_multiple_of * math.ceil(hidden / self.ffn_multiple_of)
+
+    def validate(self, prefix: str = "model.args.") -> None:
+        from anytrain.errors import ConfigError
+
+        for name in ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "max_seq_len"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"{prefix}{name}: must be > 0, got {getattr(self, name)}")
+        if self.dim % self.n_heads:
+            raise ConfigError(f"{prefix}n_heads: {self.n_heads} does not divide dim {self.dim}")
+        if self.n_heads % self.n_kv_heads:
+            raise ConfigError(f"{prefix}n_kv_heads: {self.n_kv_heads} does not divide n_heads {self.n_heads}")
+        if (self.dim // self.n_heads) % 2:
+            raise ConfigError(f"{prefix}n_heads: head dim {self.dim // self.n_heads} must be even for RoPE")
+
+    @property
+    def head_dim(self) -> int:
+        return self.dim // self.n_heads
+
+
+class RMSNorm(nn.Module):
+    """x / rms(x) * weight, computed in fp32 and cast back to the input dtype."""
+
+    def __init__(self, dim: int, eps: float = 1e-5) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (normed * self.weight.float()).type_as(x)
+
+    def reset_parameters(self) -> None:
+        nn.init.ones_(self.weight)
+
+
+def rope_tables(head_dim: int, max_seq_len: int, theta: float, device=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin tables (T, E/2) in fp32 for rotating pairs (x[2i], x[2i+1]) by angle t·theta^(-2i/E)."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim))
+    angles = torch.outer(torch.arange(max_seq_len, device=device, dtype=torch.float32), inv_freq)  # (T, E/2)
+    return angles.cos(), angles.sin()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate interleaved pairs of the last dim. x: (B, T, H, E); cos/sin: (T, E/2). Math in fp32."""
+    x32 = x.float().unflatten(-1, (-1, 2))  # (B, T, H, E/2, 2)
+    even, odd = x32[..., 0], x32[..., 1]
+    cos, sin = cos[None, :, None, :], sin[None, :, None, :]
+    rotated = torch.stack((even * cos - odd * sin, even * sin + odd * cos), dim=-1)
+    return rotated.flatten(-2).type_as(x)
+
+
+class Attention(nn.Module):
+    def __init__(self, args: TransformerArgs) -> None:
+        super().__init__()
+        self.n_heads, self.n_kv_heads, self.head_dim = args.n_heads, args.n_kv_heads, args.head_dim
+        self.wq = nn.Linear(args.dim, args.n_heads * self.head_dim, bias=False)
+        self.wk = nn.Linear(args.dim, args.n_kv_heads * self.head_dim, bias=False)
+        self.wv = nn.Linear(args.dim, args.n_kv_heads * self.head_dim, bias=False)
+        self.wo = nn.Linear(args.n_heads * self.head_dim, args.dim, bias=False)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        B, T, _ = x.shape
+        q = self.wq(x).view(B, T, self.n_heads, self.head_dim)  # (B, T, H, E)
+        k = self.wk(x).view(B, T, self.n_kv_heads, self.head_dim)  # (B, T, K, E)
+        v = self.wv(x).view(B, T, self.n_kv_heads, self.head_dim)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if self.n_kv_heads != self.n_heads:
+            # Expand K/V heads to H; SDPA's flash/efficient kernels take equal head counts on every vendor.
+            repeat = self.n_heads // self.n_kv_heads
+            k = k.unsqueeze(3).expand(B, T, self.n_kv_heads, repeat, self.head_dim).reshape(B, T, -1, self.head_dim)
+            v = v.unsqueeze(3).expand(B, T, self.n_kv_heads, repeat, self.head_dim).reshape(B, T, -1, self.head_dim)
+        # SDPA wants (B, H, T, E); it picks FlashAttention / memory-efficient kernels on CUDA and ROCm.
+        out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True)
+        return self.wo(out.transpose(1, 2).reshape(B, T, -1))  # (B, T, D)
+
+
+class FeedForward(nn.Module):
+    """SwiGLU: w2(silu(w1 x) * w3 x)."""
+
+    def __init__(self, dim: int, hidden: int) -> None:
+        super().__init__()
+        self.w1 = nn.Linear(dim, hidden, bias=False)
+        self.w3 = nn.Linear(dim, hidden, bias=False)
+        self.w2 = nn.Linear(hidden, dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class TransformerBlock(nn.Module):
+    def __init__(self, args: TransformerArgs) -> None:
+        super().__init__()
+        self.attention_norm = RMSNorm(args.dim, args.norm_eps)
+        self.attention = Attention(args)
+        self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
+        self.feed_forward = FeedForward(args.dim, args.ffn_dim)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        x = x + self.attention(self.attention_norm(x), cos, sin)
+        return x + self.feed_forward(self.ffn_norm(x))
+
+
+class Transformer(nn.Module):
+    """Token ids (B, T) -> logits (B, T, V)."""
+
+    def __init__(self, args: TransformerArgs) -> None:
+        super().__init__()
+        self.args = args
+        self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
+        # A ModuleDict keyed by layer index keeps checkpoint keys stable if layers are split across pipeline stages.
+        self.layers = nn.ModuleDict({str(i): TransformerBlock(args) for i in range(args.n_layers)})
+        self.norm = RMSNorm(args.dim, args.norm_eps)
+        self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
+        if args.tie_embeddings:
+            self.output.weight = self.tok_embeddings.weight
+        cos, sin = rope_tables(args.head_dim, args.max_seq_len, args.rope_theta)
+        self.register_buffer("rope_cos", cos, persistent=False)
+        self.register_buffer("rope_sin", sin, persistent=False)
+        self.init_weights()
+
+    @torch.no_grad()
+    def init_weights(self) -> None:
+        """Normal(0, init_std) for matrices; residual output projections scaled by 1/sqrt(2·n_layers) (GPT-2)."""
+        std = self.args.init_std
+        nn.init.normal_(self.tok_embeddings.weight, std=std)
+        for block in self.layers.values():
+            for lin in (block.attention.wq, block.attention.wk, block.attention.wv, block.feed_forward.w1,
+                        block.feed_forward.w3):  # fmt: skip
+                nn.init.normal_(lin.weight, std=std)
+            for lin in (block.attention.wo, block.feed_forward.w2):
+                nn.init.normal_(lin.weight, std=std / math.sqrt(2 * self.args.n_layers))
+            block.attention_norm.reset_parameters()
+            block.ffn_norm.reset_parameters()
+        self.norm.reset_parameters()
+        if not self.args.tie_embeddings:
+            nn.init.normal_(self.output.weight, std=std)
+        cos, sin = rope_tables(self.args.head_dim, self.args.max_seq_len, self.args.rope_theta, self.rope_cos.device)
+        self.rope_cos.copy_(cos)
+        self.rope_sin.copy_(sin)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        T = tokens.shape[1]
+        if T > self.args.max_seq_len:
+            raise ValueError(f"sequence length {T} exceeds model.args.max_seq_len {self.args.max_seq_len}")
+        cos, sin = self.rope_cos[:T], self.rope_sin[:T]
+        h = self.tok_embeddings(tokens)  # (B, T, D)
+        for block in self.layers.values():
+            h = block(h, cos, sin)
+        return self.output(self.norm(h))  # (B, T, V)
+
+    def num_params(self, exclude_embedding: bool = False) -> int:
+        """Parameter count (shared tensors once). exclude_embedding drops the input table, keeps the LM head."""
+        total = sum(p.numel() for p in {id(p): p for p in self.parameters()}.values())
+        if exclude_embedding:
+            total -= self.tok_embeddings.weight.numel()
+            if self.args.tie_embeddings:  # the head still does a full V x D matmul
+                total += self.output.weight.numel()
+        return total
+
+    def flops_per_token(self, seq_len: int) -> float:
+        """Training FLOPs per token: 6·N + 12·L·D·T.
+
+        N = parameters without the input embedding (LM head included); 6 = 2 (forward multiply-add) × 3 (forward +
+        backward w.r.t. inputs and weights). 12·L·D·T is attention scores and weighted sum (QKᵀ and AV, 2·2·T·D per
+        token per layer forward, ×3 for backward), without the causal discount — the PaLM / torchtitan /
+        LLM Foundry convention. Recomputation (activation checkpointing) is not counted: that would be HFU.
+        """
+        return 6.0 * self.num_params(exclude_embedding=True) + 12.0 * self.args.n_layers * self.args.dim * seq_len
+
+    def blocks(self) -> list[nn.Module]:
+        """The repeated units that parallelism wraps (FSDP units, checkpointing, compile)."""
+        return list(self.layers.values())
+
+    @torch.no_grad()
+    def generate(self, prompt: torch.Tensor, max_new_tokens: int, temperature: float = 0.8, top_k: int = 50,
+                 generator: torch.Generator | None = None) -> torch.Tensor:  # fmt: skip
+        """Sample continuations of ``prompt`` (B, T0) without a KV cache (for demos, not serving)."""
+        tokens = prompt
+        for _ in range(max_new_tokens):
+            window = tokens[:, -self.args.max_seq_len :]
+            logits = self(window)[:, -1, :].float() / max(temperature, 1e-5)  # (B, V)
+            if top_k:
+                kth = torch.topk(logits, min(top_k, logits.shape[-1])).values[:, -1:]
+                logits = logits.masked_fill(logits < kth, float("-inf"))
+            probs = torch.softmax(logits, dim=-1)
+            nxt = torch.multinomial(probs, 1, generator=generator)
+            tokens = torch.cat([tokens, nxt], dim=1)
+        return tokens

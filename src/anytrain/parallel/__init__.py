@@ -1,0 +1,173 @@
+"""Process group set-up and parallelism applied to single-device models from outside.
+
+Order (torchtitan's): tensor parallel -> activation checkpointing -> compile -> data parallel (FSDP2 / DDP).
+Everything is PyTorch's own engine: ``torch.distributed`` process groups, ``DeviceMesh``, FSDP2 ``fully_shard``
+and ``DistributedDataParallel``. Launchers (torchrun, SLURM, MPI) only need to provide the usual environment
+(RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT); ``launch_env`` maps SLURM/MPI variables to those.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from anytrain import hardware
+from anytrain.config import RunConfig
+from anytrain.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class DistInfo:
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+
+    @property
+    def is_distributed(self) -> bool:
+        return self.world_size > 1
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def launch_env() -> DistInfo:
+    """Rank facts from torchrun, else SLURM (srun), else Open MPI / MPICH (mpirun); single process otherwise."""
+    env = os.environ
+    if "WORLD_SIZE" in env and "RANK" in env:
+        return DistInfo(int(env["RANK"]), int(env["WORLD_SIZE"]), int(env.get("LOCAL_RANK", 0)))
+    for rank_key, world_key, local_key in (
+        ("SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID"),
+        ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK"),
+        ("PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID"),
+    ):
+        if rank_key in env and world_key in env and int(env[world_key]) > 1:
+            info = DistInfo(int(env[rank_key]), int(env[world_key]), int(env.get(local_key, 0)))
+            os.environ.setdefault("RANK", str(info.rank))
+            os.environ.setdefault("WORLD_SIZE", str(info.world_size))
+            os.environ.setdefault("LOCAL_RANK", str(info.local_rank))
+            if "MASTER_ADDR" not in env:
+                raise ConfigError(f"{rank_key} is set but MASTER_ADDR is not; export MASTER_ADDR and MASTER_PORT")
+            return info
+    return DistInfo()
+
+
+def init_distributed(device_request: str = "auto", timeout_s: int = 600) -> tuple[DistInfo, torch.device]:
+    """Initialise the default process group if launched with several processes; pick this rank's device."""
+    hardware.apply_env_defaults()
+    info = launch_env()
+    device = hardware.resolve_device(device_request, info.local_rank)
+    if info.is_distributed and not dist.is_initialized():
+        kwargs = {"device_id": device} if hardware.is_gpu(device) else {}
+        dist.init_process_group(hardware.dist_backend(device), timeout=timedelta(seconds=timeout_s), **kwargs)
+    return info, device
+
+
+def shutdown() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def broadcast_object(obj, src: int = 0):
+    """Rank ``src``'s Python object on every rank (identity when single-process)."""
+    if not dist.is_initialized():
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=src)
+    return box[0]
+
+
+def all_reduce_mean(tensor: torch.Tensor) -> torch.Tensor:
+    if dist.is_initialized():
+        tensor = tensor.clone()
+        dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
+        tensor /= dist.get_world_size()
+    return tensor
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Applying parallelism
+
+
+def resolve_strategy(cfg: RunConfig, info: DistInfo) -> str:
+    """'single', 'ddp' or 'fsdp'."""
+    strategy = cfg.parallel.strategy
+    if not info.is_distributed:
+        return "single"  # one process: nothing to shard or replicate
+    return "ddp" if strategy == "auto" else strategy
+
+
+def apply_activation_checkpointing(model: nn.Module) -> None:
+    """Recompute every block in backward (non-reentrant checkpointing; state-dict keys unchanged for DCP)."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+    for name, block in list(model.layers.named_children()):
+        model.layers.register_module(name, checkpoint_wrapper(block, preserve_rng_state=False))
+
+
+def apply_compile(model: nn.Module) -> None:
+    """Compile each block separately: same-shaped blocks share one compiled graph and compile fast."""
+    for block in model.blocks():
+        block.compile(fullgraph=False)
+
+
+def apply_fsdp(model: nn.Module, device: torch.device, mp_dtype: torch.dtype | None, reshard: bool) -> nn.Module:
+    """FSDP2: shard each block, then the root (embeddings, final norm, head). bf16 params with fp32 reduction."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    mesh = init_device_mesh(device.type, (world,), mesh_dim_names=("dp_shard",))
+    mp = MixedPrecisionPolicy(param_dtype=mp_dtype, reduce_dtype=torch.float32) if mp_dtype else MixedPrecisionPolicy()
+    blocks = model.blocks()
+    for i, block in enumerate(blocks):
+        # The last block's params are needed again right away by backward: keeping them saves one all-gather.
+        fully_shard(block, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard and i < len(blocks) - 1)
+    fully_shard(model, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard)
+    return model
+
+
+def parallelize(model: nn.Module, cfg: RunConfig, info: DistInfo, device: torch.device,
+                compute_dtype: torch.dtype) -> tuple[nn.Module, str]:  # fmt: skip
+    """Apply AC -> compile -> DDP/FSDP in place order; returns (the model to call, strategy used)."""
+    strategy = resolve_strategy(cfg, info)
+    if cfg.train.activation_checkpointing == "full":
+        apply_activation_checkpointing(model)
+    if cfg.train.compile:
+        apply_compile(model)
+    if strategy == "fsdp":
+        mp_dtype = compute_dtype if compute_dtype != torch.float32 else None
+        model = apply_fsdp(model, device, mp_dtype, cfg.parallel.reshard_after_forward)
+    elif strategy == "ddp":
+        from torch.nn.parallel import DistributedDataParallel as DDP
+
+        model = DDP(model, device_ids=[device.index] if hardware.is_gpu(device) else None)
+    return model, strategy
+
+
+def unwrap(model: nn.Module) -> nn.Module:
+    """The user's module under a DDP wrapper (FSDP2 modifies the module in place, nothing to unwrap)."""
+    return model.module if hasattr(model, "module") and isinstance(model.module, nn.Module) else model
+
+
+@contextlib.contextmanager
+def gradient_sync(model: nn.Module, strategy: str, sync: bool):
+    """Skip the gradient all-reduce on non-final micro-batches of an accumulation step."""
+    if strategy == "ddp" and not sync:
+        with model.no_sync():
+            yield
+        return
+    if strategy == "fsdp":
+        model.set_requires_gradient_sync(sync)
+    yield

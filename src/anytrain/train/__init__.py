@@ -1,0 +1,1 @@
+"""Training: optimizer and LR schedule, DCP checkpoints, metrics, and the Trainer."""

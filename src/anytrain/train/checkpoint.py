@@ -1,0 +1,118 @@
+"""Sharded, atomic checkpoints with ``torch.distributed.checkpoint`` (DCP).
+
+``run_dir/checkpoints/step_00000100/`` holds DCP's shard files and ``.metadata``; the checkpoint counts only once
+rank 0 has written ``COMMITTED`` into it, after every rank finished writing. Model and optimizer state go through
+``torch.distributed.checkpoint.state_dict`` so the same checkpoint loads under DDP, FSDP or a single process, at
+another world size, and on another device type (tensors are read into the live model's own tensors).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import time
+import warnings
+from pathlib import Path
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.stateful import Stateful
+
+from anytrain.parallel import barrier
+
+COMMIT_MARKER = "COMMITTED"
+PREFIX = "step_"
+
+
+class TrainState(Stateful):
+    """Everything a resume needs: model, optimizer, LR schedule and progress counters (step, tokens seen, RNG)."""
+
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, scheduler, progress: dict) -> None:
+        self.model, self.optimizer, self.scheduler, self.progress = model, optimizer, scheduler, progress
+
+    def state_dict(self) -> dict:
+        model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
+        return {
+            "model": model_sd,
+            "optim": optim_sd,
+            "scheduler": self.scheduler.state_dict(),
+            "progress": dict(self.progress),
+            "rng_cpu": torch.get_rng_state(),
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        set_state_dict(self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+        self.scheduler.load_state_dict(state["scheduler"])
+        self.progress.clear()
+        self.progress.update(state["progress"])
+        torch.set_rng_state(state["rng_cpu"])
+
+
+def step_of(path: Path) -> int:
+    return int(path.name[len(PREFIX) :])
+
+
+def is_committed(path: Path) -> bool:
+    return (path / COMMIT_MARKER).is_file()
+
+
+class Checkpointer:
+    def __init__(self, directory: Path, keep_last: int, is_main: bool, log=print) -> None:
+        self.dir, self.keep_last, self.is_main, self.log = directory, keep_last, is_main, log
+
+    def path_for(self, step: int) -> Path:
+        return self.dir / f"{PREFIX}{step:08d}"
+
+    def all_checkpoints(self) -> list[Path]:
+        if not self.dir.is_dir():
+            return []
+        return sorted((p for p in self.dir.glob(f"{PREFIX}*") if p.is_dir()), key=step_of)
+
+    def committed(self) -> list[Path]:
+        return [p for p in self.all_checkpoints() if is_committed(p)]
+
+    def latest(self) -> Path | None:
+        """Newest committed checkpoint; newer uncommitted (torn) ones are named in a warning and skipped."""
+        newest = None
+        for path in reversed(self.all_checkpoints()):
+            if is_committed(path):
+                newest = path
+                break
+            self.log(f"warning: skipping {path}: no {COMMIT_MARKER} marker (torn or interrupted save)")
+        return newest
+
+    def save(self, step: int, state: TrainState) -> Path:
+        path = self.path_for(step)
+        if self.is_main:
+            if path.exists():  # a torn save of the same step from a crashed attempt
+                shutil.rmtree(path)
+            path.mkdir(parents=True)
+        barrier()
+        started = time.perf_counter()
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
+            dcp.save({"train": state}, checkpoint_id=str(path))
+        barrier()  # every rank's shards are on disk before the marker
+        if self.is_main:
+            marker = {"step": step, "time": time.time(), "seconds": round(time.perf_counter() - started, 3)}
+            (path / COMMIT_MARKER).write_text(json.dumps(marker))
+            self._prune()
+        barrier()
+        return path
+
+    def load(self, path: Path, state: TrainState) -> None:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
+            dcp.load({"train": state}, checkpoint_id=str(path))
+
+    def _prune(self) -> None:
+        """Keep the newest ``keep_last`` committed checkpoints; a failed delete is reported, never fatal."""
+        committed = self.committed()
+        for old in committed[: max(0, len(committed) - self.keep_last)]:
+            try:
+                (old / COMMIT_MARKER).unlink()  # uncommit first: a half-deleted checkpoint is never loaded
+                shutil.rmtree(old)
+            except OSError as exc:
+                self.log(f"warning: could not delete old checkpoint {old}: {exc}")

@@ -1,0 +1,118 @@
+"""Throughput accounting and metric sinks (JSONL, TensorBoard, rich console/progress bar). Rank 0 only.
+
+tokens_per_s counts the tokens of all ranks; MFU = flops_per_token × tokens/s per device / peak FLOP/s of the
+device (dense bf16, from ``hardware``). On CPU there is no honest peak, so ``mfu`` is null ("n/a" on screen).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+import time
+from pathlib import Path
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+
+
+def mfu(flops_per_token: float, tokens_per_s_per_device: float, peak_flops: float | None) -> float | None:
+    """Model FLOPs utilisation in [0, 1], or None without a known peak."""
+    if not peak_flops:
+        return None
+    return flops_per_token * tokens_per_s_per_device / peak_flops
+
+
+class ThroughputMeter:
+    """Tokens/s over the window between two log steps (the caller synchronises the device before ``lap``)."""
+
+    def __init__(self) -> None:
+        self._t0 = time.perf_counter()
+        self._tokens = 0
+
+    def add(self, tokens: int) -> None:
+        self._tokens += tokens
+
+    def lap(self) -> tuple[float, float]:
+        """(tokens/s, seconds) since the previous lap; resets the window."""
+        now = time.perf_counter()
+        seconds = max(now - self._t0, 1e-9)
+        rate = self._tokens / seconds
+        self._t0, self._tokens = now, 0
+        return rate, seconds
+
+    def reset(self) -> None:
+        self._t0, self._tokens = time.perf_counter(), 0
+
+
+def _clean(value):
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)
+    return value
+
+
+class MetricsLogger:
+    def __init__(self, run_dir: Path, enabled: bool, total_steps: int, start_step: int = 0,
+                 tensorboard: bool = True) -> None:  # fmt: skip
+        self.enabled = enabled
+        self.console = Console(stderr=True, soft_wrap=True)
+        self._jsonl = None
+        self._tb = None
+        self._progress = None
+        if not enabled:
+            return
+        self._jsonl = open(run_dir / "metrics.jsonl", "a", buffering=1)  # noqa: SIM115 - closed in close()
+        if tensorboard:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+
+                self._tb = SummaryWriter(log_dir=str(run_dir / "tensorboard"))
+            except ImportError:
+                self.console.print("[yellow]tensorboard not installed: metrics go to metrics.jsonl only "
+                                   "(pip install 'anytrain[tb]')[/]")  # fmt: skip
+        if sys.stderr.isatty():
+            self._progress = Progress(
+                TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[stats]}"),
+                TimeElapsedColumn(), TextColumn("eta"), TimeRemainingColumn(), console=self.console,
+            )  # fmt: skip
+            self._task = self._progress.add_task("train", total=total_steps, completed=start_step, stats="")
+            self._progress.start()
+
+    def print(self, message: str) -> None:
+        if self.enabled:
+            self.console.print(message, highlight=False)
+
+    def log(self, record: dict, kind: str = "train") -> None:
+        """Write one record (must hold 'step') to every sink."""
+        if not self.enabled:
+            return
+        record = {k: _clean(v) for k, v in record.items()}
+        self._jsonl.write(json.dumps({"kind": kind, **record}) + "\n")
+        if self._tb is not None:
+            for key, value in record.items():
+                if key != "step" and isinstance(value, (int, float)) and not isinstance(value, bool):
+                    self._tb.add_scalar(f"{kind}/{key}", value, record["step"])
+        self.console.print(self._format(record, kind), highlight=False)
+
+    def _format(self, r: dict, kind: str) -> str:
+        if kind == "eval":
+            return f"step {r['step']:>6} | val_loss {r['val_loss']:.4f} | val_ppl {r['val_ppl']:.2f}"
+        mfu_text = "n/a" if r.get("mfu") is None else f"{100 * r['mfu']:.1f}%"
+        text = (f"step {r['step']:>6} | loss {r['loss']:.4f} | lr {r['lr']:.2e} | gnorm {r['grad_norm']:.3f} | "
+                f"{r['tokens_per_s']:,.0f} tok/s | mfu {mfu_text} | mem {r['peak_mem_gib']:.2f} GiB")  # fmt: skip
+        if self._progress is not None:
+            stats = f"loss {r['loss']:.3f} {r['tokens_per_s']:,.0f} tok/s mfu {mfu_text}"
+            self._progress.update(self._task, completed=r["step"], stats=stats)
+        return text
+
+    def advance(self, step: int) -> None:
+        if self._progress is not None:
+            self._progress.update(self._task, completed=step)
+
+    def close(self) -> None:
+        if self._progress is not None:
+            self._progress.stop()
+        if self._jsonl is not None:
+            self._jsonl.close()
+        if self._tb is not None:
+            self._tb.close()

@@ -1,0 +1,327 @@
+"""The training loop: one process per device, same code for 1 process, DDP and FSDP, CPU and GPU.
+
+Host/device synchronisation happens only on log and eval steps, and once per step for the finite check
+(``train.check_finite``, which reads the global gradient norm so every rank takes the same decision).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import shutil
+from datetime import datetime
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from anytrain import hardware
+from anytrain.config import RunConfig, plan_batches, save_config, to_dict
+from anytrain.data.loader import BatchSource, SampleIndex
+from anytrain.data.shards import TokenDataset
+from anytrain.errors import ConfigError, RunDirError, TrainingError
+from anytrain.models import build_model, get_spec, resolve_args
+from anytrain.parallel import (
+    DistInfo,
+    all_reduce_mean,
+    broadcast_object,
+    gradient_sync,
+    init_distributed,
+    parallelize,
+    unwrap,
+)
+from anytrain.train.checkpoint import Checkpointer, TrainState
+from anytrain.train.metrics import MetricsLogger, ThroughputMeter, mfu
+from anytrain.train.optim import build_optimizer, build_scheduler
+
+RUN_MARKERS = ("config.yaml", "metrics.jsonl", "checkpoints")
+
+
+def _decide_run_dir(cfg: RunConfig, run_dir: str | None, resume: bool, overwrite: bool) -> Path:
+    """Pick and validate the run directory (rank 0). Never reuses a run dir unless told to."""
+    path = Path(run_dir or cfg.run_dir or f"runs/{cfg.name}-{datetime.now():%Y%m%d-%H%M%S}")
+    if path.exists() and not path.is_dir():
+        raise RunDirError(f"{path}: run dir exists and is a file; choose another --run-dir")
+    if path.is_dir() and any(path.iterdir()):
+        is_run = any((path / m).exists() for m in RUN_MARKERS)
+        if resume:
+            if not is_run:
+                raise RunDirError(f"{path}: --resume given but the directory holds no anytrain run")
+        elif overwrite:
+            if not is_run:
+                raise RunDirError(f"{path}: not an anytrain run dir; refusing to delete it even with --overwrite")
+            shutil.rmtree(path)
+        else:
+            raise RunDirError(
+                f"{path}: run dir already holds a run; pass --resume to continue it, --overwrite to replace it, "
+                "or choose another --run-dir"
+            )
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def compute_dtype(cfg: RunConfig, device: torch.device) -> torch.dtype:
+    if cfg.train.dtype == "fp32":
+        return torch.float32
+    if cfg.train.dtype == "bf16":
+        return torch.bfloat16
+    return torch.bfloat16 if hardware.supports_bf16(device) else torch.float32
+
+
+class Trainer:
+    def __init__(self, cfg: RunConfig, run_dir: str | None = None, resume: bool = False,
+                 overwrite: bool = False) -> None:  # fmt: skip
+        self.cfg = cfg
+        self.info, self.device = init_distributed(cfg.device)
+        self.plan = plan_batches(cfg.train, self.info.world_size)
+        self.model_args = resolve_args(cfg.model)
+        self.dataset = TokenDataset(cfg.data.path)
+        self._check_data_fits_model()
+        self.run_dir = self._setup_run_dir(run_dir, resume, overwrite)
+        self.log = MetricsLogger(self.run_dir, self.info.is_main, cfg.train.steps)
+        self.dtype = compute_dtype(cfg, self.device)
+        self._build_model()
+        self.progress: dict = {"step": 0, "tokens_seen": 0}
+        self.state = TrainState(self.model, self.optimizer, self.scheduler, self.progress)
+        self.checkpointer = Checkpointer(self.run_dir / "checkpoints", cfg.checkpoint.keep_last,
+                                         self.info.is_main, log=self.log.print)  # fmt: skip
+        if resume:
+            self._resume()
+        seq_len = cfg.data.seq_len
+        self.train_source = BatchSource(SampleIndex(self.dataset.split("train"), seq_len, "train"),
+                                        self.plan.global_batch, cfg.train.seed)  # fmt: skip
+        self.val_source = BatchSource(SampleIndex(self.dataset.split("val"), seq_len, "val"),
+                                      self.plan.global_batch, cfg.train.seed, shuffle=False)  # fmt: skip
+        self.tokens_per_step = self.plan.global_batch * seq_len
+        self.flops_per_token = self.raw_model.flops_per_token(seq_len)
+        self.peak_flops = hardware.peak_flops(self.device)
+        self._sample_log = None
+        if cfg.train.log_sample_ids:
+            self._sample_log = open(self.run_dir / f"samples_rank{self.info.rank}.jsonl", "a", buffering=1)  # noqa: SIM115
+
+    # ----------------------------------------------------------------------------------------------------------------
+    # set-up
+
+    def _check_data_fits_model(self) -> None:
+        if self.dataset.vocab_size > self.model_args.vocab_size:
+            raise ConfigError(
+                f"model.args.vocab_size: {self.model_args.vocab_size} is smaller than the tokenizer vocabulary "
+                f"{self.dataset.vocab_size} of {self.dataset.path}; set --model.args.vocab_size "
+                f"{self.dataset.vocab_size} or larger"
+            )
+        if self.cfg.data.seq_len > self.model_args.max_seq_len:
+            raise ConfigError(f"data.seq_len: {self.cfg.data.seq_len} exceeds model.args.max_seq_len "
+                              f"{self.model_args.max_seq_len}")  # fmt: skip
+
+    def _setup_run_dir(self, run_dir: str | None, resume: bool, overwrite: bool) -> Path:
+        result: tuple[str | None, str | None] = (None, None)
+        if self.info.is_main:
+            try:
+                result = (str(_decide_run_dir(self.cfg, run_dir, resume, overwrite)), None)
+            except RunDirError as exc:
+                result = (None, str(exc))
+        path, error = broadcast_object(result)
+        if error:
+            raise RunDirError(error)
+        path = Path(path)
+        if self.info.is_main:
+            config_file = path / "config.yaml"
+            if config_file.exists():  # resuming: keep the previous resolved config next to the new one
+                config_file.rename(path / f"config.{datetime.now():%Y%m%d-%H%M%S}.yaml")
+            save_config(self.cfg, config_file)
+        return path
+
+    def _build_model(self) -> None:
+        spec = get_spec(self.cfg.model.arch)
+        with torch.device("meta"):
+            model = spec.build(self.model_args)
+        model.to_empty(device=self.device)
+        torch.manual_seed(self.cfg.train.seed)  # identical weights on every rank of the same device type
+        model.init_weights()
+        self.raw_model = model
+        self.model, self.strategy = parallelize(model, self.cfg, self.info, self.device, self.dtype)
+        self.optimizer = build_optimizer(self.model, self.cfg.train, self.device)
+        self.scheduler = build_scheduler(self.optimizer, self.cfg.train)
+        # FSDP casts parameters itself (bf16 params, fp32 reduce); otherwise autocast does mixed precision.
+        use_autocast = self.dtype != torch.float32 and self.strategy != "fsdp"
+        self._autocast = (lambda: torch.autocast(self.device.type, dtype=self.dtype)) if use_autocast else (
+            contextlib.nullcontext)  # fmt: skip
+
+    def _resume(self) -> None:
+        latest = self.checkpointer.latest()
+        if latest is None:
+            self.log.print(f"no committed checkpoint in {self.checkpointer.dir}: starting from step 0")
+            return
+        self.checkpointer.load(latest, self.state)
+        self.log.print(f"resumed from {latest} (step {self.progress['step']})")
+
+    # ----------------------------------------------------------------------------------------------------------------
+    # steps
+
+    def forward_backward(self, inputs: torch.Tensor, targets: torch.Tensor, sync: bool) -> torch.Tensor:
+        """One micro-batch: (b, T) ids -> mean token loss / grad_accum, gradients accumulated. Returns the loss."""
+        with gradient_sync(self.model, self.strategy, sync):
+            with self._autocast():
+                logits = self.model(inputs)  # (b, T, V)
+            loss = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten()) / self.plan.grad_accum
+            loss.backward()
+        return loss.detach()
+
+    def train_step(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Optimizer step ``step`` (0-based) on this rank's slice of global batch ``step``."""
+        inputs, targets, ids = self.train_source.rank_batch(step, self.info.rank, self.info.world_size)
+        if self._sample_log is not None:
+            self._sample_log.write(json.dumps({"step": step, "ids": ids.tolist()}) + "\n")
+        gpu = hardware.is_gpu(self.device)
+        inputs = inputs.to(self.device, non_blocking=gpu)
+        targets = targets.to(self.device, non_blocking=gpu)
+        micro = self.plan.micro_batch
+        loss = torch.zeros((), device=self.device)
+        for i in range(self.plan.grad_accum):
+            sl = slice(i * micro, (i + 1) * micro)
+            loss += self.forward_backward(inputs[sl], targets[sl], sync=i == self.plan.grad_accum - 1)
+        grad_norm = self._clip_gradients()
+        if self.cfg.train.check_finite and not bool(torch.isfinite(grad_norm)):
+            self.optimizer.zero_grad(set_to_none=True)
+            raise TrainingError(f"step {step + 1}: non-finite gradient norm ({grad_norm.item()}); stopped before the "
+                                "optimizer step, no checkpoint of this state was written")  # fmt: skip
+        self.optimizer.step()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return loss, grad_norm
+
+    def _clip_gradients(self) -> torch.Tensor:
+        """Global gradient norm (all ranks agree), clipping to train.grad_clip when > 0."""
+        max_norm = self.cfg.train.grad_clip or math.inf
+        norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm, foreach=True)
+        if hasattr(norm, "full_tensor"):  # FSDP2: a DTensor
+            norm = norm.full_tensor()
+        return norm
+
+    @torch.no_grad()
+    def evaluate(self) -> float:
+        """Mean next-token loss over the first ``eval_batches`` global batches of the validation split."""
+        self.model.eval()
+        total = torch.zeros(2, device=self.device, dtype=torch.float64)  # (loss sum, token count)
+        micro = self.plan.micro_batch
+        for batch in range(self.cfg.train.eval_batches):
+            inputs, targets, _ = self.val_source.rank_batch(batch, self.info.rank, self.info.world_size)
+            for i in range(0, inputs.shape[0], micro):
+                x, y = inputs[i : i + micro].to(self.device), targets[i : i + micro].to(self.device)
+                with self._autocast():
+                    logits = self.model(x)
+                total[0] += F.cross_entropy(logits.float().flatten(0, 1), y.flatten(), reduction="sum").double()
+                total[1] += y.numel()
+        self.model.train()
+        total = all_reduce_mean(total)
+        return (total[0] / total[1]).item() if total[1] > 0 else float("nan")
+
+    # ----------------------------------------------------------------------------------------------------------------
+    # loop
+
+    def train(self) -> dict:
+        cfg = self.cfg.train
+        step = self.progress["step"]
+        first_val = self._eval_and_log(step) if step == 0 and cfg.eval_batches else None
+        meter = ThroughputMeter()
+        window_loss = torch.zeros((), device=self.device)
+        window_steps = 0
+        hardware.reset_peak_memory(self.device)
+        last_val = first_val
+        rates: list[float] = []
+        while step < cfg.steps:
+            loss, grad_norm = self.train_step(step)
+            step += 1
+            self.progress["step"] = step
+            self.progress["tokens_seen"] += self.tokens_per_step
+            window_loss += loss
+            window_steps += 1
+            meter.add(self.tokens_per_step)
+            if step % cfg.log_interval == 0 or step == cfg.steps:
+                rates.append(self._log_train(step, window_loss / window_steps, grad_norm, meter))
+                window_loss.zero_()
+                window_steps = 0
+            else:
+                self.log.advance(step)
+            eval_due = cfg.eval_interval and step % cfg.eval_interval == 0
+            if cfg.eval_batches and (eval_due or step == cfg.steps):
+                last_val = self._eval_and_log(step)
+                meter.reset()
+            if self._checkpoint_due(step):
+                self.checkpointer.save(step, self.state)
+                meter.reset()
+        return self._finish(first_val, last_val, rates)
+
+    def _checkpoint_due(self, step: int) -> bool:
+        c = self.cfg.checkpoint
+        return (c.interval and step % c.interval == 0) or (c.save_final and step == self.cfg.train.steps)
+
+    def _log_train(self, step: int, loss: torch.Tensor, grad_norm: torch.Tensor, meter: ThroughputMeter) -> float:
+        loss_value = all_reduce_mean(loss).item()  # host sync: log steps only
+        hardware.synchronize(self.device)
+        tokens_per_s, seconds = meter.lap()
+        per_device = tokens_per_s / self.info.world_size
+        self.log.log({
+            "step": step,
+            "loss": loss_value,
+            "lr": self.scheduler.get_last_lr()[0],
+            "grad_norm": grad_norm.item(),
+            "tokens_seen": self.progress["tokens_seen"],
+            "tokens_per_s": tokens_per_s,
+            "tokens_per_s_per_device": per_device,
+            "mfu": mfu(self.flops_per_token, per_device, self.peak_flops),
+            "peak_mem_gib": hardware.peak_memory_gib(self.device),
+            "window_s": seconds,
+        })  # fmt: skip
+        return tokens_per_s
+
+    def _eval_and_log(self, step: int) -> float:
+        val = self.evaluate()
+        self.log.log({"step": step, "val_loss": val, "val_ppl": math.exp(min(val, 50.0))}, kind="eval")
+        return val
+
+    def _finish(self, first_val: float | None, last_val: float | None, rates: list[float]) -> dict:
+        steady = rates[1:] or rates  # the first window includes warm-up / compilation
+        tokens_per_s = sum(steady) / len(steady) if steady else 0.0
+        per_device = tokens_per_s / self.info.world_size
+        latest = self.checkpointer.latest() if self.info.is_main else None
+        summary = {
+            "run_dir": str(self.run_dir),
+            "steps": self.progress["step"],
+            "tokens_seen": self.progress["tokens_seen"],
+            "first_val_loss": first_val,
+            "final_val_loss": last_val,
+            "tokens_per_s": tokens_per_s,
+            "tokens_per_s_per_device": per_device,
+            "mfu": mfu(self.flops_per_token, per_device, self.peak_flops),
+            "peak_mem_gib": hardware.peak_memory_gib(self.device),
+            "world_size": self.info.world_size,
+            "strategy": self.strategy,
+            "dtype": str(self.dtype).replace("torch.", ""),
+            "params": self.raw_model.num_params(),
+            "params_non_embedding": self.raw_model.num_params(exclude_embedding=True),
+            "flops_per_token": self.flops_per_token,
+            "checkpoint": str(latest) if latest else None,
+            "hardware": hardware.summary(self.device),
+            "config": to_dict(self.cfg),
+        }
+        if self.info.is_main:
+            (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
+        return summary
+
+    def close(self) -> None:
+        self.log.close()
+        if self._sample_log is not None:
+            self._sample_log.close()
+
+
+def run_training(cfg: RunConfig, run_dir: str | None = None, resume: bool = False, overwrite: bool = False) -> dict:
+    trainer = Trainer(cfg, run_dir=run_dir, resume=resume, overwrite=overwrite)
+    try:
+        return trainer.train()
+    finally:
+        trainer.close()
+
+
+__all__ = ["Trainer", "run_training", "DistInfo", "build_model", "unwrap"]

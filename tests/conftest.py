@@ -1,0 +1,57 @@
+"""Shared fixtures: small prepared datasets made from the embedded corpus (no downloads)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+SRC = ROOT / "src"
+
+
+def cli_env(**extra: str) -> dict[str, str]:
+    """Environment for subprocesses that run anytrain from this checkout, on CPU, quietly."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = str(SRC) + os.pathsep + env.get("PYTHONPATH", "")
+    env["CUDA_VISIBLE_DEVICES"] = env.get("ANYTRAIN_TEST_CUDA_VISIBLE_DEVICES", "")
+    env.setdefault("OMP_NUM_THREADS", "1")
+    env.update(extra)
+    return env
+
+
+def run_cli(*args: str, cwd: Path | None = None, timeout: int = 600, **env: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "anytrain", *args], cwd=cwd or ROOT, env=cli_env(**env),
+                          capture_output=True, text=True, timeout=timeout)  # fmt: skip
+
+
+def _corpus_files(n: int) -> list[Path]:
+    from anytrain.data.prepare import embedded_corpus_dir
+
+    return sorted(embedded_corpus_dir().glob("*_gut.txt"))[:n]
+
+
+@pytest.fixture(scope="session")
+def small_data(tmp_path_factory) -> Path:
+    """Six plays, 512-token vocabulary: for the debug model in unit and multi-process tests."""
+    from anytrain.data.prepare import prepare
+
+    raw = tmp_path_factory.mktemp("raw")
+    for file in _corpus_files(6):
+        (raw / file.name).write_text(file.read_text(encoding="utf-8", errors="replace"))
+    out = tmp_path_factory.mktemp("data") / "small"
+    prepare([str(raw)], out, vocab_size=512, val_fraction=0.2)
+    return out
+
+
+@pytest.fixture(scope="session")
+def shakespeare_data(tmp_path_factory) -> Path:
+    """The full embedded corpus with the demo's 8k vocabulary (what configs/tiny.yaml trains on)."""
+    from anytrain.data.prepare import prepare
+
+    out = tmp_path_factory.mktemp("data") / "shakespeare"
+    prepare(["shakespeare"], out, vocab_size=8192)
+    return out

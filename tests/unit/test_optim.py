@@ -1,0 +1,40 @@
+import math
+
+import pytest
+import torch
+
+from anytrain.config import TrainConfig
+from anytrain.train.optim import build_optimizer, lr_factor, param_groups
+
+
+def test_cosine_schedule():
+    cfg = TrainConfig(steps=110, warmup_steps=10, schedule="cosine", min_lr_ratio=0.1)
+    assert lr_factor(0, cfg) == pytest.approx(0.1)
+    assert lr_factor(9, cfg) == pytest.approx(1.0)
+    assert lr_factor(10, cfg) == pytest.approx(1.0)
+    assert lr_factor(109, cfg) == pytest.approx(0.1)
+    mid = lr_factor(10 + 99 // 2, cfg)
+    assert 0.5 < mid < 0.6
+    values = [lr_factor(s, cfg) for s in range(10, 110)]
+    assert all(a >= b for a, b in zip(values, values[1:], strict=False))
+
+
+def test_wsd_schedule():
+    cfg = TrainConfig(steps=100, warmup_steps=10, schedule="wsd", decay_fraction=0.2, min_lr_ratio=0.0)
+    assert lr_factor(50, cfg) == 1.0 and lr_factor(79, cfg) == 1.0
+    assert lr_factor(80, cfg) == pytest.approx(1 - 1 / 20)
+    assert lr_factor(99, cfg) == pytest.approx(0.0)
+
+
+def test_constant_schedule():
+    cfg = TrainConfig(steps=50, warmup_steps=0, schedule="constant")
+    assert {lr_factor(s, cfg) for s in range(50)} == {1.0}
+
+
+def test_weight_decay_groups():
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.LayerNorm(4))
+    decay, no_decay = param_groups(model, 0.1)
+    assert [p.shape for p in decay["params"]] == [(4, 4)]
+    assert len(no_decay["params"]) == 3 and no_decay["weight_decay"] == 0.0
+    opt = build_optimizer(model, TrainConfig(), torch.device("cpu"))
+    assert isinstance(opt, torch.optim.AdamW) and not math.isnan(opt.param_groups[0]["lr"])
