@@ -13,18 +13,20 @@ ROOT = Path(__file__).resolve().parents[1]
 SRC = ROOT / "src"
 
 
-def cli_env(**extra: str) -> dict[str, str]:
-    """Environment for subprocesses that run anytrain from this checkout, on CPU, quietly."""
+def cli_env(gpu: bool = False, **extra: str) -> dict[str, str]:
+    """Environment for subprocesses that run anytrain from this checkout (GPUs hidden unless ``gpu``)."""
     env = dict(os.environ)
     env["PYTHONPATH"] = str(SRC) + os.pathsep + env.get("PYTHONPATH", "")
-    env["CUDA_VISIBLE_DEVICES"] = env.get("ANYTRAIN_TEST_CUDA_VISIBLE_DEVICES", "")
+    if not gpu:
+        env["CUDA_VISIBLE_DEVICES"] = ""
     env.setdefault("OMP_NUM_THREADS", "1")
     env.update(extra)
     return env
 
 
-def run_cli(*args: str, cwd: Path | None = None, timeout: int = 600, **env: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "anytrain", *args], cwd=cwd or ROOT, env=cli_env(**env),
+def run_cli(*args: str, cwd: Path | None = None, timeout: int = 600, gpu: bool = False,
+            **env: str) -> subprocess.CompletedProcess:  # fmt: skip
+    return subprocess.run([sys.executable, "-m", "anytrain", *args], cwd=cwd or ROOT, env=cli_env(gpu, **env),
                           capture_output=True, text=True, timeout=timeout)  # fmt: skip
 
 

@@ -105,6 +105,21 @@ def evaluate(
     typer.echo("sample:\n" + result["sample"])
 
 
+@app.command("export-checkpoint")
+def export_checkpoint(
+    run_dir: str = typer.Argument(..., help="A run directory written by `anytrain train`."),
+    out: str = typer.Option(..., "--out", "-o", help="Output .safetensors file."),
+    checkpoint: str = typer.Option(None, help="A specific checkpoint directory (default: the newest committed)."),
+    dtype: str = typer.Option("fp32", help="Weights dtype in the file: fp32 or bf16."),
+    overwrite: bool = typer.Option(False, help="Replace an existing output file."),
+) -> None:
+    """Consolidate a sharded DCP checkpoint into one safetensors file (plus <out>.json with the model config)."""
+    from anytrain.evals import export_run
+
+    path = export_run(run_dir, out, checkpoint=checkpoint, dtype=dtype, overwrite=overwrite)
+    typer.echo(f"wrote {path} and {path.with_suffix('.json')}")
+
+
 @app.command()
 def info() -> None:
     """Devices, backends, versions and the peak FLOP/s anytrain will use for MFU."""

@@ -63,6 +63,9 @@ class TrainConfig:
     eps: float = 1e-8
     grad_clip: float = 1.0
     """Clip the global gradient norm to this value; 0 disables clipping."""
+    stop_at_step: int = 0
+    """End this invocation (with a checkpoint) once this step is reached, keeping the schedule of ``steps``;
+    0 = run to ``steps``. For time-sliced jobs and moving a run between machines."""
     seed: int = 1234
     """Seeds weight init and the data order; the batch at a step depends only on (seed, step)."""
     dtype: Literal["auto", "bf16", "fp32"] = "auto"
@@ -77,6 +80,8 @@ class TrainConfig:
     """Steps between validation evaluations (also at step 0 and at the end); 0 = only at the end."""
     eval_batches: int = 8
     """Global batches of validation data per evaluation (always the same sequences)."""
+    spike_factor: float = 0.0
+    """Skip the optimizer step when the step loss exceeds this multiple of the running mean loss; 0 = off."""
     check_finite: bool = True
     """Stop before the optimizer step when the loss or gradient norm is not finite (one host sync per step)."""
     log_sample_ids: bool = False
@@ -95,8 +100,14 @@ class ParallelConfig:
 class CheckpointConfig:
     interval: int = 0
     """Save a checkpoint every N steps (and always at the end); 0 = only at the end."""
+    interval_minutes: float = 0.0
+    """Also save when this many minutes passed since the last save (rank 0's clock decides for all); 0 = off."""
     keep_last: int = 2
     """Committed checkpoints to keep; older ones are deleted by rank 0."""
+    auto_resume: bool = False
+    """Resume from the newest committed checkpoint in the run dir if there is one (for requeued jobs)."""
+    async_save: bool = False
+    """Write checkpoints in the background (dcp.async_save), at most one in flight; the final save is synchronous."""
     save_final: bool = True
     """Save a checkpoint at the last step."""
 
@@ -279,6 +290,7 @@ def validate(cfg: RunConfig) -> None:
     t = cfg.train
     _positive(t.steps, "train.steps")
     _positive(t.global_batch, "train.global_batch")
+    _positive(t.stop_at_step, "train.stop_at_step", allow_zero=True)
     _positive(t.micro_batch, "train.micro_batch", allow_zero=True)
     _positive(t.lr, "train.lr")
     _positive(t.warmup_steps, "train.warmup_steps", allow_zero=True)
@@ -286,6 +298,8 @@ def validate(cfg: RunConfig) -> None:
     _positive(t.eval_interval, "train.eval_interval", allow_zero=True)
     _positive(t.eval_batches, "train.eval_batches", allow_zero=True)
     _positive(t.grad_clip, "train.grad_clip", allow_zero=True)
+    _positive(t.spike_factor, "train.spike_factor", allow_zero=True)
+    _positive(cfg.checkpoint.interval_minutes, "checkpoint.interval_minutes", allow_zero=True)
     _positive(t.weight_decay, "train.weight_decay", allow_zero=True)
     if not 0.0 <= t.min_lr_ratio <= 1.0:
         raise ConfigError(f"train.min_lr_ratio: must be in [0, 1], got {t.min_lr_ratio}")

@@ -76,3 +76,28 @@ def evaluate_run(run_dir: str | Path, prompt: str = "ROMEO.\n", max_new_tokens: 
         "val_tokens": tokens,
         "sample": tokenizer.decode(out[0].tolist()),
     }
+
+
+def export_run(run_dir: str | Path, out: str | Path, checkpoint: str | Path | None = None, dtype: str = "fp32",
+               overwrite: bool = False) -> Path:  # fmt: skip
+    """Write the weights of a run's checkpoint as one safetensors file (shared tensors stored once)."""
+    import json
+
+    from safetensors.torch import save_model
+
+    from anytrain.models import args_dict, resolve_args
+
+    out = Path(out)
+    if dtype not in ("fp32", "bf16"):
+        raise RunDirError(f"--dtype: expected fp32 or bf16, got {dtype!r}")
+    if out.exists() and not overwrite:
+        raise RunDirError(f"{out}: exists; pass --overwrite to replace it")
+    cfg, model, path = load_run_model(run_dir, torch.device("cpu"), checkpoint)
+    if dtype == "bf16":
+        model = model.to(torch.bfloat16)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    meta = {"arch": cfg.model.arch, "checkpoint": str(path), "format": "anytrain"}
+    save_model(model, str(out), metadata=meta)
+    info = {**meta, "args": args_dict(resolve_args(cfg.model)), "dtype": dtype}
+    out.with_suffix(".json").write_text(json.dumps(info, indent=1))
+    return out

@@ -30,8 +30,8 @@ class ModelSpec:
 TRANSFORMER_FLAVOURS: dict[str, dict[str, Any]] = {
     # For unit and multi-process tests: builds and steps in milliseconds.
     "debug": dict(vocab_size=512, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, max_seq_len=256),
-    # The CPU demo model (~9M parameters with an 8k vocabulary).
-    "tiny": dict(vocab_size=8192, dim=256, n_layers=6, n_heads=8, n_kv_heads=4, ffn_dim=768, max_seq_len=512),
+    # The CPU demo model (~7M parameters with an 8k vocabulary).
+    "tiny": dict(vocab_size=8192, dim=256, n_layers=4, n_heads=8, n_kv_heads=4, ffn_dim=768, max_seq_len=512),
     "125m": dict(vocab_size=32000, dim=768, n_layers=12, n_heads=12, ffn_dim=2048, max_seq_len=4096),
     "350m": dict(vocab_size=32000, dim=1024, n_layers=24, n_heads=16, ffn_dim=2816, max_seq_len=4096),
     # TinyLlama-1.1B shape: the reference shape of the throughput benchmarks.

@@ -112,8 +112,11 @@ def apply_activation_checkpointing(model: nn.Module) -> None:
     """Recompute every block in backward (non-reentrant checkpointing; state-dict keys unchanged for DCP)."""
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 
-    for name, block in list(model.layers.named_children()):
-        model.layers.register_module(name, checkpoint_wrapper(block, preserve_rng_state=False))
+    blocks = {id(b) for b in model.blocks()}
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if id(child) in blocks:
+                parent.register_module(name, checkpoint_wrapper(child, preserve_rng_state=False))
 
 
 def apply_compile(model: nn.Module) -> None:

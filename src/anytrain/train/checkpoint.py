@@ -61,6 +61,8 @@ def is_committed(path: Path) -> bool:
 class Checkpointer:
     def __init__(self, directory: Path, keep_last: int, is_main: bool, log=print) -> None:
         self.dir, self.keep_last, self.is_main, self.log = directory, keep_last, is_main, log
+        self._pending = None
+        self._gloo = None
 
     def path_for(self, step: int) -> Path:
         return self.dir / f"{PREFIX}{step:08d}"
@@ -83,7 +85,13 @@ class Checkpointer:
             self.log(f"warning: skipping {path}: no {COMMIT_MARKER} marker (torn or interrupted save)")
         return newest
 
-    def save(self, step: int, state: TrainState) -> Path:
+    def has(self, step: int) -> bool:
+        return is_committed(self.path_for(step))
+
+    def save(self, step: int, state: TrainState, asynchronous: bool = False) -> Path:
+        """Write ``state`` as step ``step``; with ``asynchronous``, return once the state is staged in host memory
+        and commit in the background (at most one save in flight: a new save first waits for the previous one)."""
+        self.wait()
         path = self.path_for(step)
         if self.is_main:
             if path.exists():  # a torn save of the same step from a crashed attempt
@@ -93,14 +101,47 @@ class Checkpointer:
         started = time.perf_counter()
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
+            if asynchronous:
+                # DCP's background thread runs its own collectives: give it a gloo group, not the training NCCL one.
+                future = dcp.async_save({"train": state}, checkpoint_id=str(path), process_group=self._async_group())
+                self._pending = (future, path, step, started)
+                return path
             dcp.save({"train": state}, checkpoint_id=str(path))
         barrier()  # every rank's shards are on disk before the marker
+        self._commit(path, step, started)
+        barrier()
+        return path
+
+    def _async_group(self):
+        import torch.distributed as dist
+
+        if not dist.is_initialized():
+            return None
+        if self._gloo is None:
+            self._gloo = dist.new_group(backend="gloo")
+        return self._gloo
+
+    def wait(self) -> None:
+        """Finish the save in flight (if any) and commit it."""
+        if self._pending is not None:
+            self._pending[0].result()
+            self.poll()
+
+    def poll(self) -> None:
+        """Commit a finished background save. No collective: DCP's coordinator (rank 0) completes its future only
+        after gathering every rank's write results and writing the metadata, so rank 0 alone may commit."""
+        if self._pending is None or not self._pending[0].done():
+            return
+        future, path, step, started = self._pending
+        self._pending = None
+        future.result()  # re-raises a failed write
+        self._commit(path, step, started)
+
+    def _commit(self, path: Path, step: int, started: float) -> None:
         if self.is_main:
             marker = {"step": step, "time": time.time(), "seconds": round(time.perf_counter() - started, 3)}
             (path / COMMIT_MARKER).write_text(json.dumps(marker))
             self._prune()
-        barrier()
-        return path
 
     def load(self, path: Path, state: TrainState) -> None:
         with warnings.catch_warnings():

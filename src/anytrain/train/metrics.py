@@ -97,6 +97,8 @@ class MetricsLogger:
     def _format(self, r: dict, kind: str) -> str:
         if kind == "eval":
             return f"step {r['step']:>6} | val_loss {r['val_loss']:.4f} | val_ppl {r['val_ppl']:.2f}"
+        if kind != "train":
+            return f"step {r['step']:>6} | {kind}: " + ", ".join(f"{k}={v}" for k, v in r.items() if k != "step")
         mfu_text = "n/a" if r.get("mfu") is None else f"{100 * r['mfu']:.1f}%"
         text = (f"step {r['step']:>6} | loss {r['loss']:.4f} | lr {r['lr']:.2e} | gnorm {r['grad_norm']:.3f} | "
                 f"{r['tokens_per_s']:,.0f} tok/s | mfu {mfu_text} | mem {r['peak_mem_gib']:.2f} GiB")  # fmt: skip

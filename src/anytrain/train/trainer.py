@@ -32,6 +32,7 @@ from anytrain.parallel import (
     unwrap,
 )
 from anytrain.train.checkpoint import Checkpointer, TrainState
+from anytrain.train.guard import Preempted, StepGuard, StepStatus
 from anytrain.train.metrics import MetricsLogger, ThroughputMeter, mfu
 from anytrain.train.optim import build_optimizer, build_scheduler
 
@@ -78,7 +79,7 @@ class Trainer:
         self.model_args = resolve_args(cfg.model)
         self.dataset = TokenDataset(cfg.data.path)
         self._check_data_fits_model()
-        self.run_dir = self._setup_run_dir(run_dir, resume, overwrite)
+        self.run_dir = self._setup_run_dir(run_dir, resume or cfg.checkpoint.auto_resume, overwrite)
         self.log = MetricsLogger(self.run_dir, self.info.is_main, cfg.train.steps)
         self.dtype = compute_dtype(cfg, self.device)
         self._build_model()
@@ -86,7 +87,7 @@ class Trainer:
         self.state = TrainState(self.model, self.optimizer, self.scheduler, self.progress)
         self.checkpointer = Checkpointer(self.run_dir / "checkpoints", cfg.checkpoint.keep_last,
                                          self.info.is_main, log=self.log.print)  # fmt: skip
-        if resume:
+        if resume or cfg.checkpoint.auto_resume:
             self._resume()
         seq_len = cfg.data.seq_len
         self.train_source = BatchSource(SampleIndex(self.dataset.split("train"), seq_len, "train"),
@@ -96,12 +97,20 @@ class Trainer:
         self.tokens_per_step = self.plan.global_batch * seq_len
         self.flops_per_token = self.raw_model.flops_per_token(seq_len)
         self.peak_flops = hardware.peak_flops(self.device)
-        self._sample_log = None
-        if cfg.train.log_sample_ids:
-            self._sample_log = open(self.run_dir / f"samples_rank{self.info.rank}.jsonl", "a", buffering=1)  # noqa: SIM115
+        self.guard = StepGuard(cfg, self.device, self.info.is_main, self.info.world_size)
+        self._sample_log = self._open_sample_log() if cfg.train.log_sample_ids else None
 
     # ----------------------------------------------------------------------------------------------------------------
     # set-up
+
+    def _open_sample_log(self):
+        """Per-rank log of consumed sample ids; on resume, entries past the checkpoint's step are dropped so the log
+        is exactly the samples that trained the weights."""
+        path = self.run_dir / f"samples_rank{self.info.rank}.jsonl"
+        if path.exists():
+            kept = [line for line in path.read_text().splitlines() if json.loads(line)["step"] < self.progress["step"]]
+            path.write_text("".join(line + "\n" for line in kept))
+        return open(path, "a", buffering=1)  # noqa: SIM115 - closed in close()
 
     def _check_data_fits_model(self) -> None:
         if self.dataset.vocab_size > self.model_args.vocab_size:
@@ -155,21 +164,28 @@ class Trainer:
             return
         self.checkpointer.load(latest, self.state)
         self.log.print(f"resumed from {latest} (step {self.progress['step']})")
+        self.log.log({"step": self.progress["step"], "checkpoint": str(latest)}, kind="resume")
 
     # ----------------------------------------------------------------------------------------------------------------
     # steps
 
-    def forward_backward(self, inputs: torch.Tensor, targets: torch.Tensor, sync: bool) -> torch.Tensor:
+    def forward_backward(self, inputs: torch.Tensor, targets: torch.Tensor, sync: bool, step: int = 0) -> torch.Tensor:
         """One micro-batch: (b, T) ids -> mean token loss / grad_accum, gradients accumulated. Returns the loss."""
         with gradient_sync(self.model, self.strategy, sync):
             with self._autocast():
                 logits = self.model(inputs)  # (b, T, V)
             loss = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten()) / self.plan.grad_accum
+            loss = self.guard.poison(step, self.info.rank, loss)
             loss.backward()
         return loss.detach()
 
-    def train_step(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Optimizer step ``step`` (0-based) on this rank's slice of global batch ``step``."""
+    def train_step(self, step: int) -> tuple[torch.Tensor, torch.Tensor, StepStatus]:
+        """Optimizer step ``step`` (0-based) on this rank's slice of global batch ``step``.
+
+        The optimizer step is skipped (and the caller stops) when the agreed status says the gradients are not
+        finite; it is skipped and counted when the spike guard fires.
+        """
+        self.guard.maybe_kill(step, self.info.rank)
         inputs, targets, ids = self.train_source.rank_batch(step, self.info.rank, self.info.world_size)
         if self._sample_log is not None:
             self._sample_log.write(json.dumps({"step": step, "ids": ids.tolist()}) + "\n")
@@ -180,16 +196,15 @@ class Trainer:
         loss = torch.zeros((), device=self.device)
         for i in range(self.plan.grad_accum):
             sl = slice(i * micro, (i + 1) * micro)
-            loss += self.forward_backward(inputs[sl], targets[sl], sync=i == self.plan.grad_accum - 1)
+            loss += self.forward_backward(inputs[sl], targets[sl], sync=i == self.plan.grad_accum - 1, step=step)
         grad_norm = self._clip_gradients()
-        if self.cfg.train.check_finite and not bool(torch.isfinite(grad_norm)):
-            self.optimizer.zero_grad(set_to_none=True)
-            raise TrainingError(f"step {step + 1}: non-finite gradient norm ({grad_norm.item()}); stopped before the "
-                                "optimizer step, no checkpoint of this state was written")  # fmt: skip
-        self.optimizer.step()
-        self.scheduler.step()
+        status = self.guard.check(step, loss, grad_norm)
+        if not (status.nonfinite or status.skip):
+            self.optimizer.step()
+        if not status.nonfinite:
+            self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
-        return loss, grad_norm
+        return loss, grad_norm, status
 
     def _clip_gradients(self) -> torch.Tensor:
         """Global gradient norm (all ranks agree), clipping to train.grad_clip when > 0."""
@@ -230,32 +245,62 @@ class Trainer:
         hardware.reset_peak_memory(self.device)
         last_val = first_val
         rates: list[float] = []
-        while step < cfg.steps:
-            loss, grad_norm = self.train_step(step)
-            step += 1
-            self.progress["step"] = step
-            self.progress["tokens_seen"] += self.tokens_per_step
-            window_loss += loss
-            window_steps += 1
-            meter.add(self.tokens_per_step)
-            if step % cfg.log_interval == 0 or step == cfg.steps:
-                rates.append(self._log_train(step, window_loss / window_steps, grad_norm, meter))
-                window_loss.zero_()
-                window_steps = 0
-            else:
-                self.log.advance(step)
-            eval_due = cfg.eval_interval and step % cfg.eval_interval == 0
-            if cfg.eval_batches and (eval_due or step == cfg.steps):
-                last_val = self._eval_and_log(step)
-                meter.reset()
-            if self._checkpoint_due(step):
-                self.checkpointer.save(step, self.state)
-                meter.reset()
+        end = min(cfg.steps, cfg.stop_at_step or cfg.steps)
+        self._end_step = end
+        self.guard.install()
+        try:
+            while step < end:
+                loss, grad_norm, status = self.train_step(step)
+                self.checkpointer.poll()
+                if status.nonfinite:
+                    self._stop_nonfinite(step, grad_norm)
+                step += 1
+                self.progress["step"] = step
+                self.progress["tokens_seen"] += self.tokens_per_step
+                window_loss += loss
+                window_steps += 1
+                meter.add(self.tokens_per_step)
+                if step % cfg.log_interval == 0 or step == end:
+                    rates.append(self._log_train(step, window_loss / window_steps, grad_norm, meter))
+                    window_loss.zero_()
+                    window_steps = 0
+                else:
+                    self.log.advance(step)
+                eval_due = cfg.eval_interval and step % cfg.eval_interval == 0
+                if cfg.eval_batches and (eval_due or step == end) and not status.stop:
+                    last_val = self._eval_and_log(step)
+                    meter.reset()
+                if self._checkpoint_due(step) or status.checkpoint_due or status.stop:
+                    self._save(step, final=step == end or status.stop)
+                    meter.reset()
+                if status.stop:
+                    self._stop_preempted(step)
+        finally:
+            self.guard.uninstall()
+            self.checkpointer.wait()
         return self._finish(first_val, last_val, rates)
+
+    def _save(self, step: int, final: bool = False) -> None:
+        self.checkpointer.save(step, self.state, asynchronous=self.cfg.checkpoint.async_save and not final)
+        self.guard.saved()
+
+    def _stop_nonfinite(self, step: int, grad_norm: torch.Tensor) -> None:
+        """Every rank got the same verdict: keep the last good state (weights after the previous step), then stop."""
+        saved = ""
+        if step > 0 and not self.checkpointer.has(step):
+            self._save(step, final=True)
+            saved = f"; the state before it is saved as {self.checkpointer.path_for(step)}"
+        raise TrainingError(f"step {step + 1}: non-finite loss or gradient norm ({grad_norm.item()}) on at least one "
+                            f"rank; stopped before the optimizer step{saved}")  # fmt: skip
+
+    def _stop_preempted(self, step: int) -> None:
+        code = self.guard.exit_code()
+        raise Preempted(f"stopped by signal at step {step} (exit {code}); checkpoint "
+                        f"{self.checkpointer.path_for(step)} saved: continue with --resume", code)  # fmt: skip
 
     def _checkpoint_due(self, step: int) -> bool:
         c = self.cfg.checkpoint
-        return (c.interval and step % c.interval == 0) or (c.save_final and step == self.cfg.train.steps)
+        return bool(c.interval and step % c.interval == 0) or (c.save_final and step == self._end_step)
 
     def _log_train(self, step: int, loss: torch.Tensor, grad_norm: torch.Tensor, meter: ThroughputMeter) -> float:
         loss_value = all_reduce_mean(loss).item()  # host sync: log steps only

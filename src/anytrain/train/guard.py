@@ -1,0 +1,126 @@
+"""Per-step decisions every rank must take together: non-finite stop, preemption, timed checkpoint, spike skip.
+
+One small all-reduce per step carries every rank's flags, so a NaN on one rank, a SIGTERM delivered to one rank, or
+rank 0's wall clock saying "checkpoint now" reach every rank at the same step. That is also the step's one host
+sync (``.tolist()``); it is skipped entirely for a single process with the finite check and spike guard off.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from anytrain.config import RunConfig
+from anytrain.errors import AnytrainError
+
+EXIT_CODES = {signal.SIGTERM: 143, signal.SIGINT: 130}
+
+
+class Preempted(AnytrainError):
+    """Training stopped on SIGTERM/SIGINT after saving a checkpoint; exit 143 / 130 like a killed process."""
+
+    def __init__(self, message: str, exit_code: int) -> None:
+        super().__init__(message)
+        self.exit_code = exit_code
+
+
+@dataclass
+class StepStatus:
+    nonfinite: bool = False
+    stop: bool = False
+    checkpoint_due: bool = False
+    skip: bool = False
+    loss: float | None = None  # global mean loss of the step, when it was synchronised
+
+
+class StepGuard:
+    def __init__(self, cfg: RunConfig, device: torch.device, is_main: bool, world_size: int) -> None:
+        self.cfg, self.device, self.is_main, self.world_size = cfg, device, is_main, world_size
+        self.signal: int | None = None
+        self._previous: dict[int, object] = {}
+        self._last_save = time.monotonic()
+        self._loss_mean: float | None = None
+        self._loss_count = 0
+        self.skipped_steps = 0
+        self.test_nan_step = int(os.environ.get("ANYTRAIN_TEST_NAN_AT_STEP", "0"))  # test hook: poison a step
+        self.test_nan_rank = int(os.environ.get("ANYTRAIN_TEST_NAN_RANK", "0"))
+        self.test_kill_step = int(os.environ.get("ANYTRAIN_TEST_KILL_AT_STEP", "0"))  # test hook: SIGKILL a rank
+        self.test_kill_rank = int(os.environ.get("ANYTRAIN_TEST_KILL_RANK", "0"))
+
+    # signals ---------------------------------------------------------------------------------------------------------
+
+    def install(self) -> None:
+        """Catch SIGTERM / SIGINT: the loop finishes the current step, checkpoints, and exits 143 / 130."""
+        for sig in EXIT_CODES:
+            try:
+                self._previous[sig] = signal.signal(sig, self._on_signal)
+            except ValueError:  # not the main thread (e.g. embedded use): leave default handling
+                pass
+
+    def uninstall(self) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+        self._previous.clear()
+
+    def _on_signal(self, signum, frame) -> None:  # noqa: ARG002
+        if self.signal is not None and signum == signal.SIGINT:  # a second Ctrl-C: stop now
+            raise KeyboardInterrupt
+        self.signal = signum
+
+    def exit_code(self) -> int:
+        return EXIT_CODES.get(self.signal, 143)
+
+    # timed checkpoints ----------------------------------------------------------------------------------------------
+
+    def _time_due(self) -> bool:
+        minutes = self.cfg.checkpoint.interval_minutes
+        return bool(self.is_main and minutes and time.monotonic() - self._last_save >= 60 * minutes)
+
+    def saved(self) -> None:
+        self._last_save = time.monotonic()
+
+    # the per-step agreement -----------------------------------------------------------------------------------------
+
+    def check(self, step: int, loss: torch.Tensor, grad_norm: torch.Tensor) -> StepStatus:
+        """Flags for step ``step`` (0-based), agreed by all ranks. ``loss`` is this rank's step loss (device)."""
+        train = self.cfg.train
+        host = [float(self.signal is not None), float(self._time_due())]
+        if not (train.check_finite or train.spike_factor or self.world_size > 1):
+            return StepStatus(stop=host[0] > 0, checkpoint_due=host[1] > 0)
+        nonfinite = (~torch.isfinite(grad_norm)).float().reshape(1) if train.check_finite else grad_norm.new_zeros(1)
+        vec = torch.cat([nonfinite.float(), torch.tensor(host, device=self.device), loss.detach().float().reshape(1)])
+        if self.world_size > 1:
+            dist.all_reduce(vec)
+        nonfinite_count, stop_count, due_count, loss_sum = vec.tolist()
+        status = StepStatus(nonfinite_count > 0, stop_count > 0, due_count > 0, loss=loss_sum / self.world_size)
+        status.skip = not status.nonfinite and self._is_spike(status.loss)
+        return status
+
+    def _is_spike(self, loss: float) -> bool:
+        """Loss above spike_factor × the running mean of accepted losses (after 10 accepted steps)."""
+        factor = self.cfg.train.spike_factor
+        if factor and self._loss_count >= 10 and loss > factor * self._loss_mean:
+            self.skipped_steps += 1
+            return True
+        self._loss_count += 1
+        beta = 0.9 if self._loss_count > 10 else 1.0 - 1.0 / self._loss_count
+        self._loss_mean = loss if self._loss_mean is None else beta * self._loss_mean + (1 - beta) * loss
+        return False
+
+    # test hooks -----------------------------------------------------------------------------------------------------
+
+    def poison(self, step: int, rank: int, loss: torch.Tensor) -> torch.Tensor:
+        """Test hook: make this rank's loss NaN at 1-based step ANYTRAIN_TEST_NAN_AT_STEP."""
+        if self.test_nan_step and step + 1 == self.test_nan_step and rank == self.test_nan_rank:
+            return loss * float("nan")
+        return loss
+
+    def maybe_kill(self, step: int, rank: int) -> None:
+        """Test hook: SIGKILL this rank when 1-based step ANYTRAIN_TEST_KILL_AT_STEP starts (a hard crash)."""
+        if self.test_kill_step and step + 1 == self.test_kill_step and rank == self.test_kill_rank:
+            os.kill(os.getpid(), signal.SIGKILL)

@@ -1,0 +1,227 @@
+"""Checkpoints that lose nothing, with real processes on gloo: hard crash, resharding, torn writes, SIGTERM, NaN."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+from tests.conftest import ROOT, cli_env
+
+
+def write_config(tmp: Path, data: Path, steps: int, interval: int, **train: object) -> Path:
+    extra = "".join(f"  {k}: {json.dumps(v)}\n" for k, v in train.items())
+    cfg = tmp / f"ft-{steps}-{interval}.yaml"
+    cfg.write_text(f"""
+model: {{arch: transformer, flavour: debug}}
+data: {{path: {data}, seq_len: 32}}
+train:
+  steps: {steps}
+  global_batch: 8
+  micro_batch: 2
+  lr: 3.0e-3
+  warmup_steps: 3
+  dtype: fp32
+  log_interval: 1
+  eval_interval: 0
+  eval_batches: 0
+  log_sample_ids: true
+{extra}checkpoint: {{interval: {interval}, keep_last: 3}}
+device: cpu
+""")
+    return cfg
+
+
+def command(nproc: int) -> list[str]:
+    if nproc == 1:
+        return [sys.executable, "-m", "anytrain"]
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", "-m", "anytrain"]
+
+
+def train(config: Path, run_dir: Path, nproc: int = 2, *extra: str, expect_ok: bool = True, **env: str):
+    proc = subprocess.run([*command(nproc), "train", str(config), "--run-dir", str(run_dir), *extra], cwd=ROOT,
+                          env=cli_env(**env), capture_output=True, text=True, timeout=300)  # fmt: skip
+    if expect_ok:
+        assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc
+
+
+def step_losses(run_dir: Path) -> dict[int, float]:
+    """Loss per step; a step logged twice (before a crash and after the resume) keeps its last value."""
+    out = {}
+    for line in (run_dir / "metrics.jsonl").read_text().splitlines():
+        record = json.loads(line)
+        if record["kind"] == "train":
+            out[record["step"]] = record["loss"]
+    return out
+
+
+def consumed(run_dir: Path, world: int) -> list[int]:
+    """Global sample ids in training order, from the per-rank logs."""
+    per_rank = []
+    for rank in range(world):
+        rows = [json.loads(x) for x in (run_dir / f"samples_rank{rank}.jsonl").read_text().splitlines()]
+        per_rank.append({row["step"]: row["ids"] for row in rows})
+    steps = sorted(per_rank[0])
+    assert all(sorted(p) == steps for p in per_rank)
+    return [i for s in steps for rank in range(world) for i in per_rank[rank][s]]
+
+
+def weights(checkpoint: Path, tmp: Path) -> dict[str, torch.Tensor]:
+    out = tmp / f"{checkpoint.parent.parent.name}-{checkpoint.name}.pt"
+    dcp_to_torch_save(checkpoint, out)
+    return torch.load(out, weights_only=False)["train"]["model"]
+
+
+def assert_same_weights(a: dict, b: dict, atol: float = 0.0) -> None:
+    assert a.keys() == b.keys()
+    for key in a:
+        if atol == 0.0:
+            assert torch.equal(a[key], b[key]), key
+        else:
+            torch.testing.assert_close(a[key], b[key], rtol=0, atol=atol)
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory, small_data):
+    """An uninterrupted 2-process DDP run of 40 steps, checkpointing every 5."""
+    tmp = tmp_path_factory.mktemp("ft")
+    config = write_config(tmp, small_data, steps=40, interval=5)
+    train(config, tmp / "reference")
+    return tmp, config
+
+
+def test_kill_9_of_one_rank_then_resume_is_exact(reference):
+    tmp, config = reference
+    run = tmp / "crashed"
+    proc = train(config, run, 2, expect_ok=False, ANYTRAIN_TEST_KILL_AT_STEP="17", ANYTRAIN_TEST_KILL_RANK="1")
+    assert proc.returncode != 0
+    assert max(step_losses(run)) == 16  # steps 1..16 ran, then rank 1 died hard
+    proc = train(config, run, 2, "--resume")
+    assert "resumed from" in proc.stderr and "step_00000015" in proc.stderr
+    ref, resumed = step_losses(tmp / "reference"), step_losses(run)
+    assert sorted(resumed) == list(range(1, 41))
+    for step in range(16, 41):
+        assert resumed[step] == ref[step], step  # bitwise, CPU fp32
+    assert_same_weights(weights(run / "checkpoints/step_00000040", tmp),
+                        weights(tmp / "reference/checkpoints/step_00000040", tmp))  # fmt: skip
+    ids, ref_ids = consumed(run, 2), consumed(tmp / "reference", 2)
+    assert ids == ref_ids and len(ids) == 40 * 8  # every global sample once, in order: 0 duplicates, 0 skips
+
+
+def test_reshard_fsdp2_to_world_1_and_4_and_ddp(tmp_path, small_data):
+    config = write_config(tmp_path, small_data, steps=20, interval=10, log_sample_ids=False)
+    ref = tmp_path / "fsdp2"
+    train(config, ref, 2, "--parallel.strategy", "fsdp", "--checkpoint.async_save", "true")
+    assert (ref / "checkpoints/step_00000010/COMMITTED").is_file()
+    ref_losses = step_losses(ref)
+    for name, nproc, strategy in (("world1", 1, "fsdp"), ("world4", 4, "fsdp"), ("ddp2", 2, "ddp")):
+        run = tmp_path / name
+        shutil.copytree(ref, run)
+        shutil.rmtree(run / "checkpoints/step_00000020")
+        proc = train(config, run, nproc, "--resume", "--parallel.strategy", strategy)
+        assert "step_00000010" in proc.stderr
+        losses = step_losses(run)
+        for step in range(11, 21):
+            assert abs(losses[step] - ref_losses[step]) <= 1e-6, (name, step, losses[step], ref_losses[step])
+
+
+def test_torn_checkpoint_is_skipped_with_a_warning(tmp_path, small_data):
+    config = write_config(tmp_path, small_data, steps=12, interval=5, log_sample_ids=False)
+    run = tmp_path / "torn"
+    train(config, run, 1, "--train.stop_at_step", "10")
+    (run / "checkpoints/step_00000010/COMMITTED").unlink()
+    proc = train(config, run, 1, "--resume")
+    assert "skipping" in proc.stderr and "step_00000010" in proc.stderr
+    assert "resumed from" in proc.stderr and "step_00000005 (step 5)" in proc.stderr
+    resume_records = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in resume_records if r["kind"] == "resume"] == [5]
+
+
+def _wait_for_step(run_dir: Path, step: int, proc: subprocess.Popen, timeout: float = 120) -> None:
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        assert proc.poll() is None, proc.stderr.read()[-3000:]
+        if (run_dir / "metrics.jsonl").exists() and max(step_losses(run_dir) or {0: 0}) >= step:
+            return
+        time.sleep(0.05)
+    raise AssertionError("training did not reach the step in time")
+
+
+def _worker_pid(parent: int, rank: int) -> int:
+    for child in subprocess.run(["pgrep", "-P", str(parent)], capture_output=True, text=True).stdout.split():
+        environ = Path(f"/proc/{child}/environ").read_bytes().split(b"\0")
+        if f"RANK={rank}".encode() in environ:
+            return int(child)
+    raise AssertionError("worker not found")
+
+
+@pytest.mark.parametrize("nproc", [1, 2])
+def test_sigterm_saves_the_current_step_and_resume_is_exact(tmp_path, small_data, nproc):
+    # many slow-ish steps so the signal lands mid-run; the schedule is fixed by train.steps
+    config = write_config(tmp_path, small_data, steps=100_000, interval=0, log_sample_ids=False)
+    run = tmp_path / "preempted"
+    proc = subprocess.Popen([*command(nproc), "train", str(config), "--run-dir", str(run)], cwd=ROOT,
+                            env=cli_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
+    _wait_for_step(run, random.randint(3, 12), proc)
+    target = proc.pid if nproc == 1 else _worker_pid(proc.pid, 1)  # any rank: here the non-coordinator
+    os.kill(target, signal.SIGTERM)
+    _, err = proc.communicate(timeout=120)
+    if nproc == 1:
+        assert proc.returncode == 143, err[-2000:]
+    else:
+        assert proc.returncode != 0 and "exit 143" in err
+    committed = [p for p in (run / "checkpoints").iterdir() if (p / "COMMITTED").is_file()]
+    assert len(committed) == 1
+    step = int(committed[0].name.split("_")[1])
+    assert step == max(step_losses(run))  # the checkpoint is the last step that ran: 0 steps lost
+    train(config, run, nproc, "--resume", "--train.stop_at_step", str(step + 3))
+    ref = tmp_path / "uninterrupted"
+    train(config, ref, nproc, "--train.stop_at_step", str(step + 3))
+    resumed, expected = step_losses(run), step_losses(ref)
+    for s in range(1, step + 4):
+        assert resumed[s] == expected[s], s
+
+
+def test_nan_on_one_rank_stops_every_rank_before_the_update(reference):
+    tmp, config = reference
+    run = tmp / "nan"
+    proc = train(config, run, 2, expect_ok=False, ANYTRAIN_TEST_NAN_AT_STEP="7", ANYTRAIN_TEST_NAN_RANK="1")
+    assert proc.returncode != 0
+    assert proc.stderr.count("step 7: non-finite loss or gradient norm") == 2  # both ranks stop, same verdict
+    assert max(step_losses(run)) == 6
+    saved = sorted(p.name for p in (run / "checkpoints").iterdir() if (p / "COMMITTED").is_file())
+    assert saved == ["step_00000005", "step_00000006"]  # no checkpoint of a NaN state
+    ref_weights = tmp / "ref-step6"
+    train(config, ref_weights, 2, "--train.stop_at_step", "6")
+    assert_same_weights(weights(run / "checkpoints/step_00000006", tmp),
+                        weights(ref_weights / "checkpoints/step_00000006", tmp))  # fmt: skip
+    for tensor in weights(run / "checkpoints/step_00000006", tmp).values():
+        assert torch.isfinite(tensor).all()
+
+
+def test_retention_keeps_exactly_keep_last(tmp_path, small_data):
+    config = write_config(tmp_path, small_data, steps=10, interval=1, log_sample_ids=False)
+    run = tmp_path / "retention"
+    train(config, run, 1)
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == [
+        "step_00000008", "step_00000009", "step_00000010"]  # fmt: skip
+
+
+def test_auto_resume_continues_a_requeued_run(tmp_path, small_data):
+    config = write_config(tmp_path, small_data, steps=8, interval=4, log_sample_ids=False)
+    run = tmp_path / "requeued"
+    train(config, run, 1, "--train.stop_at_step", "4")
+    proc = train(config, run, 1, "--checkpoint.auto_resume", "true")
+    assert "resumed from" in proc.stderr
+    assert sorted(step_losses(run)) == list(range(1, 9))

@@ -1,0 +1,23 @@
+"""Training on a real GPU (run on a lent machine: pytest -m gpu tests/gpu)."""
+
+import json
+
+import pytest
+import torch
+
+from tests.conftest import run_cli
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA/ROCm GPU")]
+
+
+def test_bf16_training_on_gpu(tmp_path, small_data):
+    run_dir = tmp_path / "gpu"
+    proc = run_cli("train", "configs/tiny.yaml", "--model.flavour", "debug", "--data.path", str(small_data),
+                   "--data.seq_len", "64", "--train.steps", "30", "--train.log_interval", "10", "--run-dir",
+                   str(run_dir), "--device", "gpu", gpu=True)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["dtype"] == "bfloat16" and summary["hardware"]["vendor"] in ("cuda", "rocm")
+    assert summary["mfu"] is not None and 0 < summary["mfu"] < 1
+    assert summary["final_val_loss"] < summary["first_val_loss"]
+    assert summary["peak_mem_gib"] > 0
