@@ -1,0 +1,254 @@
+"""Benchmark the Triton Mamba kernels on one GPU against their memory floor and eager baselines.
+
+Shape (mamba-2.8b-like): batch 2, seqlen 4096, dim 5376, dstate 16; bf16 u/delta/z/B/C, fp32 A/D/delta_bias, with z, D,
+delta_bias and delta_softplus. Times are ``triton.testing.do_bench`` medians over rotating input sets (each set is
+several times the L2), in ms. Writes bench/results/mamba_kernels_<device-slug>.json (or under --out).
+
+    PYTHONPATH=src python3 bench/mamba_kernels.py [--out DIR] [--sweep]
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import importlib
+import json
+import re
+import sys
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+import triton
+from triton.testing import do_bench
+
+from anytrain.kernels.causal_conv1d import ConvConfig
+from anytrain.kernels.reference import selective_scan_ref
+from anytrain.kernels.selective_scan import ScanConfig
+
+# importlib, not "from anytrain.kernels import selective_scan": that name is the public function
+scan_mod = importlib.import_module("anytrain.kernels.selective_scan")
+conv_mod = importlib.import_module("anytrain.kernels.causal_conv1d")
+
+BATCH, SEQLEN, DIM, DSTATE, WIDTH = 2, 4096, 5376, 16, 4
+NSETS = 3
+TARGETS_MS = {"scan_fwd": 0.5, "scan_bwd": 1.5, "conv_fwd": 0.06, "conv_bwd": 0.08}
+
+
+def median_ms(fn) -> float:
+    return float(do_bench(fn, warmup=25, rep=200, return_mode="median"))
+
+
+def rotating(fns):
+    state = {"i": 0}
+
+    def call():
+        fns[state["i"] % len(fns)]()
+        state["i"] += 1
+
+    return call
+
+
+def copy_bandwidth() -> float:
+    """Device-to-device copy, bytes read + written per second."""
+    src = torch.empty(1 << 29, dtype=torch.uint8, device="cuda").random_(0, 255)  # 512 MiB
+    dst = torch.empty_like(src)
+    ms = median_ms(lambda: dst.copy_(src))
+    return 2 * src.numel() / (ms * 1e-3)
+
+
+def scan_inputs(dim: int = DIM, seqlen: int = SEQLEN):
+    dev, bf = "cuda", torch.bfloat16
+    u = torch.randn(BATCH, dim, seqlen, device=dev, dtype=bf)
+    delta = (0.5 * torch.randn(BATCH, dim, seqlen, device=dev)).to(bf)
+    z = torch.randn(BATCH, dim, seqlen, device=dev, dtype=bf)
+    B = torch.randn(BATCH, DSTATE, seqlen, device=dev, dtype=bf)
+    C = torch.randn(BATCH, DSTATE, seqlen, device=dev, dtype=bf)
+    A = -torch.exp(torch.rand(dim, DSTATE, device=dev) * 2)
+    D = torch.randn(dim, device=dev)
+    bias = torch.rand(dim, device=dev) - 4.0
+    return dict(u=u, delta=delta, A=A, B=B, C=C, D=D, z=z, delta_bias=bias)
+
+
+def bench_scan(cfg: ScanConfig, sets, deterministic: bool = False) -> tuple[float, float]:
+    fwds, bwds = [], []
+    for s in sets:
+        Bg, Cg = scan_mod._as_groups(s["B"]), scan_mod._as_groups(s["C"])
+        args = (s["u"], s["delta"], s["A"], Bg, Cg, s["D"], s["z"], s["delta_bias"], True, cfg)
+        _, states = scan_mod._fwd(*args)
+        dout = torch.randn_like(s["u"])
+        fwds.append(lambda args=args: scan_mod._fwd(*args))
+        bwds.append(
+            lambda a=args, st=states, g=dout: scan_mod._bwd(g, *a[:8], st, True, cfg, deterministic)  # noqa: B023
+        )
+    return median_ms(rotating(fwds)), median_ms(rotating(bwds))
+
+
+def bench_conv(cfg: ConvConfig, xs) -> tuple[float, float]:
+    fwds, bwds = [], []
+    with torch.no_grad():
+        for x, w, b in xs:
+            fwds.append(lambda x=x, w=w, b=b: conv_mod.causal_conv1d_triton(x, w, b, "silu", config=cfg))
+    for x, w, b in xs:
+        leaves = [t.detach().clone().requires_grad_() for t in (x, w, b)]
+        out = conv_mod.causal_conv1d_triton(*leaves, "silu", config=cfg)
+        g = torch.randn_like(out)
+        bwds.append(lambda out=out, g=g, leaves=leaves: torch.autograd.grad(out, leaves, g, retain_graph=True))
+    with torch.no_grad():
+        f = median_ms(rotating(fwds))
+    return f, median_ms(rotating(bwds))
+
+
+def bench_torch_conv(xs) -> tuple[float, float]:
+    def f(x, w, b):
+        return F.silu(F.conv1d(x, w.unsqueeze(1), b, padding=WIDTH - 1, groups=x.shape[1])[..., : x.shape[-1]])
+
+    fwds, bwds = [], []
+    for x, w, b in xs:
+        fwds.append(lambda x=x, w=w, b=b: f(x, w, b))
+        leaves = [t.detach().clone().requires_grad_() for t in (x, w, b)]
+        out = f(*leaves)
+        g = torch.randn_like(out)
+        bwds.append(lambda out=out, g=g, leaves=leaves: torch.autograd.grad(out, leaves, g, retain_graph=True))
+    with torch.no_grad():
+        fwd = median_ms(rotating(fwds))
+    return fwd, median_ms(rotating(bwds))
+
+
+def bench_eager_scan(seqlen: int) -> tuple[float, float]:
+    """Eager sequential reference at reduced seqlen (launch-bound per step, so time scales ~linearly with seqlen)."""
+    s = scan_inputs(seqlen=seqlen)
+    leaves = {k: v.detach().clone().requires_grad_(k in ("u", "delta", "z", "B", "C")) for k, v in s.items()}
+    out = selective_scan_ref(**leaves, delta_softplus=True)
+    g = torch.randn_like(out)
+    with torch.no_grad():
+        fwd = median_ms(lambda: selective_scan_ref(**leaves, delta_softplus=True))
+    grads = [v for v in leaves.values() if v.requires_grad]
+    bwd = median_ms(lambda: torch.autograd.grad(out, grads, g, retain_graph=True))
+    return fwd, bwd
+
+
+def slug(name: str) -> str:
+    return re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-")
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", default=str(Path(__file__).resolve().parent / "results"))
+    ap.add_argument("--sweep", action="store_true", help="also time alternative tile configs")
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        print("no GPU visible: nothing to benchmark", file=sys.stderr)
+        return 1
+    torch.manual_seed(0)
+    name = torch.cuda.get_device_name()
+    bw = copy_bandwidth()
+    elems = BATCH * DIM * SEQLEN
+    bytes_ = {
+        "scan_fwd": 2 * elems * 4 + 2 * 2 * BATCH * DSTATE * SEQLEN,  # read u, delta, z; write out; read B, C
+        "scan_bwd": 2 * elems * 7 + 4 * 2 * BATCH * DSTATE * SEQLEN,  # read u, delta, z, dout; write du, ddelta, dz
+        "conv_fwd": 2 * elems * 2,  # read x, write out
+        "conv_bwd": 2 * elems * 3,  # read x, dout; write dx
+    }
+    floors = {k: v / bw * 1e3 for k, v in bytes_.items()}
+    sets = [scan_inputs() for _ in range(NSETS)]
+    xs = [
+        (
+            torch.randn(BATCH, DIM, SEQLEN, device="cuda", dtype=torch.bfloat16),
+            torch.randn(DIM, WIDTH, device="cuda", dtype=torch.bfloat16) * 0.5,
+            torch.randn(DIM, device="cuda", dtype=torch.bfloat16),
+        )
+        for _ in range(NSETS)
+    ]
+    results: dict[str, dict] = {}
+    sweep: list[dict] = []
+    scan_cfg, conv_cfg = scan_mod.default_config(), conv_mod.default_config()
+    if args.sweep:
+        scan_variants = [  # last field: bwd_impl (1: time-in-thread backward, 0: v1 lane-parallel backward)
+            ScanConfig(16, 16, 2, 4, 16, 2, 0), ScanConfig(16, 16, 2, 16, 16, 4, 1),
+            ScanConfig(64, 16, 8, 16, 16, 4, 1),
+            ScanConfig(64, 16, 4, 4, 16, 2, 0), ScanConfig(16, 32, 4, 4, 32, 4, 0), ScanConfig(8, 16, 1, 4, 16, 2, 0),
+        ]  # fmt: skip
+        for cfg in scan_variants:
+            try:
+                f, b = bench_scan(cfg, sets)
+            except Exception as e:  # a config that does not compile (registers, shared memory) is skipped
+                print(f"scan {cfg}: failed {type(e).__name__}: {str(e)[:200]}")
+                continue
+            sweep.append({"op": "scan", "config": vars(cfg), "fwd_ms": f, "bwd_ms": b})
+            print(f"scan {cfg}: fwd {f:.3f} ms bwd {b:.3f} ms", flush=True)
+        conv_variants = [
+            ConvConfig(4, 256, 4, 4, 256, 4), ConvConfig(8, 256, 4, 8, 256, 4), ConvConfig(4, 512, 4, 4, 512, 4),
+            ConvConfig(8, 512, 8, 8, 512, 8), ConvConfig(16, 256, 8, 16, 256, 8), ConvConfig(2, 1024, 4, 2, 1024, 4),
+            ConvConfig(16, 128, 4, 16, 128, 4), ConvConfig(4, 1024, 8, 4, 1024, 8),
+        ]  # fmt: skip
+        for cfg in conv_variants:
+            try:
+                f, b = bench_conv(cfg, xs)
+            except Exception as e:
+                print(f"conv {cfg}: failed {type(e).__name__}: {str(e)[:200]}")
+                continue
+            sweep.append({"op": "conv", "config": vars(cfg), "fwd_ms": f, "bwd_ms": b})
+            print(f"conv {cfg}: fwd {f:.4f} ms bwd {b:.4f} ms", flush=True)
+    if sweep:  # use the fastest swept configs (fwd + bwd together: the backward chunk is coupled to the forward)
+        scans = [r for r in sweep if r["op"] == "scan"]
+        convs = [r for r in sweep if r["op"] == "conv"]
+        if scans:
+            scan_cfg = ScanConfig(**min(scans, key=lambda r: r["fwd_ms"] + r["bwd_ms"])["config"])
+        conv_cfg = ConvConfig(**min(convs, key=lambda r: r["fwd_ms"] + r["bwd_ms"])["config"])
+        env = (
+            f"export ANYTRAIN_SCAN_CONFIG={','.join(str(v) for v in vars(scan_cfg).values())}\n"
+            f"export ANYTRAIN_CONV_CONFIG={','.join(str(v) for v in vars(conv_cfg).values())}\n"
+        )
+        Path(args.out).mkdir(parents=True, exist_ok=True)
+        (Path(args.out) / "chosen.env").write_text(env)
+        print(f"chosen: {scan_cfg} {conv_cfg}")
+    f, b = bench_scan(scan_cfg, sets)
+    _, bd = bench_scan(scan_cfg, sets, deterministic=True)
+    cf, cb = bench_conv(conv_cfg, xs)
+    tf, tb = bench_torch_conv(xs)
+    red = 256
+    ef, eb = bench_eager_scan(red)
+    scale = SEQLEN / red
+    results["scan_fwd"] = {"ms": f, "baseline": "eager reference (scaled)", "baseline_ms": ef * scale}
+    results["scan_bwd"] = {"ms": b, "baseline": "eager reference (scaled)", "baseline_ms": eb * scale}
+    results["scan_bwd_deterministic"] = {"ms": bd}
+    results["conv_fwd"] = {"ms": cf, "baseline": "torch conv1d+silu", "baseline_ms": tf}
+    results["conv_bwd"] = {"ms": cb, "baseline": "torch conv1d+silu", "baseline_ms": tb}
+    for k in ("scan_fwd", "scan_bwd", "conv_fwd", "conv_bwd"):
+        r = results[k]
+        r.update(
+            floor_ms=floors[k], bytes=bytes_[k], gb_per_s=bytes_[k] / (r["ms"] * 1e-3) / 1e9, target_ms=TARGETS_MS[k]
+        )
+    print(f"\n{name}: copy bandwidth {bw / 1e12:.2f} TB/s (read+write); eager scan timed at seqlen {red}, x{scale:.0f}")
+    print(f"{'op':<10}{'ours ms':>10}{'target':>9}{'floor ms':>10}{'GB/s':>8}{'baseline ms':>13}  baseline")
+    for k in ("scan_fwd", "scan_bwd", "conv_fwd", "conv_bwd"):
+        r = results[k]
+        print(
+            f"{k:<10}{r['ms']:>10.4f}{r['target_ms']:>9.3f}{r['floor_ms']:>10.4f}{r['gb_per_s']:>8.0f}"
+            f"{r['baseline_ms']:>13.3f}  {r['baseline']}"
+        )
+    print(f"scan_bwd deterministic: {bd:.4f} ms")
+    record = {
+        "device": name,
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "shape": {"batch": BATCH, "seqlen": SEQLEN, "dim": DIM, "dstate": DSTATE, "width": WIDTH},
+        "copy_bandwidth_tb_per_s": bw / 1e12,
+        "eager_reference_seqlen": red,
+        "scan_config": vars(scan_cfg),
+        "conv_config": vars(conv_cfg),
+        "results": results,
+        "sweep": sweep,
+    }
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / f"mamba_kernels_{slug(name)}.json"
+    path.write_text(json.dumps(record, indent=2) + "\n")
+    print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

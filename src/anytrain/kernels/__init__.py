@@ -1,0 +1,160 @@
+"""Mamba kernels: selective scan and causal depthwise conv1d, with Triton and pure-PyTorch backends.
+
+Backend choice ("auto" by default): Triton for GPU tensors (CUDA and ROCm), the PyTorch reference for CPU tensors.
+Override with ``set_backend("triton" | "reference" | "auto")`` or env ``ANYTRAIN_KERNELS``. Triton on CPU tensors only
+runs under ``TRITON_INTERPRET=1`` (tests). If Triton is not importable, "auto" silently uses the reference; an explicit
+"triton" raises. ``set_deterministic(True)`` / env ``ANYTRAIN_DETERMINISTIC=1`` makes the Triton backward reduce dB/dC
+through per-block partials instead of atomics (bitwise reproducible gradients).
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import sys
+import warnings
+from types import ModuleType
+
+from torch import Tensor
+
+from anytrain.kernels.reference import causal_conv1d_ref, selective_scan_ref
+
+__all__ = [
+    "causal_conv1d",
+    "causal_conv1d_ref",
+    "get_backend",
+    "is_deterministic",
+    "selective_scan",
+    "selective_scan_ref",
+    "set_backend",
+    "set_deterministic",
+    "triton_available",
+]
+
+BACKENDS = ("auto", "triton", "reference")
+
+
+def _check_backend(name: str) -> str:
+    if name not in BACKENDS:
+        raise ValueError(f"kernel backend must be one of {BACKENDS}, got {name!r}")
+    return name
+
+
+_backend: str = _check_backend(os.environ.get("ANYTRAIN_KERNELS", "auto").strip().lower() or "auto")
+_deterministic: bool = os.environ.get("ANYTRAIN_DETERMINISTIC", "0").strip().lower() in ("1", "true", "yes", "on")
+_warned_gpu_fallback = False
+
+
+def set_backend(name: str) -> None:
+    """'auto' (Triton on GPU tensors, reference on CPU), 'triton' or 'reference'."""
+    global _backend
+    _backend = _check_backend(name)
+
+
+def get_backend() -> str:
+    return _backend
+
+
+def set_deterministic(flag: bool = True) -> None:
+    """Deterministic Triton backward: dB/dC reduced via per-block partials (no atomics)."""
+    global _deterministic
+    _deterministic = bool(flag)
+
+
+def is_deterministic() -> bool:
+    return _deterministic
+
+
+class _CallableKernelModule(ModuleType):
+    """Class of the Triton submodules ``selective_scan`` / ``causal_conv1d``.
+
+    Importing a submodule sets the package attribute of the same name, which would shadow the public function of that
+    name; the submodules therefore stay callable as that function (and ``_triton_modules`` restores the attributes).
+    """
+
+    def __call__(self, *args, **kwargs):
+        return _PUBLIC[self.__name__.rsplit(".", 1)[1]](*args, **kwargs)
+
+
+def _make_callable(module_name: str) -> None:
+    sys.modules[module_name].__class__ = _CallableKernelModule
+
+
+_modules: tuple[ModuleType, ModuleType] | None | bool = False  # False: not tried yet
+
+
+def _triton_modules() -> tuple[ModuleType, ModuleType] | None:
+    """Import the Triton kernels lazily (so TRITON_INTERPRET can still be set by tests before triton loads)."""
+    global _modules
+    if _modules is False:
+        try:
+            _modules = (
+                importlib.import_module("anytrain.kernels.selective_scan"),
+                importlib.import_module("anytrain.kernels.causal_conv1d"),
+            )
+        except ImportError:
+            _modules = None
+        globals().update(_PUBLIC)
+    return _modules  # type: ignore[return-value]
+
+
+def triton_available() -> bool:
+    return _triton_modules() is not None
+
+
+def _use_triton(x: Tensor) -> bool:
+    global _warned_gpu_fallback
+    if _backend == "reference" or (_backend == "auto" and not x.is_cuda):
+        return False  # CPU tensors under "auto" never import triton
+    if not triton_available():
+        if _backend == "triton":
+            raise RuntimeError(
+                "kernel backend 'triton' was requested (ANYTRAIN_KERNELS/set_backend) but is not importable"
+            )
+        if not _warned_gpu_fallback:
+            warnings.warn(
+                "triton is not importable: Mamba kernels fall back to the slow PyTorch reference", stacklevel=3
+            )
+            _warned_gpu_fallback = True
+        return False
+    if not x.is_cuda and os.environ.get("TRITON_INTERPRET", "0") != "1":
+        raise RuntimeError("kernel backend 'triton' on CPU tensors needs TRITON_INTERPRET=1 (slow; for tests)")
+    return True
+
+
+def selective_scan(
+    u: Tensor,
+    delta: Tensor,
+    A: Tensor,
+    B: Tensor,
+    C: Tensor,
+    D: Tensor | None = None,
+    z: Tensor | None = None,
+    delta_bias: Tensor | None = None,
+    delta_softplus: bool = False,
+    return_last_state: bool = False,
+) -> Tensor | tuple[Tensor, Tensor]:
+    """Mamba-1 selective scan (mamba-ssm ``selective_scan_fn`` semantics).
+
+    u, delta, z: (batch, dim, L); A: (dim, dstate); B, C: (batch, dstate, L) or (batch, ngroups, dstate, L);
+    D, delta_bias: (dim,). Returns out (batch, dim, L) in u's dtype [, last_state (batch, dim, dstate) fp32].
+    """
+    if _use_triton(u):
+        scan_mod, _ = _triton_modules()  # type: ignore[misc]
+        return scan_mod.selective_scan_triton(
+            u, delta, A, B, C, D, z, delta_bias, delta_softplus, return_last_state, deterministic=_deterministic
+        )
+    return selective_scan_ref(u, delta, A, B, C, D, z, delta_bias, delta_softplus, return_last_state)
+
+
+def causal_conv1d(x: Tensor, weight: Tensor, bias: Tensor | None = None, activation: str | None = None) -> Tensor:
+    """Causal depthwise conv1d (causal_conv1d_fn semantics). x: (batch, dim, L); weight: (dim, width), width 2..4."""
+    if activation not in (None, "silu"):
+        raise ValueError(f"causal_conv1d: activation must be None or 'silu', got {activation!r}")
+    if _use_triton(x):
+        _, conv_mod = _triton_modules()  # type: ignore[misc]
+        return conv_mod.causal_conv1d_triton(x, weight, bias, activation)
+    return causal_conv1d_ref(x, weight, bias, activation)
+
+
+_PUBLIC = {"selective_scan": selective_scan, "causal_conv1d": causal_conv1d}

@@ -1,0 +1,287 @@
+"""Triton causal depthwise conv1d (width 2-4) with optional SiLU, forward and backward.
+
+The weight is left-padded with zeros to 4 taps on the host, so one kernel serves every width:
+out_t = bias + sum_{k<4} w4[k] x_{t-3+k}. Each program owns a (BLOCK_D channels, BLOCK_T timesteps) tile; the shifted
+x tiles are re-read through L1/L2, so DRAM sees x once and out once (the memory floor).
+
+Backward recomputes the pre-activation instead of saving it (only x is kept): dx_t = sum_j w4[3-j] dpre_{t+j} with
+dpre_s = dout_s * silu'(pre_s), and pre_s recomputed from x_{s-3..s} (so 4 sigmoids per output element).
+dweight/dbias are per-(batch, time-block) partials summed in torch (deterministic, no atomics).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from anytrain import hardware
+from anytrain.kernels import _make_callable
+
+_TAPS = 4
+TAPS = tl.constexpr(_TAPS)  # globals read inside @triton.jit must be constexpr
+
+
+@dataclass(frozen=True)
+class ConvConfig:
+    block_d: int = 4
+    block_t: int = 256
+    num_warps: int = 4
+    block_d_bwd: int = 4
+    block_t_bwd: int = 256
+    num_warps_bwd: int = 4
+
+
+_VENDOR_CONFIGS = {  # CUDA: fastest of the H200 sweep (bench/results/); ROCm: not run
+    hardware.CUDA: ConvConfig(),
+    hardware.ROCM: ConvConfig(block_t=512, block_t_bwd=512),  # 64-wide wavefronts: keep 8+ elements per lane
+    hardware.CPU: ConvConfig(block_d=2, block_t=8, num_warps=1, block_d_bwd=2, block_t_bwd=8, num_warps_bwd=1),
+}
+
+
+def default_config() -> ConvConfig:
+    """Per-vendor tiles; env ANYTRAIN_CONV_CONFIG="block_d,block_t,warps,block_d_bwd,block_t_bwd,warps_bwd"."""
+    env = os.environ.get("ANYTRAIN_CONV_CONFIG")
+    if env:
+        return ConvConfig(*(int(v) for v in env.split(",")))
+    return _VENDOR_CONFIGS[hardware.vendor()]
+
+
+@triton.jit
+def _sigmoid(x):
+    e = tl.exp(-tl.abs(x))
+    r = 1.0 / (1.0 + e)
+    return tl.where(x >= 0, r, e * r)
+
+
+@triton.jit
+def _split4(v):
+    # (BLOCK_D, J, 4) -> the four (BLOCK_D, J) slots v[..., 0], v[..., 1], v[..., 2], v[..., 3] (in-thread)
+    a, b = tl.split(tl.reshape(v, (v.shape[0], v.shape[1], 2, 2)))  # a = slots 0, 2; b = slots 1, 3
+    v0, v2 = tl.split(a)
+    v1, v3 = tl.split(b)
+    return v0, v1, v2, v3
+
+
+@triton.jit
+def _join4(v0, v1, v2, v3):
+    j = tl.join(tl.join(v0, v2), tl.join(v1, v3))  # [..., m, k] = slot 2m + k
+    return tl.reshape(j, (v0.shape[0], v0.shape[1], 4))
+
+
+@triton.jit
+def _load4(rows, j, mask_d, seqlen, ACC: tl.constexpr, EVEN: tl.constexpr):
+    # rows: (BLOCK_D,) row pointers; j: (J,) block-of-4 indices -> x[rows, 4j + 0..3] as (BLOCK_D, J, 4), zero outside.
+    # EVEN (seqlen % 4 == 0): the mask is per block of 4, so the load is one aligned 4-element vector.
+    tt = 4 * j[:, None] + tl.arange(0, 4)[None, :]  # (J, 4)
+    if EVEN:
+        mj = (j >= 0) & (4 * j < seqlen)
+        m = mask_d[:, None, None] & (mj[:, None] & (tl.arange(0, 4) < 4)[None, :])[None, :, :]
+    else:
+        m = mask_d[:, None, None] & ((tt >= 0) & (tt < seqlen))[None, :, :]
+    return tl.load(rows[:, None, None] + tt[None, :, :], mask=m, other=0.0).to(ACC)
+
+
+@triton.jit
+def _conv4(w0, w1, w2, w3, bias, p1, p2, p3, x0, x1, x2, x3):
+    # pre-activation at the four slots of a block, from the previous block's slots 1-3 and this block's slots 0-3
+    o0 = bias + w0 * p1 + w1 * p2 + w2 * p3 + w3 * x0
+    o1 = bias + w0 * p2 + w1 * p3 + w2 * x0 + w3 * x1
+    o2 = bias + w0 * p3 + w1 * x0 + w2 * x1 + w3 * x2
+    o3 = bias + w0 * x0 + w1 * x1 + w2 * x2 + w3 * x3
+    return o0, o1, o2, o3
+
+
+@triton.jit
+def _dsilu(d, p, SILU: tl.constexpr):
+    if SILU:
+        s = _sigmoid(p)
+        d = d * s * (1.0 + p * (1.0 - s))
+    return d
+
+
+@triton.jit
+def _conv_fwd_kernel(
+    x_ptr, w_ptr, bias_ptr, out_ptr, dim, seqlen, s_xb, s_xd, s_ob, s_od,
+    BLOCK_D: tl.constexpr, BLOCK_T: tl.constexpr, HAS_BIAS: tl.constexpr, SILU: tl.constexpr, ACC: tl.constexpr,
+    EVEN: tl.constexpr,
+):  # fmt: skip
+    # Time is tiled as (BLOCK_T // 4 blocks, 4 slots): every load is an aligned vector of 4 (this block and the
+    # previous one), and the 3 shifted taps are picked from the slots in registers (no misaligned scalar loads).
+    pid_t = tl.program_id(0)
+    pid_d = tl.program_id(1)
+    b = tl.program_id(2).to(tl.int64)
+    offs_d = pid_d * BLOCK_D + tl.arange(0, BLOCK_D)
+    mask_d = offs_d < dim
+    j = pid_t * (BLOCK_T // 4) + tl.arange(0, BLOCK_T // 4)
+    x_rows = x_ptr + b * s_xb + offs_d * s_xd
+    w0 = tl.load(w_ptr + offs_d * TAPS + 0, mask=mask_d, other=0.0).to(ACC)[:, None]
+    w1 = tl.load(w_ptr + offs_d * TAPS + 1, mask=mask_d, other=0.0).to(ACC)[:, None]
+    w2 = tl.load(w_ptr + offs_d * TAPS + 2, mask=mask_d, other=0.0).to(ACC)[:, None]
+    w3 = tl.load(w_ptr + offs_d * TAPS + 3, mask=mask_d, other=0.0).to(ACC)[:, None]
+    if HAS_BIAS:
+        bias = tl.load(bias_ptr + offs_d, mask=mask_d, other=0.0).to(ACC)[:, None]
+    else:
+        bias = tl.zeros((BLOCK_D, 1), dtype=ACC)
+    x0, x1, x2, x3 = _split4(_load4(x_rows, j, mask_d, seqlen, ACC, EVEN))
+    _, p1, p2, p3 = _split4(_load4(x_rows, j - 1, mask_d, seqlen, ACC, EVEN))
+    o0, o1, o2, o3 = _conv4(w0, w1, w2, w3, bias, p1, p2, p3, x0, x1, x2, x3)
+    out = _join4(o0, o1, o2, o3)
+    if SILU:
+        out = out * _sigmoid(out)
+    tt = 4 * j[:, None] + tl.arange(0, 4)[None, :]
+    if EVEN:
+        m = mask_d[:, None, None] & ((4 * j < seqlen)[:, None] & (tl.arange(0, 4) < 4)[None, :])[None, :, :]
+    else:
+        m = mask_d[:, None, None] & (tt < seqlen)[None, :, :]
+    o_rows = out_ptr + b * s_ob + offs_d * s_od
+    tl.store(o_rows[:, None, None] + tt[None, :, :], out.to(out_ptr.dtype.element_ty), mask=m)
+
+
+@triton.jit
+def _conv_bwd_kernel(
+    x_ptr, w_ptr, bias_ptr, dout_ptr, dx_ptr, dw_ptr, db_ptr, dim, seqlen, s_xb, s_xd, s_gb, s_gd, s_db, s_dd,
+    BLOCK_D: tl.constexpr, BLOCK_T: tl.constexpr, HAS_BIAS: tl.constexpr, SILU: tl.constexpr, ACC: tl.constexpr,
+    EVEN: tl.constexpr,
+):  # fmt: skip
+    # dx: (batch, dim, L) strides s_db/s_dd; dw: (batch, n_tblocks, dim, 4) and db: (batch, n_tblocks, dim) partials.
+    # dpre_s = dout_s * act'(pre_s) is formed once for this block's 4 slots and for slots 0-2 of the next block
+    # (7 sigmoids per 4 outputs); dx_t = w3 dpre_t + w2 dpre_{t+1} + w1 dpre_{t+2} + w0 dpre_{t+3}.
+    pid_t = tl.program_id(0)
+    pid_d = tl.program_id(1)
+    b = tl.program_id(2).to(tl.int64)
+    offs_d = pid_d * BLOCK_D + tl.arange(0, BLOCK_D)
+    mask_d = offs_d < dim
+    j = pid_t * (BLOCK_T // 4) + tl.arange(0, BLOCK_T // 4)
+    x_rows = x_ptr + b * s_xb + offs_d * s_xd
+    g_rows = dout_ptr + b * s_gb + offs_d * s_gd
+    w0 = tl.load(w_ptr + offs_d * TAPS + 0, mask=mask_d, other=0.0).to(ACC)[:, None]
+    w1 = tl.load(w_ptr + offs_d * TAPS + 1, mask=mask_d, other=0.0).to(ACC)[:, None]
+    w2 = tl.load(w_ptr + offs_d * TAPS + 2, mask=mask_d, other=0.0).to(ACC)[:, None]
+    w3 = tl.load(w_ptr + offs_d * TAPS + 3, mask=mask_d, other=0.0).to(ACC)[:, None]
+    if HAS_BIAS:
+        bias = tl.load(bias_ptr + offs_d, mask=mask_d, other=0.0).to(ACC)[:, None]
+    else:
+        bias = tl.zeros((BLOCK_D, 1), dtype=ACC)
+    _, p1, p2, p3 = _split4(_load4(x_rows, j - 1, mask_d, seqlen, ACC, EVEN))
+    x0, x1, x2, x3 = _split4(_load4(x_rows, j, mask_d, seqlen, ACC, EVEN))
+    n0, n1, n2, _ = _split4(_load4(x_rows, j + 1, mask_d, seqlen, ACC, EVEN))
+    g0, g1, g2, g3 = _split4(_load4(g_rows, j, mask_d, seqlen, ACC, EVEN))
+    f0, f1, f2, _ = _split4(_load4(g_rows, j + 1, mask_d, seqlen, ACC, EVEN))
+    c0, c1, c2, c3 = _conv4(w0, w1, w2, w3, bias, p1, p2, p3, x0, x1, x2, x3)
+    e0 = _dsilu(g0, c0, SILU)
+    e1 = _dsilu(g1, c1, SILU)
+    e2 = _dsilu(g2, c2, SILU)
+    e3 = _dsilu(g3, c3, SILU)
+    # next block, slots 0-2 (zero beyond seqlen because dout is loaded as zero there)
+    e4 = _dsilu(f0, bias + w0 * x1 + w1 * x2 + w2 * x3 + w3 * n0, SILU)
+    e5 = _dsilu(f1, bias + w0 * x2 + w1 * x3 + w2 * n0 + w3 * n1, SILU)
+    e6 = _dsilu(f2, bias + w0 * x3 + w1 * n0 + w2 * n1 + w3 * n2, SILU)
+    dx = _join4(
+        w3 * e0 + w2 * e1 + w1 * e2 + w0 * e3,
+        w3 * e1 + w2 * e2 + w1 * e3 + w0 * e4,
+        w3 * e2 + w2 * e3 + w1 * e4 + w0 * e5,
+        w3 * e3 + w2 * e4 + w1 * e5 + w0 * e6,
+    )
+    tt = 4 * j[:, None] + tl.arange(0, 4)[None, :]
+    if EVEN:
+        m = mask_d[:, None, None] & ((4 * j < seqlen)[:, None] & (tl.arange(0, 4) < 4)[None, :])[None, :, :]
+    else:
+        m = mask_d[:, None, None] & (tt < seqlen)[None, :, :]
+    dx_rows = dx_ptr + b * s_db + offs_d * s_dd
+    tl.store(dx_rows[:, None, None] + tt[None, :, :], dx.to(dx_ptr.dtype.element_ty), mask=m)
+    # e0..e3 are zero outside [0, seqlen), so these sums only see real timesteps
+    k0, k1, k2, k3 = _conv4(e0, e1, e2, e3, 0.0, p1, p2, p3, x0, x1, x2, x3)
+    part = (b * tl.num_programs(0) + pid_t) * dim + offs_d  # (BLOCK_D,) row of the partial buffers
+    tl.store(dw_ptr + part * TAPS + 0, tl.sum(k0, axis=1), mask=mask_d)
+    tl.store(dw_ptr + part * TAPS + 1, tl.sum(k1, axis=1), mask=mask_d)
+    tl.store(dw_ptr + part * TAPS + 2, tl.sum(k2, axis=1), mask=mask_d)
+    tl.store(dw_ptr + part * TAPS + 3, tl.sum(k3, axis=1), mask=mask_d)
+    if HAS_BIAS:
+        tl.store(db_ptr + part, tl.sum(e0 + e1 + e2 + e3, axis=1), mask=mask_d)
+
+
+def _unit_last(x: Tensor) -> Tensor:
+    return x if x.stride(-1) == 1 else x.contiguous()
+
+
+def _acc(*tensors: Tensor | None) -> tuple[torch.dtype, tl.dtype]:
+    if any(t is not None and t.dtype == torch.float64 for t in tensors):
+        return torch.float64, tl.float64
+    return torch.float32, tl.float32
+
+
+class _CausalConv1dFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, bias, silu, cfg):
+        batch, dim, seqlen = x.shape
+        width = weight.shape[1]
+        w4 = F.pad(weight, (_TAPS - width, 0)).contiguous()  # (dim, 4), zero taps first
+        out = torch.empty((batch, dim, seqlen), device=x.device, dtype=x.dtype)
+        _, acc = _acc(x, weight, bias)
+        grid = (triton.cdiv(seqlen, cfg.block_t), triton.cdiv(dim, cfg.block_d), batch)
+        _conv_fwd_kernel[grid](
+            x, w4, bias if bias is not None else w4, out, dim, seqlen,
+            x.stride(0), x.stride(1), out.stride(0), out.stride(1),
+            BLOCK_D=cfg.block_d, BLOCK_T=cfg.block_t, HAS_BIAS=bias is not None, SILU=silu, ACC=acc,
+            EVEN=seqlen % 4 == 0,
+            num_warps=cfg.num_warps,
+        )  # fmt: skip
+        ctx.save_for_backward(x, weight, bias)
+        ctx.silu, ctx.cfg = silu, cfg
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        x, weight, bias = ctx.saved_tensors
+        cfg = ctx.cfg
+        dout = _unit_last(dout)
+        batch, dim, seqlen = x.shape
+        width = weight.shape[1]
+        w4 = F.pad(weight, (_TAPS - width, 0)).contiguous()
+        acc_t, acc = _acc(x, weight, bias)
+        nt = triton.cdiv(seqlen, cfg.block_t_bwd)
+        dx = torch.empty_like(x)
+        dw = torch.empty((batch, nt, dim, _TAPS), device=x.device, dtype=acc_t)
+        db = torch.empty((batch, nt, dim), device=x.device, dtype=acc_t)
+        grid = (nt, triton.cdiv(dim, cfg.block_d_bwd), batch)
+        _conv_bwd_kernel[grid](
+            x, w4, bias if bias is not None else w4, dout, dx, dw, db, dim, seqlen,
+            x.stride(0), x.stride(1), dout.stride(0), dout.stride(1), dx.stride(0), dx.stride(1),
+            BLOCK_D=cfg.block_d_bwd, BLOCK_T=cfg.block_t_bwd, HAS_BIAS=bias is not None, SILU=ctx.silu, ACC=acc,
+            EVEN=seqlen % 4 == 0,
+            num_warps=cfg.num_warps_bwd,
+        )  # fmt: skip
+        dweight = dw.sum((0, 1))[:, _TAPS - width :].to(weight.dtype)
+        dbias = None if bias is None else db.sum((0, 1)).to(bias.dtype)
+        return dx, dweight, dbias, None, None
+
+
+def causal_conv1d_triton(
+    x: Tensor,
+    weight: Tensor,
+    bias: Tensor | None = None,
+    activation: str | None = None,
+    config: ConvConfig | None = None,
+) -> Tensor:
+    """Triton causal depthwise conv1d. x: (batch, dim, L); weight: (dim, width), width 2..4; bias: (dim,)."""
+    if activation not in (None, "silu"):
+        raise ValueError(f"causal_conv1d: activation must be None or 'silu', got {activation!r}")
+    if x.dim() != 3 or weight.dim() != 2 or weight.shape[0] != x.shape[1]:
+        raise ValueError(f"causal_conv1d: bad shapes x {tuple(x.shape)} weight {tuple(weight.shape)}")
+    if not 2 <= weight.shape[1] <= _TAPS:
+        raise ValueError(f"causal_conv1d: width must be 2..{_TAPS}, got {weight.shape[1]}")
+    for cfg_t in (config or default_config()).block_t, (config or default_config()).block_t_bwd:
+        if cfg_t < 4 or cfg_t & (cfg_t - 1):
+            raise ValueError(f"ConvConfig: block_t must be a power of 2 >= 4, got {cfg_t}")
+    x = _unit_last(x)
+    bias = None if bias is None else bias.contiguous()
+    return _CausalConv1dFn.apply(x, weight, bias, activation == "silu", config or default_config())
+
+
+_make_callable(__name__)  # this module's package attribute also acts as the public op (see kernels/__init__.py)

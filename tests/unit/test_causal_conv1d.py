@@ -1,0 +1,64 @@
+"""Triton causal conv1d under the CPU interpreter vs the float64 reference: forward and gradients."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+
+_TRITON_PREIMPORTED = "triton" in sys.modules and os.environ.get("TRITON_INTERPRET") != "1"
+os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported: kernels then run in the interpreter
+pytest.importorskip("triton")
+if _TRITON_PREIMPORTED:
+    pytest.skip("triton was imported before TRITON_INTERPRET=1 could be set", allow_module_level=True)
+
+import torch  # noqa: E402
+
+from anytrain.kernels.causal_conv1d import ConvConfig, causal_conv1d_triton  # noqa: E402
+from anytrain.kernels.reference import causal_conv1d_ref  # noqa: E402
+
+CFG = ConvConfig(block_d=2, block_t=8, num_warps=1, block_d_bwd=2, block_t_bwd=8, num_warps_bwd=1)
+
+
+@pytest.mark.parametrize(
+    "width,seqlen,has_bias,act",
+    [(2, 1, True, "silu"), (3, 7, False, None), (4, 19, True, "silu"), (4, 1, False, None), (2, 9, False, "silu"),
+     (3, 16, True, "silu"), (4, 8, True, None)],
+)  # fmt: skip
+def test_matches_reference(width, seqlen, has_bias, act):
+    g = torch.Generator().manual_seed(width * 100 + seqlen)
+    dim = 5  # not a multiple of block_d
+    x = torch.randn(2, dim, seqlen, generator=g, dtype=torch.float64)
+    w = torch.randn(dim, width, generator=g, dtype=torch.float64)
+    b = torch.randn(dim, generator=g, dtype=torch.float64) if has_bias else None
+    ours = [t.clone().requires_grad_() if t is not None else None for t in (x, w, b)]
+    ref = [t.clone().requires_grad_() if t is not None else None for t in (x, w, b)]
+    out = causal_conv1d_triton(*ours, activation=act, config=CFG)
+    out_ref = causal_conv1d_ref(*ref, activation=act)
+    torch.testing.assert_close(out, out_ref, rtol=1e-12, atol=1e-12)
+    grad = torch.randn(out.shape, generator=g, dtype=torch.float64)
+    out.backward(grad)
+    out_ref.backward(grad)
+    for name, a, r in zip(("x", "weight", "bias"), ours, ref, strict=True):
+        if a is not None:
+            torch.testing.assert_close(a.grad, r.grad, rtol=1e-12, atol=1e-12, msg=lambda m, n=name: f"d{n}: {m}")
+
+
+def test_noncontiguous_input_and_bf16():
+    g = torch.Generator().manual_seed(3)
+    xz = torch.randn(1, 8, 11, generator=g)
+    x = xz[:, :4]  # (batch, dim, L) view with a batch stride of 8 * 11, as after splitting an in_proj output
+    w = torch.randn(4, 4, generator=g)
+    out = causal_conv1d_triton(x.to(torch.bfloat16), w.to(torch.bfloat16), None, "silu", config=CFG)
+    assert out.dtype == torch.bfloat16
+    ref = causal_conv1d_ref(x.to(torch.bfloat16).double(), w.to(torch.bfloat16).double(), None, "silu")
+    torch.testing.assert_close(out.double(), ref, rtol=2e-2, atol=2e-2)
+
+
+def test_rejects_bad_arguments():
+    x, w = torch.randn(1, 2, 5), torch.randn(2, 4)
+    with pytest.raises(ValueError, match="activation"):
+        causal_conv1d_triton(x, w, activation="relu")
+    with pytest.raises(ValueError, match="width"):
+        causal_conv1d_triton(x, torch.randn(2, 5))

@@ -1,0 +1,97 @@
+"""The pure-PyTorch kernel references: autograd gradcheck, known values, and the backend/deterministic switches."""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")  # if this module is the first to import triton (see test_selective_scan)
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+import anytrain.kernels as K  # noqa: E402
+from anytrain.kernels.reference import causal_conv1d_ref, selective_scan_ref  # noqa: E402
+
+F64 = torch.float64
+
+
+def _rand(*shape, seed=0):
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed), dtype=F64)
+
+
+def test_selective_scan_ref_gradcheck():
+    batch, dim, seqlen, dstate = 1, 2, 4, 3
+    u, delta, z = (
+        _rand(batch, dim, seqlen, seed=1),
+        _rand(batch, dim, seqlen, seed=2),
+        _rand(batch, dim, seqlen, seed=3),
+    )
+    A = -torch.rand(dim, dstate, dtype=F64) - 0.1
+    B, C = _rand(batch, 2, dstate, seqlen, seed=4), _rand(batch, 2, dstate, seqlen, seed=5)
+    D, bias = _rand(dim, seed=6), _rand(dim, seed=7)
+    inputs = [t.requires_grad_() for t in (u, delta, A, B, C, D, z, bias)]
+    assert torch.autograd.gradcheck(lambda *a: selective_scan_ref(*a, delta_softplus=True), inputs)
+
+
+def test_causal_conv1d_ref_gradcheck():
+    x, w, b = _rand(2, 3, 5, seed=1), _rand(3, 4, seed=2), _rand(3, seed=3)
+    inputs = [t.requires_grad_() for t in (x, w, b)]
+    assert torch.autograd.gradcheck(lambda *a: causal_conv1d_ref(*a, activation="silu"), inputs)
+
+
+def test_selective_scan_ref_matches_closed_form():
+    # dstate 1, constant delta: h_t = sum_{s<=t} exp(dA (t-s)) delta B_s u_s
+    seqlen = 6
+    u, B, C = _rand(1, 1, seqlen, seed=1), _rand(1, 1, seqlen, seed=2), _rand(1, 1, seqlen, seed=3)
+    delta = torch.full((1, 1, seqlen), 0.3, dtype=F64)
+    A = torch.tensor([[-0.7]], dtype=F64)
+    D = torch.tensor([0.5], dtype=F64)
+    out, last = selective_scan_ref(u, delta, A, B, C, D, return_last_state=True)
+    t = torch.arange(seqlen, dtype=F64)
+    decay = torch.exp(-0.7 * 0.3 * (t[:, None] - t[None, :])).tril()  # (t, s)
+    h = decay @ (0.3 * B[0, 0] * u[0, 0])
+    torch.testing.assert_close(out[0, 0], h * C[0, 0] + 0.5 * u[0, 0])
+    torch.testing.assert_close(last[0, 0, 0], h[-1])
+
+
+def test_causal_conv1d_ref_is_causal_and_matches_loop():
+    x, w, b = _rand(1, 2, 6, seed=1), _rand(2, 3, seed=2), _rand(2, seed=3)
+    out = causal_conv1d_ref(x, w, b)
+    xp = F.pad(x, (2, 0))
+    loop = torch.stack([b[:, None] * 0 + b[:, None] + sum(w[:, k, None] * xp[0, :, t + k, None] for k in range(3))
+                        for t in range(6)], dim=-1)[:, 0]  # fmt: skip
+    torch.testing.assert_close(out[0], loop)
+    x2 = x.clone()
+    x2[..., 4:] += 1.0  # changing the future leaves the past unchanged
+    torch.testing.assert_close(causal_conv1d_ref(x2, w, b)[..., :4], out[..., :4])
+
+
+def test_reference_keeps_input_dtype():
+    x = torch.randn(1, 2, 5, dtype=torch.bfloat16)
+    assert causal_conv1d_ref(x, torch.randn(2, 4, dtype=torch.bfloat16), activation="silu").dtype == torch.bfloat16
+    with pytest.raises(ValueError, match="activation"):
+        causal_conv1d_ref(x, torch.randn(2, 4), activation="gelu")
+
+
+def test_backend_and_deterministic_switches(monkeypatch):
+    old_backend, old_det = K.get_backend(), K.is_deterministic()
+    try:
+        with pytest.raises(ValueError):
+            K.set_backend("cuda")
+        K.set_backend("reference")
+        assert K.get_backend() == "reference"
+        x, w = torch.randn(1, 2, 5), torch.randn(2, 4)
+        torch.testing.assert_close(K.causal_conv1d(x, w, activation="silu"), causal_conv1d_ref(x, w, activation="silu"))
+        K.set_backend("auto")  # CPU tensors: the reference, whether or not triton is installed
+        torch.testing.assert_close(K.causal_conv1d(x, w), causal_conv1d_ref(x, w))
+        K.set_deterministic(True)
+        assert K.is_deterministic()
+        K.triton_available()  # import triton (if installed) now, while TRITON_INTERPRET=1
+        K.set_backend("triton")
+        monkeypatch.setenv("TRITON_INTERPRET", "0")
+        with pytest.raises(RuntimeError, match="triton"):
+            K.causal_conv1d(x, w)
+    finally:
+        K.set_backend(old_backend)
+        K.set_deterministic(old_det)

@@ -1,0 +1,153 @@
+"""Triton selective scan under the CPU interpreter vs the float64 reference: forward, last state, all gradients."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+
+_TRITON_PREIMPORTED = "triton" in sys.modules and os.environ.get("TRITON_INTERPRET") != "1"
+os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported: kernels then run in the interpreter
+pytest.importorskip("triton")
+if _TRITON_PREIMPORTED:
+    pytest.skip("triton was imported before TRITON_INTERPRET=1 could be set", allow_module_level=True)
+
+import torch  # noqa: E402
+
+from anytrain.kernels.reference import selective_scan_ref  # noqa: E402
+from anytrain.kernels.selective_scan import ScanConfig, selective_scan_triton  # noqa: E402
+
+F64 = torch.float64
+# small tiles so that seqlen crosses several chunks: state saved every 4 steps, forward chunk 8
+CFG = ScanConfig(block_d=2, chunk=8, num_warps=1, block_d_bwd=2, chunk_bwd=4, num_warps_bwd=1)
+CFG_SAME = ScanConfig(block_d=4, chunk=4, num_warps=1, block_d_bwd=4, chunk_bwd=4, num_warps_bwd=1)
+CFG_V1 = ScanConfig(block_d=2, chunk=8, num_warps=1, block_d_bwd=2, chunk_bwd=4, num_warps_bwd=1, bwd_impl=0)
+
+
+def make_inputs(batch, dim, seqlen, dstate, ngroups, has_z, has_d, has_bias, seed=0, dt_scale=0.5):
+    g = torch.Generator().manual_seed(seed)
+    bshape = (batch, dstate, seqlen) if ngroups is None else (batch, ngroups, dstate, seqlen)
+
+    def rnd(*shape):
+        return torch.randn(*shape, generator=g, dtype=F64)
+
+    return {
+        "u": rnd(batch, dim, seqlen),
+        "delta": dt_scale * rnd(batch, dim, seqlen),
+        "A": -torch.rand(dim, dstate, generator=g, dtype=F64) * 2 - 0.1,
+        "B": rnd(*bshape),
+        "C": rnd(*bshape),
+        "D": rnd(dim) if has_d else None,
+        "z": rnd(batch, dim, seqlen) if has_z else None,
+        "delta_bias": 0.3 * rnd(dim) if has_bias else None,
+    }
+
+
+def run_both(vals, softplus, cfg=CFG, deterministic=False):
+    ours = {k: None if v is None else v.clone().requires_grad_() for k, v in vals.items()}
+    ref = {k: None if v is None else v.clone().requires_grad_() for k, v in vals.items()}
+    out, last = selective_scan_triton(
+        **ours, delta_softplus=softplus, return_last_state=True, config=cfg, deterministic=deterministic
+    )
+    out_ref, last_ref = selective_scan_ref(**ref, delta_softplus=softplus, return_last_state=True)
+    grad = torch.randn(out.shape, generator=torch.Generator().manual_seed(7), dtype=F64)
+    out.backward(grad)
+    out_ref.backward(grad)
+    return ours, ref, (out, last), (out_ref, last_ref)
+
+
+def assert_match(ours, ref, res, res_ref, tol=1e-9):
+    torch.testing.assert_close(res[0], res_ref[0], rtol=tol, atol=tol)
+    torch.testing.assert_close(res[1], res_ref[1], rtol=tol, atol=tol)
+    for k, v in ours.items():
+        if v is not None:
+            assert v.grad is not None, f"no gradient for {k}"
+            torch.testing.assert_close(v.grad, ref[k].grad, rtol=tol, atol=tol, msg=lambda m, k=k: f"d{k}: {m}")
+
+
+# (batch, dim, seqlen, dstate, ngroups, has_z, has_d, has_bias, softplus): a representative, not cartesian, set.
+# chunk 8 / saved every 4: seqlen 1, 7, 8 (= chunk), 9 (= chunk + 1), 27 (3 chunks + 3); dim 5 / 6 vs block_d 2.
+CASES = [
+    (2, 5, 1, 4, None, True, True, True, True),
+    (1, 5, 7, 16, None, False, True, False, False),
+    (2, 3, 8, 1, None, True, False, True, False),
+    (1, 6, 9, 4, 2, True, True, True, True),
+    (2, 5, 27, 4, None, True, True, True, True),
+    (1, 6, 27, 16, 2, False, False, False, True),
+]
+
+
+@pytest.mark.parametrize("cfg", [CFG, CFG_V1], ids=["bwd2", "bwd1"])
+@pytest.mark.parametrize("batch,dim,seqlen,dstate,ngroups,has_z,has_d,has_bias,softplus", CASES)
+def test_matches_reference(batch, dim, seqlen, dstate, ngroups, has_z, has_d, has_bias, softplus, cfg):
+    vals = make_inputs(batch, dim, seqlen, dstate, ngroups, has_z, has_d, has_bias)
+    assert_match(*run_both(vals, softplus, cfg=cfg))
+
+
+def test_single_saved_state_per_chunk_and_4d_groups_of_one():
+    # chunk == chunk_bwd (no sub-chunk states), B/C given as (batch, 1, dstate, L)
+    vals = make_inputs(1, 4, 10, 4, 1, True, True, True)
+    assert_match(*run_both(vals, True, cfg=CFG_SAME))
+
+
+@pytest.mark.parametrize("cfg", [CFG, CFG_V1], ids=["bwd2", "bwd1"])
+def test_extreme_decay_underflows_without_nan(cfg):
+    # delta*A down to about -1e4: exp underflows to exactly 0; the state then forgets the past completely
+    vals = make_inputs(1, 3, 12, 4, None, True, True, False, dt_scale=1.0)
+    vals["delta"] = vals["delta"].abs() * 100.0
+    vals["A"] = vals["A"] * 50.0
+    ours, ref, res, res_ref = run_both(vals, False, cfg=cfg)
+    for k, v in ours.items():
+        if v is not None:
+            assert torch.isfinite(v.grad).all(), k
+    assert torch.isfinite(res[0]).all()
+    assert_match(ours, ref, res, res_ref, tol=1e-7)
+
+
+def test_float32_and_bfloat16_inputs_keep_dtype():
+    vals = make_inputs(1, 3, 9, 4, None, True, True, True)
+    for dtype, tol in ((torch.float32, 1e-4), (torch.bfloat16, 2e-2)):
+        cast = {k: None if v is None else v.to(dtype if k in ("u", "delta", "z", "B", "C") else torch.float32)
+                for k, v in vals.items()}  # fmt: skip
+        out, last = selective_scan_triton(**cast, delta_softplus=True, return_last_state=True, config=CFG)
+        assert out.dtype == dtype and last.dtype == torch.float32
+        ref = selective_scan_ref(**{k: None if v is None else v.double() for k, v in cast.items()}, delta_softplus=True)
+        torch.testing.assert_close(out.double(), ref, rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("cfg", [CFG, CFG_V1], ids=["bwd2", "bwd1"])
+def test_deterministic_mode_is_bitwise_reproducible_and_matches_atomics(cfg):
+    vals = make_inputs(2, 6, 11, 4, 2, True, True, True, seed=5)
+    runs = [run_both(vals, True, cfg=cfg, deterministic=True)[0] for _ in range(2)]
+    atomic = run_both(vals, True, cfg=cfg, deterministic=False)[0]
+    for k in vals:
+        if vals[k] is not None:
+            assert torch.equal(runs[0][k].grad, runs[1][k].grad), k
+            torch.testing.assert_close(atomic[k].grad, runs[0][k].grad, rtol=1e-10, atol=1e-10)
+
+
+def test_public_dispatch_uses_triton_when_asked(monkeypatch):
+    import anytrain.kernels as K
+
+    vals = make_inputs(1, 3, 5, 2, None, False, True, False)
+    calls = []
+    scan_mod = sys.modules["anytrain.kernels.selective_scan"]
+    real = scan_mod.selective_scan_triton
+    monkeypatch.setattr(scan_mod, "selective_scan_triton", lambda *a, **k: calls.append(1) or real(*a, **k))
+    old = K.get_backend()
+    try:
+        K.set_backend("triton")
+        out = K.selective_scan(**vals)
+        K.set_backend("reference")
+        ref = K.selective_scan(**vals)
+    finally:
+        K.set_backend(old)
+    assert calls == [1]
+    torch.testing.assert_close(out, ref, rtol=1e-10, atol=1e-10)
+
+
+def test_rejects_bad_groups():
+    vals = make_inputs(1, 5, 4, 2, 2, False, False, False)
+    with pytest.raises(ValueError, match="ngroups"):
+        selective_scan_triton(**vals, config=CFG)
