@@ -91,3 +91,26 @@ def test_prepare_refuses_to_clobber(tmp_path, small_data):
     proc = run_cli("prepare", "shakespeare", "--out", str(target), "--overwrite")
     assert proc.returncode == 2 and "refusing to delete" in proc.stderr
     assert (target / "precious.txt").read_text() == "do not delete"
+
+
+def test_export_checkpoint_to_safetensors(tiny_run, tmp_path):
+    from safetensors.torch import load_file
+
+    run_dir, _ = tiny_run
+    out = tmp_path / "model.safetensors"
+    proc = run_cli("export-checkpoint", str(run_dir), "--out", str(out))
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    tensors = load_file(str(out))
+    meta = json.loads(out.with_suffix(".json").read_text())
+    assert meta["arch"] == "transformer" and meta["args"]["n_layers"] == 4
+    assert "layers.0.attention.wq.weight" in tensors and tensors["tok_embeddings.weight"].shape == (8192, 256)
+    # identical to the weights the eval path loads from the DCP checkpoint
+    import torch
+
+    from anytrain.evals import load_run_model
+
+    _, model, _ = load_run_model(run_dir, torch.device("cpu"))
+    for key, value in model.state_dict().items():
+        assert torch.equal(tensors[key], value), key
+    again = run_cli("export-checkpoint", str(run_dir), "--out", str(out))
+    assert again.returncode == 2 and "exists; pass --overwrite" in again.stderr

@@ -13,6 +13,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from anytrain.models.losses import lm_cross_entropy
+
 
 @dataclass
 class TransformerArgs:
@@ -183,7 +185,9 @@ class Transformer(nn.Module):
         self.rope_cos.copy_(cos)
         self.rope_sin.copy_(sin)
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits (B, T, V), or with ``targets`` (B, T) the mean next-token loss (a scalar) — the training path,
+        which lets the loss avoid materialising full-precision logits."""
         T = tokens.shape[1]
         if T > self.args.max_seq_len:
             raise ValueError(f"sequence length {T} exceeds model.args.max_seq_len {self.args.max_seq_len}")
@@ -191,7 +195,10 @@ class Transformer(nn.Module):
         h = self.tok_embeddings(tokens)  # (B, T, D)
         for block in self.layers.values():
             h = block(h, cos, sin)
-        return self.output(self.norm(h))  # (B, T, V)
+        h = self.norm(h)
+        if targets is not None:
+            return lm_cross_entropy(h, self.output.weight, targets)
+        return self.output(h)  # (B, T, V)
 
     def num_params(self, exclude_embedding: bool = False) -> int:
         """Parameter count (shared tensors once). exclude_embedding drops the input table, keeps the LM head."""

@@ -173,8 +173,7 @@ class Trainer:
         """One micro-batch: (b, T) ids -> mean token loss / grad_accum, gradients accumulated. Returns the loss."""
         with gradient_sync(self.model, self.strategy, sync):
             with self._autocast():
-                logits = self.model(inputs)  # (b, T, V)
-            loss = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten()) / self.plan.grad_accum
+                loss = self.model(inputs, targets) / self.plan.grad_accum  # mean token loss of the micro-batch
             loss = self.guard.poison(step, self.info.rank, loss)
             loss.backward()
         return loss.detach()
