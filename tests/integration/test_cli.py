@@ -49,10 +49,11 @@ def test_eval_reads_the_checkpoint(tiny_run):
     assert result["sample"].startswith("ROMEO.")
 
 
-def test_existing_run_dir_is_refused_and_untouched(tiny_run):
+def test_existing_run_dir_is_refused_and_untouched(tiny_run, shakespeare_data):
     run_dir, _ = tiny_run
     before = {p: p.stat().st_mtime_ns for p in run_dir.rglob("*") if p.is_file()}
-    proc = run_cli("train", "configs/tiny.yaml", "--train.steps", "2", "--run-dir", str(run_dir))
+    proc = run_cli("train", "configs/tiny.yaml", "--train.steps", "2", "--run-dir", str(run_dir),
+                   "--data.path", str(shakespeare_data))  # fmt: skip
     assert proc.returncode != 0
     assert proc.stderr.strip().splitlines()[-1].startswith(f"error: {run_dir}: run dir already holds a run")
     assert {p: p.stat().st_mtime_ns for p in run_dir.rglob("*") if p.is_file()} == before

@@ -38,3 +38,16 @@ def test_weight_decay_groups():
     assert len(no_decay["params"]) == 3 and no_decay["weight_decay"] == 0.0
     opt = build_optimizer(model, TrainConfig(), torch.device("cpu"))
     assert isinstance(opt, torch.optim.AdamW) and not math.isnan(opt.param_groups[0]["lr"])
+
+
+def test_mamba_state_params_are_not_decayed():
+    from anytrain.config import ModelConfig
+    from anytrain.models import build_model
+
+    model = build_model(ModelConfig(arch="mamba", flavour="debug"))
+    decay, no_decay = param_groups(model, 0.1)
+    exempt = {id(p) for p in no_decay["params"]}
+    for name, param in model.named_parameters():
+        if name.endswith(("A_log", ".D")):
+            assert id(param) in exempt, name
+    assert any(p.ndim == 2 for p in decay["params"])

@@ -77,3 +77,12 @@ def list_flavours() -> dict[str, list[str]]:
 
 def args_dict(args: Any) -> dict[str, Any]:
     return dataclasses.asdict(args)
+
+
+def _register_builtin() -> None:
+    from anytrain.models.mamba import spec as mamba_spec
+
+    register(mamba_spec())
+
+
+_register_builtin()

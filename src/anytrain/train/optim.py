@@ -10,14 +10,20 @@ from torch import nn
 from anytrain import hardware
 from anytrain.config import TrainConfig
 
+NO_DECAY_NAMES = ("A_log", "D")  # Mamba's state matrix and skip gain (mamba-ssm exempts them too)
+
 
 def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
-    """Decay matrices (linear and embedding weights); never decay vectors (norm gains, biases)."""
+    """Decay matrices (linear and embedding weights); never decay vectors (norm gains, biases) or Mamba's A_log / D.
+
+    Decided by shape and name, because marker attributes on tensors do not survive ``to_empty`` or FSDP.
+    """
     decay, no_decay = [], []
-    for param in model.parameters():
+    for name, param in model.named_parameters():
         if not param.requires_grad:
             continue
-        (decay if param.ndim >= 2 else no_decay).append(param)
+        exempt = param.ndim < 2 or name.rsplit(".", 1)[-1] in NO_DECAY_NAMES
+        (no_decay if exempt else decay).append(param)
     return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
 
 

@@ -1,0 +1,313 @@
+"""Mamba-1 language model (Gu & Dao 2023), numerically and by state-dict names the same as HF ``MambaForCausalLM``.
+
+Single-device ``nn.Module`` only: parallelism is applied from outside (``anytrain.parallel``). The selective scan and
+the causal depthwise conv come from ``anytrain.kernels`` (Triton on GPU tensors, the PyTorch reference on CPU).
+
+State-dict keys equal HF's (export is a rename-free copy)::
+
+    backbone.embeddings.weight                      (V, D)
+    backbone.layers.{i}.norm.weight                 (D,)
+    backbone.layers.{i}.mixer.A_log                 (E, S)   fp32 in mamba-ssm; A = -exp(A_log)
+    backbone.layers.{i}.mixer.D                     (E,)
+    backbone.layers.{i}.mixer.conv1d.{weight,bias}  (E, 1, K), (E,)
+    backbone.layers.{i}.mixer.in_proj.weight        (2E, D)
+    backbone.layers.{i}.mixer.x_proj.weight         (R + 2S, E)
+    backbone.layers.{i}.mixer.dt_proj.{weight,bias} (E, R), (E,)
+    backbone.layers.{i}.mixer.out_proj.weight       (D, E)
+    backbone.norm_f.weight                          (D,)
+    lm_head.weight                                  (V, D)   the embedding itself when tied
+
+Shapes in comments: B batch, T sequence, D model width, E inner width (expand·D), S SSM state size (d_state),
+R dt rank, K conv width, V vocab, L layers.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from anytrain.errors import ConfigError
+from anytrain.kernels import causal_conv1d, selective_scan
+from anytrain.models.losses import lm_cross_entropy
+from anytrain.models.transformer import RMSNorm
+
+if TYPE_CHECKING:
+    from anytrain.models import ModelSpec
+
+
+@dataclass
+class MambaArgs:
+    vocab_size: int = 8192
+    """Embedding rows; must be >= the tokenizer's vocabulary (kept as given, not padded)."""
+    d_model: int = 256
+    """Model width D (HF: hidden_size)."""
+    n_layers: int = 8
+    """Number of Mamba blocks L (HF: num_hidden_layers)."""
+    d_state: int = 16
+    """SSM state size S per channel (HF: state_size)."""
+    d_conv: int = 4
+    """Causal depthwise convolution width K (the kernels support 2..4)."""
+    expand: int = 2
+    """Inner width E = expand·D."""
+    dt_rank: int = 0
+    """Rank R of the Δ projection; 0 = ceil(D / 16) as in mamba-ssm ('auto')."""
+    dt_min: float = 0.001
+    """Smallest initial Δ (the dt_proj bias is inverse-softplus of Δ sampled log-uniformly in [dt_min, dt_max])."""
+    dt_max: float = 0.1
+    """Largest initial Δ."""
+    dt_init_floor: float = 1e-4
+    """Lower clamp of the sampled initial Δ."""
+    norm_eps: float = 1e-5
+    """RMSNorm epsilon (HF: layer_norm_epsilon)."""
+    residual_in_fp32: bool = True
+    """Keep each block's residual addition in fp32 under mixed precision (mamba-ssm / HF default)."""
+    tie_embeddings: bool = True
+    """Share the token embedding with the LM head (all released Mamba checkpoints do)."""
+    init_std: float = 0.02
+    """Std of the normal init of the token embedding."""
+    max_seq_len: int = 4096
+    """Longest sequence accepted. Mamba has no positional table; this only bounds data.seq_len and the window that
+    ``generate`` re-reads."""
+
+    def __post_init__(self) -> None:
+        if self.dt_rank == 0:
+            self.dt_rank = math.ceil(self.d_model / 16)
+
+    def validate(self, prefix: str = "model.args.") -> None:
+        for name in ("vocab_size", "d_model", "n_layers", "d_state", "expand", "dt_rank", "max_seq_len"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"{prefix}{name}: must be > 0, got {getattr(self, name)}")
+        if not 2 <= self.d_conv <= 4:
+            raise ConfigError(f"{prefix}d_conv: the causal conv kernels support widths 2..4, got {self.d_conv}")
+        if not 0 < self.dt_min <= self.dt_max:
+            raise ConfigError(f"{prefix}dt_min: need 0 < dt_min <= dt_max, got {self.dt_min} and {self.dt_max}")
+        if not 0 < self.dt_init_floor:
+            raise ConfigError(f"{prefix}dt_init_floor: must be > 0, got {self.dt_init_floor}")
+        for name in ("norm_eps", "init_std"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"{prefix}{name}: must be > 0, got {getattr(self, name)}")
+
+    @property
+    def d_inner(self) -> int:
+        return self.expand * self.d_model
+
+
+MAMBA_FLAVOURS: dict[str, dict[str, Any]] = {
+    # For unit and multi-process tests: builds and steps in milliseconds.
+    "debug": dict(vocab_size=512, d_model=64, n_layers=2, d_state=8),
+    # The CPU demo model (~5.6M parameters with an 8k tied vocabulary, ~3.5M of them in the 8 layers).
+    "tiny-mamba": dict(vocab_size=8192, d_model=256, n_layers=8, d_state=16),
+    # The released state-spaces/mamba-* shapes (vocab 50277 padded to a multiple of 8 by mamba-ssm).
+    "130m": dict(vocab_size=50280, d_model=768, n_layers=24, d_state=16),
+    "370m": dict(vocab_size=50280, d_model=1024, n_layers=48, d_state=16),
+    "1.4b": dict(vocab_size=50280, d_model=2048, n_layers=48, d_state=16),
+}
+
+
+class MambaMixer(nn.Module):
+    """The selective SSM: in_proj -> causal conv + SiLU -> input-dependent (Δ, B, C) -> scan (D skip, SiLU(z) gate)
+    -> out_proj. Same computation as mamba-ssm's ``Mamba.forward`` without the inference cache."""
+
+    def __init__(self, args: MambaArgs) -> None:
+        super().__init__()
+        D, E, S, R, K = args.d_model, args.d_inner, args.d_state, args.dt_rank, args.d_conv
+        self.args = args
+        # state_dict lists a module's own parameters (A_log, D) before its submodules', as for HF's MambaMixer.
+        self.A_log = nn.Parameter(torch.empty(E, S))  # (E, S); A = -exp(A_log) < 0
+        self.D = nn.Parameter(torch.empty(E))  # (E,) skip connection
+        self.conv1d = nn.Conv1d(E, E, kernel_size=K, groups=E, padding=K - 1, bias=True)  # weight (E, 1, K)
+        self.in_proj = nn.Linear(D, 2 * E, bias=False)
+        self.x_proj = nn.Linear(E, R + 2 * S, bias=False)
+        self.dt_proj = nn.Linear(R, E, bias=True)  # the bias is Δ's bias, applied inside the scan (pre-softplus)
+        self.out_proj = nn.Linear(E, D, bias=False)
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        """mamba-ssm's init (everything but the 1/sqrt(L) rescale of out_proj, which ``Mamba.init_weights`` does)."""
+        args, E, S = self.args, self.args.d_inner, self.args.d_state
+        # Linear / conv layers: PyTorch's default (kaiming-uniform) init, as mamba-ssm leaves them.
+        for module in (self.conv1d, self.in_proj, self.x_proj, self.out_proj):
+            module.reset_parameters()
+        # Δ projection: weight U(-R^-0.5, R^-0.5); bias = softplus^-1(Δ0), Δ0 log-uniform in [dt_min, dt_max].
+        dt_std = args.dt_rank**-0.5
+        nn.init.uniform_(self.dt_proj.weight, -dt_std, dt_std)
+        device = self.dt_proj.bias.device
+        log_min, log_max = math.log(args.dt_min), math.log(args.dt_max)
+        dt = torch.exp(torch.rand(E, device=device) * (log_max - log_min) + log_min).clamp(min=args.dt_init_floor)
+        self.dt_proj.bias.copy_(dt + torch.log(-torch.expm1(-dt)))  # inverse of softplus
+        # S4D-real init: A[e, s] = -(s + 1) for every channel e.
+        a = torch.arange(1, S + 1, dtype=torch.float32, device=device).repeat(E, 1)  # (E, S)
+        self.A_log.copy_(torch.log(a))
+        nn.init.ones_(self.D)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        """h (B, T, D) -> (B, T, D)."""
+        R, S = self.args.dt_rank, self.args.d_state
+        xz = self.in_proj(h).transpose(1, 2)  # (B, 2E, T)
+        x, z = xz.chunk(2, dim=1)  # (B, E, T) each
+        x = causal_conv1d(x, self.conv1d.weight.squeeze(1), self.conv1d.bias, activation="silu")  # (B, E, T)
+        x_dbl = self.x_proj(x.transpose(1, 2))  # (B, T, R + 2S)
+        dt, b, c = x_dbl.split([R, S, S], dim=-1)  # (B, T, R), (B, T, S), (B, T, S)
+        dt = F.linear(dt, self.dt_proj.weight).transpose(1, 2)  # (B, E, T); bias + softplus happen in the scan
+        A = -torch.exp(self.A_log.float())  # (E, S), fp32 as the kernels require
+        y = selective_scan(
+            x,  # u (B, E, T)
+            dt,  # Δ (B, E, T)
+            A,
+            b.transpose(1, 2),  # (B, S, T)
+            c.transpose(1, 2),  # (B, S, T)
+            D=self.D.float(),
+            z=z,  # out = (scan(u) + D·u) · SiLU(z)
+            delta_bias=self.dt_proj.bias.float(),
+            delta_softplus=True,
+        )  # (B, E, T)
+        return self.out_proj(y.transpose(1, 2))  # (B, T, D)
+
+
+class MambaBlock(nn.Module):
+    """Pre-norm residual block: h + mixer(norm(h)) (HF ``MambaBlock``; the residual add is in fp32 by default)."""
+
+    def __init__(self, args: MambaArgs) -> None:
+        super().__init__()
+        self.residual_in_fp32 = args.residual_in_fp32
+        self.norm = RMSNorm(args.d_model, args.norm_eps)
+        self.mixer = MambaMixer(args)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        residual = h.float() if self.residual_in_fp32 else h
+        # Cast to the parameters' dtype first (bf16 under FSDP mixed precision, else fp32) as HF does.
+        return residual + self.mixer(self.norm(h.to(self.norm.weight.dtype)))
+
+
+class MambaBackbone(nn.Module):
+    """Holds embeddings, layers and the final norm under ``backbone.`` (HF ``MambaModel``)."""
+
+    def __init__(self, args: MambaArgs) -> None:
+        super().__init__()
+        self.embeddings = nn.Embedding(args.vocab_size, args.d_model)
+        # A ModuleDict keyed "0", "1", ... gives the same keys as HF's ModuleList (backbone.layers.{i}.*).
+        self.layers = nn.ModuleDict({str(i): MambaBlock(args) for i in range(args.n_layers)})
+        self.norm_f = RMSNorm(args.d_model, args.norm_eps)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        h = self.embeddings(tokens)  # (B, T, D)
+        for block in self.layers.values():
+            h = block(h)
+        return self.norm_f(h.to(self.norm_f.weight.dtype))  # (B, T, D)
+
+
+class Mamba(nn.Module):
+    """Token ids (B, T) -> logits (B, T, V). The Mamba-1 LM of mamba-ssm's ``MambaLMHeadModel``."""
+
+    def __init__(self, args: MambaArgs) -> None:
+        super().__init__()
+        self.args = args
+        self.backbone = MambaBackbone(args)
+        self.lm_head = nn.Linear(args.d_model, args.vocab_size, bias=False)
+        self._tie()
+        self.init_weights()
+
+    def _tie(self) -> None:
+        if self.args.tie_embeddings:
+            self.lm_head.weight = self.backbone.embeddings.weight
+
+    @torch.no_grad()
+    def init_weights(self) -> None:
+        """(Re)initialise every parameter as mamba-ssm does.
+
+        Embedding N(0, init_std); in_proj / x_proj / conv1d PyTorch defaults; dt_proj and A_log / D as in
+        ``MambaMixer.reset_parameters``; out_proj default init divided by sqrt(L) (mamba-ssm's
+        ``rescale_prenorm_residual`` with one residual per layer); norms to 1; an untied LM head PyTorch's default.
+        Re-ties the LM head first, because ``to_empty`` from the meta device gives the two names separate tensors.
+        """
+        self._tie()
+        nn.init.normal_(self.backbone.embeddings.weight, std=self.args.init_std)
+        for block in self.backbone.layers.values():
+            block.norm.reset_parameters()
+            block.mixer.reset_parameters()
+            block.mixer.out_proj.weight.div_(math.sqrt(self.args.n_layers))
+        self.backbone.norm_f.reset_parameters()
+        if not self.args.tie_embeddings:
+            self.lm_head.reset_parameters()
+
+    def forward(self, tokens: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits (B, T, V), or with ``targets`` (B, T) the mean next-token loss (a scalar) — the training path,
+        which lets the loss avoid materialising full-precision logits."""
+        T = tokens.shape[1]
+        if T > self.args.max_seq_len:
+            raise ValueError(f"sequence length {T} exceeds model.args.max_seq_len {self.args.max_seq_len}")
+        h = self.backbone(tokens)  # (B, T, D) in the parameters' dtype
+        if targets is not None:
+            return lm_cross_entropy(h, self.lm_head.weight, targets)
+        return self.lm_head(h)  # (B, T, V)
+
+    def num_params(self, exclude_embedding: bool = False) -> int:
+        """Parameter count (shared tensors once). exclude_embedding drops the input table, keeps the LM head.
+
+        Per layer: 3·D·E (in_proj 2·D·E, out_proj E·D) + E·(K + 1) (conv) + E·(R + 2S) (x_proj) + E·(R + 1) (dt_proj)
+        + E·S (A_log) + E (D) + D (norm) = 3·D·E + E·(K + 2R + 3S + 3) + D. Model: V·D + L·layer + D (norm_f)
+        + V·D when the head is untied.
+        """
+        total = sum(p.numel() for p in {id(p): p for p in self.parameters()}.values())
+        if exclude_embedding:
+            total -= self.backbone.embeddings.weight.numel()
+            if self.args.tie_embeddings:  # the head still does a full V x D matmul
+                total += self.lm_head.weight.numel()
+        return total
+
+    def scan_flops_per_token(self) -> float:
+        """Training FLOPs per token of the selective scans' elementwise work: 3·L·E·(8·S + 10).
+
+        Forward, per token, channel e and state s (8): Δ·A (1), exp (1), Δ·B·u (2), h = exp(ΔA)·h + ΔBu (2), y += C·h
+        (2). Per token and channel (10): Δ bias add (1), softplus (3), D·u skip (2), SiLU(z) gate (4). ×3 for forward +
+        backward (the same convention as the matmuls' 6 = 2·3).
+        """
+        a = self.args
+        return 3.0 * a.n_layers * a.d_inner * (8 * a.d_state + 10)
+
+    def flops_per_token(self, seq_len: int) -> float:
+        """Training FLOPs per token: 6·N + 3·L·E·(8·S + 10).
+
+        N = parameters without the input embedding (LM head included); 6 = 2 (forward multiply-add) × 3 (forward +
+        backward w.r.t. inputs and weights). 6·N covers the in/x/dt/out projections and the LM head, and also the
+        depthwise conv: its E·K weights are each used in one multiply-add per token, so its 2·E·K forward FLOPs ×3
+        are exactly the conv's share of 6·N (not added again). The small vector parameters (A_log, D, biases, norms)
+        are inside N too, an over-count of about 0.6% at 130m. 3·L·E·(8·S + 10) is the selective scan's elementwise
+        work (see ``scan_flops_per_token``). Mamba is linear-time: there is no seq_len term (the argument keeps the
+        Transformer's interface). Norms, SiLU after the conv and recomputation (activation checkpointing) are not
+        counted.
+        """
+        del seq_len  # no sequence-length dependent term
+        return 6.0 * self.num_params(exclude_embedding=True) + self.scan_flops_per_token()
+
+    def blocks(self) -> list[nn.Module]:
+        """The repeated units that parallelism wraps (FSDP units, checkpointing, compile)."""
+        return list(self.backbone.layers.values())
+
+    @torch.no_grad()
+    def generate(self, prompt: torch.Tensor, max_new_tokens: int, temperature: float = 0.8, top_k: int = 50,
+                 generator: torch.Generator | None = None) -> torch.Tensor:  # fmt: skip
+        """Sample continuations of ``prompt`` (B, T0) by re-running the whole prefix (no recurrent cache; demos)."""
+        tokens = prompt
+        for _ in range(max_new_tokens):
+            window = tokens[:, -self.args.max_seq_len :]
+            logits = self(window)[:, -1, :].float() / max(temperature, 1e-5)  # (B, V)
+            if top_k:
+                kth = torch.topk(logits, min(top_k, logits.shape[-1])).values[:, -1:]
+                logits = logits.masked_fill(logits < kth, float("-inf"))
+            probs = torch.softmax(logits, dim=-1)
+            nxt = torch.multinomial(probs, 1, generator=generator)
+            tokens = torch.cat([tokens, nxt], dim=1)
+        return tokens
+
+
+def spec() -> ModelSpec:
+    """The registry entry; ``anytrain.models`` registers it (imported lazily: that package imports this module)."""
+    from anytrain.models import ModelSpec
+
+    return ModelSpec("mamba", MambaArgs, Mamba, MAMBA_FLAVOURS)

@@ -1,0 +1,39 @@
+"""Training options that must not change the maths: activation checkpointing and per-block torch.compile."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from tests.conftest import run_cli
+
+
+def losses(run_dir):
+    records = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return np.array([r["loss"] for r in records if r["kind"] == "train"])
+
+
+def train(small_data, run_dir, *extra):
+    proc = run_cli("train", "configs/tiny.yaml", "--model.flavour", "debug", "--data.path", str(small_data),
+                   "--data.seq_len", "32", "--train.global_batch", "4", "--train.steps", "4", "--train.log_interval",
+                   "1", "--train.eval_batches", "0", "--train.dtype", "fp32", "--run-dir", str(run_dir),
+                   "--checkpoint.save_final", "false", *extra)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return losses(run_dir)
+
+
+@pytest.fixture(scope="module")
+def baseline(tmp_path_factory, small_data):
+    return train(small_data, tmp_path_factory.mktemp("opt") / "base")
+
+
+def test_activation_checkpointing_gives_the_same_losses(baseline, small_data, tmp_path):
+    with_ac = train(small_data, tmp_path / "ac", "--train.activation_checkpointing", "full")
+    np.testing.assert_allclose(with_ac, baseline, rtol=0, atol=1e-6)
+
+
+def test_compiled_blocks_give_the_same_losses(baseline, small_data, tmp_path):
+    compiled = train(small_data, tmp_path / "compiled", "--train.compile", "true")
+    np.testing.assert_allclose(compiled, baseline, rtol=0, atol=1e-4)
