@@ -120,6 +120,17 @@ def export_checkpoint(
     typer.echo(f"wrote {path} and {path.with_suffix('.json')}")
 
 
+def _register_plan() -> None:
+    from anytrain.cost.cli import plan_command
+
+    app.command("plan", help="Rank parallel layouts by predicted memory, step time and energy before a run.")(
+        plan_command
+    )
+
+
+_register_plan()
+
+
 @app.command()
 def info() -> None:
     """Devices, backends, versions and the peak FLOP/s anytrain will use for MFU."""

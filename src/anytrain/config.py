@@ -91,7 +91,16 @@ class TrainConfig:
 @dataclass
 class ParallelConfig:
     strategy: Literal["auto", "ddp", "fsdp"] = "auto"
-    """Data parallelism when the world size is > 1: DDP (replicated) or FSDP2 (sharded). auto = ddp."""
+    """Data parallelism over the dp ranks: DDP (replicated) or FSDP2 (sharded over dp_shard, replicated over
+    dp_replicate: HSDP when both are > 1). auto = ddp."""
+    dp_replicate: int = 1
+    """Data-parallel replicas (FSDP: HSDP replica groups; DDP: part of the replicated degree)."""
+    dp_shard: int = -1
+    """Data-parallel shard degree; -1 = whatever the world size leaves after the other degrees."""
+    tp: int = 1
+    """Tensor-parallel degree (inside a node)."""
+    pp: int = 1
+    """Pipeline-parallel stages."""
     reshard_after_forward: bool = True
     """FSDP only: free gathered parameters after forward (ZeRO-3); False keeps them until backward (ZeRO-2)."""
 

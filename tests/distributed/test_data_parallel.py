@@ -59,8 +59,13 @@ def runs(tmp_path_factory, small_data):
     tmp = tmp_path_factory.mktemp("dp")
     config = write_config(tmp, small_data)
     out = {}
-    for name, nproc, extra in (("single", 1, ()), ("ddp", 2, ("--parallel.strategy", "ddp")),
-                               ("fsdp", 2, ("--parallel.strategy", "fsdp"))):  # fmt: skip
+    for name, nproc, extra in (
+        ("single", 1, ()),
+        ("ddp", 2, ("--parallel.strategy", "ddp")),
+        ("fsdp", 2, ("--parallel.strategy", "fsdp")),
+        ("zero2", 2, ("--parallel.strategy", "fsdp", "--parallel.reshard_after_forward", "false")),
+        ("hsdp", 4, ("--parallel.strategy", "fsdp", "--parallel.dp_replicate", "2")),
+    ):
         out[name] = (tmp / name, train(config, tmp / name, nproc, *extra))
     return out
 
@@ -69,7 +74,7 @@ def losses(records: list[dict]) -> np.ndarray:
     return np.array([r["loss"] for r in records if r["kind"] == "train"])
 
 
-@pytest.mark.parametrize("name", ["ddp", "fsdp"])
+@pytest.mark.parametrize("name", ["ddp", "fsdp", "zero2", "hsdp"])
 def test_first_losses_match_single_process(runs, name):
     single = losses(runs["single"][1])
     other = losses(runs[name][1])
@@ -81,19 +86,22 @@ def test_first_losses_match_single_process(runs, name):
     np.testing.assert_allclose(grad_other, grad_single, rtol=1e-4)
 
 
-@pytest.mark.parametrize("name", ["ddp", "fsdp"])
-def test_ranks_see_disjoint_slices_of_the_same_global_batch(runs, name):
+@pytest.mark.parametrize("name, world", [("ddp", 2), ("fsdp", 2), ("hsdp", 4)])
+def test_ranks_see_disjoint_slices_of_the_same_global_batch(runs, name, world):
     single = sample_ids(runs["single"][0], 0)
-    rank0, rank1 = sample_ids(runs[name][0], 0), sample_ids(runs[name][0], 1)
+    ranks = [sample_ids(runs[name][0], r) for r in range(world)]
     for step in range(STEPS):
-        assert len(rank0[step]) == len(rank1[step]) == 4
-        assert not set(rank0[step]) & set(rank1[step])
-        assert rank0[step] + rank1[step] == single[step]
+        parts = [r[step] for r in ranks]
+        assert all(len(p) == 8 // world for p in parts)
+        assert len({i for p in parts for i in p}) == 8  # pairwise disjoint
+        assert [i for p in parts for i in p] == single[step]
 
 
 def test_checkpoint_written_by_every_strategy(runs):
     for name, (run_dir, _) in runs.items():
         summary = json.loads((run_dir / "summary.json").read_text())
-        assert summary["strategy"] == name and summary["world_size"] == (1 if name == "single" else 2)
+        expected = {"single": ("single", 1), "ddp": ("ddp", 2), "fsdp": ("fsdp", 2), "zero2": ("fsdp", 2),
+                    "hsdp": ("fsdp", 4)}[name]  # fmt: skip
+        assert (summary["strategy"], summary["world_size"]) == expected
         final = run_dir / "checkpoints" / f"step_{STEPS:08d}"
         assert (final / "COMMITTED").is_file() and (final / ".metadata").is_file()

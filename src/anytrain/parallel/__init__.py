@@ -20,6 +20,7 @@ from torch import nn
 from anytrain import hardware
 from anytrain.config import RunConfig
 from anytrain.errors import ConfigError
+from anytrain.parallel.dims import ParallelDims
 
 
 @dataclass(frozen=True)
@@ -100,12 +101,13 @@ def all_reduce_mean(tensor: torch.Tensor) -> torch.Tensor:
 # Applying parallelism
 
 
-def resolve_strategy(cfg: RunConfig, info: DistInfo) -> str:
-    """'single', 'ddp' or 'fsdp'."""
-    strategy = cfg.parallel.strategy
-    if not info.is_distributed:
+def resolve_strategy(cfg: RunConfig, dims: ParallelDims) -> str:
+    """'single' (one process), 'ddp', 'fsdp' (incl. HSDP), or 'none' (model parallel only, no data parallelism)."""
+    if dims.world_size == 1:
         return "single"  # one process: nothing to shard or replicate
-    return "ddp" if strategy == "auto" else strategy
+    if dims.dp == 1:
+        return "none"
+    return "ddp" if cfg.parallel.strategy == "auto" else cfg.parallel.strategy
 
 
 def apply_activation_checkpointing(model: nn.Module) -> None:
@@ -125,13 +127,20 @@ def apply_compile(model: nn.Module) -> None:
         block.compile(fullgraph=False)
 
 
-def apply_fsdp(model: nn.Module, device: torch.device, mp_dtype: torch.dtype | None, reshard: bool) -> nn.Module:
-    """FSDP2: shard each block, then the root (embeddings, final norm, head). bf16 params with fp32 reduction."""
-    from torch.distributed.device_mesh import init_device_mesh
+def _dp_mesh(dims: ParallelDims, device: torch.device):
+    """The data-parallel part of the run's mesh: 1D (dp_shard or dp_replicate) or 2D (dp_replicate, dp_shard)."""
+    mesh = dims.build_mesh(device.type)
+    names = tuple(n for n in ("dp_replicate", "dp_shard") if n in (mesh.mesh_dim_names or ()))
+    return mesh[names] if len(names) > 1 or mesh.ndim > 1 else mesh
+
+
+def apply_fsdp(model: nn.Module, dims: ParallelDims, device: torch.device, mp_dtype: torch.dtype | None,
+               reshard: bool) -> nn.Module:  # fmt: skip
+    """FSDP2: shard each block, then the root (embeddings, final norm, head); bf16 params with fp32 reduction.
+    On a 2D (dp_replicate, dp_shard) mesh this is HSDP: sharded inside a group, replicated across groups."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-    world = dist.get_world_size() if dist.is_initialized() else 1
-    mesh = init_device_mesh(device.type, (world,), mesh_dim_names=("dp_shard",))
+    mesh = _dp_mesh(dims, device)
     mp = MixedPrecisionPolicy(param_dtype=mp_dtype, reduce_dtype=torch.float32) if mp_dtype else MixedPrecisionPolicy()
     blocks = model.blocks()
     for i, block in enumerate(blocks):
@@ -141,21 +150,26 @@ def apply_fsdp(model: nn.Module, device: torch.device, mp_dtype: torch.dtype | N
     return model
 
 
-def parallelize(model: nn.Module, cfg: RunConfig, info: DistInfo, device: torch.device,
+def parallelize(model: nn.Module, cfg: RunConfig, dims: ParallelDims, device: torch.device,
                 compute_dtype: torch.dtype) -> tuple[nn.Module, str]:  # fmt: skip
     """Apply AC -> compile -> DDP/FSDP in place order; returns (the model to call, strategy used)."""
-    strategy = resolve_strategy(cfg, info)
+    strategy = resolve_strategy(cfg, dims)
+    if dims.tp > 1 or dims.pp > 1:
+        raise ConfigError("parallel.tp / parallel.pp: tensor and pipeline parallelism are not implemented yet; "
+                          "set them to 1")  # fmt: skip
     if cfg.train.activation_checkpointing == "full":
         apply_activation_checkpointing(model)
     if cfg.train.compile:
         apply_compile(model)
     if strategy == "fsdp":
         mp_dtype = compute_dtype if compute_dtype != torch.float32 else None
-        model = apply_fsdp(model, device, mp_dtype, cfg.parallel.reshard_after_forward)
+        model = apply_fsdp(model, dims, device, mp_dtype, cfg.parallel.reshard_after_forward)
     elif strategy == "ddp":
         from torch.nn.parallel import DistributedDataParallel as DDP
 
-        model = DDP(model, device_ids=[device.index] if hardware.is_gpu(device) else None)
+        mesh = _dp_mesh(dims, device)
+        group = mesh.get_group() if mesh.ndim == 1 else mesh["dp"].get_group()
+        model = DDP(model, device_ids=[device.index] if hardware.is_gpu(device) else None, process_group=group)
     return model, strategy
 
 

@@ -10,6 +10,7 @@ import contextlib
 import json
 import math
 import shutil
+import time
 from datetime import datetime
 from pathlib import Path
 
@@ -31,7 +32,9 @@ from anytrain.parallel import (
     parallelize,
     unwrap,
 )
+from anytrain.parallel.dims import ParallelDims, validate_for_model
 from anytrain.train.checkpoint import Checkpointer, TrainState
+from anytrain.train.energy import EnergyMeter, energy_metrics
 from anytrain.train.guard import Preempted, StepGuard, StepStatus
 from anytrain.train.metrics import MetricsLogger, ThroughputMeter, mfu
 from anytrain.train.optim import build_optimizer, build_scheduler
@@ -75,8 +78,12 @@ class Trainer:
                  overwrite: bool = False) -> None:  # fmt: skip
         self.cfg = cfg
         self.info, self.device = init_distributed(cfg.device)
-        self.plan = plan_batches(cfg.train, self.info.world_size)
+        self.dims = ParallelDims.from_config(cfg.parallel, self.info.world_size)
+        self.dp_rank, self.dp_world = self.dims.dp_rank(self.info.rank), self.dims.dp
+        self.plan = plan_batches(cfg.train, self.dp_world)
         self.model_args = resolve_args(cfg.model)
+        validate_for_model(self.dims, self.model_args.n_layers, getattr(self.model_args, "n_heads", None),
+                           getattr(self.model_args, "n_kv_heads", None))  # fmt: skip
         self.dataset = TokenDataset(cfg.data.path)
         self._check_data_fits_model()
         self.run_dir = self._setup_run_dir(run_dir, resume or cfg.checkpoint.auto_resume, overwrite)
@@ -98,6 +105,8 @@ class Trainer:
         self.flops_per_token = self.raw_model.flops_per_token(seq_len)
         self.peak_flops = hardware.peak_flops(self.device)
         self.guard = StepGuard(cfg, self.device, self.info.is_main, self.info.world_size)
+        # Power of this rank's device (NVML / AMD SMI); rank 0 scales it to the job. Absent on CPU: values are null.
+        self.energy = EnergyMeter(self.device.index or 0) if hardware.is_gpu(self.device) else None
         self._sample_log = self._open_sample_log() if cfg.train.log_sample_ids else None
 
     # ----------------------------------------------------------------------------------------------------------------
@@ -149,7 +158,7 @@ class Trainer:
         torch.manual_seed(self.cfg.train.seed)  # identical weights on every rank of the same device type
         model.init_weights()
         self.raw_model = model
-        self.model, self.strategy = parallelize(model, self.cfg, self.info, self.device, self.dtype)
+        self.model, self.strategy = parallelize(model, self.cfg, self.dims, self.device, self.dtype)
         self.optimizer = build_optimizer(self.model, self.cfg.train, self.device)
         self.scheduler = build_scheduler(self.optimizer, self.cfg.train)
         # FSDP casts parameters itself (bf16 params, fp32 reduce); otherwise autocast does mixed precision.
@@ -185,7 +194,7 @@ class Trainer:
         finite; it is skipped and counted when the spike guard fires.
         """
         self.guard.maybe_kill(step, self.info.rank)
-        inputs, targets, ids = self.train_source.rank_batch(step, self.info.rank, self.info.world_size)
+        inputs, targets, ids = self.train_source.rank_batch(step, self.dp_rank, self.dp_world)
         if self._sample_log is not None:
             self._sample_log.write(json.dumps({"step": step, "ids": ids.tolist()}) + "\n")
         gpu = hardware.is_gpu(self.device)
@@ -220,7 +229,7 @@ class Trainer:
         total = torch.zeros(2, device=self.device, dtype=torch.float64)  # (loss sum, token count)
         micro = self.plan.micro_batch
         for batch in range(self.cfg.train.eval_batches):
-            inputs, targets, _ = self.val_source.rank_batch(batch, self.info.rank, self.info.world_size)
+            inputs, targets, _ = self.val_source.rank_batch(batch, self.dp_rank, self.dp_world)
             for i in range(0, inputs.shape[0], micro):
                 x, y = inputs[i : i + micro].to(self.device), targets[i : i + micro].to(self.device)
                 with self._autocast():
@@ -247,6 +256,9 @@ class Trainer:
         end = min(cfg.steps, cfg.stop_at_step or cfg.steps)
         self._end_step = end
         self.guard.install()
+        self._energy_start = (time.perf_counter(), self.progress["tokens_seen"])
+        if self.energy is not None:
+            self.energy.start()
         try:
             while step < end:
                 loss, grad_norm, status = self.train_step(step)
@@ -317,8 +329,18 @@ class Trainer:
             "mfu": mfu(self.flops_per_token, per_device, self.peak_flops),
             "peak_mem_gib": hardware.peak_memory_gib(self.device),
             "window_s": seconds,
+            "skipped_steps": self.guard.skipped_steps,
+            **self._energy_metrics(),
         })  # fmt: skip
         return tokens_per_s
+
+    def _energy_metrics(self) -> dict:
+        """avg_watts, joules, tokens_per_joule, tflops_per_watt since training started in this invocation."""
+        reading = self.energy.read() if self.energy is not None else {"joules": None}
+        started, tokens_at_start = self._energy_start
+        tokens = self.progress["tokens_seen"] - tokens_at_start
+        return energy_metrics(reading["joules"], time.perf_counter() - started, tokens, tokens * self.flops_per_token,
+                              devices=self.info.world_size)  # fmt: skip
 
     def _eval_and_log(self, step: int) -> float:
         val = self.evaluate()
@@ -340,6 +362,7 @@ class Trainer:
             "tokens_per_s_per_device": per_device,
             "mfu": mfu(self.flops_per_token, per_device, self.peak_flops),
             "peak_mem_gib": hardware.peak_memory_gib(self.device),
+            "energy": self._energy_metrics(),
             "world_size": self.info.world_size,
             "strategy": self.strategy,
             "dtype": str(self.dtype).replace("torch.", ""),
@@ -355,6 +378,8 @@ class Trainer:
         return summary
 
     def close(self) -> None:
+        if self.energy is not None:
+            self.energy.stop()
         self.log.close()
         if self._sample_log is not None:
             self._sample_log.close()

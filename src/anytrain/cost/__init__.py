@@ -1,0 +1,42 @@
+"""Cost model and planner: predict memory, communication, time and energy of a training run before it starts.
+
+``model`` holds the arithmetic (closed forms in each docstring and in docs/cost-model.md), ``devices`` the device
+and system figures (hardware.DEVICE_CATALOGUE plus efficiency, power and node data), ``planner`` the layout search,
+``cli`` the ``anytrain plan`` command and ``report`` the projection tables.
+"""
+
+from anytrain.cost.devices import DEVICES, SYSTEMS, Device, get_device
+from anytrain.cost.model import (
+    AMP,
+    FSDP_BF16,
+    MEGATRON,
+    Estimate,
+    Layout,
+    ModelShape,
+    Precision,
+    Workload,
+    estimate,
+    memory_per_device,
+)
+from anytrain.cost.planner import NoFeasiblePlan, PlanResult, choose_layout, plan
+
+__all__ = [
+    "AMP",
+    "DEVICES",
+    "FSDP_BF16",
+    "MEGATRON",
+    "SYSTEMS",
+    "Device",
+    "Estimate",
+    "Layout",
+    "ModelShape",
+    "NoFeasiblePlan",
+    "PlanResult",
+    "Precision",
+    "Workload",
+    "choose_layout",
+    "estimate",
+    "get_device",
+    "memory_per_device",
+    "plan",
+]

@@ -1,0 +1,149 @@
+"""Device and system figures for the cost model: ``hardware.DEVICE_CATALOGUE`` plus what planning needs on top.
+
+``hardware.DeviceSpec`` holds the datasheet (peak dense bf16, memory, HBM, TDP, per-device intra/inter-node
+bandwidth). Planning also needs devices per node, link latencies, an *achieved* efficiency (the fraction of peak that
+a well-tuned training step reaches on its compute, i.e. MFU with no exposed communication and no pipeline bubble), and
+the average power as a fraction of TDP. Those live here, keyed by a short name (``h100``, ``mi250x``...), and every
+field can be overridden (``get_device("h100", efficiency=0.5)``, ``--efficiency-table FILE``).
+
+Entries that ``hardware.py`` lacks (MI250/MI250X per *card*) are added here; move them into hardware.py later.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from anytrain import hardware
+from anytrain.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class Device:
+    """One accelerator as the planner sees it (one PyTorch device; MI250/MI250X: one GCD unless ``-card``)."""
+
+    key: str
+    name: str
+    peak_bf16_tflops: float
+    memory_gib: float
+    hbm_tb_per_s: float
+    tdp_watts: float
+    intra_node_gb_per_s: float  # per device, per direction (NVLink / Infinity Fabric)
+    inter_node_gb_per_s: float  # per device share of the node's NICs
+    gpus_per_node: int = 8
+    efficiency: float = 0.40  # achieved fraction of peak on the compute of a training step (fit on a GPU)
+    power_fraction: float = 0.80  # average board power while training / TDP
+    intra_latency_us: float = 5.0
+    inter_latency_us: float = 15.0
+
+    @property
+    def peak_flops(self) -> float:
+        return self.peak_bf16_tflops * 1e12
+
+    @property
+    def avg_watts(self) -> float:
+        return self.tdp_watts * self.power_fraction
+
+    def replace(self, **changes: float | int | str) -> Device:
+        known = {f.name for f in dataclasses.fields(self)}
+        for name in changes:
+            if name not in known:
+                raise ConfigError(
+                    f"device override {name!r}: unknown field; valid fields are {', '.join(sorted(known))}"
+                )
+        return dataclasses.replace(self, **changes)
+
+
+def _from_hw(key: str, catalogue_key: str, **extra: float | int) -> Device:
+    spec = dict(hardware.DEVICE_CATALOGUE)[catalogue_key]
+    fields = dataclasses.asdict(spec)
+    return Device(key=key, **fields, **extra)
+
+
+# Achieved-efficiency defaults (fraction of dense bf16 peak): H100/H200 from Megatron-Core's 41-49% MFU at scale and
+# anytrain's 51% (1.1B, one H200); A100 ~50% (Megatron); MI250X 0.38 from ORNL Frontier (22B: 38.4% of 191.5 TFLOP/s;
+# 175B: 36.1%, 1T: 32.0% including communication); MI300X conservative. Refit with a GPU validation run.
+DEVICES: dict[str, Device] = {
+    "h200": _from_hw("h200", "H200", efficiency=0.48),
+    "h100": _from_hw("h100", "H100", efficiency=0.45),
+    "h100-pcie": _from_hw("h100-pcie", "H100 PCIe", efficiency=0.40, gpus_per_node=4),
+    "a100-40": _from_hw("a100-40", "A100-SXM4-40GB", efficiency=0.50),
+    "a100-80": _from_hw("a100-80", "A100", efficiency=0.50),
+    "v100": _from_hw("v100", "V100", efficiency=0.40),  # fp16 peak: V100 has no bf16
+    "mi300x": _from_hw("mi300x", "MI300X", efficiency=0.35),
+    "mi250x": _from_hw("mi250x", "MI250X", efficiency=0.38),
+    "mi250": _from_hw("mi250", "MI250", efficiency=0.38),
+    # Not in hardware.py yet: one MI250X / MI250 card = two GCDs seen as one device (2 x peak, memory, HBM, power).
+    "mi250x-card": Device(
+        "mi250x-card", "MI250X (card, 2 GCDs)", 383.0, 128.0, 3.2, 560.0, 200.0, 50.0, gpus_per_node=4, efficiency=0.38
+    ),
+    "mi250-card": Device(
+        "mi250-card", "MI250 (card, 2 GCDs)", 362.0, 128.0, 3.2, 560.0, 200.0, 50.0, gpus_per_node=4, efficiency=0.38
+    ),
+}
+
+ALIASES = {"a100": "a100-80", "h100-sxm": "h100", "h200-sxm": "h200", "mi250x-gcd": "mi250x", "mi250-gcd": "mi250"}
+
+# Named systems: a device plus node figures. Frontier: 4 MI250X (8 GCDs) and 4 x 25 GB/s Slingshot NICs per node.
+SYSTEMS: dict[str, tuple[str, dict[str, float | int]]] = {
+    "frontier": ("mi250x", {"gpus_per_node": 8, "inter_node_gb_per_s": 12.5}),
+    "dgx-h100": ("h100", {"gpus_per_node": 8, "inter_node_gb_per_s": 50.0}),
+    "dgx-h200": ("h200", {"gpus_per_node": 8, "inter_node_gb_per_s": 50.0}),
+}
+
+EFFICIENCY_ENV = "ANYTRAIN_EFFICIENCY_TABLE"
+
+
+def load_efficiency_table(path: str | Path) -> dict[str, dict[str, float]]:
+    """JSON ``{"h100": {"efficiency": 0.47, "power_fraction": 0.85}, ...}`` (a validation run writes this)."""
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"--efficiency-table: file {path} not found")
+    try:
+        table = json.loads(path.read_text())
+    except json.JSONDecodeError as exc:
+        raise ConfigError(f"--efficiency-table: {path} is not valid JSON ({exc})") from None
+    if not isinstance(table, dict) or not all(isinstance(v, dict) for v in table.values()):
+        raise ConfigError(f"--efficiency-table: {path} must map device keys to objects of field overrides")
+    return table
+
+
+def get_device(kind: str, table: dict[str, dict[str, float]] | None = None, **overrides: float | int) -> Device:
+    """Device by short key (``h100``), alias, system name (``frontier``) or a GPU name as torch reports it.
+
+    Overrides apply last: explicit keyword overrides > ``table`` > ``$ANYTRAIN_EFFICIENCY_TABLE`` > defaults.
+    """
+    key = kind.strip().lower()
+    system_overrides: dict[str, float | int] = {}
+    if key in SYSTEMS:
+        key, system_overrides = SYSTEMS[key]
+    key = ALIASES.get(key, key)
+    device = DEVICES.get(key)
+    if device is None:  # a full device name such as "NVIDIA H100 80GB HBM3"
+        spec = hardware.lookup_spec(kind)
+        device = next((d for d in DEVICES.values() if spec and d.name == spec.name), None)
+    if device is None:
+        choices = ", ".join([*DEVICES, *SYSTEMS])
+        raise ConfigError(f"--gpu: unknown device {kind!r}; choose from {choices}")
+    merged: dict[str, float | int] = dict(system_overrides)
+    env_table = os.environ.get(EFFICIENCY_ENV)
+    for source in (load_efficiency_table(env_table) if env_table else None, table):
+        if source and device.key in source:
+            merged.update(source[device.key])
+    merged.update({k: v for k, v in overrides.items() if v is not None})
+    return device.replace(**merged) if merged else device
+
+
+def from_spec(spec: hardware.DeviceSpec | Device | str | None) -> Device | None:
+    """Accept what callers have: a hardware.DeviceSpec (from ``hardware.device_spec``), a Device, or a name."""
+    if spec is None or isinstance(spec, Device):
+        return spec
+    if isinstance(spec, str):
+        return get_device(spec)
+    match = next((d for d in DEVICES.values() if d.name == spec.name), None)
+    if match is not None:
+        return dataclasses.replace(match, **dataclasses.asdict(spec))
+    return Device(key=spec.name.lower(), **dataclasses.asdict(spec))

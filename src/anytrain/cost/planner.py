@@ -1,0 +1,314 @@
+"""Layout search: enumerate (tp, pp, dp, strategy, micro-batch, activation checkpointing), keep those that fit,
+rank by predicted step time, and explain the choice — or, when nothing fits, name the smallest change that would.
+
+The ranking realises the seed study's rule "use the fewest nodes that fit the model with model parallelism, give the
+rest to data parallelism": TP traffic is exposed and PP adds a bubble, so among layouts that fit the fastest one
+is usually the one with the smallest model-parallel group (ties are broken towards smaller tp·pp, larger
+micro-batches, then less memory).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from anytrain.cost.devices import DEVICES, Device
+from anytrain.cost.model import STRATEGIES, Estimate, Layout, ModelShape, Precision, Workload, estimate
+from anytrain.errors import ConfigError
+
+# What anytrain's trainer can run today (no TP/PP yet): used by choose_layout.
+TRAINER_STRATEGIES = ("ddp", "fsdp")
+
+
+class NoFeasiblePlan(ConfigError):
+    """No layout fits; ``best`` is the closest candidate, the message names the smallest change that fits."""
+
+    def __init__(self, message: str, best: Estimate | None = None, suggestions: list[str] | None = None) -> None:
+        super().__init__(message)
+        self.best = best
+        self.suggestions = suggestions or []
+
+
+@dataclass
+class PlanResult:
+    ranked: list[Estimate]  # feasible, best first
+    recommended: Estimate
+    reason: str
+    infeasible: int = 0
+    notes: list[str] = field(default_factory=list)
+
+    def as_dict(self, top: int = 10) -> dict:
+        return {
+            "recommended": self.recommended.as_dict(),
+            "reason": self.reason,
+            "ranked": [e.as_dict() for e in self.ranked[:top]],
+            "feasible": len(self.ranked),
+            "infeasible": self.infeasible,
+            "notes": self.notes,
+        }
+
+
+def _divisors(n: int) -> list[int]:
+    return [k for k in range(1, n + 1) if n % k == 0]
+
+
+def _powers_of_two(limit: int) -> list[int]:
+    out, k = [], 1
+    while k <= limit:
+        out.append(k)
+        k *= 2
+    return out
+
+
+def validate_request(
+    shape: ModelShape,
+    gpus: int,
+    gpus_per_node: int,
+    global_batch: int,
+    seq_len: int,
+    tp: int | None = None,
+    pp: int | None = None,
+) -> None:
+    """Errors that no layout can fix, each naming the flag."""
+    for flag, value in (
+        ("--gpus", gpus),
+        ("--gpus-per-node", gpus_per_node),
+        ("--global-batch", global_batch),
+        ("--seq", seq_len),
+    ):
+        if value <= 0:
+            raise ConfigError(f"{flag}: must be > 0, got {value}")
+    if gpus > gpus_per_node and gpus % gpus_per_node:
+        raise ConfigError(f"--gpus: {gpus} is not a multiple of --gpus-per-node {gpus_per_node} (whole nodes)")
+    if tp is not None:
+        if tp > gpus_per_node:
+            raise ConfigError(
+                f"--tp: {tp} is larger than --gpus-per-node {gpus_per_node}; tensor parallelism must "
+                f"stay inside a node (its traffic is on the critical path)"
+            )
+        if gpus_per_node % tp or shape.n_heads % tp or shape.n_kv_heads % tp and not shape.expand_kv:
+            raise ConfigError(
+                f"--tp: {tp} must divide --gpus-per-node {gpus_per_node} and the model's "
+                f"{shape.n_heads} attention heads"
+            )
+    if pp is not None:
+        if shape.n_layers % pp:
+            raise ConfigError(
+                f"--pp: {pp} does not divide the model's {shape.n_layers} layers; choose one of "
+                f"{', '.join(map(str, _divisors(shape.n_layers)))}"
+            )
+        if pp > gpus:
+            raise ConfigError(f"--pp: {pp} is larger than --gpus {gpus}")
+    if tp is not None and pp is not None and gpus % (tp * pp):
+        raise ConfigError(f"--gpus: {gpus} is not divisible by tp × pp = {tp * pp}")
+
+
+def candidate_layouts(
+    shape: ModelShape,
+    gpus: int,
+    gpus_per_node: int,
+    global_batch: int,
+    strategies: tuple[str, ...] = STRATEGIES,
+    tp: int | None = None,
+    pp: int | None = None,
+    micro_batches: tuple[int, ...] | None = None,
+    ac: tuple[str, ...] = ("none", "full"),
+    pp_schedule: str = "1f1b",
+    max_micro_batch: int = 64,
+) -> list[Layout]:
+    """Every layout with tp | gcd(G, heads), pp | L, tp·pp·dp = N, dp·b | B; HSDP shards within a node."""
+    tps = [tp] if tp else [k for k in _powers_of_two(gpus_per_node) if gpus % k == 0 and shape.n_heads % k == 0]
+    pps = [pp] if pp else [k for k in _divisors(shape.n_layers) if gpus % k == 0]
+    out: list[Layout] = []
+    for t in tps:
+        for p in pps:
+            if gpus % (t * p):
+                continue
+            dp = gpus // (t * p)
+            if global_batch % dp:
+                continue
+            per_replica = global_batch // dp
+            mbs = micro_batches or tuple(k for k in _powers_of_two(min(per_replica, max_micro_batch)))
+            for strategy in strategies:
+                shards = [0]
+                if strategy == "hsdp":
+                    inner = max(1, gpus_per_node // t)
+                    if inner < 2 or dp <= inner or dp % inner:
+                        continue
+                    shards = [inner]
+                elif strategy != "ddp" and dp == 1:
+                    continue
+                reshard = (True, False) if strategy == "fsdp" else (True,)
+                for mb in mbs:
+                    if per_replica % mb or (p > 1 and per_replica // mb < p):
+                        continue
+                    for policy in ac:
+                        for rs in reshard:
+                            out.append(Layout(dp, t, p, strategy, shards[0], mb, policy, pp_schedule, 1, rs))
+    return out
+
+
+def _rank_key(est: Estimate) -> tuple:
+    """Step time within 1% first; then smaller model-parallel group, no recomputation, larger micro-batch (better
+    kernel efficiency than the model's constant one), fewer bytes moved, less memory."""
+    lay = est.layout
+    traffic = sum(c.bytes_per_step for c in est.comm)
+    bucket = round(math.log(est.step_s) / math.log(1.01)) if est.step_s > 0 else 0
+    return (bucket, lay.tp * lay.pp, lay.ac != "none", -lay.micro_batch, traffic, est.required_gib)
+
+
+def _reason(best: Estimate, ranked: list[Estimate], gpus_per_node: int) -> str:
+    lay = best.layout
+    mp = lay.tp * lay.pp
+    nodes = max(1, -(-mp // gpus_per_node))
+    text = f"fastest layout that fits ({best.required_gib:.1f} of {best.device.memory_gib:.0f} GiB per device)"
+    if mp > 1:
+        text += (
+            f"; model parallelism tp{lay.tp}×pp{lay.pp} = {mp} devices ({nodes} node{'s' * (nodes > 1)}) "
+            f"holds the model, the remaining factor {lay.dp} is data parallel"
+        )
+        if lay.tp > 1:
+            text += "; tensor parallelism stays inside a node"
+    else:
+        text += f"; no model parallelism needed, all {lay.dp} devices are data parallel ({lay.strategy})"
+    if lay.ac == "full":
+        text += "; full activation checkpointing is needed to fit"
+    return text
+
+
+def _search(
+    shape: ModelShape, device: Device, gpus: int, wl: Workload, precision: Precision | None, **kw: object
+) -> tuple[list[Estimate], list[Estimate]]:
+    feasible, infeasible = [], []
+    for layout in candidate_layouts(shape, gpus, device.gpus_per_node, wl.global_batch, **kw):
+        est = estimate(shape, layout, wl, device, precision)
+        (feasible if est.fits else infeasible).append(est)
+    return feasible, infeasible
+
+
+def smallest_change(
+    shape: ModelShape, device: Device, gpus: int, wl: Workload, precision: Precision | None, **kw: object
+) -> list[str]:
+    """Suggestions that would fit: more devices (whole nodes, up to 64×), or a device with more memory."""
+    out = []
+    g = device.gpus_per_node
+    n = gpus
+    for _ in range(8):
+        n = g if n < g else 2 * n
+        batch = max(wl.global_batch, n)
+        trial = Workload(**{**wl.__dict__, "global_batch": batch - batch % n if batch % n else batch})
+        feasible, _ = _search(shape, device, n, trial, precision, **kw)
+        if feasible:
+            extra = f" and --global-batch {trial.global_batch}" if trial.global_batch != wl.global_batch else ""
+            out.append(f"use --gpus {n} ({n // g} nodes of {g}){extra}")
+            break
+    for other in sorted(DEVICES.values(), key=lambda d: d.memory_gib):
+        if other.memory_gib > device.memory_gib:
+            feasible, _ = _search(shape, other.replace(gpus_per_node=g), gpus, wl, precision, **kw)
+            if feasible:
+                out.append(f"use --gpu {other.key} ({other.memory_gib:.0f} GiB per device)")
+                break
+    if wl.seq_len > 512:
+        shorter = Workload(**{**wl.__dict__, "seq_len": wl.seq_len // 2})
+        if _search(shape, device, gpus, shorter, precision, **kw)[0]:
+            out.append(f"halve --seq to {wl.seq_len // 2}")
+    return out
+
+
+def plan(
+    shape: ModelShape,
+    device: Device,
+    gpus: int,
+    wl: Workload,
+    precision: Precision | None = None,
+    strategies: tuple[str, ...] = STRATEGIES,
+    tp: int | None = None,
+    pp: int | None = None,
+    micro_batch: int | None = None,
+    ac: tuple[str, ...] = ("none", "full"),
+    pp_schedule: str = "1f1b",
+) -> PlanResult:
+    """Ranked feasible layouts for ``shape`` on ``gpus`` devices. Raises ConfigError for impossible requests and
+    NoFeasiblePlan (a ConfigError) naming the smallest change when nothing fits."""
+    validate_request(shape, gpus, device.gpus_per_node, wl.global_batch, wl.seq_len, tp, pp)
+    if micro_batch is not None and micro_batch <= 0:
+        raise ConfigError(f"--micro-batch: must be > 0, got {micro_batch}")
+    kw = dict(
+        strategies=strategies,
+        tp=tp,
+        pp=pp,
+        ac=ac,
+        pp_schedule=pp_schedule,
+        micro_batches=(micro_batch,) if micro_batch else None,
+    )
+    feasible, infeasible = _search(shape, device, gpus, wl, precision, **kw)
+    if not feasible and not infeasible:
+        raise ConfigError(
+            f"--global-batch: {wl.global_batch} sequences cannot be split over any data-parallel "
+            f"degree of {gpus} devices with these constraints; use a multiple of {gpus}"
+        )
+    if not feasible:
+        best = min(infeasible, key=lambda e: e.required_gib)
+        changes = smallest_change(shape, device, gpus, wl, precision, **kw)
+        hint = "; ".join(changes) if changes else "no change within 64x the devices fits"
+        raise NoFeasiblePlan(
+            f"--gpus: the model ({shape.num_params / 1e9:.2f}B parameters) does not fit on {gpus} x {device.name}: "
+            f"the leanest layout ({best.layout.label}, micro-batch {best.layout.micro_batch}, AC {best.layout.ac}) "
+            f"needs {best.required_gib:.1f} GiB per device of {device.memory_gib:.0f}; smallest change: {hint}",
+            best,
+            changes,
+        )
+    feasible.sort(key=_rank_key)
+    return PlanResult(feasible, feasible[0], _reason(feasible[0], feasible, device.gpus_per_node), len(infeasible))
+
+
+def choose_layout(cfg: object, world_size: int, device_spec: object, gpus_per_node: int | None = None) -> dict:
+    """For ``anytrain train --parallel.auto``: pick strategy, micro-batch and activation checkpointing for ``cfg``.
+
+    Restricted to what the trainer runs (DDP or FSDP2, no TP/PP) and to its precision (autocast over fp32 params;
+    FSDP2 bf16 params with fp32 reduction). ``device_spec``: hardware.DeviceSpec, cost Device, key, or None (CPU:
+    keep the config's choices). Returns config overrides plus the predictions.
+    """
+    import os
+
+    from anytrain.cost.cli import shape_from_config
+    from anytrain.cost.devices import from_spec
+
+    device = from_spec(device_spec)
+    per_rank = cfg.train.global_batch // world_size if cfg.train.global_batch % world_size == 0 else 0
+    if device is None:
+        return {
+            "parallel.strategy": "ddp" if world_size > 1 else "auto",
+            "train.micro_batch": cfg.train.micro_batch,
+            "train.activation_checkpointing": cfg.train.activation_checkpointing,
+            "predicted": None,
+        }
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", "0")) or gpus_per_node or min(world_size, device.gpus_per_node)
+    device = device.replace(gpus_per_node=max(1, local))
+    shape = shape_from_config(cfg)
+    wl = Workload(cfg.data.seq_len, cfg.train.global_batch, compiled=cfg.train.compile)
+    strategies = TRAINER_STRATEGIES if world_size > 1 else ("ddp",)
+    if not per_rank:
+        raise ConfigError(
+            f"train.global_batch: {cfg.train.global_batch} is not divisible by the world size {world_size}"
+        )
+    result = plan(shape, device, world_size, wl, strategies=strategies, tp=1, pp=1)
+    best = result.recommended
+    lay = best.layout
+    return {
+        "parallel.strategy": lay.strategy if world_size > 1 else "auto",
+        "parallel.reshard_after_forward": lay.reshard_after_forward,
+        "train.micro_batch": lay.micro_batch,
+        "train.activation_checkpointing": lay.ac,
+        "dp": lay.dp,
+        "tp": 1,
+        "pp": 1,
+        "grad_accum": per_rank // lay.micro_batch,
+        "predicted": {
+            "memory_gib": best.allocated_gib,
+            "required_gib": best.required_gib,
+            "step_s": best.step_s,
+            "mfu": best.mfu,
+        },
+        "reason": result.reason,
+    }

@@ -1,0 +1,102 @@
+"""Parallel degrees of a run and the one DeviceMesh built from them.
+
+World = pp × dp_replicate × dp_shard × tp, laid out in that order (tensor parallel innermost, so TP groups are
+consecutive ranks and stay inside a node when ``tp`` divides the GPUs per node). Data parallelism is the product
+``dp_replicate × dp_shard``: ranks that share a data-parallel coordinate (TP peers, pipeline stages) read the same
+batch. ``-1`` infers a degree from the world size.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import cached_property
+
+from anytrain.config import ParallelConfig
+from anytrain.errors import ConfigError
+
+ORDER = ("pp", "dp_replicate", "dp_shard", "tp")
+
+
+@dataclass(frozen=True)
+class ParallelDims:
+    pp: int
+    dp_replicate: int
+    dp_shard: int
+    tp: int
+    world_size: int
+
+    @classmethod
+    def from_config(cls, cfg: ParallelConfig, world_size: int) -> ParallelDims:
+        degrees = {name: getattr(cfg, name) for name in ORDER}
+        for name, value in degrees.items():
+            if value == 0 or value < -1:
+                raise ConfigError(f"parallel.{name}: must be a positive degree or -1 (infer), got {value}")
+        unknown = [name for name, value in degrees.items() if value == -1]
+        if len(unknown) > 1:
+            raise ConfigError(f"parallel: only one degree may be -1 (inferred), got {', '.join(unknown)}")
+        known = 1
+        for value in degrees.values():
+            known *= value if value != -1 else 1
+        if unknown:
+            if world_size % known:
+                raise ConfigError(f"parallel.{unknown[0]}: cannot infer; the other degrees' product {known} does not "
+                                  f"divide the world size {world_size}")  # fmt: skip
+            degrees[unknown[0]] = world_size // known
+        product = degrees["pp"] * degrees["dp_replicate"] * degrees["dp_shard"] * degrees["tp"]
+        if product != world_size:
+            shown = " x ".join(f"{n}={degrees[n]}" for n in ORDER)
+            raise ConfigError(f"parallel: {shown} = {product} processes, but the world size is {world_size}; "
+                              "make the product equal the number of processes (or set one degree to -1)")  # fmt: skip
+        return cls(world_size=world_size, **degrees)
+
+    @property
+    def dp(self) -> int:
+        return self.dp_replicate * self.dp_shard
+
+    @property
+    def active(self) -> tuple[str, ...]:
+        return tuple(name for name in ORDER if getattr(self, name) > 1)
+
+    def coordinates(self, rank: int) -> dict[str, int]:
+        """This rank's index along each dimension (row-major over ORDER)."""
+        coords, rest = {}, rank
+        for name in reversed(ORDER):
+            size = getattr(self, name)
+            coords[name] = rest % size
+            rest //= size
+        return coords
+
+    def dp_rank(self, rank: int) -> int:
+        """Index of this rank's data-parallel replica/shard in [0, dp): selects its slice of each global batch."""
+        c = self.coordinates(rank)
+        return c["dp_replicate"] * self.dp_shard + c["dp_shard"]
+
+    @cached_property
+    def _mesh_cache(self) -> dict:
+        return {}
+
+    def build_mesh(self, device_type: str):
+        """The run's DeviceMesh over every dimension of size > 1 (built once), with a flattened 'dp' dimension."""
+        if device_type in self._mesh_cache:
+            return self._mesh_cache[device_type]
+        from torch.distributed.device_mesh import init_device_mesh
+
+        names = self.active or ("dp_shard",)
+        mesh = init_device_mesh(device_type, tuple(getattr(self, n) for n in names), mesh_dim_names=names)
+        dp_names = tuple(n for n in ("dp_replicate", "dp_shard") if n in names)
+        if len(dp_names) == 2:
+            mesh[dp_names]._flatten("dp")
+        self._mesh_cache[device_type] = mesh
+        return mesh
+
+
+def validate_for_model(dims: ParallelDims, n_layers: int, n_heads: int | None, n_kv_heads: int | None) -> None:
+    """Layouts the model cannot take: TP not dividing the heads, more pipeline stages than layers."""
+    if dims.tp > 1:
+        if n_heads is None:
+            raise ConfigError("parallel.tp: tensor parallelism is implemented for the transformer only; set tp 1")
+        if n_heads % dims.tp or (n_kv_heads or n_heads) % dims.tp:
+            raise ConfigError(f"parallel.tp: {dims.tp} does not divide the model's {n_heads} query / "
+                              f"{n_kv_heads or n_heads} key-value heads; choose a divisor")  # fmt: skip
+    if dims.pp > n_layers:
+        raise ConfigError(f"parallel.pp: {dims.pp} pipeline stages for {n_layers} layers; use at most {n_layers}")

@@ -1,0 +1,156 @@
+"""Planner: ranking, clear errors for impossible requests, the CLI command, and a monotonicity property."""
+
+import json
+import random
+
+import pytest
+import typer
+from typer.testing import CliRunner
+
+from anytrain.config import load_config
+from anytrain.cost.cli import parse_count, plan_command, shape_from_params
+from anytrain.cost.devices import get_device
+from anytrain.cost.model import MEGATRON, Layout, ModelShape, Workload, estimate
+from anytrain.cost.planner import NoFeasiblePlan, candidate_layouts, choose_layout, plan
+from anytrain.errors import ConfigError
+
+LLAMA_7B = ModelShape(32, 4096, 32, 32, 11008, 32000)
+
+
+def test_ranked_by_step_time_and_all_fit():
+    result = plan(LLAMA_7B, get_device("h100"), 16, Workload(4096, 64))
+    times = [e.step_s for e in result.ranked]
+    assert all(e.fits for e in result.ranked)
+    assert times[0] <= min(times) * 1.01
+    assert result.recommended is result.ranked[0] and "fits" in result.reason
+
+
+def test_model_that_fits_nowhere_names_the_smallest_change():
+    with pytest.raises(NoFeasiblePlan) as info:
+        plan(shape_from_params(175e9), get_device("h100"), 8, Workload(2048, 64), MEGATRON)
+    message = str(info.value)
+    assert isinstance(info.value, ConfigError)
+    assert message.startswith("--gpus:") and "does not fit" in message and "smallest change: use --gpus" in message
+    assert info.value.best is not None and not info.value.best.fits
+
+
+def test_tp_larger_than_node_is_a_clear_error():
+    with pytest.raises(ConfigError, match=r"--tp: 16 is larger than --gpus-per-node 8"):
+        plan(LLAMA_7B, get_device("h100"), 32, Workload(2048, 64), tp=16)
+
+
+def test_pp_must_divide_layers():
+    with pytest.raises(ConfigError, match=r"--pp: 5 does not divide the model's 32 layers"):
+        plan(LLAMA_7B, get_device("h100"), 40, Workload(2048, 40), pp=5)
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(gpus=12), "--gpus: 12 is not a multiple of --gpus-per-node 8"),
+        (dict(gpus=0), "--gpus: must be > 0"),
+        (dict(gpus=8, batch=12), "--global-batch: 12 sequences cannot be split"),
+    ],
+)
+def test_request_errors(kwargs, message):
+    with pytest.raises(ConfigError, match=message):
+        plan(LLAMA_7B, get_device("h100"), kwargs["gpus"], Workload(2048, kwargs.get("batch", 64)), tp=1, pp=1)
+
+
+def test_tensor_parallel_stays_in_node_and_rest_is_data_parallel():
+    result = plan(shape_from_params(175e9), get_device("h100"), 256, Workload(2048, 512), MEGATRON)
+    best = result.recommended.layout
+    assert best.tp <= 8 and best.world == 256
+    assert all(e.layout.tp <= 8 for e in result.ranked)
+
+
+def test_more_memory_never_makes_a_feasible_layout_infeasible():
+    """Property (seeded random sweep instead of hypothesis): fits on M GiB => fits on M' > M GiB, per layout and
+    for the plan as a whole."""
+    rng = random.Random(0)
+    for _ in range(40):
+        layers = rng.choice([4, 8, 12, 24, 32])
+        heads = rng.choice([8, 16, 32])
+        dim = heads * rng.choice([64, 128])
+        shape = ModelShape(layers, dim, heads, heads // rng.choice([1, 2, 4]), 4 * dim, rng.choice([32000, 128256]))
+        gpus = rng.choice([1, 2, 4, 8, 16, 32])
+        batch = gpus * rng.choice([1, 2, 4, 8])
+        wl = Workload(rng.choice([512, 2048, 8192]), batch, compiled=rng.random() < 0.5)
+        small = get_device(rng.choice(["a100-40", "h100", "mi250x"]), memory_gib=rng.uniform(4, 64))
+        large = small.replace(memory_gib=small.memory_gib * rng.uniform(1.01, 4))
+        layouts = candidate_layouts(shape, gpus, small.gpus_per_node, batch)
+        for layout in rng.sample(layouts, k=min(5, len(layouts))):
+            if estimate(shape, layout, wl, small).fits:
+                assert estimate(shape, layout, wl, large).fits
+        try:
+            before = plan(shape, small, gpus, wl)
+        except NoFeasiblePlan:
+            continue
+        after = plan(shape, large, gpus, wl)
+        assert len(after.ranked) >= len(before.ranked)
+        assert after.recommended.step_s <= before.recommended.step_s * 1.0000001
+
+
+def test_choose_layout_for_the_trainer(tmp_path):
+    cfg = load_config("configs/1.1b.yaml")
+    choice = choose_layout(cfg, 8, get_device("h100"))
+    assert choice["parallel.strategy"] in ("ddp", "fsdp") and choice["tp"] == 1 and choice["pp"] == 1
+    assert (cfg.train.global_batch // 8) % choice["train.micro_batch"] == 0
+    assert choice["predicted"]["required_gib"] <= 80
+    single = choose_layout(cfg, 1, get_device("h200"))
+    assert single["dp"] == 1 and single["train.micro_batch"] >= 1
+    from anytrain import hardware
+
+    spec = dict(hardware.DEVICE_CATALOGUE)["H100"]
+    assert choose_layout(cfg, 8, spec)["parallel.strategy"] in ("ddp", "fsdp")
+    assert choose_layout(cfg, 1, None)["predicted"] is None
+
+
+def test_parse_count_and_shapes():
+    assert parse_count("7e9") == 7e9 and parse_count("175B") == 175e9 and parse_count("1.5t") == 1.5e12
+    with pytest.raises(ConfigError, match="--model"):
+        parse_count("seven")
+    shape = shape_from_params(7e9, layers=32, hidden=4096)
+    assert abs(shape.num_params / 7e9 - 1) < 0.02
+    assert shape_from_params(175e9).n_layers == 96
+    with pytest.raises(ConfigError, match="--model"):
+        shape_from_params(1e6, layers=32, hidden=4096)
+
+
+def _app() -> typer.Typer:
+    app = typer.Typer()
+    app.command()(plan_command)
+    return app
+
+
+def test_plan_command_json_from_config():
+    result = CliRunner().invoke(_app(), ["--model", "configs/1.1b.yaml", "--gpu", "h200", "--gpus", "8", "--json"])
+    assert result.exit_code == 0, result.output
+    data = json.loads(result.output)
+    assert data["recommended"]["fits"] and data["model"]["params"] == 1100048384
+
+
+def test_plan_command_table_from_param_count():
+    args = [
+        "--model",
+        "13B",
+        "--layers",
+        "40",
+        "--hidden",
+        "5120",
+        "--gpu",
+        "a100-80",
+        "--gpus",
+        "16",
+        "--global-batch",
+        "64",
+        "--price-per-gpu-hour",
+        "2.0",
+    ]
+    result = CliRunner().invoke(_app(), args)
+    assert result.exit_code == 0, result.output
+    assert "recommended:" in result.output and "cost" in result.output
+
+
+def test_layout_label():
+    assert Layout(dp=16, tp=8, pp=4, strategy="zero1").label == "tp8·pp4·dp16 zero1"
