@@ -101,6 +101,9 @@ class ParallelConfig:
     """Tensor-parallel degree (inside a node)."""
     pp: int = 1
     """Pipeline-parallel stages."""
+    auto: bool = False
+    """Let the cost model choose strategy, micro-batch and activation checkpointing for this device and world size
+    (``anytrain plan`` shows the ranking); the choice is written into the resolved config.yaml."""
     reshard_after_forward: bool = True
     """FSDP only: free gathered parameters after forward (ZeRO-3); False keeps them until backward (ZeRO-2)."""
 

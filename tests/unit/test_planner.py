@@ -154,3 +154,13 @@ def test_plan_command_table_from_param_count():
 
 def test_layout_label():
     assert Layout(dp=16, tp=8, pp=4, strategy="zero1").label == "tp8·pp4·dp16 zero1"
+
+
+def test_parallel_auto_in_the_trainer_keeps_cpu_choices_and_runs(tmp_path, small_data):
+    """On CPU (no device spec) parallel.auto keeps the config's choices; the run proceeds."""
+    from tests.conftest import run_cli
+
+    proc = run_cli("train", "configs/tiny.yaml", "--model.flavour", "debug", "--data.path", str(small_data),
+                   "--data.seq_len", "32", "--train.steps", "2", "--train.eval_batches", "0", "--parallel.auto",
+                   "true", "--run-dir", str(tmp_path / "auto"))  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-2000:]

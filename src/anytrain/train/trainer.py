@@ -78,6 +78,8 @@ class Trainer:
                  overwrite: bool = False) -> None:  # fmt: skip
         self.cfg = cfg
         self.info, self.device = init_distributed(cfg.device)
+        if cfg.parallel.auto:
+            self._apply_auto_layout()
         self.dims = ParallelDims.from_config(cfg.parallel, self.info.world_size)
         self.dp_rank, self.dp_world = self.dims.dp_rank(self.info.rank), self.dims.dp
         self.plan = plan_batches(cfg.train, self.dp_world)
@@ -88,6 +90,8 @@ class Trainer:
         self._check_data_fits_model()
         self.run_dir = self._setup_run_dir(run_dir, resume or cfg.checkpoint.auto_resume, overwrite)
         self.log = MetricsLogger(self.run_dir, self.info.is_main, cfg.train.steps)
+        if getattr(self, "_auto_reason", None):
+            self.log.print(f"parallel.auto: {self._auto_reason}")
         self.dtype = compute_dtype(cfg, self.device)
         self._build_model()
         self.progress: dict = {"step": 0, "tokens_seen": 0}
@@ -120,6 +124,18 @@ class Trainer:
             kept = [line for line in path.read_text().splitlines() if json.loads(line)["step"] < self.progress["step"]]
             path.write_text("".join(line + "\n" for line in kept))
         return open(path, "a", buffering=1)  # noqa: SIM115 - closed in close()
+
+    def _apply_auto_layout(self) -> None:
+        """parallel.auto: take strategy / micro-batch / activation checkpointing from the cost model's plan."""
+        from anytrain.cost.planner import choose_layout
+
+        choice = choose_layout(self.cfg, self.info.world_size, hardware.device_spec(self.device))
+        for key in ("parallel.strategy", "parallel.reshard_after_forward", "train.micro_batch",
+                    "train.activation_checkpointing"):  # fmt: skip
+            if key in choice:
+                section, name = key.split(".")
+                setattr(getattr(self.cfg, section), name, choice[key])
+        self._auto_reason = choice.get("reason")
 
     def _check_data_fits_model(self) -> None:
         if self.dataset.vocab_size > self.model_args.vocab_size:
