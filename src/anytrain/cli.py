@@ -132,6 +132,21 @@ _register_plan()
 
 
 @app.command()
+def doctor(
+    out: str = typer.Option(None, "--out", help="Write the report as JSON here (rank 0)."),
+    max_mib: int = typer.Option(1024, help="Largest all_reduce message in the bandwidth sweep, in MiB."),
+    repeats: int = typer.Option(5, help="Timed repeats per size."),
+) -> None:
+    """Check devices and their ceilings; under torchrun/srun/mpirun also all_reduce correctness and bus bandwidth."""
+    from anytrain.doctor import run_doctor
+
+    report = run_doctor(out, max_mib, repeats)
+    collectives = report.get("collectives")
+    if collectives and not collectives["all_reduce_correct"]:
+        raise AnytrainError("doctor: all_reduce returned a wrong sum on at least one rank")
+
+
+@app.command()
 def info() -> None:
     """Devices, backends, versions and the peak FLOP/s anytrain will use for MFU."""
     from anytrain import hardware
