@@ -13,7 +13,20 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from anytrain import hardware
 from anytrain.models.losses import lm_cross_entropy
+
+SDPA_NATIVE_GQA: bool | None = None
+"""Grouped-query attention inside SDPA (``enable_gqa=True``, torch >= 2.5) instead of expanding K/V to H heads.
+None = auto: on for NVIDIA (FlashAttention-2 takes K < H heads natively) and CPU, off on ROCm (its flash kernel
+path is not known to accept unequal head counts, and a fallback to the math kernel would be slow)."""
+
+
+def _native_gqa() -> bool:
+    if SDPA_NATIVE_GQA is not None:
+        return SDPA_NATIVE_GQA
+    major, minor = (int(p) for p in torch.__version__.split(".")[:2])
+    return (major, minor) >= (2, 5) and hardware.vendor() != hardware.ROCM
 
 
 @dataclass
@@ -104,6 +117,7 @@ class Attention(nn.Module):
         self.wk = nn.Linear(args.dim, args.n_kv_heads * self.head_dim, bias=False)
         self.wv = nn.Linear(args.dim, args.n_kv_heads * self.head_dim, bias=False)
         self.wo = nn.Linear(args.n_heads * self.head_dim, args.dim, bias=False)
+        self.native_gqa = args.n_kv_heads != args.n_heads and _native_gqa()  # decided once, outside compiled code
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         B, T, _ = x.shape
@@ -111,13 +125,16 @@ class Attention(nn.Module):
         k = self.wk(x).view(B, T, self.n_kv_heads, self.head_dim)  # (B, T, K, E)
         v = self.wv(x).view(B, T, self.n_kv_heads, self.head_dim)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        if self.n_kv_heads != self.n_heads:
-            # Expand K/V heads to H; SDPA's flash/efficient kernels take equal head counts on every vendor.
+        gqa = {}
+        if self.native_gqa:  # query head h reads K/V head h // (H/K), as the expansion below does
+            gqa = {"enable_gqa": True}
+        elif self.n_kv_heads != self.n_heads:  # expand K/V to H heads: equal head counts suit every SDPA kernel
             repeat = self.n_heads // self.n_kv_heads
             k = k.unsqueeze(3).expand(B, T, self.n_kv_heads, repeat, self.head_dim).reshape(B, T, -1, self.head_dim)
             v = v.unsqueeze(3).expand(B, T, self.n_kv_heads, repeat, self.head_dim).reshape(B, T, -1, self.head_dim)
         # SDPA wants (B, H, T, E); it picks FlashAttention / memory-efficient kernels on CUDA and ROCm.
-        out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True)
+        out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True,
+                                             **gqa)  # fmt: skip
         return self.wo(out.transpose(1, 2).reshape(B, T, -1))  # (B, T, D)
 
 

@@ -1,0 +1,392 @@
+"""Transformer training throughput on one GPU: HF transformers (eager, torch.compile) vs anytrain's recipe.
+
+All rows run in ONE process, one after another, on identical random token batches (a bank of 4 global batches drawn
+once from a seeded generator and cycled), with bf16 autocast, SDPA attention, fused AdamW, gradient clipping and the
+same global batch / micro-batch / gradient accumulation per shape. A step is one optimizer step (all micro-batches of
+the global batch); each row runs ``--warmup`` steps (compilation happens there) then ``--steps`` timed steps between
+two device synchronisations. Peak memory is the caching allocator's max allocated bytes over the timed steps (the
+previous row is garbage-collected and the peak counter reset before each row; ``warmup_peak_mem_gib`` covers the
+compile step).
+
+The anytrain rows run the product's own code: ``Trainer._build_model`` (meta-device build, init, ``parallelize`` =
+per-block compile, ``build_optimizer``, autocast) and ``Trainer.train_step`` (micro-batch loop, clipping, the per-step
+``StepGuard`` agreement, optimizer and scheduler) on a Trainer whose data source yields the random batches.
+
+MFU = (6·N_non-embedding + 12·L·d·T) × tokens/s / peak (989 TFLOP/s on H100/H200), the same formula for every row.
+
+    PYTHONPATH=src python bench/transformer.py --out bench/results             # full table (GPU, needs transformers)
+    PYTHONPATH=src python bench/transformer.py --groups 1.1b-2048 --profile    # one group, with a kernel profile
+    PYTHONPATH=src python bench/transformer.py --smoke                         # CPU check of the anytrain path
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import gc
+import json
+import os
+import re
+import sys
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+
+from anytrain import hardware  # noqa: E402
+from anytrain.config import ModelConfig, RunConfig, plan_batches  # noqa: E402
+from anytrain.models import losses, resolve_args, transformer  # noqa: E402
+from anytrain.parallel import DistInfo  # noqa: E402
+from anytrain.train import trainer as trainer_module  # noqa: E402
+from anytrain.train.guard import StepGuard  # noqa: E402
+from anytrain.train.trainer import Trainer  # noqa: E402
+
+
+@dataclass
+class Case:
+    group: str  # rows of one group share shape, seq, micro-batch and global batch (the ratio is taken per group)
+    flavour: str
+    seq: int
+    micro: int
+    global_batch: int
+    stack: str  # "hf-eager" | "hf-compile" | "anytrain"
+    label: str = ""
+    loss_impl: str = "chunked"
+    native_gqa: bool | None = None  # None = the model's auto choice
+    check_finite: bool = True
+    profile: bool = False
+    options: dict = field(default_factory=dict)
+
+
+def default_cases() -> list[Case]:
+    """In priority order: a time budget drops the tail."""
+    big = dict(flavour="1.1b", seq=2048, micro=4, global_batch=32)  # configs/1.1b.yaml
+    g = "1.1b-2048"
+    return [
+        Case(g, **big, stack="anytrain", label="anytrain recipe (configs/1.1b.yaml)", profile=True),
+        Case(g, **big, stack="hf-eager", label="HF eager"),
+        Case(g, **big, stack="hf-compile", label="HF + torch.compile"),
+        Case(
+            g,
+            **big,
+            stack="anytrain",
+            label="anytrain before: full logits CE, K/V expanded",
+            loss_impl="naive",
+            native_gqa=False,
+        ),  # fmt: skip
+        Case(g, **big, stack="anytrain", label="anytrain + chunked linear+CE (K/V expanded)", native_gqa=False),
+        Case("1.1b-2048-mb8", "1.1b", 2048, 8, 32, "anytrain", label="anytrain micro-batch 8"),
+        Case(g, **big, stack="anytrain", label="anytrain, train.check_finite false", check_finite=False),
+        Case("125m-2048", "125m", 2048, 8, 32, "anytrain", label="anytrain recipe"),
+        Case("125m-2048", "125m", 2048, 8, 32, "hf-eager", label="HF eager"),
+        Case("125m-2048", "125m", 2048, 8, 32, "hf-compile", label="HF + torch.compile"),
+        Case("1.1b-4096", "1.1b", 4096, 2, 16, "anytrain", label="anytrain recipe"),
+        Case("1.1b-4096", "1.1b", 4096, 2, 16, "hf-eager", label="HF eager"),
+        Case("1.1b-4096", "1.1b", 4096, 2, 16, "hf-compile", label="HF + torch.compile"),
+        Case("350m-2048", "350m", 2048, 8, 32, "anytrain", label="anytrain recipe"),
+        Case("350m-2048", "350m", 2048, 8, 32, "hf-eager", label="HF eager"),
+        Case("350m-2048", "350m", 2048, 8, 32, "hf-compile", label="HF + torch.compile"),
+        Case("1.1b-2048-mb16", "1.1b", 2048, 16, 32, "anytrain", label="anytrain micro-batch 16"),
+    ]
+
+
+def estimate_s(case: Case) -> float:
+    """Rough cost of a row on an H200 (compile + 11 steps), for the time budget."""
+    scale = {"125m": 0.3, "350m": 0.6, "1.1b": 1.0, "debug": 0.01}.get(case.flavour, 1.0)
+    return {"hf-compile": 110.0, "hf-eager": 25.0, "anytrain": 35.0}[case.stack] * scale
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Batches and the two stacks
+
+
+class RandomBatches:
+    """A bank of global batches of random tokens; ``rank_batch`` has the trainer's BatchSource signature."""
+
+    def __init__(self, vocab: int, global_batch: int, seq: int, seed: int = 0, bank: int = 4) -> None:
+        gen = torch.Generator().manual_seed(seed)
+        self.bank = [torch.randint(0, vocab, (global_batch, seq + 1), generator=gen) for _ in range(bank)]
+
+    def rank_batch(self, step: int, rank: int = 0, world: int = 1) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        tokens = self.bank[step % len(self.bank)]  # (G, T+1)
+        return tokens[:, :-1], tokens[:, 1:], torch.arange(tokens.shape[0])
+
+
+@contextlib.contextmanager
+def model_switches(case: Case) -> Iterator[None]:
+    saved = losses.LOSS_IMPL, transformer.SDPA_NATIVE_GQA
+    losses.LOSS_IMPL, transformer.SDPA_NATIVE_GQA = case.loss_impl, case.native_gqa
+    try:
+        yield
+    finally:
+        losses.LOSS_IMPL, transformer.SDPA_NATIVE_GQA = saved
+
+
+def anytrain_step_fn(case: Case, device: torch.device, batches: RandomBatches, compile_blocks: bool) -> tuple:
+    """A Trainer without data files or a run dir: the product's build and train_step on random batches."""
+    cfg = RunConfig()
+    cfg.model = ModelConfig(arch="transformer", flavour=case.flavour)
+    cfg.data.seq_len = case.seq
+    cfg.train.global_batch, cfg.train.micro_batch = case.global_batch, case.micro
+    cfg.train.compile, cfg.train.check_finite = compile_blocks, case.check_finite
+    cfg.train.lr, cfg.train.warmup_steps, cfg.train.steps = 4e-4, 100, 1000
+    trainer = object.__new__(Trainer)
+    trainer.cfg, trainer.info, trainer.device = cfg, DistInfo(), device
+    trainer.dp_rank, trainer.dp_world = 0, 1
+    dims_cls = getattr(trainer_module, "ParallelDims", None)  # the trainer's parallel layout, where it has one
+    if dims_cls is not None:
+        trainer.dims = dims_cls.from_config(cfg.parallel, 1)
+        trainer.dp_rank, trainer.dp_world = trainer.dims.dp_rank(0), trainer.dims.dp
+    trainer.plan = plan_batches(cfg.train, 1)
+    trainer.model_args = resolve_args(cfg.model)
+    trainer.dtype = torch.bfloat16 if hardware.is_gpu(device) else torch.float32
+    with model_switches(case):
+        trainer._build_model()
+    trainer.guard = StepGuard(cfg, device, True, 1)
+    trainer.train_source, trainer._sample_log = batches, None
+    model = trainer.raw_model
+    info = {"params": model.num_params(), "flops_per_token": model.flops_per_token(case.seq)}
+
+    def step(i: int) -> None:
+        with model_switches(case):  # the loss implementation is read at call time
+            trainer.train_step(i)
+
+    return step, info, trainer
+
+
+def hf_step_fn(case: Case, device: torch.device, batches: RandomBatches) -> tuple:
+    """HF LlamaForCausalLM of the same shape (random init, fp32 master weights), autocast bf16, SDPA, fused AdamW."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    a = resolve_args(ModelConfig(arch="transformer", flavour=case.flavour))
+    config = LlamaConfig(vocab_size=a.vocab_size, hidden_size=a.dim, intermediate_size=a.ffn_dim,
+                         num_hidden_layers=a.n_layers, num_attention_heads=a.n_heads, num_key_value_heads=a.n_kv_heads,
+                         max_position_embeddings=a.max_seq_len, rms_norm_eps=a.norm_eps, tie_word_embeddings=False,
+                         use_cache=False, attn_implementation="sdpa")  # fmt: skip
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = LlamaForCausalLM(config)
+    model = model.float().train()
+    params = sum(p.numel() for p in model.parameters())
+    info = {"params": params, "attn_implementation": getattr(model.config, "_attn_implementation", None)}
+    optimizer = torch.optim.AdamW(model.parameters(), lr=4e-4, betas=(0.9, 0.95), weight_decay=0.1, fused=True)
+    run = torch.compile(model) if case.stack == "hf-compile" else model
+    accum = case.global_batch // case.micro
+
+    def step(i: int) -> None:
+        inputs, _, _ = batches.rank_batch(i)
+        inputs = inputs.to(device, non_blocking=True)
+        for k in range(accum):
+            x = inputs[k * case.micro : (k + 1) * case.micro]
+            with torch.autocast(device.type, dtype=torch.bfloat16):
+                loss = run(input_ids=x, labels=x).loss / accum  # HF shifts the labels itself
+            loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0, foreach=True)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    return step, info, (model, optimizer, run)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Measuring
+
+
+def measure(step: Callable[[int], None], device: torch.device, warmup: int, steps: int) -> dict:
+    started = time.perf_counter()
+    for i in range(warmup):
+        step(i)
+    hardware.synchronize(device)
+    warmup_s = time.perf_counter() - started
+    warm_peak = hardware.peak_memory_gib(device)
+    hardware.reset_peak_memory(device)
+    t0 = time.perf_counter()
+    for i in range(steps):
+        step(warmup + i)
+    hardware.synchronize(device)
+    return {"seconds": time.perf_counter() - t0, "warmup_s": warmup_s, "peak_mem_gib": hardware.peak_memory_gib(device),
+            "warmup_peak_mem_gib": warm_peak}  # fmt: skip
+
+
+KERNEL_KINDS = (
+    ("ce_rows", "fused CE row kernel"), ("flash", "attention"), ("fmha", "attention"), ("attention", "attention"),
+    ("adam", "optimizer"), ("multi_tensor", "optimizer/clip"), ("foreach", "optimizer/clip"), ("gemm", "GEMM"),
+    ("nvjet", "GEMM"), ("xmma", "GEMM"), ("cutlass", "GEMM"), ("triton", "Triton fused elementwise (compile)"),
+    ("elementwise", "eager elementwise"), ("reduce", "eager reductions"), ("copy", "copies"), ("memcpy", "copies"),
+    ("memset", "memset"),
+)  # fmt: skip
+
+
+def kernel_kind(name: str) -> str:
+    low = name.lower()
+    return next((kind for key, kind in KERNEL_KINDS if key in low), "other")
+
+
+def profile_step(step: Callable[[int], None], device: torch.device, index: int, wall_s: float) -> dict:
+    """Kernels of one optimizer step: top 15 and per kind, as a share of the summed kernel time."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        step(index)
+        hardware.synchronize(device)
+    kernels = [e for e in prof.key_averages() if e.device_type == DeviceType.CUDA]
+    times = [(e.key, getattr(e, "self_device_time_total", 0) or getattr(e, "self_cuda_time_total", 0), e.count)
+             for e in kernels]  # fmt: skip
+    total_us = sum(t for _, t, _ in times) or 1.0
+    top = sorted(times, key=lambda r: -r[1])[:15]
+    kinds: dict[str, float] = {}
+    for name, t, _ in times:
+        kinds[kernel_kind(name)] = kinds.get(kernel_kind(name), 0.0) + t
+    return {
+        "step_wall_ms": 1e3 * wall_s,
+        "kernel_ms": total_us / 1e3,
+        "top": [{"kernel": n[:110], "ms": t / 1e3, "calls": c, "share": t / total_us} for n, t, c in top],
+        "kinds": {k: {"ms": t / 1e3, "share": t / total_us} for k, t in sorted(kinds.items(), key=lambda r: -r[1])},
+    }
+
+
+def run_case(case: Case, device: torch.device, args: argparse.Namespace) -> dict:
+    vocab = resolve_args(ModelConfig(arch="transformer", flavour=case.flavour)).vocab_size
+    batches = RandomBatches(vocab, case.global_batch, case.seq)
+    row = {**asdict(case), "tokens_per_step": case.global_batch * case.seq}
+    holder = None
+    try:
+        if case.stack == "anytrain":
+            step, info, holder = anytrain_step_fn(case, device, batches, compile_blocks=not args.no_compile)
+        else:
+            step, info, holder = hf_step_fn(case, device, batches)
+        row.update(info)
+        row.update(measure(step, device, args.warmup, args.steps))
+        row["tokens_per_s"] = args.steps * row["tokens_per_step"] / row["seconds"]
+        if case.profile and args.profile:
+            row["kernel_profile"] = profile_step(step, device, args.warmup + args.steps, row["seconds"] / args.steps)
+    except torch.OutOfMemoryError as exc:
+        row["error"] = f"out of memory: {str(exc).splitlines()[0][:200]}"
+    except Exception as exc:  # noqa: BLE001 - one failing row must not lose the others
+        row["error"] = f"{type(exc).__name__}: {str(exc)[:400]}"
+    finally:
+        del holder
+    return row
+
+
+def release(device: torch.device) -> None:
+    """Free the previous row completely (its closures and reference cycles too) before the next one starts."""
+    gc.collect()
+    torch._dynamo.reset()
+    if hardware.is_gpu(device):
+        torch.cuda.empty_cache()
+    hardware.reset_peak_memory(device)
+
+
+def finish_rows(rows: list[dict], peak: float | None) -> None:
+    """MFU with anytrain's flops/token of the shape; ratio of each row to the best HF row of its group."""
+    flops = {(r["flavour"], r["seq"]): r["flops_per_token"] for r in rows if "flops_per_token" in r}
+    for r in rows:
+        fpt = flops.get((r["flavour"], r["seq"]))
+        if fpt is None and "error" not in r:
+            with torch.device("meta"):
+                fpt = transformer.Transformer(resolve_args(ModelConfig(flavour=r["flavour"]))).flops_per_token(r["seq"])
+        r["flops_per_token"] = fpt
+        r["mfu"] = fpt * r["tokens_per_s"] / peak if peak and "tokens_per_s" in r else None
+    for r in rows:
+        base_group = r["group"].split("-mb")[0]
+        hf = [x["tokens_per_s"] for x in rows if x["stack"].startswith("hf") and x["group"] == base_group
+              and "tokens_per_s" in x]  # fmt: skip
+        r["ratio_vs_best_hf"] = r["tokens_per_s"] / max(hf) if hf and "tokens_per_s" in r else None
+
+
+def print_table(rows: list[dict]) -> None:
+    head = f"{'group':<16}{'row':<48}{'mb':>4}{'tokens/s':>11}{'MFU':>8}{'peak GiB':>10}{'vs best HF':>12}"
+    print("\n" + head + "\n" + "-" * len(head))
+    for r in rows:
+        if "tokens_per_s" not in r:
+            print(f"{r['group']:<16}{r['label']:<48}{r['micro']:>4}  {r.get('error', 'skipped')[:90]}")
+            continue
+        mfu = "n/a" if r["mfu"] is None else f"{100 * r['mfu']:.1f}%"
+        ratio = "" if r["ratio_vs_best_hf"] is None else f"{r['ratio_vs_best_hf']:.2f}x"
+        print(f"{r['group']:<16}{r['label'][:47]:<48}{r['micro']:>4}{r['tokens_per_s']:>11,.0f}{mfu:>8}"
+              f"{r['peak_mem_gib']:>10.1f}{ratio:>12}")  # fmt: skip
+    for r in rows:
+        if "kernel_profile" in r:
+            p = r["kernel_profile"]
+            print(f"\nprofile of one step of '{r['group']} {r['label']}': wall {p['step_wall_ms']:.0f} ms, "
+                  f"kernels {p['kernel_ms']:.0f} ms")  # fmt: skip
+            for kind, v in p["kinds"].items():
+                print(f"  {kind:<40}{v['ms']:>9.1f} ms {100 * v['share']:>5.1f}%")
+            for k in p["top"]:
+                print(f"  {k['ms']:>9.1f} ms {100 * k['share']:>5.1f}% x{k['calls']:<5} {k['kernel']}")
+
+
+def versions(device: torch.device) -> dict:
+    out = hardware.summary(device)
+    try:
+        import transformers
+
+        out["transformers"] = transformers.__version__
+    except ImportError:
+        out["transformers"] = None
+    out["python"] = sys.version.split()[0]
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", default="bench/results", help="directory for transformer_<device>.json")
+    parser.add_argument("--steps", type=int, default=10, help="timed optimizer steps per row")
+    parser.add_argument("--warmup", type=int, default=1, help="untimed steps first (compilation happens here)")
+    parser.add_argument("--groups", nargs="*", default=None, help="only these groups (e.g. 1.1b-2048 125m-2048)")
+    parser.add_argument("--stacks", nargs="*", default=None, help="only these stacks (anytrain hf-eager hf-compile)")
+    parser.add_argument("--budget-s", type=float, default=0.0, help="skip rows that would end past this (0 = none)")
+    parser.add_argument("--profile", action=argparse.BooleanOptionalAction, default=True)
+    parser.add_argument("--no-compile", action="store_true", help="anytrain rows without per-block compile")
+    parser.add_argument("--smoke", action="store_true", help="CPU check: debug shape, anytrain rows only, 2 steps")
+    args = parser.parse_args()
+    device = hardware.resolve_device("cpu" if args.smoke else "auto")
+    if args.smoke:
+        cases = [
+            Case("debug", "debug", 64, 2, 4, "anytrain", label="anytrain"),
+            Case("debug", "debug", 64, 2, 4, "anytrain", label="naive loss", loss_impl="naive", native_gqa=False),
+        ]
+        args.steps, args.warmup, args.no_compile = 2, 1, True  # fmt: skip
+    else:
+        cases = [c for c in default_cases() if (args.groups is None or c.group in args.groups)
+                 and (args.stacks is None or c.stack in args.stacks)]  # fmt: skip
+    if hardware.is_gpu(device):
+        torch.backends.cuda.matmul.allow_tf32 = True  # fp32 matmuls outside autocast: same for every stack
+    env = versions(device)
+    slug = re.sub(r"[^a-z0-9]+", "-", env["device"].lower()).strip("-") if not args.smoke else "smoke"
+    out_path = Path(args.out) / f"transformer_{slug}.json"
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    print(json.dumps(env), flush=True)
+    started, rows = time.perf_counter(), []
+    for case in cases:
+        elapsed = time.perf_counter() - started
+        if args.budget_s and elapsed + estimate_s(case) > args.budget_s:
+            rows.append({**asdict(case), "error": f"skipped: time budget ({elapsed:.0f} s used)"})
+            continue
+        release(device)
+        t0 = time.perf_counter()
+        start_gib = torch.cuda.memory_allocated(device) / 2**30 if hardware.is_gpu(device) else 0.0
+        rows.append(run_case(case, device, args))
+        rows[-1]["allocated_at_start_gib"] = start_gib  # ~0: nothing left over from earlier rows
+        rows[-1]["row_wall_s"] = time.perf_counter() - t0
+        shown = {k: v for k, v in rows[-1].items() if k not in ("kernel_profile", "options")}
+        print(json.dumps(shown, default=str), flush=True)
+        finish_rows(rows, hardware.peak_flops(device))
+        payload = {"date": time.strftime("%Y-%m-%d"), "device": env["device"], "versions": env,
+                   "settings": {"steps": args.steps, "warmup": args.warmup, "dtype": "bf16 autocast (fp32 on CPU)",
+                                "env": {k: v for k, v in os.environ.items() if k.startswith(("ANYTRAIN", "TORCH"))}},
+                   "rows": rows}  # fmt: skip
+        out_path.write_text(json.dumps(payload, indent=1, default=str))
+    finish_rows(rows, hardware.peak_flops(device))
+    print_table(rows)
+    print(f"\nwrote {out_path}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,143 @@
+"""Chunked linear + cross-entropy: the Triton row kernel under the CPU interpreter and the chunked op vs float64."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from anytrain.kernels import fused_linear_ce as flce
+from anytrain.models import losses
+from anytrain.models.transformer import Transformer, TransformerArgs
+
+_TRITON_PREIMPORTED = "triton" in sys.modules and os.environ.get("TRITON_INTERPRET") != "1"
+
+
+def _triton_interpreter():
+    """Skip unless the Triton kernel can run in the CPU interpreter in this process."""
+    if not flce.triton_importable():
+        pytest.skip("triton not installed")
+    if _TRITON_PREIMPORTED and os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("triton was imported before TRITON_INTERPRET=1 could be set")
+
+
+os.environ.setdefault("TRITON_INTERPRET", "1")  # before the first kernel launch: kernels run in the interpreter
+
+
+def _case(n: int, d: int, v: int, dtype: torch.dtype, seed: int = 0, ignore: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    hidden = torch.randn(n, d, generator=g, dtype=torch.float64).to(dtype)
+    weight = (torch.randn(v, d, generator=g, dtype=torch.float64) / d**0.5).to(dtype)
+    targets = torch.randint(0, v, (n,), generator=g)
+    targets[:ignore] = flce.IGNORE_INDEX
+    return hidden, weight, targets
+
+
+def _reference(hidden, weight, targets):
+    """Loss and gradients of F.cross_entropy on float64 logits."""
+    h = hidden.detach().double().requires_grad_()
+    w = weight.detach().double().requires_grad_()
+    loss = F.cross_entropy(h @ w.t(), targets, ignore_index=flce.IGNORE_INDEX)
+    loss.backward()
+    return loss.detach(), h.grad, w.grad
+
+
+@pytest.mark.parametrize("dtype,block,tol", [(torch.float32, 8, 1e-6), (torch.float32, 64, 1e-6),
+                                             (torch.bfloat16, 16, 1e-2)])  # fmt: skip
+def test_row_kernel_matches_reference(dtype, block, tol):
+    _triton_interpreter()
+    g = torch.Generator().manual_seed(1)
+    logits = (3 * torch.randn(5, 37, generator=g, dtype=torch.float64)).to(dtype)  # V=37: not a multiple of block
+    targets = torch.tensor([0, 36, flce.IGNORE_INDEX, 5, 17])
+    scale = torch.tensor([0.25])
+    ref_grad = logits.double().clone()
+    ref_loss = flce.ce_rows_ref(ref_grad, targets, scale.double())
+    grad = logits.clone()
+    loss = flce.ce_rows_triton(grad, targets, scale, block_v=block)
+    torch.testing.assert_close(loss.double(), ref_loss, rtol=tol, atol=tol)
+    torch.testing.assert_close(grad.double(), ref_grad, rtol=tol, atol=tol)
+    assert (grad[2] == 0).all() and loss[2] == 0  # ignored row: no loss, no gradient
+    no_grad = logits.clone()
+    flce.ce_rows_triton(no_grad, targets, scale, write_grad=False, block_v=block)
+    assert torch.equal(no_grad, logits)
+
+
+@pytest.mark.parametrize("chunk_rows", [None, 1, 4, 7, 100])
+def test_chunked_op_matches_float64_reference(chunk_rows):
+    hidden, weight, targets = _case(13, 6, 11, torch.float64, ignore=2)
+    ref_loss, ref_dh, ref_dw = _reference(hidden, weight, targets)
+    h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+    loss = flce.linear_cross_entropy(h, w, targets, chunk_rows=chunk_rows)
+    (2.5 * loss).backward()  # backward scales the precomputed gradients by grad_output
+    torch.testing.assert_close(loss, ref_loss, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(h.grad, 2.5 * ref_dh, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(w.grad, 2.5 * ref_dw, rtol=1e-12, atol=1e-12)
+
+
+def test_chunked_op_through_triton_kernel(monkeypatch):
+    _triton_interpreter()
+    monkeypatch.setattr(flce, "_use_triton", lambda t: True)
+    hidden, weight, targets = _case(9, 8, 21, torch.float32, seed=3, ignore=1)
+    ref_loss, ref_dh, ref_dw = _reference(hidden, weight, targets)
+    h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+    loss = flce.linear_cross_entropy(h.view(3, 3, 8), w, targets.view(3, 3), chunk_rows=4)
+    loss.backward()
+    torch.testing.assert_close(loss.double(), ref_loss, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(h.grad.double(), ref_dh, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(w.grad.double(), ref_dw, rtol=1e-5, atol=1e-6)
+
+
+def test_no_grad_path_and_all_ignored():
+    hidden, weight, targets = _case(6, 4, 9, torch.float32)
+    with torch.no_grad():
+        loss = flce.linear_cross_entropy(hidden, weight, targets, chunk_rows=4)
+    torch.testing.assert_close(loss, F.cross_entropy(hidden @ weight.t(), targets))
+    assert torch.isnan(flce.linear_cross_entropy(hidden, weight, torch.full_like(targets, -100)))
+
+
+def test_default_chunks_bound_logits_memory():
+    rows = flce.default_chunk_rows(8192, 32000, torch.bfloat16)
+    assert rows * 32000 * 2 <= flce.LOGITS_CHUNK_BYTES and rows >= 4096 - 1
+    assert flce.default_chunk_rows(3, 10, torch.float32) == 3
+
+
+def test_lm_loss_under_autocast_matches_naive():
+    hidden, weight, targets = _case(16, 8, 40, torch.float32, seed=5)
+    results = {}
+    for impl in ("chunked", "naive"):
+        h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+        with pytest.MonkeyPatch.context() as mp, torch.autocast("cpu", dtype=torch.bfloat16):
+            mp.setattr(losses, "LOSS_IMPL", impl)
+            loss = losses.lm_cross_entropy(h.view(2, 8, 8), w, targets.view(2, 8))
+        loss.backward()
+        assert loss.dtype == torch.float32 and w.grad.dtype == torch.float32 and h.grad.dtype == torch.float32
+        results[impl] = (loss.detach(), h.grad, w.grad)
+    for ours, naive in zip(results["chunked"], results["naive"], strict=True):
+        torch.testing.assert_close(ours, naive, rtol=2e-2, atol=2e-3)
+
+
+@pytest.mark.parametrize("native_gqa", [True, False])
+def test_transformer_loss_and_grads_match_naive_path(monkeypatch, native_gqa):
+    from anytrain.models import transformer
+
+    monkeypatch.setattr(transformer, "SDPA_NATIVE_GQA", native_gqa)
+    args = TransformerArgs(vocab_size=50, dim=16, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=24, max_seq_len=16)
+    torch.manual_seed(0)
+    model = Transformer(args)
+    assert all(b.attention.native_gqa == native_gqa for b in model.blocks())
+    x, y = torch.randint(0, 50, (2, 2, 9)).unbind(0)
+    grads = {}
+    for impl in ("chunked", "naive"):
+        monkeypatch.setattr(losses, "LOSS_IMPL", impl)
+        model.zero_grad()
+        loss = model(x, y)
+        loss.backward()
+        grads[impl] = (loss.detach(), [p.grad.clone() for p in model.parameters()])
+    torch.testing.assert_close(grads["chunked"][0], grads["naive"][0], rtol=1e-6, atol=1e-6)
+    for a, b in zip(grads["chunked"][1], grads["naive"][1], strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
+    logits_loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten())
+    torch.testing.assert_close(grads["naive"][0], logits_loss, rtol=1e-6, atol=1e-6)
