@@ -164,10 +164,11 @@ def main() -> int:
     sweep: list[dict] = []
     scan_cfg, conv_cfg = scan_mod.default_config(), conv_mod.default_config()
     if args.sweep:
-        scan_variants = [  # last field: bwd_impl (1: time-in-thread backward, 0: v1 lane-parallel backward)
-            ScanConfig(16, 16, 2, 4, 16, 2, 0), ScanConfig(16, 16, 2, 16, 16, 4, 1),
-            ScanConfig(64, 16, 8, 16, 16, 4, 1),
-            ScanConfig(64, 16, 4, 4, 16, 2, 0), ScanConfig(16, 32, 4, 4, 32, 4, 0), ScanConfig(8, 16, 1, 4, 16, 2, 0),
+        scan_variants = [  # fields 4-8: block_d_bwd, chunk_bwd, warps_bwd, bwd_impl (2: state loop, 0: v1), seg_bwd
+            ScanConfig(16, 16, 2, 4, 16, 2, 0), ScanConfig(16, 16, 2, 4, 8, 4, 2, 32),
+            ScanConfig(16, 16, 2, 8, 8, 8, 2, 32), ScanConfig(16, 16, 2, 8, 8, 4, 2, 32),
+            ScanConfig(16, 16, 2, 2, 8, 2, 2, 32), ScanConfig(16, 16, 2, 4, 16, 4, 2, 32),
+            ScanConfig(16, 16, 2, 4, 8, 4, 2, 16), ScanConfig(16, 16, 2, 16, 8, 8, 2, 32),
         ]  # fmt: skip
         for cfg in scan_variants:
             try:

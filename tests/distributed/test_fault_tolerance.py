@@ -45,7 +45,8 @@ device: cpu
 def command(nproc: int) -> list[str]:
     if nproc == 1:
         return [sys.executable, "-m", "anytrain"]
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", "-m", "anytrain"]
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", "-m",
+            "anytrain"]  # fmt: skip
 
 
 def train(config: Path, run_dir: Path, nproc: int = 2, *extra: str, expect_ok: bool = True, **env: str):

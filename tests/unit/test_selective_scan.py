@@ -19,9 +19,10 @@ from anytrain.kernels.reference import selective_scan_ref  # noqa: E402
 from anytrain.kernels.selective_scan import ScanConfig, selective_scan_triton  # noqa: E402
 
 F64 = torch.float64
-# small tiles so that seqlen crosses several chunks: state saved every 4 steps, forward chunk 8
-CFG = ScanConfig(block_d=2, chunk=8, num_warps=1, block_d_bwd=2, chunk_bwd=4, num_warps_bwd=1)
-CFG_SAME = ScanConfig(block_d=4, chunk=4, num_warps=1, block_d_bwd=4, chunk_bwd=4, num_warps_bwd=1)
+# small tiles so that seqlen crosses several chunks. Default (state-loop) backward: forward chunk 4, state saved every
+# 8 steps (every other forward chunk), backward chunk 2 segments x 8 steps; v1 backward: saved every 4, forward chunk 8.
+CFG = ScanConfig(block_d=2, chunk=4, num_warps=1, block_d_bwd=2, chunk_bwd=8, num_warps_bwd=1, seg_bwd=2)
+CFG_SAME = ScanConfig(block_d=4, chunk=4, num_warps=1, block_d_bwd=4, chunk_bwd=4, num_warps_bwd=1, seg_bwd=2)
 CFG_V1 = ScanConfig(block_d=2, chunk=8, num_warps=1, block_d_bwd=2, chunk_bwd=4, num_warps_bwd=1, bwd_impl=0)
 
 
@@ -78,7 +79,7 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize("cfg", [CFG, CFG_V1], ids=["bwd2", "bwd1"])
+@pytest.mark.parametrize("cfg", [CFG, CFG_V1], ids=["bwd3", "bwd1"])
 @pytest.mark.parametrize("batch,dim,seqlen,dstate,ngroups,has_z,has_d,has_bias,softplus", CASES)
 def test_matches_reference(batch, dim, seqlen, dstate, ngroups, has_z, has_d, has_bias, softplus, cfg):
     vals = make_inputs(batch, dim, seqlen, dstate, ngroups, has_z, has_d, has_bias)
@@ -91,7 +92,7 @@ def test_single_saved_state_per_chunk_and_4d_groups_of_one():
     assert_match(*run_both(vals, True, cfg=CFG_SAME))
 
 
-@pytest.mark.parametrize("cfg", [CFG, CFG_V1], ids=["bwd2", "bwd1"])
+@pytest.mark.parametrize("cfg", [CFG, CFG_V1], ids=["bwd3", "bwd1"])
 def test_extreme_decay_underflows_without_nan(cfg):
     # delta*A down to about -1e4: exp underflows to exactly 0; the state then forgets the past completely
     vals = make_inputs(1, 3, 12, 4, None, True, True, False, dt_scale=1.0)
@@ -116,7 +117,7 @@ def test_float32_and_bfloat16_inputs_keep_dtype():
         torch.testing.assert_close(out.double(), ref, rtol=tol, atol=tol)
 
 
-@pytest.mark.parametrize("cfg", [CFG, CFG_V1], ids=["bwd2", "bwd1"])
+@pytest.mark.parametrize("cfg", [CFG, CFG_V1], ids=["bwd3", "bwd1"])
 def test_deterministic_mode_is_bitwise_reproducible_and_matches_atomics(cfg):
     vals = make_inputs(2, 6, 11, 4, 2, True, True, True, seed=5)
     runs = [run_both(vals, True, cfg=cfg, deterministic=True)[0] for _ in range(2)]
