@@ -100,7 +100,9 @@ class ParallelConfig:
     tp: int = 1
     """Tensor-parallel degree (inside a node)."""
     pp: int = 1
-    """Pipeline-parallel stages."""
+    """Pipeline-parallel stages (one per pipeline rank); micro-batches per step = per-rank batch / train.micro_batch."""
+    pp_schedule: Literal["1F1B", "GPipe"] = "1F1B"
+    """Pipeline schedule."""
     auto: bool = False
     """Let the cost model choose strategy, micro-batch and activation checkpointing for this device and world size
     (``anytrain plan`` shows the ranking); the choice is written into the resolved config.yaml."""

@@ -37,4 +37,6 @@ def test_model_constraints():
         validate_for_model(dims(3, tp=3), n_layers=4, n_heads=12, n_kv_heads=4)
     with pytest.raises(ConfigError, match="parallel.pp: 8 pipeline stages for 4 layers"):
         validate_for_model(dims(8, pp=8), n_layers=4, n_heads=8, n_kv_heads=8)
+    with pytest.raises(ConfigError, match="parallel.pp: pipeline parallelism is not finished"):
+        validate_for_model(dims(2, pp=2), n_layers=4, n_heads=8, n_kv_heads=8)
     validate_for_model(dims(4, tp=2), n_layers=4, n_heads=8, n_kv_heads=2)

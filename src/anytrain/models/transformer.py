@@ -7,6 +7,7 @@ B batch, T sequence, D model width, H query heads, K key/value heads, E head dim
 from __future__ import annotations
 
 import math
+import zlib
 from dataclasses import dataclass
 
 import torch
@@ -121,17 +122,18 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         B, T, _ = x.shape
-        q = self.wq(x).view(B, T, self.n_heads, self.head_dim)  # (B, T, H, E)
-        k = self.wk(x).view(B, T, self.n_kv_heads, self.head_dim)  # (B, T, K, E)
-        v = self.wv(x).view(B, T, self.n_kv_heads, self.head_dim)
+        # -1 heads: under tensor parallelism each rank holds H/tp query and K/tp key/value heads.
+        q = self.wq(x).view(B, T, -1, self.head_dim)  # (B, T, H, E)
+        k = self.wk(x).view(B, T, -1, self.head_dim)  # (B, T, K, E)
+        v = self.wv(x).view(B, T, -1, self.head_dim)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         gqa = {}
         if self.native_gqa:  # query head h reads K/V head h // (H/K), as the expansion below does
             gqa = {"enable_gqa": True}
         elif self.n_kv_heads != self.n_heads:  # expand K/V to H heads: equal head counts suit every SDPA kernel
-            repeat = self.n_heads // self.n_kv_heads
-            k = k.unsqueeze(3).expand(B, T, self.n_kv_heads, repeat, self.head_dim).reshape(B, T, -1, self.head_dim)
-            v = v.unsqueeze(3).expand(B, T, self.n_kv_heads, repeat, self.head_dim).reshape(B, T, -1, self.head_dim)
+            repeat, kv = self.n_heads // self.n_kv_heads, k.shape[2]
+            k = k.unsqueeze(3).expand(B, T, kv, repeat, self.head_dim).reshape(B, T, -1, self.head_dim)
+            v = v.unsqueeze(3).expand(B, T, kv, repeat, self.head_dim).reshape(B, T, -1, self.head_dim)
         # SDPA wants (B, H, T, E); it picks FlashAttention / memory-efficient kernels on CUDA and ROCm.
         out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True,
                                              **gqa)  # fmt: skip
@@ -175,44 +177,54 @@ class Transformer(nn.Module):
         self.layers = nn.ModuleDict({str(i): TransformerBlock(args) for i in range(args.n_layers)})
         self.norm = RMSNorm(args.dim, args.norm_eps)
         self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
-        if args.tie_embeddings:
-            self.output.weight = self.tok_embeddings.weight
         cos, sin = rope_tables(args.head_dim, args.max_seq_len, args.rope_theta)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
         self.init_weights()
 
     @torch.no_grad()
-    def init_weights(self) -> None:
-        """Normal(0, init_std) for matrices; residual output projections scaled by 1/sqrt(2·n_layers) (GPT-2)."""
-        std = self.args.init_std
-        nn.init.normal_(self.tok_embeddings.weight, std=std)
-        for block in self.layers.values():
-            for lin in (block.attention.wq, block.attention.wk, block.attention.wv, block.feed_forward.w1,
-                        block.feed_forward.w3):  # fmt: skip
-                nn.init.normal_(lin.weight, std=std)
-            for lin in (block.attention.wo, block.feed_forward.w2):
-                nn.init.normal_(lin.weight, std=std / math.sqrt(2 * self.args.n_layers))
-            block.attention_norm.reset_parameters()
-            block.ffn_norm.reset_parameters()
-        self.norm.reset_parameters()
-        if not self.args.tie_embeddings:
-            nn.init.normal_(self.output.weight, std=std)
+    def init_weights(self, seed: int | None = None) -> None:
+        """Normal(0, init_std) for matrices; residual output projections scaled by 1/sqrt(2·n_layers) (GPT-2).
+
+        With ``seed``, every parameter draws from its own generator seeded by (seed, its name), so the weights do
+        not depend on how the model is split (pipeline stages build only their own layers). Modules a pipeline
+        stage does not hold are None and skipped. Also re-ties the head after ``to_empty`` untied it.
+        """
+        if self.args.tie_embeddings and self.tok_embeddings is not None and self.output is not None:
+            self.output.weight = self.tok_embeddings.weight
+        std, deep_std = self.args.init_std, self.args.init_std / math.sqrt(2 * self.args.n_layers)
+        for name, param in self.named_parameters():
+            if name.endswith("norm.weight"):
+                nn.init.ones_(param)
+                continue
+            generator = None
+            if seed is not None:
+                generator = torch.Generator(device=param.device)
+                generator.manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
+            param.normal_(0.0, deep_std if name.endswith(("attention.wo.weight", "feed_forward.w2.weight")) else std,
+                          generator=generator)  # fmt: skip
         cos, sin = rope_tables(self.args.head_dim, self.args.max_seq_len, self.args.rope_theta, self.rope_cos.device)
         self.rope_cos.copy_(cos)
         self.rope_sin.copy_(sin)
 
-    def forward(self, tokens: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
-        """Logits (B, T, V), or with ``targets`` (B, T) the mean next-token loss (a scalar) — the training path,
-        which lets the loss avoid materialising full-precision logits."""
-        T = tokens.shape[1]
+    def forward_hidden(self, x: torch.Tensor) -> torch.Tensor:
+        """Token ids (B, T), or hidden states (B, T, D) on a pipeline stage without the embedding, through the
+        layers this module holds, then the final norm if it holds it."""
+        T = x.shape[1]
         if T > self.args.max_seq_len:
             raise ValueError(f"sequence length {T} exceeds model.args.max_seq_len {self.args.max_seq_len}")
         cos, sin = self.rope_cos[:T], self.rope_sin[:T]
-        h = self.tok_embeddings(tokens)  # (B, T, D)
+        h = self.tok_embeddings(x) if self.tok_embeddings is not None else x  # (B, T, D)
         for block in self.layers.values():
             h = block(h, cos, sin)
-        h = self.norm(h)
+        return self.norm(h) if self.norm is not None else h
+
+    def forward(self, tokens: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits (B, T, V), or with ``targets`` (B, T) the mean next-token loss (a scalar) — the training path,
+        which lets the loss avoid materialising full-precision logits."""
+        h = self.forward_hidden(tokens)
+        if self.output is None:  # a pipeline stage before the last: hidden states go to the next stage
+            return h
         if targets is not None:
             return lm_cross_entropy(h, self.output.weight, targets)
         return self.output(h)  # (B, T, V)

@@ -154,9 +154,13 @@ def parallelize(model: nn.Module, cfg: RunConfig, dims: ParallelDims, device: to
                 compute_dtype: torch.dtype) -> tuple[nn.Module, str]:  # fmt: skip
     """Apply AC -> compile -> DDP/FSDP in place order; returns (the model to call, strategy used)."""
     strategy = resolve_strategy(cfg, dims)
-    if dims.tp > 1 or dims.pp > 1:
-        raise ConfigError("parallel.tp / parallel.pp: tensor and pipeline parallelism are not implemented yet; "
-                          "set them to 1")  # fmt: skip
+    if (dims.tp > 1 or dims.pp > 1) and strategy == "ddp":
+        raise ConfigError("parallel.strategy: tensor/pipeline parallelism combine with fsdp (or no data "
+                          "parallelism); set --parallel.strategy fsdp")  # fmt: skip
+    if dims.tp > 1:
+        from anytrain.parallel.tensor_parallel import apply_tensor_parallel
+
+        apply_tensor_parallel(model, dims.build_mesh(device.type)["tp"])
     if cfg.train.activation_checkpointing == "full":
         apply_activation_checkpointing(model)
     if cfg.train.compile:

@@ -100,3 +100,5 @@ def validate_for_model(dims: ParallelDims, n_layers: int, n_heads: int | None, n
                               f"{n_kv_heads or n_heads} key-value heads; choose a divisor")  # fmt: skip
     if dims.pp > n_layers:
         raise ConfigError(f"parallel.pp: {dims.pp} pipeline stages for {n_layers} layers; use at most {n_layers}")
+    if dims.pp > 1:  # parallel/pipeline.py builds stages and schedules, but a 2-stage gloo run still hangs
+        raise ConfigError("parallel.pp: pipeline parallelism is not finished yet; set pp 1 (use tp / fsdp)")

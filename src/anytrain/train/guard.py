@@ -39,8 +39,10 @@ class StepStatus:
 
 
 class StepGuard:
-    def __init__(self, cfg: RunConfig, device: torch.device, is_main: bool, world_size: int) -> None:
+    def __init__(self, cfg: RunConfig, device: torch.device, is_main: bool, world_size: int,
+                 loss_ranks: int | None = None) -> None:  # fmt: skip
         self.cfg, self.device, self.is_main, self.world_size = cfg, device, is_main, world_size
+        self.loss_ranks = loss_ranks or world_size  # ranks holding a loss (pipeline: the last stage's)
         self.signal: int | None = None
         self._previous: dict[int, object] = {}
         self._last_save = time.monotonic()
@@ -97,7 +99,7 @@ class StepGuard:
         if self.world_size > 1:
             dist.all_reduce(vec)
         nonfinite_count, stop_count, due_count, loss_sum = vec.tolist()
-        status = StepStatus(nonfinite_count > 0, stop_count > 0, due_count > 0, loss=loss_sum / self.world_size)
+        status = StepStatus(nonfinite_count > 0, stop_count > 0, due_count > 0, loss=loss_sum / self.loss_ranks)
         status.skip = not status.nonfinite and self._is_spike(status.loss)
         return status
 

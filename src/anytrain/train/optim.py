@@ -27,16 +27,21 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
     return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
 
 
-def build_optimizer(model: nn.Module, cfg: TrainConfig, device: torch.device) -> torch.optim.Optimizer:
-    """AdamW; the fused kernel on GPU (CUDA and ROCm), the foreach implementation elsewhere."""
-    fused = hardware.fused_adamw_available(device)
+def build_optimizer(model: nn.Module, cfg: TrainConfig, device: torch.device,
+                    per_tensor: bool = False) -> torch.optim.Optimizer:  # fmt: skip
+    """AdamW; the fused kernel on GPU (CUDA and ROCm), the foreach implementation elsewhere.
+
+    ``per_tensor``: plain per-parameter updates, for models whose parameters mix DTensors of different meshes
+    with plain tensors (tensor parallelism here), which the fused/foreach kernels cannot batch together.
+    """
+    fused = hardware.fused_adamw_available(device) and not per_tensor
     return torch.optim.AdamW(
         param_groups(model, cfg.weight_decay),
         lr=cfg.lr,
         betas=(cfg.beta1, cfg.beta2),
         eps=cfg.eps,
         fused=fused or None,
-        foreach=None if fused else True,
+        foreach=False if per_tensor else (None if fused else True),
     )
 
 

@@ -7,6 +7,7 @@ Host/device synchronisation happens only on log and eval steps, and once per ste
 from __future__ import annotations
 
 import contextlib
+import inspect
 import json
 import math
 import shutil
@@ -15,6 +16,7 @@ from datetime import datetime
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 
 from anytrain import hardware
@@ -33,6 +35,7 @@ from anytrain.parallel import (
     unwrap,
 )
 from anytrain.parallel.dims import ParallelDims, validate_for_model
+from anytrain.parallel.pipeline import build_schedule, prune_to_stage
 from anytrain.train.checkpoint import Checkpointer, TrainState
 from anytrain.train.energy import EnergyMeter, energy_metrics
 from anytrain.train.guard import Preempted, StepGuard, StepStatus
@@ -106,9 +109,9 @@ class Trainer:
         self.val_source = BatchSource(SampleIndex(self.dataset.split("val"), seq_len, "val"),
                                       self.plan.global_batch, cfg.train.seed, shuffle=False)  # fmt: skip
         self.tokens_per_step = self.plan.global_batch * seq_len
-        self.flops_per_token = self.raw_model.flops_per_token(seq_len)
+        self.flops_per_token = self.accounting_model.flops_per_token(seq_len)
         self.peak_flops = hardware.peak_flops(self.device)
-        self.guard = StepGuard(cfg, self.device, self.info.is_main, self.info.world_size)
+        self.guard = StepGuard(cfg, self.device, self.info.is_main, self.info.world_size, self.loss_ranks)
         # Power of this rank's device (NVML / AMD SMI); rank 0 scales it to the job. Absent on CPU: values are null.
         self.energy = EnergyMeter(self.device.index or 0) if hardware.is_gpu(self.device) else None
         self._sample_log = self._open_sample_log() if cfg.train.log_sample_ids else None
@@ -169,13 +172,27 @@ class Trainer:
     def _build_model(self) -> None:
         spec = get_spec(self.cfg.model.arch)
         with torch.device("meta"):
-            model = spec.build(self.model_args)
+            full = spec.build(self.model_args)
+        self.accounting_model = full  # the whole model on the meta device: parameter and FLOP counts
+        stage = self.dims.coordinates(self.info.rank)["pp"]
+        model = prune_to_stage(full, stage, self.dims.pp) if self.dims.pp > 1 else full
         model.to_empty(device=self.device)
         torch.manual_seed(self.cfg.train.seed)  # identical weights on every rank of the same device type
-        model.init_weights()
+        if "seed" in inspect.signature(model.init_weights).parameters:
+            model.init_weights(seed=self.cfg.train.seed)  # per-parameter streams: independent of the layout
+        else:
+            model.init_weights()
         self.raw_model = model
         self.model, self.strategy = parallelize(model, self.cfg, self.dims, self.device, self.dtype)
-        self.optimizer = build_optimizer(self.model, self.cfg.train, self.device)
+        self.pp_schedule, self.pp_last = None, True
+        if self.dims.pp > 1:
+            pp_group = self.dims.build_mesh(self.device.type)["pp"].get_group()
+            self.pp_schedule = build_schedule(self.model, stage, self.dims.pp, self.device, pp_group,
+                                              self.cfg.parallel.pp_schedule, self.plan.grad_accum)  # fmt: skip
+            self.pp_first, self.pp_last = stage == 0, stage == self.dims.pp - 1
+        # ranks holding a copy of the loss: all but the non-final pipeline stages (TP peers hold equal copies)
+        self.loss_ranks = self.info.world_size // self.dims.pp
+        self.optimizer = build_optimizer(self.model, self.cfg.train, self.device, per_tensor=self.dims.tp > 1)
         self.scheduler = build_scheduler(self.optimizer, self.cfg.train)
         # FSDP casts parameters itself (bf16 params, fp32 reduce); otherwise autocast does mixed precision.
         use_autocast = self.dtype != torch.float32 and self.strategy != "fsdp"
@@ -216,11 +233,14 @@ class Trainer:
         gpu = hardware.is_gpu(self.device)
         inputs = inputs.to(self.device, non_blocking=gpu)
         targets = targets.to(self.device, non_blocking=gpu)
-        micro = self.plan.micro_batch
-        loss = torch.zeros((), device=self.device)
-        for i in range(self.plan.grad_accum):
-            sl = slice(i * micro, (i + 1) * micro)
-            loss += self.forward_backward(inputs[sl], targets[sl], sync=i == self.plan.grad_accum - 1, step=step)
+        if self.pp_schedule is not None:
+            loss = self.pipeline_forward_backward(inputs, targets)
+        else:
+            micro = self.plan.micro_batch
+            loss = torch.zeros((), device=self.device)
+            for i in range(self.plan.grad_accum):
+                sl = slice(i * micro, (i + 1) * micro)
+                loss += self.forward_backward(inputs[sl], targets[sl], sync=i == self.plan.grad_accum - 1, step=step)
         grad_norm = self._clip_gradients()
         status = self.guard.check(step, loss, grad_norm)
         if not (status.nonfinite or status.skip):
@@ -230,13 +250,41 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         return loss, grad_norm, status
 
+    def pipeline_forward_backward(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """The schedule runs every micro-batch of this rank's batch through the stages (forward and backward);
+        gradients are averaged over micro-batches. Returns the mean loss on the last stage, 0 elsewhere."""
+        losses: list[torch.Tensor] = []
+        with self._autocast():
+            if self.pp_first:
+                self.pp_schedule.step(inputs)
+            elif self.pp_last:
+                self.pp_schedule.step(target=targets, losses=losses)
+            else:
+                self.pp_schedule.step()
+        if self.pp_last:
+            return torch.stack([x.detach().float() for x in losses]).mean()
+        return torch.zeros((), device=self.device)
+
     def _clip_gradients(self) -> torch.Tensor:
         """Global gradient norm (all ranks agree), clipping to train.grad_clip when > 0."""
         max_norm = self.cfg.train.grad_clip or math.inf
-        norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm, foreach=True)
-        if hasattr(norm, "full_tensor"):  # FSDP2: a DTensor
-            norm = norm.full_tensor()
-        return norm
+        if self.dims.tp == 1 and self.dims.pp == 1:  # every parameter on one mesh: torch's own clipping
+            norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm, foreach=True)
+            return norm.full_tensor() if hasattr(norm, "full_tensor") else norm  # FSDP2: a DTensor
+        # TP/PP: parameters live on different meshes (or stages); sum squared norms per mesh, then over stages
+        params = [p for p in self.model.parameters() if p.grad is not None]
+        groups: dict = {}
+        for p in params:
+            groups.setdefault(getattr(p.grad, "device_mesh", None), []).append(p.grad)
+        squared = torch.zeros((), device=self.device)
+        for grads in groups.values():
+            norm = torch.nn.utils.get_total_norm(grads, foreach=False)
+            squared = squared + (norm.full_tensor() if hasattr(norm, "full_tensor") else norm).float() ** 2
+        if self.dims.pp > 1:
+            dist.all_reduce(squared, group=self.dims.build_mesh(self.device.type)["pp"].get_group())
+        total = squared.sqrt()
+        torch.nn.utils.clip_grads_with_norm_(params, max_norm, total, foreach=False)
+        return total
 
     @torch.no_grad()
     def evaluate(self) -> float:
@@ -330,7 +378,7 @@ class Trainer:
         return bool(c.interval and step % c.interval == 0) or (c.save_final and step == self._end_step)
 
     def _log_train(self, step: int, loss: torch.Tensor, grad_norm: torch.Tensor, meter: ThroughputMeter) -> float:
-        loss_value = all_reduce_mean(loss).item()  # host sync: log steps only
+        loss_value = self._global_mean(loss).item()  # host sync: log steps only
         hardware.synchronize(self.device)
         tokens_per_s, seconds = meter.lap()
         per_device = tokens_per_s / self.info.world_size
@@ -358,7 +406,19 @@ class Trainer:
         return energy_metrics(reading["joules"], time.perf_counter() - started, tokens, tokens * self.flops_per_token,
                               devices=self.info.world_size)  # fmt: skip
 
+    def _global_mean(self, loss: torch.Tensor) -> torch.Tensor:
+        """Mean of a per-rank loss over the ranks that hold one (non-final pipeline stages contribute 0)."""
+        if not dist.is_initialized():
+            return loss
+        total = loss.detach().clone()
+        dist.all_reduce(total)
+        return total / self.loss_ranks
+
     def _eval_and_log(self, step: int) -> float:
+        if self.pp_schedule is not None:
+            self.log.print("validation under pipeline parallelism is not implemented: use `anytrain eval` on a "
+                           "checkpoint")  # fmt: skip
+            return float("nan")
         val = self.evaluate()
         self.log.log({"step": step, "val_loss": val, "val_ppl": math.exp(min(val, 50.0))}, kind="eval")
         return val
@@ -382,8 +442,8 @@ class Trainer:
             "world_size": self.info.world_size,
             "strategy": self.strategy,
             "dtype": str(self.dtype).replace("torch.", ""),
-            "params": self.raw_model.num_params(),
-            "params_non_embedding": self.raw_model.num_params(exclude_embedding=True),
+            "params": self.accounting_model.num_params(),
+            "params_non_embedding": self.accounting_model.num_params(exclude_embedding=True),
             "flops_per_token": self.flops_per_token,
             "checkpoint": str(latest) if latest else None,
             "hardware": hardware.summary(self.device),

@@ -1,0 +1,65 @@
+"""Tensor and pipeline parallelism (and their 2D combinations with FSDP) on real gloo processes."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from tests.distributed.test_data_parallel import STEPS, losses, train, write_config
+
+LAYOUTS = {
+    "tp2": (2, ("--parallel.tp", "2")),
+    "dp2_tp2": (4, ("--parallel.tp", "2", "--parallel.strategy", "fsdp")),
+}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory, small_data):
+    tmp = tmp_path_factory.mktemp("mp")
+    config = write_config(tmp, small_data)
+    out = {"single": (tmp / "single", train(config, tmp / "single", 1, "--train.eval_batches", "0"))}
+    for name, (nproc, extra) in LAYOUTS.items():
+        out[name] = (tmp / name, train(config, tmp / name, nproc, "--train.eval_batches", "0", *extra))
+    return tmp, config, out
+
+
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_first_losses_match_single_process(runs, name):
+    _, _, out = runs
+    single, other = losses(out["single"][1]), losses(out[name][1])
+    assert len(other) == STEPS
+    np.testing.assert_allclose(other, single, rtol=0, atol=1e-4)
+    grads = [[r["grad_norm"] for r in out[k][1] if r["kind"] == "train"] for k in ("single", name)]
+    np.testing.assert_allclose(grads[1], grads[0], rtol=1e-3)
+
+
+def test_dp2_tp2_checkpoint_resumes_at_dp4(runs):
+    tmp, config, out = runs
+    mid = tmp / "tp_mid"
+    train(config, mid, 4, "--train.eval_batches", "0", "--parallel.tp", "2", "--parallel.strategy", "fsdp",
+          "--train.stop_at_step", "3")  # fmt: skip
+    train(config, mid, 4, "--train.eval_batches", "0", "--parallel.strategy", "fsdp", "--resume")
+    resumed = losses(train_records(mid))
+    reference = losses(out["dp2_tp2"][1])
+    np.testing.assert_allclose(resumed[-2:], reference[-2:], rtol=0, atol=1e-5)
+
+
+def train_records(run_dir):
+    import json
+
+    by_step = {}
+    for line in (run_dir / "metrics.jsonl").read_text().splitlines():
+        record = json.loads(line)
+        if record["kind"] == "train":
+            by_step[record["step"]] = record
+    return [by_step[s] for s in sorted(by_step)]
+
+
+def test_impossible_layouts_fail_clearly(runs, tmp_path):
+    _, config, _ = runs
+    from tests.conftest import run_cli
+
+    proc = run_cli("train", str(config), "--parallel.tp", "4", "--parallel.dp_shard", "1", "--run-dir",
+                   str(tmp_path / "x"))  # fmt: skip
+    assert proc.returncode == 2 and "error: parallel: pp=1 x dp_replicate=1 x dp_shard=1 x tp=4 = 4" in proc.stderr
+    assert not (tmp_path / "x").exists()
