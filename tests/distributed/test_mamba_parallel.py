@@ -3,72 +3,24 @@
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-from tests.conftest import ROOT, cli_env
+from tests.distributed.test_data_parallel import STEPS, train, write_config
 
-STEPS = 5
-
-# Runs the CLI with the Mamba spec registered (a no-op once anytrain.models registers it itself).
-LAUNCHER = """
-import sys
-from anytrain import models
-from anytrain.models.mamba import spec
-if "mamba" not in models.REGISTRY:
-    models.register(spec())
-from anytrain.cli import main
-sys.argv[0] = "anytrain"
-main()
-"""
-
-
-def write_config(tmp_path: Path, data: Path) -> Path:
-    cfg = tmp_path / "mamba_dp.yaml"
-    cfg.write_text(f"""
-model: {{arch: mamba, flavour: debug}}
-data: {{path: {data}, seq_len: 32}}
-train:
-  steps: {STEPS}
-  global_batch: 8
-  micro_batch: 2
-  lr: 3.0e-3
-  warmup_steps: 2
-  dtype: fp32
-  log_interval: 1
-  eval_interval: 0
-  eval_batches: 1
-device: cpu
-""")
-    return cfg
-
-
-def train(launcher: Path, config: Path, run_dir: Path, nproc: int, *extra: str) -> list[dict]:
-    if nproc == 1:
-        cmd = [sys.executable, str(launcher)]
-    else:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-               str(launcher)]  # fmt: skip
-    proc = subprocess.run([*cmd, "train", str(config), "--run-dir", str(run_dir), *extra], cwd=ROOT,
-                          env=cli_env(), capture_output=True, text=True, timeout=300)  # fmt: skip
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+MAMBA = ("--model.arch", "mamba")  # the data-parallel test's recipe with the debug Mamba flavour
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory, small_data) -> dict[str, tuple[Path, list[dict]]]:
     tmp = tmp_path_factory.mktemp("mamba_dp")
-    launcher = tmp / "launch_anytrain.py"
-    launcher.write_text(LAUNCHER)
     config = write_config(tmp, small_data)
     out = {}
     for name, nproc, extra in (("single", 1, ()), ("ddp", 2, ("--parallel.strategy", "ddp")),
                                ("fsdp", 2, ("--parallel.strategy", "fsdp"))):  # fmt: skip
-        out[name] = (tmp / name, train(launcher, config, tmp / name, nproc, *extra))
+        out[name] = (tmp / name, train(config, tmp / name, nproc, *MAMBA, *extra))
     return out
 
 
