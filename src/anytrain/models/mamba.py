@@ -34,6 +34,7 @@ from torch import nn
 from anytrain.errors import ConfigError
 from anytrain.kernels import causal_conv1d, selective_scan
 from anytrain.models.losses import lm_cross_entropy
+from anytrain.models.sampling import sample
 from anytrain.models.transformer import RMSNorm
 
 if TYPE_CHECKING:
@@ -293,17 +294,7 @@ class Mamba(nn.Module):
     def generate(self, prompt: torch.Tensor, max_new_tokens: int, temperature: float = 0.8, top_k: int = 50,
                  generator: torch.Generator | None = None) -> torch.Tensor:  # fmt: skip
         """Sample continuations of ``prompt`` (B, T0) by re-running the whole prefix (no recurrent cache; demos)."""
-        tokens = prompt
-        for _ in range(max_new_tokens):
-            window = tokens[:, -self.args.max_seq_len :]
-            logits = self(window)[:, -1, :].float() / max(temperature, 1e-5)  # (B, V)
-            if top_k:
-                kth = torch.topk(logits, min(top_k, logits.shape[-1])).values[:, -1:]
-                logits = logits.masked_fill(logits < kth, float("-inf"))
-            probs = torch.softmax(logits, dim=-1)
-            nxt = torch.multinomial(probs, 1, generator=generator)
-            tokens = torch.cat([tokens, nxt], dim=1)
-        return tokens
+        return sample(self, prompt, max_new_tokens, self.args.max_seq_len, temperature, top_k, generator)
 
 
 def spec() -> ModelSpec:

@@ -16,6 +16,7 @@ from torch import nn
 
 from anytrain import hardware
 from anytrain.models.losses import lm_cross_entropy
+from anytrain.models.sampling import sample
 
 SDPA_NATIVE_GQA: bool | None = None
 """Grouped-query attention inside SDPA (``enable_gqa=True``, torch >= 2.5) instead of expanding K/V to H heads.
@@ -256,14 +257,4 @@ class Transformer(nn.Module):
     def generate(self, prompt: torch.Tensor, max_new_tokens: int, temperature: float = 0.8, top_k: int = 50,
                  generator: torch.Generator | None = None) -> torch.Tensor:  # fmt: skip
         """Sample continuations of ``prompt`` (B, T0) without a KV cache (for demos, not serving)."""
-        tokens = prompt
-        for _ in range(max_new_tokens):
-            window = tokens[:, -self.args.max_seq_len :]
-            logits = self(window)[:, -1, :].float() / max(temperature, 1e-5)  # (B, V)
-            if top_k:
-                kth = torch.topk(logits, min(top_k, logits.shape[-1])).values[:, -1:]
-                logits = logits.masked_fill(logits < kth, float("-inf"))
-            probs = torch.softmax(logits, dim=-1)
-            nxt = torch.multinomial(probs, 1, generator=generator)
-            tokens = torch.cat([tokens, nxt], dim=1)
-        return tokens
+        return sample(self, prompt, max_new_tokens, self.args.max_seq_len, temperature, top_k, generator)
