@@ -1,0 +1,494 @@
+"""Multi-GPU scaling study: anytrain's layouts (FSDP, HSDP, DDP, TP, PP) against HF + DDP, on 1..N GPUs of one host.
+
+Every anytrain row is the real product: ``torchrun --standalone -m anytrain train <recipe>`` with overrides, one
+process per GPU, steady-state tokens/s from the trainer's own summary (log windows after the first, which holds
+compilation). The HF rows run this file as a torchrun worker (``--hf-worker``): transformers' LlamaForCausalLM of the
+same shape, fp32 master weights, bf16 autocast, SDPA, fused AdamW, DistributedDataParallel with ``no_sync`` during
+gradient accumulation (the anchors' "HF + DDP" setup).
+
+Definitions (per GPU = one process):
+- weak scaling: fixed micro-batch and accumulation per GPU (global batch grows with N); efficiency = per-GPU tokens/s
+  at N / tokens/s at 1 GPU with the same per-GPU batch;
+- strong scaling: fixed global batch (the recipe's 32 sequences); efficiency = T(1) / (N * T(N)) = per-GPU tokens/s at
+  N / tokens/s at 1 GPU with the whole global batch.
+Cost model: each transformer row gets the planner's predicted step time and memory (anytrain.cost.estimate) with the
+catalogue efficiency and with the efficiency fitted on the 1-GPU strong-scaling row (calibration), and the error.
+
+Rows whose GPU sets are disjoint run at the same time (``--concurrent``, the default when more than one GPU is free):
+each job owns its GPUs (CUDA_VISIBLE_DEVICES); the host's NVLink switch gives each pair its own links. Use
+``--serial`` to run one job at a time.
+
+    PYTHONPATH=src python bench/scaling.py --gpus 1 2 4 --out bench/results           # the study (GPU host)
+    PYTHONPATH=src python bench/scaling.py --only t-fsdp-2-g32 t-1-g32 --serial       # a subset
+    python bench/scaling.py --plot bench/results/scaling_nvidia-h200.json --png docs/scaling.png
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import importlib.util
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "src"))
+
+RECIPES = {"transformer": "configs/1.1b.yaml", "mamba": "configs/mamba-1.4b.yaml"}
+MODEL_NAMES = {"transformer": "llama-1.1b", "mamba": "mamba-1.4b"}
+
+
+@dataclass
+class Case:
+    name: str
+    model: str  # "transformer" | "mamba"
+    gpus: int
+    layout: str  # "single" | "fsdp" | "hsdp" | "ddp" | "tp" | "pp" | "hf-ddp"
+    global_batch: int
+    micro: int = 4
+    seq: int = 2048
+    tp: int = 1
+    pp: int = 1
+    dp_replicate: int = 1
+    studies: tuple[str, ...] = ()  # "weak", "strong", "layout"
+    extra: list[str] = field(default_factory=list)
+    recipe: str = ""  # default: RECIPES[model]
+
+    @property
+    def dp(self) -> int:
+        return self.gpus // (self.tp * self.pp)
+
+    @property
+    def accum(self) -> int:
+        return self.global_batch // (self.dp * self.micro)
+
+
+def default_cases(max_gpus: int) -> list[Case]:
+    """Priority order (a time budget drops the tail): the 1- and 2-GPU study of issue #6 for both models, the
+    cost-model validation's small runs, then 4 GPUs (issue #8)."""
+    t, m = "transformer", "mamba"
+    cases = [
+        Case("t-1-g32", t, 1, "single", 32, studies=("strong",)),
+        Case("t-1-g8", t, 1, "single", 8, studies=("weak",)),
+        Case("v-tiny-1", t, 1, "single", 16, micro=16, seq=256, recipe="configs/tiny.yaml", studies=("cost",)),
+        Case("v-125m-1", t, 1, "single", 64, micro=16, seq=1024, recipe="configs/125m.yaml", studies=("cost",)),
+        Case("t-fsdp-2-g32", t, 2, "fsdp", 32, studies=("strong", "layout")),
+        Case("t-fsdp-2-g16", t, 2, "fsdp", 16, studies=("weak",)),
+        Case("hf-ddp-1-g8", t, 1, "hf-ddp", 8, studies=("weak",)),
+        Case("hf-ddp-2-g16", t, 2, "hf-ddp", 16, studies=("weak",)),
+        Case("t-ddp-2-g32", t, 2, "ddp", 32, studies=("strong", "layout")),
+        Case("t-tp2-2-g32", t, 2, "tp", 32, tp=2, studies=("layout",)),
+        Case("t-pp2-2-g32", t, 2, "pp", 32, pp=2, studies=("layout",)),
+        Case("m-1-g32", m, 1, "single", 32, studies=("strong",)),
+        Case("m-1-g8", m, 1, "single", 8, studies=("weak",)),
+        Case("m-fsdp-2-g32", m, 2, "fsdp", 32, studies=("strong", "layout")),
+        Case("m-fsdp-2-g16", m, 2, "fsdp", 16, studies=("weak",)),
+        Case("m-ddp-2-g32", m, 2, "ddp", 32, studies=("layout",)),
+        Case("m-pp2-2-g32", m, 2, "pp", 32, pp=2, studies=("layout",)),
+        Case("t-fsdp-4-g32", t, 4, "fsdp", 32, studies=("strong", "weak", "layout")),
+        Case("hf-ddp-4-g32", t, 4, "hf-ddp", 32, studies=("weak",)),
+        Case("t-hsdp2x2-4-g32", t, 4, "hsdp", 32, dp_replicate=2, studies=("layout",)),
+        Case("t-tp4-4-g32", t, 4, "tp", 32, tp=4, studies=("layout",)),
+        Case("t-pp4-4-g32", t, 4, "pp", 32, pp=4, studies=("layout",)),
+        Case("m-fsdp-4-g32", m, 4, "fsdp", 32, studies=("strong", "weak", "layout")),
+        Case("t-tp2-fsdp2-4-g32", t, 4, "tp", 32, tp=2, studies=("layout",)),
+    ]
+    return [c for c in cases if c.gpus <= max_gpus]
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Launching
+
+
+def anytrain_command(case: Case, run_dir: Path, data: str, steps: int, log_interval: int) -> list[str]:
+    strategy = {"single": "auto", "fsdp": "fsdp", "hsdp": "fsdp", "ddp": "ddp", "tp": "fsdp", "pp": "fsdp"}[case.layout]
+    overrides = {
+        "data.path": data, "data.seq_len": case.seq, "train.global_batch": case.global_batch,
+        "train.micro_batch": case.micro, "train.steps": steps, "train.log_interval": log_interval,
+        "train.eval_interval": 0, "train.eval_batches": 0, "checkpoint.interval": 0, "checkpoint.save_final": "false",
+        "parallel.strategy": strategy, "parallel.tp": case.tp, "parallel.pp": case.pp,
+        "parallel.dp_replicate": case.dp_replicate,
+    }  # fmt: skip
+    args = [a for k, v in overrides.items() for a in (f"--{k}", str(v))]
+    recipe = case.recipe or RECIPES[case.model]
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={case.gpus}",
+            "-m", "anytrain", "train", recipe, "--run-dir", str(run_dir), *args, *case.extra]  # fmt: skip
+
+
+def hf_command(case: Case, out_json: Path, steps: int, warmup: int) -> list[str]:
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={case.gpus}",
+            str(Path(__file__).resolve()), "--hf-worker", "--global-batch", str(case.global_batch),
+            "--micro", str(case.micro), "--seq", str(case.seq), "--steps", str(steps), "--warmup", str(warmup),
+            "--worker-out", str(out_json)]  # fmt: skip
+
+
+@dataclass
+class Job:
+    case: Case
+    gpus: list[int]
+    proc: subprocess.Popen
+    started: float
+    work: Path
+    log: Path
+
+
+def start_job(case: Case, gpus: list[int], work: Path, args: argparse.Namespace) -> Job:
+    job_dir = work / case.name
+    job_dir.mkdir(parents=True, exist_ok=True)
+    if case.layout == "hf-ddp":
+        cmd = hf_command(case, job_dir / "hf.json", args.steps - args.log_interval, args.log_interval)
+    else:
+        cmd = anytrain_command(case, job_dir / "run", args.data, args.steps, args.log_interval)
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES=",".join(map(str, gpus)), PYTHONUNBUFFERED="1",
+               PYTHONPATH=str(ROOT / "src") + os.pathsep + os.environ.get("PYTHONPATH", ""))  # fmt: skip
+    log = job_dir / "log.txt"
+    with open(log, "w") as fh:
+        proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=fh, stderr=subprocess.STDOUT, start_new_session=True)
+    return Job(case, gpus, proc, time.perf_counter(), job_dir, log)
+
+
+def collect(job: Job, timed_out: bool) -> dict:
+    case = job.case
+    row = {**asdict(case), "dp": case.dp, "accum": case.accum, "gpu_ids": job.gpus,
+           "wall_s": round(time.perf_counter() - job.started, 1)}  # fmt: skip
+    text = job.log.read_text(errors="replace") if job.log.exists() else ""
+    causes = [ln for ln in text.splitlines() if re.match(r"^(error: |\w*(Error|Exception): )", ln)
+              and "ChildFailedError" not in ln]  # fmt: skip
+    tail = " | ".join(causes[:3]) if causes else text[-1500:]
+    if timed_out:
+        row["error"] = f"timed out after {row['wall_s']} s; log tail: {tail[-600:]}"
+        return row
+    if job.proc.returncode != 0:
+        row["error"] = f"exit {job.proc.returncode}: {tail[-900:]}"
+        return row
+    if case.layout == "hf-ddp":
+        row.update(json.loads((job.work / "hf.json").read_text()))
+        return row
+    summary = json.loads((job.work / "run" / "summary.json").read_text())
+    row.update({
+        "tokens_per_s": summary["tokens_per_s"],
+        "tokens_per_s_per_gpu": summary["tokens_per_s_per_device"],
+        "mfu": summary["mfu"],
+        "peak_mem_gib": summary["peak_mem_gib"],
+        "params": summary["params"],
+        "flops_per_token": summary["flops_per_token"],
+        "strategy": summary["strategy"],
+        "device": summary["hardware"].get("device"),
+    })  # fmt: skip
+    return row
+
+
+def run_cases(cases: list[Case], args: argparse.Namespace, n_gpus: int) -> list[dict]:
+    """Greedy packing of jobs onto free GPUs (disjoint sets), in priority order; one job at a time with --serial."""
+    rows: dict[str, dict] = {}
+    pending, running, free = list(cases), [], list(range(n_gpus))
+    started = time.perf_counter()
+    with tempfile.TemporaryDirectory(prefix="scaling-") as tmp:
+        while pending or running:
+            for case in list(pending):
+                if args.budget_s and time.perf_counter() - started > args.budget_s:
+                    rows[case.name] = {**asdict(case), "error": "skipped: time budget"}
+                    pending.remove(case)
+                    continue
+                if case.gpus <= len(free) and not (args.serial and running):
+                    gpus, free = free[: case.gpus], free[case.gpus :]
+                    running.append(start_job(case, gpus, Path(tmp), args))
+                    pending.remove(case)
+                    print(f"[{time.perf_counter() - started:6.0f}s] start {case.name} on GPUs {gpus}", flush=True)
+            time.sleep(1.0)
+            for job in list(running):
+                timed_out = time.perf_counter() - job.started > args.job_timeout_s
+                if job.proc.poll() is None and not timed_out:
+                    continue
+                if timed_out and job.proc.poll() is None:
+                    os.killpg(job.proc.pid, signal.SIGKILL)
+                    job.proc.wait()
+                running.remove(job)
+                free = sorted(free + job.gpus)
+                rows[job.case.name] = collect(job, timed_out)
+                r = rows[job.case.name]
+                ok = "tokens_per_s_per_gpu" in r
+                state = f"{r['tokens_per_s_per_gpu']:,.0f} tok/s/GPU" if ok else r["error"][:300]
+                print(f"[{time.perf_counter() - started:6.0f}s] done  {job.case.name}: {state}", flush=True)
+    return [rows[c.name] for c in cases]
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# HF + DDP worker (one process per GPU under torchrun)
+
+
+def hf_worker(args: argparse.Namespace) -> None:
+    import torch
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+
+    spec = importlib.util.spec_from_file_location("bench_transformer", Path(__file__).parent / "transformer.py")
+    bench_transformer = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench_transformer)
+    from anytrain import hardware
+
+    dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))) if torch.cuda.is_available() else None
+    device = device or torch.device("cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+        torch.backends.cuda.matmul.allow_tf32 = True
+    per_rank = args.global_batch // world
+    case = bench_transformer.Case("hf", "1.1b", args.seq, args.micro, per_rank, "hf-eager")
+    batches = bench_transformer.RandomBatches(32000, args.global_batch, args.seq, seed=0)
+    _, info, (model, optimizer, _) = bench_transformer.hf_step_fn(case, device, batches)
+    ddp = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None,
+                                  gradient_as_bucket_view=True)  # fmt: skip
+    accum = per_rank // args.micro
+
+    def step(i: int) -> None:
+        inputs, _, _ = batches.rank_batch(i)
+        inputs = inputs[rank * per_rank : (rank + 1) * per_rank].to(device, non_blocking=True)
+        for k in range(accum):
+            x = inputs[k * args.micro : (k + 1) * args.micro]
+            with ddp.no_sync() if k < accum - 1 else contextlib.nullcontext():  # all-reduce on the last micro-batch
+                with torch.autocast(device.type, dtype=torch.bfloat16):
+                    loss = ddp(input_ids=x, labels=x).loss / accum
+                loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0, foreach=True)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    result = bench_transformer.measure(step, device, args.warmup, args.steps)
+    tokens_per_s = args.steps * args.global_batch * args.seq / result["seconds"]
+    peak = torch.tensor([result["peak_mem_gib"]], device=device)
+    dist.all_reduce(peak, op=dist.ReduceOp.MAX)
+    if rank == 0:
+        from anytrain.config import ModelConfig
+        from anytrain.models import resolve_args, transformer
+
+        with torch.device("meta"):
+            fpt = transformer.Transformer(resolve_args(ModelConfig(flavour="1.1b"))).flops_per_token(args.seq)
+        per_gpu = tokens_per_s / world
+        out = {"tokens_per_s": tokens_per_s, "tokens_per_s_per_gpu": per_gpu, "peak_mem_gib": float(peak.item()),
+               "params": info["params"], "flops_per_token": fpt, "strategy": "hf-ddp",
+               "mfu": fpt * per_gpu / hardware.peak_flops(device) if hardware.peak_flops(device) else None,
+               "device": hardware.summary(device).get("device")}  # fmt: skip
+        Path(args.worker_out).write_text(json.dumps(out))
+    dist.destroy_process_group()
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Analysis: efficiencies, cost-model predictions, table, plot
+
+
+def add_efficiencies(rows: list[dict]) -> None:
+    def base(model: str, stack_hf: bool, global_batch: int) -> dict | None:
+        found = [r for r in rows if r["model"] == model and r["gpus"] == 1 and "tokens_per_s_per_gpu" in r
+                 and (r["layout"] == "hf-ddp") == stack_hf and r["global_batch"] == global_batch]  # fmt: skip
+        return found[0] if found else None
+
+    for r in rows:
+        if "tokens_per_s_per_gpu" not in r:
+            continue
+        hf = r["layout"] == "hf-ddp"
+        weak = base(r["model"], hf, r["global_batch"] // r["gpus"] if r["dp"] == r["gpus"] else -1)
+        strong = base(r["model"], hf, r["global_batch"])
+        r["weak_efficiency"] = r["tokens_per_s_per_gpu"] / weak["tokens_per_s_per_gpu"] if weak else None
+        r["strong_efficiency"] = r["tokens_per_s_per_gpu"] / strong["tokens_per_s_per_gpu"] if strong else None
+        same_gpus_hf = [x for x in rows if x["layout"] == "hf-ddp" and x["gpus"] == r["gpus"] and "tokens_per_s" in x]
+        r["vs_hf_ddp_same_gpus"] = (
+            r["tokens_per_s_per_gpu"] / same_gpus_hf[0]["tokens_per_s_per_gpu"] if same_gpus_hf and not hf else None
+        )
+
+
+def cost_layout(case: dict):
+    from anytrain.cost import Layout
+
+    strategy = {"single": "ddp", "fsdp": "fsdp", "hsdp": "hsdp", "ddp": "ddp", "tp": "fsdp", "pp": "fsdp"}
+    strat = strategy[case["layout"]]
+    dp = case["gpus"] // (case["tp"] * case["pp"])
+    if strat in ("fsdp", "hsdp") and dp == 1:
+        strat = "ddp"  # nothing to shard: the trainer keeps plain replicated params
+    shard = dp // case["dp_replicate"] if strat == "hsdp" else 0
+    return Layout(dp=dp, tp=case["tp"], pp=case["pp"], strategy=strat, shard=shard, micro_batch=case["micro"])
+
+
+def add_predictions(rows: list[dict], device_key: str, gpus_per_node: int) -> None:
+    """Planner predictions for transformer rows: catalogue efficiency, and efficiency fitted on the 1-GPU g32 row."""
+    from anytrain.config import ModelConfig
+    from anytrain.cost import Workload, estimate, get_device
+    from anytrain.cost.model import ModelShape
+    from anytrain.models import resolve_args
+
+    shape = ModelShape.from_args(resolve_args(ModelConfig(arch="transformer", flavour="1.1b")), name="1.1b")
+    device = get_device(device_key).replace(gpus_per_node=gpus_per_node)
+    candidates = [r for r in rows if r["model"] == "transformer" and r["layout"] != "hf-ddp"]
+    calib = next((r for r in candidates if r["gpus"] == 1 and r["global_batch"] == 32 and "tokens_per_s" in r), None)
+    fitted = None
+    if calib:
+        est = estimate(shape, cost_layout(calib), Workload(calib["seq"], calib["global_batch"]), device)
+        measured = calib["global_batch"] * calib["seq"] / calib["tokens_per_s"]
+        fitted = device.replace(efficiency=device.efficiency * est.step_s / measured)
+    for r in candidates:
+        wl = Workload(r["seq"], r["global_batch"])
+        r["predicted"] = {}
+        for label, dev in (("catalogue", device), ("calibrated", fitted)):
+            if dev is None:
+                continue
+            est = estimate(shape, cost_layout(r), wl, dev)
+            pred = {"step_s": est.step_s, "allocated_gib": est.allocated_gib, "efficiency": dev.efficiency,
+                    "exposed_comm_s": est.exposed_comm_s, "bubble_s": est.bubble_s}  # fmt: skip
+            if "tokens_per_s" in r:
+                measured = r["global_batch"] * r["seq"] / r["tokens_per_s"]
+                pred["measured_step_s"] = measured
+                pred["step_error"] = est.step_s / measured - 1
+                pred["memory_error"] = est.allocated_gib / r["peak_mem_gib"] - 1 if r.get("peak_mem_gib") else None
+            r["predicted"][label] = pred
+
+
+def print_table(rows: list[dict]) -> None:
+    head = (f"{'case':<20}{'GPUs':>5}{'layout':>8}{'gbs':>5}{'acc':>4}{'tok/s/GPU':>11}{'MFU':>7}{'GiB':>7}"
+            f"{'weak':>7}{'strong':>8}{'vs HF':>7}{'pred err':>9}")  # fmt: skip
+    print("\n" + head + "\n" + "-" * len(head))
+    pct = lambda v: "" if v is None else f"{100 * v:.1f}%"  # noqa: E731
+    for r in rows:
+        if "tokens_per_s_per_gpu" not in r:
+            print(f"{r['name']:<20}{r['gpus']:>5}{r['layout']:>8}  {r.get('error', 'not run')[:150]!r}")
+            continue
+        pred = (r.get("predicted") or {}).get("calibrated", {}).get("step_error")
+        print(f"{r['name']:<20}{r['gpus']:>5}{r['layout']:>8}{r['global_batch']:>5}{r['accum']:>4}"
+              f"{r['tokens_per_s_per_gpu']:>11,.0f}{pct(r.get('mfu')):>7}{r['peak_mem_gib']:>7.1f}"
+              f"{pct(r.get('weak_efficiency')):>7}{pct(r.get('strong_efficiency')):>8}"
+              f"{'' if r.get('vs_hf_ddp_same_gpus') is None else format(r['vs_hf_ddp_same_gpus'], '.2f') + 'x':>7}"
+              f"{'' if pred is None else format(100 * pred, '+.0f') + '%':>9}")  # fmt: skip
+
+
+def plot(payload: dict, png: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [r for r in payload["rows"] if "tokens_per_s_per_gpu" in r]
+    fig, (ax_bar, ax_eff) = plt.subplots(1, 2, figsize=(14, 5.2))
+    labels = [f"{r['name']}" for r in rows]
+    colors = ["tab:gray" if r["layout"] == "hf-ddp" else ("tab:blue" if r["model"] == "transformer" else "tab:green")
+              for r in rows]  # fmt: skip
+    ax_bar.barh(range(len(rows)), [r["tokens_per_s_per_gpu"] for r in rows], color=colors)
+    ax_bar.set_yticks(range(len(rows)), labels, fontsize=7)
+    ax_bar.invert_yaxis()
+    ax_bar.set_xlabel("tokens/s per GPU (seq 2048)")
+    ax_bar.set_title("per-GPU throughput (blue: anytrain 1.1B, green: mamba-1.4b, gray: HF+DDP)", fontsize=9)
+    for study, marker in (("weak", "o"), ("strong", "s")):
+        for model, layout, color in (("transformer", "fsdp", "tab:blue"), ("mamba", "fsdp", "tab:green"),
+                                     ("transformer", "hf-ddp", "tab:gray")):  # fmt: skip
+            wanted = {layout} if layout == "hf-ddp" else {layout, "single"}
+            pts = sorted((r["gpus"], r[f"{study}_efficiency"]) for r in rows if r["model"] == model
+                         and r["layout"] in wanted and study in r["studies"]
+                         and r.get(f"{study}_efficiency") is not None)  # fmt: skip
+            if len(pts) > 1:
+                name = "HF+DDP" if layout == "hf-ddp" else f"anytrain {MODEL_NAMES[model]} FSDP"
+                style = "-" if study == "weak" else "--"
+                ax_eff.plot(*zip(*pts, strict=True), marker=marker, color=color, linestyle=style,
+                            label=f"{name}, {study}")  # fmt: skip
+    ax_eff.axhline(1.0, color="black", linewidth=0.5)
+    ax_eff.set_xlabel("GPUs")
+    ax_eff.set_ylabel("scaling efficiency (per-GPU tokens/s vs 1 GPU)")
+    ax_eff.set_ylim(0.5, 1.1)
+    ax_eff.legend(fontsize=7)
+    ax_eff.set_title(f"{payload['device']}, {payload['date']}", fontsize=9)
+    fig.tight_layout()
+    png.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(png, dpi=120)
+    print(f"wrote {png}")
+
+
+def smoke(args: argparse.Namespace) -> None:
+    """The launcher, collection and analysis on CPU (gloo): the debug Transformer at 1 and 2 processes."""
+    tiny = dict(model="transformer", micro=2, seq=64, recipe="configs/tiny.yaml",
+                extra=["--device", "cpu"])  # fmt: skip
+    cases = [Case("t-1-g8", gpus=1, layout="single", global_batch=8, studies=("strong",), **tiny),
+             Case("t-1-g4", gpus=1, layout="single", global_batch=4, studies=("weak",), **tiny),
+             Case("t-fsdp-2-g8", gpus=2, layout="fsdp", global_batch=8, studies=("strong", "weak"), **tiny),
+             Case("t-ddp-2-g8", gpus=2, layout="ddp", global_batch=8, studies=("strong",), **tiny)]  # fmt: skip
+    args.steps, args.log_interval = 4, 2
+    rows = run_cases(cases, args, 2)
+    add_efficiencies(rows)
+    print_table(rows)
+    Path(args.out).mkdir(parents=True, exist_ok=True)
+    (Path(args.out) / "scaling_smoke.json").write_text(json.dumps({"rows": rows}, indent=1, default=str))
+    bad = [r["name"] for r in rows if "tokens_per_s_per_gpu" not in r]
+    if bad:
+        sys.exit(f"error: smoke rows failed: {', '.join(bad)}")
+
+
+def gpu_count() -> int:
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--gpus", type=int, nargs="*", default=None, help="GPU counts to include (default: all fit)")
+    parser.add_argument("--only", nargs="*", default=None, help="case names to run")
+    parser.add_argument("--models", nargs="*", default=["transformer", "mamba"])
+    parser.add_argument("--exclude", nargs="*", default=[], help="case names or layouts (e.g. pp) to leave out")
+    parser.add_argument("--steps", type=int, default=6, help="optimizer steps per anytrain row")
+    parser.add_argument("--log-interval", type=int, default=2, help="log window; the first window is warm-up")
+    parser.add_argument("--data", default="data/shakespeare")
+    parser.add_argument("--serial", action="store_true", help="one job at a time (no concurrent disjoint jobs)")
+    parser.add_argument("--budget-s", type=float, default=0.0, help="start no job after this many seconds (0 = none)")
+    parser.add_argument("--job-timeout-s", type=float, default=200.0)
+    parser.add_argument("--out", default="bench/results")
+    parser.add_argument("--tag", default="", help="suffix for the results file name")
+    parser.add_argument("--smoke", action="store_true", help="CPU check: tiny model, 1 and 2 gloo processes")
+    parser.add_argument("--plot", default=None, help="only plot an existing results JSON")
+    parser.add_argument("--png", default="docs/scaling.png")
+    # worker mode (internal)
+    parser.add_argument("--hf-worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--global-batch", type=int, default=8, help=argparse.SUPPRESS)
+    parser.add_argument("--micro", type=int, default=4, help=argparse.SUPPRESS)
+    parser.add_argument("--seq", type=int, default=2048, help=argparse.SUPPRESS)
+    parser.add_argument("--warmup", type=int, default=3, help=argparse.SUPPRESS)
+    parser.add_argument("--worker-out", default="", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.hf_worker:
+        hf_worker(args)
+        return
+    if args.plot:
+        plot(json.loads(Path(args.plot).read_text()), Path(args.png))
+        return
+    if args.smoke:
+        smoke(args)
+        return
+    n_gpus = gpu_count()
+    if n_gpus == 0:
+        sys.exit("error: bench/scaling.py needs CUDA/ROCm GPUs (found none); use --plot to redraw a results file")
+    cases = [c for c in default_cases(n_gpus) if c.model in args.models and (args.gpus is None or c.gpus in args.gpus)
+             and (args.only is None or c.name in args.only) and not {c.name, c.layout} & set(args.exclude)]  # fmt: skip
+    from anytrain import hardware
+
+    env = hardware.summary(hardware.resolve_device("auto"))
+    print(json.dumps({"gpus": n_gpus, **env}), flush=True)
+    rows = run_cases(cases, args, n_gpus)
+    add_efficiencies(rows)
+    add_predictions(rows, "h200" if "H200" in env.get("device", "") else "h100", n_gpus)
+    print_table(rows)
+    slug = re.sub(r"[^a-z0-9]+", "-", env.get("device", "unknown").lower()).strip("-")
+    path = Path(args.out) / f"scaling_{slug}{args.tag}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    payload = {"date": time.strftime("%Y-%m-%d"), "device": env.get("device"), "gpus_on_host": n_gpus,
+               "versions": env, "settings": {"steps": args.steps, "log_interval": args.log_interval,
+                                             "concurrent": not args.serial}, "rows": rows}  # fmt: skip
+    path.write_text(json.dumps(payload, indent=1, default=str))
+    print(f"\nwrote {path}")
+
+
+if __name__ == "__main__":
+    main()
