@@ -71,7 +71,7 @@ def predict(rows: list[dict], device_key: str, gpus_per_node: int, calibrate: st
     calib = next((r for r in rows if r["name"] == calibrate and "tokens_per_s" in r), None)
     if calib is None:
         raise SystemExit(f"error: the calibration run {calibrate!r} has no measurement; run it or pass --reuse")
-    fitted = device.replace(efficiency=device.efficiency * est(calib, device).step_s / measured_step(calib))
+    fitted = device.replace(efficiency=device.efficiency * est(calib, device).compute_s / measured_step(calib))
     for row in rows:
         if "tokens_per_s" not in row:
             continue

@@ -333,7 +333,7 @@ def add_predictions(rows: list[dict], device_key: str, gpus_per_node: int) -> No
     if calib:
         est = estimate(shape, cost_layout(calib), Workload(calib["seq"], calib["global_batch"]), device)
         measured = calib["global_batch"] * calib["seq"] / calib["tokens_per_s"]
-        fitted = device.replace(efficiency=device.efficiency * est.step_s / measured)
+        fitted = device.replace(efficiency=device.efficiency * est.compute_s / measured)
     for r in candidates:
         wl = Workload(r["seq"], r["global_batch"])
         r["predicted"] = {}

@@ -48,6 +48,13 @@ DEVICE_CATALOGUE: tuple[tuple[str, DeviceSpec], ...] = (
     ("MI250", DeviceSpec("MI250 (per GCD)", 181.0, 64.0, 1.6, 280.0, 100.0, 25.0)),
 )
 
+# For planning only (never matched against a device name: PyTorch sees one GCD per device): a whole MI250X / MI250
+# card = two GCDs counted as one device (2 x peak, memory, HBM bandwidth; the card's TDP).
+CARD_CATALOGUE: tuple[tuple[str, DeviceSpec], ...] = (
+    ("MI250X card", DeviceSpec("MI250X (card, 2 GCDs)", 383.0, 128.0, 3.2, 560.0, 200.0, 50.0)),
+    ("MI250 card", DeviceSpec("MI250 (card, 2 GCDs)", 362.0, 128.0, 3.2, 560.0, 200.0, 50.0)),
+)
+
 
 def vendor() -> str:
     """'cuda' (NVIDIA), 'rocm' (AMD) or 'cpu' for the accelerator this process can use."""

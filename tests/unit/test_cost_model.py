@@ -162,3 +162,19 @@ def test_step_time_and_energy():
     assert est.energy_j == pytest.approx(100 * est.step_s * dev.tdp_watts * dev.power_fraction)
     assert est.tflops_per_watt == pytest.approx(989 * 0.5 / dev.avg_watts)
     assert math.isclose(est.allocated_gib, sum(est.memory.values()) / GIB)
+
+
+def test_host_floor_binds_small_models_only():
+    h200 = get_device("h200")
+    tiny = ModelShape(4, 256, 4, 4, 688, 8192)
+    one = Layout(dp=1, micro_batch=16)
+    est_tiny = estimate(tiny, one, Workload(256, 16, compiled=False), h200)
+    # eager: 1 micro-batch x 4 blocks x 2300 us + 2000 us per step, far above the GPU's ~0.1 ms of arithmetic
+    assert est_tiny.host_s == pytest.approx((4 * 2300 + 2000) * 1e-6)
+    assert est_tiny.step_s == pytest.approx(est_tiny.host_s) and est_tiny.notes
+    # compiled blocks cost less host time; accumulation multiplies it
+    four = estimate(tiny, Layout(dp=1, micro_batch=4), Workload(256, 16, compiled=True), h200)
+    assert four.host_s == pytest.approx((4 * 4 * 450 + 2000) * 1e-6)
+    # the 1.1B model is compute-bound: the floor does not change its step time
+    big = estimate(LLAMA_1B, Layout(dp=1, micro_batch=4), Workload(2048, 32), h200)
+    assert big.host_s < big.compute_s and big.step_s == pytest.approx(big.compute_s) and not big.notes

@@ -6,7 +6,13 @@ a well-tuned training step reaches on its compute, i.e. MFU with no exposed comm
 the average power as a fraction of TDP. Those live here, keyed by a short name (``h100``, ``mi250x``...), and every
 field can be overridden (``get_device("h100", efficiency=0.5)``, ``--efficiency-table FILE``).
 
-Entries that ``hardware.py`` lacks (MI250/MI250X per *card*) are added here; move them into hardware.py later.
+MI250/MI250X per *card* (two GCDs as one planning device) come from ``hardware.CARD_CATALOGUE``.
+
+Host floor: small models are bound by the host launching kernels, not by the GPU's arithmetic. ``host_layer_us``
+(eager) / ``host_layer_us_compiled`` are the host time per transformer block per micro-batch (forward + backward
+dispatch) and ``host_step_us`` the fixed per-step part (optimizer, clipping, step agreement). Defaults fitted on
+session 1's tiny run on one H200 (6 blocks, eager, one micro-batch: 16 ms per step) and an assumed 5x cheaper
+compiled block (a handful of graph launches instead of ~100 eager ops); see docs/cost-model.md.
 """
 
 from __future__ import annotations
@@ -38,6 +44,9 @@ class Device:
     power_fraction: float = 0.80  # average board power while training / TDP
     intra_latency_us: float = 5.0
     inter_latency_us: float = 15.0
+    host_layer_us: float = 2300.0  # host dispatch per block per micro-batch, eager forward + backward
+    host_layer_us_compiled: float = 450.0  # the same with per-block torch.compile
+    host_step_us: float = 2000.0  # per optimizer step: optimizer, clipping, the guard's all-reduce
 
     @property
     def peak_flops(self) -> float:
@@ -58,7 +67,7 @@ class Device:
 
 
 def _from_hw(key: str, catalogue_key: str, **extra: float | int) -> Device:
-    spec = dict(hardware.DEVICE_CATALOGUE)[catalogue_key]
+    spec = dict(hardware.DEVICE_CATALOGUE + hardware.CARD_CATALOGUE)[catalogue_key]
     fields = dataclasses.asdict(spec)
     return Device(key=key, **fields, **extra)
 
@@ -76,13 +85,8 @@ DEVICES: dict[str, Device] = {
     "mi300x": _from_hw("mi300x", "MI300X", efficiency=0.35),
     "mi250x": _from_hw("mi250x", "MI250X", efficiency=0.38),
     "mi250": _from_hw("mi250", "MI250", efficiency=0.38),
-    # Not in hardware.py yet: one MI250X / MI250 card = two GCDs seen as one device (2 x peak, memory, HBM, power).
-    "mi250x-card": Device(
-        "mi250x-card", "MI250X (card, 2 GCDs)", 383.0, 128.0, 3.2, 560.0, 200.0, 50.0, gpus_per_node=4, efficiency=0.38
-    ),
-    "mi250-card": Device(
-        "mi250-card", "MI250 (card, 2 GCDs)", 362.0, 128.0, 3.2, 560.0, 200.0, 50.0, gpus_per_node=4, efficiency=0.38
-    ),
+    "mi250x-card": _from_hw("mi250x-card", "MI250X card", gpus_per_node=4, efficiency=0.38),
+    "mi250-card": _from_hw("mi250-card", "MI250 card", gpus_per_node=4, efficiency=0.38),
 }
 
 ALIASES = {"a100": "a100-80", "h100-sxm": "h100", "h200-sxm": "h200", "mi250x-gcd": "mi250x", "mi250-gcd": "mi250"}

@@ -191,6 +191,7 @@ class Estimate:
     fits: bool
     required_gib: float = 0.0  # allocated × (1 + fragmentation) + overhead: compared with the device's memory
     notes: list[str] = field(default_factory=list)
+    host_s: float = 0.0  # the host's kernel-launch floor for one step
 
     @property
     def allocated_gib(self) -> float:
@@ -240,6 +241,7 @@ class Estimate:
             "device_memory_gib": self.device.memory_gib,
             "compute_s": self.compute_s,
             "bubble_s": self.bubble_s,
+            "host_s": self.host_s,
             "exposed_comm_s": self.exposed_comm_s,
             "step_s": self.step_s,
             "comm_share": self.comm_share,
@@ -454,7 +456,9 @@ def estimate(
     """Memory, step time and totals of one layout.
 
     compute_s = flops_per_token(s)·B·s·(4/3 with full AC) / (world · peak · efficiency)
-    step_s = compute_s · (1 + bubble) + exposed communication;  steps = D / (B·s);  energy = total_s·world·watts.
+    host_s = m · (L/p) · host_layer_us (compiled or eager) + host_step_us   (the host's kernel-launch floor)
+    step_s = max(compute_s · (1 + bubble), host_s) + exposed communication;  steps = D / (B·s);
+    energy = total_s·world·watts.
     """
     prec = prec or trainer_precision(layout.strategy)
     m = wl.global_batch // (layout.dp * layout.micro_batch)
@@ -464,7 +468,10 @@ def estimate(
     compute_s = flops * recompute / (layout.world * device.peak_flops * device.efficiency)
     bubble_s = compute_s * bubble_fraction(layout, m)
     comm = communication(shape, layout, wl, prec, device, compute_s)
-    step_s = compute_s + bubble_s + sum(c.exposed_seconds for c in comm)
+    layer_us = device.host_layer_us_compiled if wl.compiled else device.host_layer_us
+    host_s = (m * shape.n_layers / layout.pp * layer_us + device.host_step_us) * 1e-6
+    notes = ["host-bound: kernel launches take longer than the GPU's work"] if host_s > compute_s + bubble_s else []
+    step_s = max(compute_s + bubble_s, host_s) + sum(c.exposed_seconds for c in comm)
     tokens = wl.tokens or 20.0 * shape.num_params
     memory = memory_per_device(shape, layout, wl, prec)
     allocated = sum(memory.values()) / GIB
@@ -482,6 +489,8 @@ def estimate(
         device,
         required <= device.memory_gib,
         required,
+        notes,
+        host_s,
     )
 
 
