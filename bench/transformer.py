@@ -58,6 +58,7 @@ class Case:
     loss_impl: str = "chunked"
     native_gqa: bool | None = None  # None = the model's auto choice
     check_finite: bool = True
+    attention: str = "auto"  # train.attention_backend for anytrain rows; the SDPA order for HF rows too
     profile: bool = False
     options: dict = field(default_factory=dict)
 
@@ -91,6 +92,11 @@ def default_cases() -> list[Case]:
         Case("350m-2048", "350m", 2048, 8, 32, "hf-eager", label="HF eager"),
         Case("350m-2048", "350m", 2048, 8, 32, "hf-compile", label="HF + torch.compile"),
         Case("1.1b-2048-mb16", "1.1b", 2048, 16, 32, "anytrain", label="anytrain micro-batch 16"),
+        Case(g, **big, stack="anytrain", label="anytrain, cuDNN attention first", attention="cudnn"),
+        Case("1.1b-2048-mb8", "1.1b", 2048, 8, 32, "anytrain", label="anytrain mb 8, cuDNN attention",
+             attention="cudnn"),  # fmt: skip
+        Case("1.1b-2048-mb8", "1.1b", 2048, 8, 32, "hf-compile", label="HF + torch.compile, mb 8"),
+        Case("1.1b-2048-mb16", "1.1b", 2048, 16, 32, "hf-compile", label="HF + torch.compile, mb 16"),
     ]
 
 
@@ -126,6 +132,23 @@ def model_switches(case: Case) -> Iterator[None]:
         losses.LOSS_IMPL, transformer.SDPA_NATIVE_GQA = saved
 
 
+@contextlib.contextmanager
+def attention_order(case: Case) -> Iterator[None]:
+    """The row's SDPA kernel order (hardware.set_attention_backend), restored afterwards for the next row."""
+    names = ("flash", "cudnn", "mem_efficient")
+    flags = {n: getattr(torch._C, f"_get_{n}_sdp_enabled")() for n in names}
+    getter = getattr(torch._C, "_get_sdp_priority_order", None)
+    order = getter() if getter else None
+    hardware.set_attention_backend(case.attention)
+    try:
+        yield
+    finally:
+        for n, on in flags.items():
+            getattr(torch._C, f"_set_sdp_use_{n}")(on)
+        if order is not None:
+            torch._C._set_sdp_priority_order(order)
+
+
 def anytrain_step_fn(case: Case, device: torch.device, batches: RandomBatches, compile_blocks: bool) -> tuple:
     """A Trainer without data files or a run dir: the product's build and train_step on random batches."""
     cfg = RunConfig()
@@ -133,6 +156,7 @@ def anytrain_step_fn(case: Case, device: torch.device, batches: RandomBatches, c
     cfg.data.seq_len = case.seq
     cfg.train.global_batch, cfg.train.micro_batch = case.global_batch, case.micro
     cfg.train.compile, cfg.train.check_finite = compile_blocks, case.check_finite
+    cfg.train.attention_backend = case.attention
     cfg.train.lr, cfg.train.warmup_steps, cfg.train.steps = 4e-4, 100, 1000
     trainer = object.__new__(Trainer)
     trainer.cfg, trainer.info, trainer.device = cfg, DistInfo(), device
@@ -256,15 +280,17 @@ def run_case(case: Case, device: torch.device, args: argparse.Namespace) -> dict
     row = {**asdict(case), "tokens_per_step": case.global_batch * case.seq}
     holder = None
     try:
-        if case.stack == "anytrain":
-            step, info, holder = anytrain_step_fn(case, device, batches, compile_blocks=not args.no_compile)
-        else:
-            step, info, holder = hf_step_fn(case, device, batches)
-        row.update(info)
-        row.update(measure(step, device, args.warmup, args.steps))
-        row["tokens_per_s"] = args.steps * row["tokens_per_step"] / row["seconds"]
-        if case.profile and args.profile:
-            row["kernel_profile"] = profile_step(step, device, args.warmup + args.steps, row["seconds"] / args.steps)
+        with attention_order(case):
+            if case.stack == "anytrain":
+                step, info, holder = anytrain_step_fn(case, device, batches, compile_blocks=not args.no_compile)
+            else:
+                step, info, holder = hf_step_fn(case, device, batches)
+            row.update(info)
+            row.update(measure(step, device, args.warmup, args.steps))
+            row["tokens_per_s"] = args.steps * row["tokens_per_step"] / row["seconds"]
+            if case.profile and args.profile:
+                wall = row["seconds"] / args.steps
+                row["kernel_profile"] = profile_step(step, device, args.warmup + args.steps, wall)
     except torch.OutOfMemoryError as exc:
         row["error"] = f"out of memory: {str(exc).splitlines()[0][:200]}"
     except Exception as exc:  # noqa: BLE001 - one failing row must not lose the others

@@ -72,6 +72,9 @@ class TrainConfig:
     """Compute precision: bf16 mixed precision (fp32 master weights and reductions) or fp32. auto = bf16 on GPU."""
     compile: bool = False
     """Compile each block with torch.compile."""
+    attention_backend: Literal["auto", "flash", "cudnn", "efficient", "math"] = "auto"
+    """SDPA kernel preference on GPUs: auto = PyTorch's own choice; flash / cudnn / efficient put that kernel first
+    (the others stay as fallbacks for shapes it cannot take); math = the reference kernel. Ignored on CPU."""
     activation_checkpointing: Literal["none", "full"] = "none"
     """Recompute each block's activations in backward to save memory."""
     log_interval: int = 10

@@ -155,6 +155,39 @@ def peak_memory_gib(device: torch.device) -> float:
     return 0.0
 
 
+SDPA_BACKENDS = ("flash", "cudnn", "efficient", "math")
+
+
+def set_attention_backend(name: str) -> list[str]:
+    """Put one SDPA kernel first for this process (GPUs only; 'auto' leaves PyTorch's order). Returns the order.
+
+    Uses the global priority list when torch has it (the chosen kernel first, the rest as fallbacks for shapes it
+    cannot take), else the per-kernel enable switches (math always stays on as the last resort). Must run before
+    blocks are compiled: compiled graphs keep the kernel chosen while tracing. cuDNN attention exists on NVIDIA only;
+    on ROCm 'cudnn' falls back to the next kernel in the list.
+    """
+    if name == "auto" or vendor() == CPU:
+        return []
+    if name not in SDPA_BACKENDS:
+        raise ConfigError(f"train.attention_backend: unknown {name!r}; use auto, {', '.join(SDPA_BACKENDS)}")
+    from torch.nn.attention import SDPBackend
+
+    enum = {"flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION,
+            "efficient": SDPBackend.EFFICIENT_ATTENTION, "math": SDPBackend.MATH}  # fmt: skip
+    order = [name, *[b for b in SDPA_BACKENDS if b != name]] if name != "math" else ["math"]
+    switches = {"flash": torch.backends.cuda.enable_flash_sdp, "cudnn": torch.backends.cuda.enable_cudnn_sdp,
+                "efficient": torch.backends.cuda.enable_mem_efficient_sdp}  # fmt: skip
+    getter, setter = (getattr(torch._C, f"_{v}_sdp_priority_order", None) for v in ("get", "set"))
+    if getter is None or setter is None:  # older torch: only the chosen kernel (and math) stays on
+        order = [name, "math"] if name != "math" else order
+    for backend, enable in switches.items():
+        enable(backend in order)
+    if getter is not None and setter is not None:
+        wanted = [int(enum[b]) for b in order]
+        setter(wanted + [v for v in getter() if v not in wanted])  # unnamed backends keep their places after
+    return order
+
+
 def apply_env_defaults() -> None:
     """Per-vendor environment defaults, set only where the user has not set them."""
     # Surface NCCL/RCCL errors as exceptions instead of hangs (same variable on both vendors).
