@@ -21,6 +21,7 @@ import json
 import re
 import sys
 import time
+from dataclasses import asdict
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -140,6 +141,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--reuse", default=None, help="a bench/scaling.py results JSON: rows with the same name are "
                         "taken from it instead of being run again")  # fmt: skip
+    parser.add_argument("--reuse-only", action="store_true", help="run nothing: predict the reused rows only")
     parser.add_argument("--calibrate", default="t-1-g32", help="the run the efficiency is fitted on")
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--log-interval", type=int, default=2)
@@ -161,9 +163,9 @@ def main() -> None:
     if args.reuse:
         reused = {r["name"]: r for r in json.loads(Path(args.reuse).read_text())["rows"] if "tokens_per_s" in r}
     cases = [c for c in default_cases() if c.gpus <= n_gpus]
-    to_run = [c for c in cases if c.name not in reused]
+    to_run = [c for c in cases if c.name not in reused and not args.reuse_only]
     ran = {r["name"]: r for r in scaling.run_cases(to_run, args, n_gpus)} if to_run else {}
-    rows = [reused.get(c.name) or ran[c.name] for c in cases]
+    rows = [reused.get(c.name) or ran.get(c.name) or {**asdict(c), "error": "not run"} for c in cases]
     for row, case in zip(rows, cases, strict=True):
         row.setdefault("recipe", case.recipe)
         row.setdefault("extra", case.extra)
