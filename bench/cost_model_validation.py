@@ -58,6 +58,7 @@ def predict(rows: list[dict], device_key: str, gpus_per_node: int, calibrate: st
     """Adds ``predicted`` to every row; returns the fitted efficiency table."""
     from anytrain.cost import Workload, estimate, get_device
     from anytrain.cost.cli import shape_from_config
+    from anytrain.cost.model import fit_efficiency
 
     device = get_device(device_key).replace(gpus_per_node=gpus_per_node)
 
@@ -72,7 +73,7 @@ def predict(rows: list[dict], device_key: str, gpus_per_node: int, calibrate: st
     calib = next((r for r in rows if r["name"] == calibrate and "tokens_per_s" in r), None)
     if calib is None:
         raise SystemExit(f"error: the calibration run {calibrate!r} has no measurement; run it or pass --reuse")
-    fitted = device.replace(efficiency=device.efficiency * est(calib, device).compute_s / measured_step(calib))
+    fitted = device.replace(efficiency=fit_efficiency(est(calib, device), measured_step(calib)))
     for row in rows:
         if "tokens_per_s" not in row:
             continue
@@ -157,12 +158,12 @@ def main() -> None:
         plot(json.loads(Path(args.plot).read_text()), Path(args.png))
         return
     n_gpus = scaling.gpu_count()
-    if n_gpus == 0:
+    if n_gpus == 0 and not args.reuse_only:
         sys.exit("error: bench/cost_model_validation.py needs GPUs; use --plot to redraw a results file")
     reused = {}
     if args.reuse:
         reused = {r["name"]: r for r in json.loads(Path(args.reuse).read_text())["rows"] if "tokens_per_s" in r}
-    cases = [c for c in default_cases() if c.gpus <= n_gpus]
+    cases = [c for c in default_cases() if c.gpus <= max(n_gpus, 4 if args.reuse_only else 0)]
     to_run = [c for c in cases if c.name not in reused and not args.reuse_only]
     ran = {r["name"]: r for r in scaling.run_cases(to_run, args, n_gpus)} if to_run else {}
     rows = [reused.get(c.name) or ran.get(c.name) or {**asdict(c), "error": "not run"} for c in cases]
@@ -172,12 +173,13 @@ def main() -> None:
     from anytrain import hardware
 
     env = hardware.summary(hardware.resolve_device("auto"))
-    table = predict(rows, "h200" if "H200" in env.get("device", "") else "h100", n_gpus, args.calibrate)
+    device_name = next((r["device"] for r in rows if r.get("device")), env.get("device", ""))
+    table = predict(rows, "h200" if "H200" in device_name else "h100", max(n_gpus, 1), args.calibrate)
     print_table(rows)
-    slug = re.sub(r"[^a-z0-9]+", "-", env.get("device", "unknown").lower()).strip("-")
+    slug = re.sub(r"[^a-z0-9]+", "-", device_name.lower()).strip("-")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    payload = {"date": time.strftime("%Y-%m-%d"), "device": env.get("device"), "versions": env,
+    payload = {"date": time.strftime("%Y-%m-%d"), "device": device_name, "versions": env,
                "calibration": args.calibrate, "efficiency_table": table, "reused_from": args.reuse,
                "rows": rows}  # fmt: skip
     (out / f"cost_model_validation_{slug}.json").write_text(json.dumps(payload, indent=1, default=str))

@@ -322,7 +322,7 @@ def add_predictions(rows: list[dict], device_key: str, gpus_per_node: int) -> No
     """Planner predictions for transformer rows: catalogue efficiency, and efficiency fitted on the 1-GPU g32 row."""
     from anytrain.config import ModelConfig
     from anytrain.cost import Workload, estimate, get_device
-    from anytrain.cost.model import ModelShape
+    from anytrain.cost.model import ModelShape, fit_efficiency
     from anytrain.models import resolve_args
 
     shape = ModelShape.from_args(resolve_args(ModelConfig(arch="transformer", flavour="1.1b")), name="1.1b")
@@ -333,7 +333,7 @@ def add_predictions(rows: list[dict], device_key: str, gpus_per_node: int) -> No
     if calib:
         est = estimate(shape, cost_layout(calib), Workload(calib["seq"], calib["global_batch"]), device)
         measured = calib["global_batch"] * calib["seq"] / calib["tokens_per_s"]
-        fitted = device.replace(efficiency=device.efficiency * est.compute_s / measured)
+        fitted = device.replace(efficiency=fit_efficiency(est, measured))
     for r in candidates:
         wl = Workload(r["seq"], r["global_batch"])
         r["predicted"] = {}

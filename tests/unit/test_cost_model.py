@@ -18,6 +18,7 @@ from anytrain.cost.model import (
     collective_time,
     communication,
     estimate,
+    fit_efficiency,
     group_bandwidth,
     memory_per_device,
     seed_comm_per_step,
@@ -156,11 +157,18 @@ def test_step_time_and_energy():
     dev = get_device("h100", efficiency=0.5)
     est = estimate(LLAMA_1B, Layout(micro_batch=4), Workload(2048, 4, tokens=8192 * 100), dev)
     flops = LLAMA_1B.flops_per_token(2048) * 8192
-    assert est.compute_s == pytest.approx(flops / (989e12 * 0.5))
-    assert est.step_s == pytest.approx(est.compute_s) and est.mfu == pytest.approx(0.5)
+    # GEMMs at the efficiency plus the memory-bound part: per token 22 blocks x 3 x (4+2 + 4 + 4*256 ... ) bytes
+    d, kv, f = 2048, 256, 5632
+    per_token = 22 * 3 * ((4 + 2) * d + 4 * d + 4 * kv + 10 * d + (4 + 2) * d + 6 * f + 10 * d) + 16 * 32000
+    params = 22 * LLAMA_1B.layer_params + LLAMA_1B.head_params
+    elementwise = (8192 * per_token + 16 * params) / (3.35e12 * 0.85)
+    assert est.elementwise_s == pytest.approx(elementwise)
+    assert est.compute_s == pytest.approx(flops / (989e12 * 0.5) + elementwise)
+    assert est.step_s == pytest.approx(est.compute_s) and est.mfu < 0.5
+    assert fit_efficiency(est, est.step_s) == pytest.approx(0.5)  # refitting on its own prediction is a fixed point
     assert est.steps == 100
     assert est.energy_j == pytest.approx(100 * est.step_s * dev.tdp_watts * dev.power_fraction)
-    assert est.tflops_per_watt == pytest.approx(989 * 0.5 / dev.avg_watts)
+    assert est.tflops_per_watt == pytest.approx(989 * est.mfu / dev.avg_watts)
     assert math.isclose(est.allocated_gib, sum(est.memory.values()) / GIB)
 
 

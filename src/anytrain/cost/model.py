@@ -102,11 +102,12 @@ class Precision:
     nosync_grad: float = 0.0
     act: int = 2
     residual: int = 4
+    cast: float = 0.0  # bytes moved per local parameter per micro-batch by dtype casts (see elementwise_seconds)
 
 
 # This trainer: fp32 params + autocast bf16 + fp32 AdamW (DDP/single); FSDP2 with bf16 params and fp32 reduction.
-AMP = Precision("amp-fp32-master", weight=4, grad=4, optimizer=8, ddp_bucket=4)
-FSDP_BF16 = Precision("fsdp2-bf16", weight=4, grad=4, optimizer=8, nosync_grad=4, residual=2)
+AMP = Precision("amp-fp32-master", weight=4, grad=4, optimizer=8, ddp_bucket=4, cast=16)
+FSDP_BF16 = Precision("fsdp2-bf16", weight=4, grad=4, optimizer=8, nosync_grad=4, residual=2, cast=6)
 # Megatron-style: bf16 params, fp32 main grads, fp32 master + Adam (12 B, sharded by the distributed optimizer).
 MEGATRON = Precision("megatron-bf16", weight=2, grad=4, optimizer=12, compute_copy=0, residual=2)
 FP32 = Precision("fp32", weight=4, grad=4, optimizer=8, compute_copy=0, reduce=4, gather=4, act=4, residual=4)
@@ -192,6 +193,7 @@ class Estimate:
     required_gib: float = 0.0  # allocated × (1 + fragmentation) + overhead: compared with the device's memory
     notes: list[str] = field(default_factory=list)
     host_s: float = 0.0  # the host's kernel-launch floor for one step
+    elementwise_s: float = 0.0  # memory-bound part of compute_s (the rest is GEMM/attention at ``efficiency``)
 
     @property
     def allocated_gib(self) -> float:
@@ -242,6 +244,7 @@ class Estimate:
             "compute_s": self.compute_s,
             "bubble_s": self.bubble_s,
             "host_s": self.host_s,
+            "elementwise_s": self.elementwise_s,
             "exposed_comm_s": self.exposed_comm_s,
             "step_s": self.step_s,
             "comm_share": self.comm_share,
@@ -442,6 +445,42 @@ def communication(
     return out
 
 
+def elementwise_bytes_per_token(shape: ModelShape, prec: Precision, compiled: bool) -> float:
+    """Bytes the memory-bound (non-GEMM) kernels move per token, forward + backward.
+
+    Per block, forward, with fused (compiled) kernels and r = residual bytes: attention norm (r+2)·d, RoPE on q and k
+    4·d + 4·d_kv, residual add after attention (2r+2)·d, FFN norm (r+2)·d, SwiGLU product 6·F, residual add after the
+    FFN (2r+2)·d; backward ≈ 2 × forward. Eager (each op its own kernel, fp32 norm internals) ≈ 2.5 × that. Plus the
+    loss over the vocabulary: 16·V (chunked fused linear + cross-entropy: fp32 logits written and read, forward and
+    backward). FlashAttention is counted as arithmetic (in the FLOPs), not here.
+    """
+    d, f, r = shape.dim, shape.ffn_dim, prec.residual
+    forward = (r + 2) * d + 4 * d + 4 * shape.kv_dim + (2 * r + 2) * d + (r + 2) * d + 6 * f + (2 * r + 2) * d
+    per_block = 3.0 * forward * (1.0 if compiled else 2.5)
+    return shape.n_layers * per_block + 16.0 * shape.vocab_size
+
+
+def elementwise_seconds(shape: ModelShape, layout: Layout, wl: Workload, prec: Precision, device: Device) -> float:
+    """Memory-bound time of one step on one device: elementwise traffic of its tokens plus the per-micro-batch
+    dtype casts of its parameters (autocast: fp32 weights read, bf16 copies written, bf16 weight grads added into
+    fp32 = 16 B/param; FSDP2 bf16 params: the fp32 upcast of gradients for the reduction = 6 B/param), at
+    ``hbm_efficiency`` × the HBM bandwidth. Tensor parallelism splits both; pipeline stages hold L/p blocks."""
+    m = wl.global_batch // (layout.dp * layout.micro_batch)
+    tokens = layout.micro_batch * wl.seq_len * m
+    per_token = elementwise_bytes_per_token(shape, prec, wl.compiled)
+    per_token = (per_token - 16.0 * shape.vocab_size) / layout.pp + 16.0 * shape.vocab_size / layout.pp
+    psi = (shape.n_layers / layout.pp * shape.layer_params + shape.head_params / layout.pp) / layout.tp
+    total = tokens * per_token / layout.tp + m * prec.cast * psi
+    return total / (device.hbm_tb_per_s * 1e12 * device.hbm_efficiency)
+
+
+def fit_efficiency(est: Estimate, measured_step_s: float) -> float:
+    """The efficiency that makes ``est`` (a compute-bound run without exposed communication, e.g. one GPU) take
+    ``measured_step_s``: only the GEMM/attention part scales with efficiency, the memory-bound part stays."""
+    gemm_s = est.compute_s - est.elementwise_s
+    return est.device.efficiency * gemm_s / max(measured_step_s - est.elementwise_s, 1e-12)
+
+
 def bubble_fraction(layout: Layout, micro_batches: int) -> float:
     """Pipeline idle time / compute: (p−1)/m for GPipe and 1F1B, (p−1)/(v·m) for interleaved 1F1B (v chunks)."""
     if layout.pp == 1:
@@ -455,7 +494,7 @@ def estimate(
 ) -> Estimate:
     """Memory, step time and totals of one layout.
 
-    compute_s = flops_per_token(s)·B·s·(4/3 with full AC) / (world · peak · efficiency)
+    compute_s = flops_per_token(s)·B·s·(4/3 with full AC) / (world · peak · efficiency) + elementwise_seconds
     host_s = m · (L/p) · host_layer_us (compiled or eager) + host_step_us   (the host's kernel-launch floor)
     step_s = max(compute_s · (1 + bubble), host_s) + exposed communication;  steps = D / (B·s);
     energy = total_s·world·watts.
@@ -465,7 +504,9 @@ def estimate(
     tokens_per_step = wl.global_batch * wl.seq_len
     flops = shape.flops_per_token(wl.seq_len) * tokens_per_step
     recompute = 4.0 / 3.0 if layout.ac == "full" else 1.0
-    compute_s = flops * recompute / (layout.world * device.peak_flops * device.efficiency)
+    gemm_s = flops * recompute / (layout.world * device.peak_flops * device.efficiency)
+    elementwise_s = elementwise_seconds(shape, layout, wl, prec, device) * recompute
+    compute_s = gemm_s + elementwise_s
     bubble_s = compute_s * bubble_fraction(layout, m)
     comm = communication(shape, layout, wl, prec, device, compute_s)
     layer_us = device.host_layer_us_compiled if wl.compiled else device.host_layer_us
@@ -491,6 +532,7 @@ def estimate(
         required,
         notes,
         host_s,
+        elementwise_s,
     )
 
 
