@@ -44,28 +44,13 @@ def default_cases() -> list[scaling.Case]:
     ]
 
 
-def run_config(case: dict):
-    from anytrain.config import load_config
-
-    recipe = case.get("recipe") or scaling.RECIPES[case["model"]]
-    overrides = [*case.get("extra", []), "--data.seq_len", str(case["seq"]), "--train.global_batch",
-                 str(case["global_batch"]), "--train.micro_batch", str(case["micro"])]  # fmt: skip
-    overrides = [o for o in overrides if o not in ("--device", "cpu")]
-    return load_config(Path(scaling.ROOT) / recipe, overrides)
-
-
 def predict(rows: list[dict], device_key: str, gpus_per_node: int, calibrate: str) -> dict:
     """Adds ``predicted`` to every row; returns the fitted efficiency table."""
-    from anytrain.cost import Workload, estimate, get_device
-    from anytrain.cost.cli import shape_from_config
+    from anytrain.cost import get_device
     from anytrain.cost.model import fit_efficiency
 
     device = get_device(device_key).replace(gpus_per_node=gpus_per_node)
-
-    def est(row: dict, dev):
-        cfg = run_config(row)
-        wl = Workload(row["seq"], row["global_batch"], compiled=cfg.train.compile)
-        return estimate(shape_from_config(cfg), scaling.cost_layout(row), wl, dev)
+    est = scaling.predict_row
 
     def measured_step(row: dict) -> float:
         return row["global_batch"] * row["seq"] / row["tokens_per_s"]

@@ -318,31 +318,49 @@ def cost_layout(case: dict):
     return Layout(dp=dp, tp=case["tp"], pp=case["pp"], strategy=strat, shard=shard, micro_batch=case["micro"])
 
 
-def add_predictions(rows: list[dict], device_key: str, gpus_per_node: int) -> None:
-    """Planner predictions for transformer rows: catalogue efficiency, and efficiency fitted on the 1-GPU g32 row."""
-    from anytrain.config import ModelConfig
-    from anytrain.cost import Workload, estimate, get_device
-    from anytrain.cost.model import ModelShape, fit_efficiency
-    from anytrain.models import resolve_args
+def run_config(case: dict):
+    """The RunConfig a row trained with (recipe + the row's overrides), for the cost model."""
+    from anytrain.config import load_config
 
-    shape = ModelShape.from_args(resolve_args(ModelConfig(arch="transformer", flavour="1.1b")), name="1.1b")
+    recipe = case.get("recipe") or RECIPES[case["model"]]
+    overrides = [*case.get("extra", []), "--data.seq_len", str(case["seq"]), "--train.global_batch",
+                 str(case["global_batch"]), "--train.micro_batch", str(case["micro"])]  # fmt: skip
+    overrides = [o for o in overrides if o not in ("--device", "cpu")]
+    return load_config(ROOT / recipe, overrides)
+
+
+def predict_row(row: dict, device):
+    """anytrain.cost.estimate for the model, layout and batch of one row."""
+    from anytrain.cost import Workload, estimate
+    from anytrain.cost.cli import shape_from_config
+
+    cfg = run_config(row)
+    wl = Workload(row["seq"], row["global_batch"], compiled=cfg.train.compile)
+    return estimate(shape_from_config(cfg), cost_layout(row), wl, device)
+
+
+def add_predictions(rows: list[dict], device_key: str, gpus_per_node: int, calibrate: str = "t-1-g32") -> None:
+    """Planner predictions for every anytrain row: catalogue efficiency, and efficiency fitted on ONE run (the 1.1B
+    Transformer on one GPU) — the other rows, Mamba included, are predictions."""
+    from anytrain.cost import get_device
+    from anytrain.cost.model import fit_efficiency
+
     device = get_device(device_key).replace(gpus_per_node=gpus_per_node)
-    candidates = [r for r in rows if r["model"] == "transformer" and r["layout"] != "hf-ddp"]
-    calib = next((r for r in candidates if r["gpus"] == 1 and r["global_batch"] == 32 and "tokens_per_s" in r), None)
+    candidates = [r for r in rows if r["layout"] != "hf-ddp"]
+    calib = next((r for r in candidates if r["name"] == calibrate and "tokens_per_s" in r), None)
     fitted = None
     if calib:
-        est = estimate(shape, cost_layout(calib), Workload(calib["seq"], calib["global_batch"]), device)
         measured = calib["global_batch"] * calib["seq"] / calib["tokens_per_s"]
-        fitted = device.replace(efficiency=fit_efficiency(est, measured))
+        fitted = device.replace(efficiency=fit_efficiency(predict_row(calib, device), measured))
     for r in candidates:
-        wl = Workload(r["seq"], r["global_batch"])
         r["predicted"] = {}
         for label, dev in (("catalogue", device), ("calibrated", fitted)):
             if dev is None:
                 continue
-            est = estimate(shape, cost_layout(r), wl, dev)
+            est = predict_row(r, dev)
             pred = {"step_s": est.step_s, "allocated_gib": est.allocated_gib, "efficiency": dev.efficiency,
-                    "exposed_comm_s": est.exposed_comm_s, "bubble_s": est.bubble_s}  # fmt: skip
+                    "exposed_comm_s": est.exposed_comm_s, "bubble_s": est.bubble_s, "host_s": est.host_s,
+                    "elementwise_s": est.elementwise_s, "calibration_run": r["name"] == calibrate}  # fmt: skip
             if "tokens_per_s" in r:
                 measured = r["global_batch"] * r["seq"] / r["tokens_per_s"]
                 pred["measured_step_s"] = measured

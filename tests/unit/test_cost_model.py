@@ -186,3 +186,31 @@ def test_host_floor_binds_small_models_only():
     # the 1.1B model is compute-bound: the floor does not change its step time
     big = estimate(LLAMA_1B, Layout(dp=1, micro_batch=4), Workload(2048, 32), h200)
     assert big.host_s < big.compute_s and big.step_s == pytest.approx(big.compute_s) and not big.notes
+
+
+@pytest.mark.parametrize("flavour", ["tiny-mamba", "130m", "1.4b"])
+def test_mamba_shape_matches_the_model(flavour):
+    import torch
+
+    from anytrain.cost.model import MambaShape
+
+    cfg = ModelConfig(arch="mamba", flavour=flavour)
+    with torch.device("meta"):
+        model = build_model(cfg)
+    shape = MambaShape.from_args(resolve_args(cfg))
+    assert shape.num_params == model.num_params()
+    assert shape.flops_per_token(2048) == pytest.approx(model.flops_per_token(2048))
+
+
+def test_mamba_estimate_adds_the_scan_and_never_uses_tp():
+    from anytrain.cost.model import MambaShape
+    from anytrain.cost.planner import candidate_layouts
+
+    shape = MambaShape.from_args(resolve_args(ModelConfig(arch="mamba", flavour="1.4b")))
+    h200 = get_device("h200")
+    est = estimate(shape, Layout(dp=1, micro_batch=4), Workload(2048, 32, compiled=False), h200)
+    scan = 32 * 2048 * shape.n_layers * shape.d_inner * h200.scan_ns * 1e-9
+    assert est.elementwise_s > scan > 0.1 * est.compute_s  # the scan is a visible share of a 1.4B step
+    assert {lay.tp for lay in candidate_layouts(shape, 8, 8, 32)} == {1}
+    fsdp = estimate(shape, Layout(dp=2, strategy="fsdp", micro_batch=4), Workload(2048, 32, compiled=False), h200)
+    assert fsdp.allocated_gib < est.allocated_gib and fsdp.compute_s < est.compute_s

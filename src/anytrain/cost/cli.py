@@ -14,7 +14,7 @@ from pathlib import Path
 import typer
 
 from anytrain.cost.devices import get_device, load_efficiency_table
-from anytrain.cost.model import PRECISIONS, STRATEGIES, ModelShape, Workload
+from anytrain.cost.model import PRECISIONS, STRATEGIES, MambaShape, ModelShape, Workload
 from anytrain.cost.planner import PlanResult, plan
 from anytrain.errors import ConfigError
 
@@ -83,10 +83,12 @@ def shape_from_config(cfg: object) -> ModelShape:
     from anytrain.models import resolve_args
 
     args = resolve_args(cfg.model)
-    shape = ModelShape.from_args(args, name=f"{cfg.model.arch}/{cfg.model.flavour}")
+    name = f"{cfg.model.arch}/{cfg.model.flavour}"
+    if hasattr(args, "d_state"):
+        return MambaShape.from_args(args, name=name)
     if not hasattr(args, "n_heads"):
-        raise ConfigError(f"model.arch: the cost model covers transformer models, not {cfg.model.arch!r} yet")
-    return shape
+        raise ConfigError(f"model.arch: the cost model covers transformer and mamba models, not {cfg.model.arch!r}")
+    return ModelShape.from_args(args, name=name)
 
 
 def count_params_on_meta(cfg: object) -> int:

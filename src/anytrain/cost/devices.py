@@ -47,6 +47,7 @@ class Device:
     host_layer_us: float = 2300.0  # host dispatch per block per micro-batch, eager forward + backward
     host_layer_us_compiled: float = 450.0  # the same with per-block torch.compile
     host_step_us: float = 2000.0  # per optimizer step: optimizer, clipping, the guard's all-reduce
+    scan_ns: float = 0.14  # Mamba selective scan fwd+bwd per (token, inner channel) at S=16 (bench/mamba_kernels.py)
     hbm_efficiency: float = 0.85  # achieved fraction of HBM bandwidth by fused elementwise kernels (H200 copy: 87%)
 
     @property
@@ -75,8 +76,9 @@ def _from_hw(key: str, catalogue_key: str, **extra: float | int) -> Device:
 
 # Achieved-efficiency defaults (fraction of dense bf16 peak on the GEMM/attention part; the memory-bound elementwise
 # part is modelled separately at hbm_efficiency): H200 0.60 fitted on anytrain's 1.1B run on one H200 (69k tok/s =
-# 51% MFU overall), H100 a little lower (same chip, less bandwidth); earlier: Megatron-Core's 41-49% MFU at scale; A100 ~50% (Megatron); MI250X 0.38 from ORNL Frontier (22B: 38.4% of 191.5 TFLOP/s;
-# 175B: 36.1%, 1T: 32.0% including communication); MI300X conservative. Refit with a GPU validation run.
+# 51% MFU overall), H100 a little lower (same chip, less bandwidth); Megatron-Core reports 41-49% MFU at scale;
+# A100 ~50% (Megatron); MI250X 0.38 from ORNL Frontier (22B: 38.4% of 191.5 TFLOP/s; 175B: 36.1%, 1T: 32.0%
+# including communication); MI300X conservative. Refit with bench/cost_model_validation.py on a GPU.
 DEVICES: dict[str, Device] = {
     "h200": _from_hw("h200", "H200", efficiency=0.60),
     "h100": _from_hw("h100", "H100", efficiency=0.57),

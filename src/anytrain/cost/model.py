@@ -79,6 +79,56 @@ class ModelShape:
 
 
 @dataclass(frozen=True)
+class MambaShape:
+    """Mamba-1 LM shape for the cost model (anytrain's models/mamba.py). E = expand·d inner width, S state size,
+    R Δ rank, K conv width. No attention: tensor parallelism is not offered (``n_heads`` = 1 keeps tp = 1)."""
+
+    n_layers: int
+    dim: int
+    d_inner: int
+    d_state: int
+    dt_rank: int
+    d_conv: int
+    vocab_size: int
+    tie_embeddings: bool = True
+    residual_fp32: bool = True
+    name: str = ""
+    n_heads: int = 1
+    n_kv_heads: int = 1
+    expand_kv: bool = True
+    kind: str = "mamba"
+
+    @property
+    def layer_params(self) -> int:
+        """3·D·E + E·(K + 2R + 3S + 3) + D (as ``Mamba.num_params``)."""
+        d, e = self.dim, self.d_inner
+        return 3 * d * e + e * (self.d_conv + 2 * self.dt_rank + 3 * self.d_state + 3) + d
+
+    @property
+    def embedding_params(self) -> int:
+        return self.vocab_size * self.dim
+
+    @property
+    def head_params(self) -> int:
+        return (0 if self.tie_embeddings else self.vocab_size * self.dim) + self.dim
+
+    @property
+    def num_params(self) -> int:
+        return self.embedding_params + self.n_layers * self.layer_params + self.head_params
+
+    def flops_per_token(self, seq_len: int) -> float:
+        """6·N (N without the input embedding, the LM head's V·D counted even when tied) + 3·L·E·(8·S + 10)."""
+        del seq_len
+        n = self.num_params - self.embedding_params + (self.vocab_size * self.dim if self.tie_embeddings else 0)
+        return 6.0 * n + 3.0 * self.n_layers * self.d_inner * (8 * self.d_state + 10)
+
+    @classmethod
+    def from_args(cls, args: object, name: str = "") -> MambaShape:
+        return cls(args.n_layers, args.d_model, args.expand * args.d_model, args.d_state, args.dt_rank, args.d_conv,
+                   args.vocab_size, bool(args.tie_embeddings), bool(args.residual_in_fp32), name=name)  # fmt: skip
+
+
+@dataclass(frozen=True)
 class Precision:
     """Bytes per parameter of each state, and the dtypes of activations.
 
@@ -278,6 +328,8 @@ def activation_bytes_per_token(shape: ModelShape, prec: Precision, compiled: boo
     Korthikanti et al.'s 34·s·b·h for GPT (bf16, with dropout masks) is the same count: 2d (LN in) + 2d (QKV in)
     + 6d (QKV) + 2d (out) + 1d mask + 2d (LN) + 2d (fc1 in) + 16d (fc1 out, gelu out) + 1d mask.
     """
+    if isinstance(shape, MambaShape):
+        return mamba_activation_bytes_per_token(shape, prec)
     d, f, a, r = shape.dim, shape.ffn_dim, prec.act, prec.residual
     kv = d if shape.expand_kv else shape.kv_dim
     attn = a * (d + 2 * kv) + a * d
@@ -287,6 +339,15 @@ def activation_bytes_per_token(shape: ModelShape, prec: Precision, compiled: boo
     casts = (5 if shape.mlp == "swiglu" else 4) if r == 4 and prec.act == 2 else 2
     mlp = (4 if shape.mlp == "swiglu" else 2) * a * f
     return 2 * 8 * d + casts * a * d + attn + mlp
+
+
+def mamba_activation_bytes_per_token(shape: MambaShape, prec: Precision) -> float:
+    """Bytes one Mamba block saves per token: residual input r·d, normed input a·d, in_proj output x and z 2·a·E,
+    conv output a·E, x_proj output a·(R + 2S), Δ a·E, the gated scan output a·E (out_proj input), and the scan's saved
+    state every 16 steps (4·E·S/16 bytes; the kernel recomputes the rest). r = 4 with the fp32 residual."""
+    d, e, a = shape.dim, shape.d_inner, prec.act
+    r = 4 if shape.residual_fp32 else prec.residual
+    return r * d + a * d + a * (2 * e + e + shape.dt_rank + 2 * shape.d_state + e + e) + 4 * e * shape.d_state / 16
 
 
 def loss_bytes_per_token(shape: ModelShape) -> float:
@@ -454,6 +515,10 @@ def elementwise_bytes_per_token(shape: ModelShape, prec: Precision, compiled: bo
     loss over the vocabulary: 16·V (chunked fused linear + cross-entropy: fp32 logits written and read, forward and
     backward). FlashAttention is counted as arithmetic (in the FLOPs), not here.
     """
+    if isinstance(shape, MambaShape):  # norm (r+2)·d, residual add (2r+2)·d, conv in/out + SiLU and gate 8·E
+        r, e = (4 if shape.residual_fp32 else prec.residual), shape.d_inner
+        forward = (3 * r + 4) * shape.dim + 8 * e
+        return shape.n_layers * 3.0 * forward * (1.0 if compiled else 2.5) + 16.0 * shape.vocab_size
     d, f, r = shape.dim, shape.ffn_dim, prec.residual
     forward = (r + 2) * d + 4 * d + 4 * shape.kv_dim + (2 * r + 2) * d + (r + 2) * d + 6 * f + (2 * r + 2) * d
     per_block = 3.0 * forward * (1.0 if compiled else 2.5)
@@ -506,6 +571,9 @@ def estimate(
     recompute = 4.0 / 3.0 if layout.ac == "full" else 1.0
     gemm_s = flops * recompute / (layout.world * device.peak_flops * device.efficiency)
     elementwise_s = elementwise_seconds(shape, layout, wl, prec, device) * recompute
+    if isinstance(shape, MambaShape):  # the selective scan (forward + backward) at its benchmarked rate
+        tokens_per_device = wl.global_batch * wl.seq_len / layout.dp
+        elementwise_s += tokens_per_device * shape.n_layers / layout.pp * shape.d_inner * device.scan_ns * 1e-9
     compute_s = gemm_s + elementwise_s
     bubble_s = compute_s * bubble_fraction(layout, m)
     comm = communication(shape, layout, wl, prec, device, compute_s)
