@@ -75,8 +75,9 @@ class TrainConfig:
     attention_backend: Literal["auto", "flash", "cudnn", "efficient", "math"] = "auto"
     """SDPA kernel preference on GPUs: auto = PyTorch's own choice; flash / cudnn / efficient put that kernel first
     (the others stay as fallbacks for shapes it cannot take); math = the reference kernel. Ignored on CPU."""
-    activation_checkpointing: Literal["none", "full"] = "none"
-    """Recompute each block's activations in backward to save memory."""
+    activation_checkpointing: Literal["none", "selective", "full"] = "none"
+    """Recompute block activations in backward to save memory: full = every block, selective = every other block
+    (torchtitan's layer-level selective policy: about half the memory saving for a third of the recompute)."""
     log_interval: int = 10
     """Steps between metric log lines (the only steps that synchronise the host with the device)."""
     eval_interval: int = 100

@@ -214,3 +214,15 @@ def test_mamba_estimate_adds_the_scan_and_never_uses_tp():
     assert {lay.tp for lay in candidate_layouts(shape, 8, 8, 32)} == {1}
     fsdp = estimate(shape, Layout(dp=2, strategy="fsdp", micro_batch=4), Workload(2048, 32, compiled=False), h200)
     assert fsdp.allocated_gib < est.allocated_gib and fsdp.compute_s < est.compute_s
+
+
+def test_selective_checkpointing_sits_between_none_and_full():
+    h200 = get_device("h200")
+    wl = Workload(2048, 32)
+    est = {ac: estimate(LLAMA_1B, Layout(micro_batch=8, ac=ac), wl, h200) for ac in ("none", "selective", "full")}
+    act = {ac: e.memory["activations"] for ac, e in est.items()}
+    assert act["full"] < act["selective"] < act["none"]
+    assert act["selective"] == pytest.approx((act["none"] + act["full"]) / 2)  # every other block checkpointed
+    gemm = {ac: e.compute_s - e.elementwise_s for ac, e in est.items()}
+    assert gemm["selective"] == pytest.approx(gemm["none"] * (1 + 0.5 / 3))
+    assert gemm["full"] == pytest.approx(gemm["none"] * 4 / 3)

@@ -356,6 +356,14 @@ def loss_bytes_per_token(shape: ModelShape) -> float:
     return 12.0 * shape.vocab_size
 
 
+AC_POLICIES = {"none": 0.0, "selective": 0.5, "full": 1.0}
+
+
+def ac_fraction(policy: str) -> float:
+    """Share of blocks under activation checkpointing: none 0, selective 1/2 (every other block), full 1."""
+    return AC_POLICIES[policy]
+
+
 def pp_in_flight(layout: Layout, micro_batches: int) -> float:
     """Micro-batches whose activations the first pipeline stage holds at once: GPipe m; 1F1B min(p, m);
     interleaved 1F1B min(m, p·(1 + (p−1)/(p·v))) (Korthikanti et al. 2022, §4.2.3)."""
@@ -405,11 +413,10 @@ def memory_per_device(shape: ModelShape, layout: Layout, wl: Workload, prec: Pre
         if layout.strategy == "ddp" and layout.dp > 1:
             mem["ddp_buckets"] = psi * prec.ddp_bucket
         in_flight = pp_in_flight(layout, m) if first else 1.0
-        if layout.ac == "full":
-            stored = prec.residual * shape.dim * tokens / t * layers * in_flight
-            transient = act_layer
-        else:
-            stored, transient = act_layer * layers * in_flight, 0.0
+        f = ac_fraction(layout.ac)  # share of blocks that keep only their input and recompute in backward
+        checkpointed = prec.residual * shape.dim * tokens / t
+        stored = (f * checkpointed + (1 - f) * act_layer) * layers * in_flight
+        transient = act_layer if f else 0.0
         mem["activations"] = stored
         loss = loss_bytes_per_token(shape) * tokens / t if last else 0.0
         mem["transient"] = max(loss, transient)
@@ -495,7 +502,7 @@ def communication(
         comm.exposed_seconds = max(0.0, comm.seconds - hidden)
         hidden = max(0.0, hidden - comm.seconds)
     if t > 1:
-        per_layer = 6 if layout.ac == "full" else 4
+        per_layer = 4 + 2 * ac_fraction(layout.ac)  # recomputed blocks replay their forward collectives
         count = per_layer * m * math.ceil(shape.n_layers / p)
         for kind in ("all_gather", "reduce_scatter"):
             comm = add("tp", kind, count, act_msg, t, 1)
@@ -568,7 +575,7 @@ def estimate(
     m = wl.global_batch // (layout.dp * layout.micro_batch)
     tokens_per_step = wl.global_batch * wl.seq_len
     flops = shape.flops_per_token(wl.seq_len) * tokens_per_step
-    recompute = 4.0 / 3.0 if layout.ac == "full" else 1.0
+    recompute = 1.0 + ac_fraction(layout.ac) / 3.0  # a recomputed forward is a third of forward + backward
     gemm_s = flops * recompute / (layout.world * device.peak_flops * device.efficiency)
     elementwise_s = elementwise_seconds(shape, layout, wl, prec, device) * recompute
     if isinstance(shape, MambaShape):  # the selective scan (forward + backward) at its benchmarked rate

@@ -112,7 +112,7 @@ def candidate_layouts(
     tp: int | None = None,
     pp: int | None = None,
     micro_batches: tuple[int, ...] | None = None,
-    ac: tuple[str, ...] = ("none", "full"),
+    ac: tuple[str, ...] = ("none", "selective", "full"),
     pp_schedule: str = "1f1b",
     max_micro_batch: int = 64,
 ) -> list[Layout]:
@@ -171,8 +171,8 @@ def _reason(best: Estimate, ranked: list[Estimate], gpus_per_node: int) -> str:
             text += "; tensor parallelism stays inside a node"
     else:
         text += f"; no model parallelism needed, all {lay.dp} devices are data parallel ({lay.strategy})"
-    if lay.ac == "full":
-        text += "; full activation checkpointing is needed to fit"
+    if lay.ac != "none":
+        text += f"; {lay.ac} activation checkpointing is needed to fit"
     return text
 
 
@@ -225,7 +225,7 @@ def plan(
     tp: int | None = None,
     pp: int | None = None,
     micro_batch: int | None = None,
-    ac: tuple[str, ...] = ("none", "full"),
+    ac: tuple[str, ...] = ("none", "selective", "full"),
     pp_schedule: str = "1f1b",
 ) -> PlanResult:
     """Ranked feasible layouts for ``shape`` on ``gpus`` devices. Raises ConfigError for impossible requests and
