@@ -19,8 +19,29 @@ STRATEGIES = ("ddp", "zero1", "zero2", "fsdp", "hsdp")
 SCHEDULES = ("gpipe", "1f1b", "interleaved")
 
 
+class _LanguageModelParams:
+    """Parameter counts shared by the shapes: token embedding V·d, LM head (V·d unless tied) + final norm, blocks."""
+
+    @property
+    def embedding_params(self) -> int:
+        return self.vocab_size * self.dim
+
+    @property
+    def head_params(self) -> int:
+        """LM head (V·d unless tied) + final norm."""
+        return (0 if self.tie_embeddings else self.vocab_size * self.dim) + self.dim
+
+    @property
+    def num_params(self) -> int:
+        return self.embedding_params + self.n_layers * self.layer_params + self.head_params
+
+    def dense_params(self) -> int:
+        """N of 6·N: parameters without the input embedding, the LM head's V·d counted even when tied."""
+        return self.num_params - self.embedding_params + (self.vocab_size * self.dim if self.tie_embeddings else 0)
+
+
 @dataclass(frozen=True)
-class ModelShape:
+class ModelShape(_LanguageModelParams):
     """Decoder shape. ``mlp``: 'swiglu' (Llama: 3 matrices) or 'gelu' (GPT: 2). ``expand_kv``: K/V heads are
     expanded to H before attention (what anytrain's Transformer does), so attention saves full-width K and V."""
 
@@ -45,23 +66,9 @@ class ModelShape:
         d, f = self.dim, self.ffn_dim
         return 2 * d * d + 2 * d * self.kv_dim + (3 if self.mlp == "swiglu" else 2) * d * f + 2 * d
 
-    @property
-    def embedding_params(self) -> int:
-        return self.vocab_size * self.dim
-
-    @property
-    def head_params(self) -> int:
-        """LM head (V·d unless tied) + final norm."""
-        return (0 if self.tie_embeddings else self.vocab_size * self.dim) + self.dim
-
-    @property
-    def num_params(self) -> int:
-        return self.embedding_params + self.n_layers * self.layer_params + self.head_params
-
     def flops_per_token(self, seq_len: int) -> float:
         """6·N + 12·L·d·s with N = parameters without the input embedding, LM head included (as the model's own)."""
-        n = self.num_params - self.embedding_params + (self.vocab_size * self.dim if self.tie_embeddings else 0)
-        return 6.0 * n + 12.0 * self.n_layers * self.dim * seq_len
+        return 6.0 * self.dense_params() + 12.0 * self.n_layers * self.dim * seq_len
 
     @classmethod
     def from_args(cls, args: object, name: str = "") -> ModelShape:
@@ -79,7 +86,7 @@ class ModelShape:
 
 
 @dataclass(frozen=True)
-class MambaShape:
+class MambaShape(_LanguageModelParams):
     """Mamba-1 LM shape for the cost model (anytrain's models/mamba.py). E = expand·d inner width, S state size,
     R Δ rank, K conv width. No attention: tensor parallelism is not offered (``n_heads`` = 1 keeps tp = 1)."""
 
@@ -104,23 +111,10 @@ class MambaShape:
         d, e = self.dim, self.d_inner
         return 3 * d * e + e * (self.d_conv + 2 * self.dt_rank + 3 * self.d_state + 3) + d
 
-    @property
-    def embedding_params(self) -> int:
-        return self.vocab_size * self.dim
-
-    @property
-    def head_params(self) -> int:
-        return (0 if self.tie_embeddings else self.vocab_size * self.dim) + self.dim
-
-    @property
-    def num_params(self) -> int:
-        return self.embedding_params + self.n_layers * self.layer_params + self.head_params
-
     def flops_per_token(self, seq_len: int) -> float:
         """6·N (N without the input embedding, the LM head's V·D counted even when tied) + 3·L·E·(8·S + 10)."""
         del seq_len
-        n = self.num_params - self.embedding_params + (self.vocab_size * self.dim if self.tie_embeddings else 0)
-        return 6.0 * n + 3.0 * self.n_layers * self.d_inner * (8 * self.d_state + 10)
+        return 6.0 * self.dense_params() + 3.0 * self.n_layers * self.d_inner * (8 * self.d_state + 10)
 
     @classmethod
     def from_args(cls, args: object, name: str = "") -> MambaShape:
