@@ -4,12 +4,13 @@ Shape (mamba-2.8b-like): batch 2, seqlen 4096, dim 5376, dstate 16; bf16 u/delta
 delta_bias and delta_softplus. Times are ``triton.testing.do_bench`` medians over rotating input sets (each set is
 several times the L2), in ms. Writes bench/results/mamba_kernels_<device-slug>.json (or under --out).
 
-    PYTHONPATH=src python3 bench/mamba_kernels.py [--out DIR] [--sweep]
+    PYTHONPATH=src python3 bench/mamba_kernels.py [--out DIR] [--sweep [--no-conv-sweep]]
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import importlib
 import json
@@ -70,18 +71,41 @@ def scan_inputs(dim: int = DIM, seqlen: int = SEQLEN):
     return dict(u=u, delta=delta, A=A, B=B, C=C, D=D, z=z, delta_bias=bias)
 
 
-def bench_scan(cfg: ScanConfig, sets, deterministic: bool = False) -> tuple[float, float]:
+def bench_scan(cfg: ScanConfig, sets, deterministic: bool = False, fwd_cfg: ScanConfig | None = None, which="both"):
+    """(fwd ms, bwd ms) of cfg (nan for the one ``which`` leaves out); fwd_cfg (default cfg) makes the saved states
+    for the backward timing."""
     fwds, bwds = [], []
     for s in sets:
         Bg, Cg = scan_mod._as_groups(s["B"]), scan_mod._as_groups(s["C"])
-        args = (s["u"], s["delta"], s["A"], Bg, Cg, s["D"], s["z"], s["delta_bias"], True, cfg)
-        _, states = scan_mod._fwd(*args)
+        args = (s["u"], s["delta"], s["A"], Bg, Cg, s["D"], s["z"], s["delta_bias"], True)
+        _, states = scan_mod._fwd(*args, fwd_cfg or cfg)
         dout = torch.randn_like(s["u"])
-        fwds.append(lambda args=args: scan_mod._fwd(*args))
+        fwds.append(lambda args=args: scan_mod._fwd(*args, cfg))
         bwds.append(
             lambda a=args, st=states, g=dout: scan_mod._bwd(g, *a[:8], st, True, cfg, deterministic)  # noqa: B023
         )
-    return median_ms(rotating(fwds)), median_ms(rotating(bwds))
+    nan = float("nan")
+    return (
+        median_ms(rotating(fwds)) if which != "bwd" else nan,
+        median_ms(rotating(bwds)) if which != "fwd" else nan,
+    )
+
+
+def scan_check(cfg: ScanConfig, s, ref) -> float:
+    """Largest relative error (max |x - ref| / max |ref|) of out and all gradients vs ``ref`` (a trusted config's)."""
+    got = scan_grads(cfg, s)
+    return max(
+        float((g.float() - r.float()).abs().max() / r.float().abs().max().clamp_min(1e-30))
+        for g, r in zip(got, ref, strict=True)
+    )
+
+
+def scan_grads(cfg: ScanConfig, s):
+    leaves = {k: v.detach().clone().requires_grad_() for k, v in s.items()}
+    out = scan_mod.selective_scan_triton(**leaves, delta_softplus=True, config=cfg)
+    g = torch.randn(out.shape, device=out.device, generator=torch.Generator(out.device).manual_seed(1)).to(out.dtype)
+    out.backward(g)
+    return [out.detach()] + [leaves[k].grad for k in ("u", "delta", "A", "B", "C", "D", "z", "delta_bias")]
 
 
 def bench_conv(cfg: ConvConfig, xs) -> tuple[float, float]:
@@ -136,6 +160,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default=str(Path(__file__).resolve().parent / "results"))
     ap.add_argument("--sweep", action="store_true", help="also time alternative tile configs")
+    ap.add_argument("--no-conv-sweep", action="store_true", help="with --sweep: scan configs only")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         print("no GPU visible: nothing to benchmark", file=sys.stderr)
@@ -164,39 +189,62 @@ def main() -> int:
     sweep: list[dict] = []
     scan_cfg, conv_cfg = scan_mod.default_config(), conv_mod.default_config()
     if args.sweep:
-        scan_variants = [  # fields 4-8: block_d_bwd, chunk_bwd, warps_bwd, bwd_impl (2: state loop, 0: v1), seg_bwd
-            ScanConfig(16, 16, 2, 4, 16, 2, 0), ScanConfig(16, 16, 2, 4, 8, 4, 2, 32),
-            ScanConfig(16, 16, 2, 8, 8, 8, 2, 32), ScanConfig(16, 16, 2, 8, 8, 4, 2, 32),
-            ScanConfig(16, 16, 2, 2, 8, 2, 2, 32), ScanConfig(16, 16, 2, 4, 16, 4, 2, 32),
-            ScanConfig(16, 16, 2, 4, 8, 4, 2, 16), ScanConfig(16, 16, 2, 16, 8, 8, 2, 32),
+        # ScanConfig fields: block_d, chunk, num_warps, block_d_bwd, chunk_bwd, num_warps_bwd, bwd_impl, seg_bwd,
+        # fwd_impl, seg. Forward variants are timed on the forward only, backward variants on the backward only
+        # (their states from a compatible forward); each is checked against the v2 forward / v3 backward.
+        trusted = ScanConfig(16, 16, 2, 4, 16, 4, 2, 32, 0, 32)
+        ref = scan_grads(trusted, sets[0])
+        fwd_variants = [
+            trusted, ScanConfig(1, 8, 1, 1, 8, 1, 3, 32, 1, 32), ScanConfig(2, 8, 1, 1, 8, 1, 3, 32, 1, 32),
         ]  # fmt: skip
-        for cfg in scan_variants:
-            try:
-                f, b = bench_scan(cfg, sets)
-            except Exception as e:  # a config that does not compile (registers, shared memory) is skipped
-                print(f"scan {cfg}: failed {type(e).__name__}: {str(e)[:200]}")
-                continue
-            sweep.append({"op": "scan", "config": vars(cfg), "fwd_ms": f, "bwd_ms": b})
-            print(f"scan {cfg}: fwd {f:.3f} ms bwd {b:.3f} ms", flush=True)
+        bwd_variants = [
+            trusted, ScanConfig(1, 8, 1, 1, 8, 1, 3, 32, 1, 32), ScanConfig(1, 8, 1, 2, 8, 1, 3, 32, 1, 32),
+            ScanConfig(1, 8, 1, 4, 8, 4, 2, 32, 1, 32),
+        ]  # fmt: skip
+        for which, variants in (("fwd", fwd_variants), ("bwd", bwd_variants)):
+            for cfg in variants:
+                try:
+                    err = scan_check(cfg, sets[0], ref)
+                    fcfg = dataclasses.replace(cfg, chunk=min(cfg.chunk, cfg.chunk_bwd)) if which == "bwd" else cfg
+                    f, b = bench_scan(cfg, sets, fwd_cfg=fcfg, which=which)
+                except Exception as e:  # a config that does not compile (registers, shared memory) is skipped
+                    print(f"scan {which} {cfg}: failed {type(e).__name__}: {str(e)[:200]}")
+                    continue
+                ms = f if which == "fwd" else b
+                sweep.append({"op": f"scan_{which}", "config": vars(cfg), "ms": ms, "max_rel_err": err})
+                print(f"scan {which} {ms:.3f} ms  err {err:.1e}  {tuple(vars(cfg).values())}", flush=True)
+        # diagnostic: the fastest 1-channel backward without its dB/dC atomics (dB/dC then wrong; not a candidate)
+        scan_mod._DIAG_SKIP_DBDC = True
+        try:
+            _, b = bench_scan(bwd_variants[1], sets, which="bwd")
+            sweep.append({"op": "diag_scan_bwd_no_dBdC", "config": vars(bwd_variants[1]), "ms": b})
+            print(f"scan bwd without dB/dC atomics (diagnostic) {b:.3f} ms", flush=True)
+        finally:
+            scan_mod._DIAG_SKIP_DBDC = False
         conv_variants = [
             ConvConfig(4, 256, 4, 4, 256, 4), ConvConfig(8, 256, 4, 8, 256, 4), ConvConfig(4, 512, 4, 4, 512, 4),
             ConvConfig(8, 512, 8, 8, 512, 8), ConvConfig(16, 256, 8, 16, 256, 8), ConvConfig(2, 1024, 4, 2, 1024, 4),
             ConvConfig(16, 128, 4, 16, 128, 4), ConvConfig(4, 1024, 8, 4, 1024, 8),
         ]  # fmt: skip
-        for cfg in conv_variants:
+        for cfg in [] if args.no_conv_sweep else conv_variants:
             try:
                 f, b = bench_conv(cfg, xs)
             except Exception as e:
                 print(f"conv {cfg}: failed {type(e).__name__}: {str(e)[:200]}")
                 continue
-            sweep.append({"op": "conv", "config": vars(cfg), "fwd_ms": f, "bwd_ms": b})
+            sweep.append({"op": "conv", "config": vars(cfg), "fwd_ms": f, "bwd_ms": b, "ms": f + b})
             print(f"conv {cfg}: fwd {f:.4f} ms bwd {b:.4f} ms", flush=True)
-    if sweep:  # use the fastest swept configs (fwd + bwd together: the backward chunk is coupled to the forward)
-        scans = [r for r in sweep if r["op"] == "scan"]
+    if sweep:  # use the fastest swept configs (scan: the fastest forward's tiles with the fastest backward's)
+        best_f = min((r for r in sweep if r["op"] == "scan_fwd"), key=lambda r: r["ms"], default=None)
+        best_b = min((r for r in sweep if r["op"] == "scan_bwd"), key=lambda r: r["ms"], default=None)
+        if best_f and best_b:
+            f_, b_ = best_f["config"], best_b["config"]
+            scan_cfg = ScanConfig(**{**b_, **{k: f_[k] for k in ("block_d", "chunk", "num_warps", "fwd_impl", "seg")}})
+            if scan_cfg.fwd_impl == 1 and scan_cfg.chunk_bwd % scan_cfg.chunk:
+                scan_cfg = dataclasses.replace(scan_cfg, chunk=scan_cfg.chunk_bwd)
         convs = [r for r in sweep if r["op"] == "conv"]
-        if scans:
-            scan_cfg = ScanConfig(**min(scans, key=lambda r: r["fwd_ms"] + r["bwd_ms"])["config"])
-        conv_cfg = ConvConfig(**min(convs, key=lambda r: r["fwd_ms"] + r["bwd_ms"])["config"])
+        if convs:
+            conv_cfg = ConvConfig(**min(convs, key=lambda r: r["ms"])["config"])
         env = (
             f"export ANYTRAIN_SCAN_CONFIG={','.join(str(v) for v in vars(scan_cfg).values())}\n"
             f"export ANYTRAIN_CONV_CONFIG={','.join(str(v) for v in vars(conv_cfg).values())}\n"

@@ -19,6 +19,9 @@ from anytrain.kernels.causal_conv1d import ConvConfig, causal_conv1d_triton  # n
 from anytrain.kernels.reference import causal_conv1d_ref  # noqa: E402
 
 CFG = ConvConfig(block_d=2, block_t=8, num_warps=1, block_d_bwd=2, block_t_bwd=8, num_warps_bwd=1)
+# backward with one program per channel block looping over every (batch, time block): no partials
+CFG_ONE_SPLIT = ConvConfig(block_d=2, block_t=8, num_warps=1, block_d_bwd=2, block_t_bwd=8, num_warps_bwd=1,
+                           min_programs_bwd=1)  # fmt: skip
 
 
 @pytest.mark.parametrize(
@@ -26,7 +29,8 @@ CFG = ConvConfig(block_d=2, block_t=8, num_warps=1, block_d_bwd=2, block_t_bwd=8
     [(2, 1, True, "silu"), (3, 7, False, None), (4, 19, True, "silu"), (4, 1, False, None), (2, 9, False, "silu"),
      (3, 16, True, "silu"), (4, 8, True, None)],
 )  # fmt: skip
-def test_matches_reference(width, seqlen, has_bias, act):
+@pytest.mark.parametrize("cfg", [CFG, CFG_ONE_SPLIT], ids=["splits", "one-split"])
+def test_matches_reference(width, seqlen, has_bias, act, cfg):
     g = torch.Generator().manual_seed(width * 100 + seqlen)
     dim = 5  # not a multiple of block_d
     x = torch.randn(2, dim, seqlen, generator=g, dtype=torch.float64)
@@ -34,7 +38,7 @@ def test_matches_reference(width, seqlen, has_bias, act):
     b = torch.randn(dim, generator=g, dtype=torch.float64) if has_bias else None
     ours = [t.clone().requires_grad_() if t is not None else None for t in (x, w, b)]
     ref = [t.clone().requires_grad_() if t is not None else None for t in (x, w, b)]
-    out = causal_conv1d_triton(*ours, activation=act, config=CFG)
+    out = causal_conv1d_triton(*ours, activation=act, config=cfg)
     out_ref = causal_conv1d_ref(*ref, activation=act)
     torch.testing.assert_close(out, out_ref, rtol=1e-12, atol=1e-12)
     grad = torch.randn(out.shape, generator=g, dtype=torch.float64)
@@ -62,3 +66,12 @@ def test_rejects_bad_arguments():
         causal_conv1d_triton(x, w, activation="relu")
     with pytest.raises(ValueError, match="width"):
         causal_conv1d_triton(x, torch.randn(2, 5))
+
+
+def test_backward_split_count():
+    from anytrain.kernels.causal_conv1d import _bwd_splits
+
+    assert _bwd_splits(CFG_ONE_SPLIT, dim=5, n_iters=6) == (1, 6)  # one program per channel block does it all
+    assert _bwd_splits(CFG, dim=5, n_iters=6) == (6, 1)  # 3 channel blocks < 1024 programs: one iteration each
+    cfg = ConvConfig(block_d_bwd=4, min_programs_bwd=8)
+    assert _bwd_splits(cfg, dim=8, n_iters=7) == (4, 2)  # 2 blocks x 4 splits of ceil(7 / 4) = 2 iterations

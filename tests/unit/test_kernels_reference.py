@@ -95,3 +95,39 @@ def test_backend_and_deterministic_switches(monkeypatch):
     finally:
         K.set_backend(old_backend)
         K.set_deterministic(old_det)
+
+
+@pytest.mark.parametrize("seqlen", [1, 5, 16, 37])
+@pytest.mark.parametrize("decay_scale", [1.0, 1e4])  # 1e4: exp(delta * A) underflows to exactly 0 at most steps
+def test_chunked_scan_matches_loop_float64(seqlen, decay_scale):
+    """The default (chunked, two-level) reference equals the one-step-at-a-time loop: outputs, last state, gradients."""
+    batch, dim, dstate = 2, 4, 3
+    g = torch.Generator().manual_seed(seqlen)
+    u, delta, z = (torch.randn(batch, dim, seqlen, generator=g, dtype=F64) for _ in range(3))
+    A = -torch.rand(dim, dstate, generator=g, dtype=F64) * decay_scale - 0.01 * torch.arange(dstate, dtype=F64)
+    A[0, 0] = 0.0  # no decay at all: the state only accumulates
+    B, C = (torch.randn(batch, 2, dstate, seqlen, generator=g, dtype=F64) for _ in range(2))
+    D, bias = torch.randn(dim, generator=g, dtype=F64), torch.randn(dim, generator=g, dtype=F64)
+    results = []
+    for impl in ("loop", "chunked"):
+        leaves = [t.clone().requires_grad_() for t in (u, delta, A, B, C, D, z, bias)]
+        out, last = selective_scan_ref(*leaves, delta_softplus=True, return_last_state=True, impl=impl)
+        grads = torch.autograd.grad((out * z).sum() + last.square().sum(), leaves)
+        assert torch.isfinite(out).all() and all(torch.isfinite(gr).all() for gr in grads)
+        results.append((out, last, *grads))
+    for name, ref, got in zip(("out", "last", "du", "ddelta", "dA", "dB", "dC", "dD", "dz", "dbias"), *results,
+                              strict=True):  # fmt: skip
+        torch.testing.assert_close(got, ref, rtol=1e-10, atol=1e-10, msg=lambda m, n=name: f"{n}: {m}")
+
+
+def test_chunked_scan_float32_and_bad_impl():
+    """float32 inputs run in float32 (the CPU training path) and stay close to the float64 loop; impl is validated."""
+    g = torch.Generator().manual_seed(0)
+    u, delta = torch.randn(1, 3, 70, generator=g), torch.randn(1, 3, 70, generator=g)
+    A, B, C = -torch.rand(3, 4, generator=g), torch.randn(1, 4, 70, generator=g), torch.randn(1, 4, 70, generator=g)
+    out = selective_scan_ref(u, delta, A, B, C, delta_softplus=True)
+    assert out.dtype == torch.float32
+    ref = selective_scan_ref(*(t.double() for t in (u, delta, A, B, C)), delta_softplus=True, impl="loop")
+    torch.testing.assert_close(out.double(), ref, rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="impl"):
+        selective_scan_ref(u, delta, A, B, C, impl="parallel")

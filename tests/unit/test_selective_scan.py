@@ -19,11 +19,22 @@ from anytrain.kernels.reference import selective_scan_ref  # noqa: E402
 from anytrain.kernels.selective_scan import ScanConfig, selective_scan_triton  # noqa: E402
 
 F64 = torch.float64
-# small tiles so that seqlen crosses several chunks. Default (state-loop) backward: forward chunk 4, state saved every
-# 8 steps (every other forward chunk), backward chunk 2 segments x 8 steps; v1 backward: saved every 4, forward chunk 8.
-CFG = ScanConfig(block_d=2, chunk=4, num_warps=1, block_d_bwd=2, chunk_bwd=8, num_warps_bwd=1, seg_bwd=2)
-CFG_SAME = ScanConfig(block_d=4, chunk=4, num_warps=1, block_d_bwd=4, chunk_bwd=4, num_warps_bwd=1, seg_bwd=2)
-CFG_V1 = ScanConfig(block_d=2, chunk=8, num_warps=1, block_d_bwd=2, chunk_bwd=4, num_warps_bwd=1, bwd_impl=0)
+# Small tiles so that seqlen crosses several chunks. CFG / CFG_V4: v3 forward with 4-step segments, 2 per chunk (8
+# steps), the state saved every 8 steps (every other segment); backward v3 / v4 (bwd_impl 2 / 3) with 2 segments of 8
+# steps and 2-channel blocks. CFG_SAME: state saved at every 4-step segment, v3 backward. CFG_V1: v2 forward (chunk 8)
+# and v1 backward (state saved every 4 steps).
+CFG = ScanConfig(
+    block_d=2, chunk=4, num_warps=1, block_d_bwd=2, chunk_bwd=8, num_warps_bwd=1, seg_bwd=2, seg=2, bwd_impl=2
+)
+CFG_SAME = ScanConfig(
+    block_d=4, chunk=4, num_warps=1, block_d_bwd=4, chunk_bwd=4, num_warps_bwd=1, seg_bwd=2, seg=2, bwd_impl=2
+)
+CFG_V4 = ScanConfig(
+    block_d=2, chunk=4, num_warps=1, block_d_bwd=2, chunk_bwd=8, num_warps_bwd=1, seg_bwd=2, seg=2, bwd_impl=3
+)
+CFG_V1 = ScanConfig(
+    block_d=2, chunk=8, num_warps=1, block_d_bwd=2, chunk_bwd=4, num_warps_bwd=1, bwd_impl=0, fwd_impl=0
+)
 
 
 def make_inputs(batch, dim, seqlen, dstate, ngroups, has_z, has_d, has_bias, seed=0, dt_scale=0.5):
@@ -79,7 +90,7 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize("cfg", [CFG, CFG_V1], ids=["bwd3", "bwd1"])
+@pytest.mark.parametrize("cfg", [CFG, CFG_V4, CFG_V1], ids=["bwd3", "bwd4", "bwd1"])
 @pytest.mark.parametrize("batch,dim,seqlen,dstate,ngroups,has_z,has_d,has_bias,softplus", CASES)
 def test_matches_reference(batch, dim, seqlen, dstate, ngroups, has_z, has_d, has_bias, softplus, cfg):
     vals = make_inputs(batch, dim, seqlen, dstate, ngroups, has_z, has_d, has_bias)
@@ -92,7 +103,7 @@ def test_single_saved_state_per_chunk_and_4d_groups_of_one():
     assert_match(*run_both(vals, True, cfg=CFG_SAME))
 
 
-@pytest.mark.parametrize("cfg", [CFG, CFG_V1], ids=["bwd3", "bwd1"])
+@pytest.mark.parametrize("cfg", [CFG, CFG_V4, CFG_V1], ids=["bwd3", "bwd4", "bwd1"])
 def test_extreme_decay_underflows_without_nan(cfg):
     # delta*A down to about -1e4: exp underflows to exactly 0; the state then forgets the past completely
     vals = make_inputs(1, 3, 12, 4, None, True, True, False, dt_scale=1.0)
@@ -117,7 +128,7 @@ def test_float32_and_bfloat16_inputs_keep_dtype():
         torch.testing.assert_close(out.double(), ref, rtol=tol, atol=tol)
 
 
-@pytest.mark.parametrize("cfg", [CFG, CFG_V1], ids=["bwd3", "bwd1"])
+@pytest.mark.parametrize("cfg", [CFG, CFG_V4, CFG_V1], ids=["bwd3", "bwd4", "bwd1"])
 def test_deterministic_mode_is_bitwise_reproducible_and_matches_atomics(cfg):
     vals = make_inputs(2, 6, 11, 4, 2, True, True, True, seed=5)
     runs = [run_both(vals, True, cfg=cfg, deterministic=True)[0] for _ in range(2)]
@@ -152,3 +163,11 @@ def test_rejects_bad_groups():
     vals = make_inputs(1, 5, 4, 2, 2, False, False, False)
     with pytest.raises(ValueError, match="ngroups"):
         selective_scan_triton(**vals, config=CFG)
+
+
+def test_deterministic_many_blocks_falls_back_to_v3_backward(monkeypatch):
+    # bwd_impl 3 with 1-channel blocks would need dim-many dB/dC partials at real sizes: above _MAX_PARTIALS elements
+    # the deterministic backward runs the v3 kernel (4-channel blocks) on the same saved states instead
+    monkeypatch.setattr(sys.modules["anytrain.kernels.selective_scan"], "_MAX_PARTIALS", 0)
+    vals = make_inputs(1, 5, 19, 4, None, True, True, True, seed=2)
+    assert_match(*run_both(vals, True, cfg=CFG_V4, deterministic=True))

@@ -1,12 +1,15 @@
 """Triton causal depthwise conv1d (width 2-4) with optional SiLU, forward and backward.
 
-The weight is left-padded with zeros to 4 taps on the host, so one kernel serves every width:
-out_t = bias + sum_{k<4} w4[k] x_{t-3+k}. Each program owns a (BLOCK_D channels, BLOCK_T timesteps) tile; the shifted
-x tiles are re-read through L1/L2, so DRAM sees x once and out once (the memory floor).
+The kernels read the weight (dim, width) in place as 4 taps, the missing leading taps masked to zero, so one kernel
+serves every width: out_t = bias + sum_{k<4} w4[k] x_{t-3+k}. The forward's programs own (BLOCK_D channels, BLOCK_T
+timesteps) tiles; the shifted x tiles are re-read through L1/L2, so DRAM sees x once and out once (the memory floor).
 
-Backward recomputes the pre-activation instead of saving it (only x is kept): dx_t = sum_j w4[3-j] dpre_{t+j} with
-dpre_s = dout_s * silu'(pre_s), and pre_s recomputed from x_{s-3..s} (so 4 sigmoids per output element).
-dweight/dbias are per-(batch, time-block) partials summed in torch (deterministic, no atomics).
+Backward (v3) recomputes the pre-activation instead of saving it (only x is kept): dx_t = sum_j w4[3-j] dpre_{t+j}
+with dpre_s = dout_s * silu'(pre_s), pre_s recomputed from x_{s-3..s} (7 sigmoids per 4 outputs). One program per
+channel block loops over every (batch, time block) and accumulates dweight/dbias in registers, so it writes the final
+dweight/dbias itself: one launch, no partial buffers, no torch reduction, deterministic. Only when dim / block_d_bwd
+gives fewer than ``min_programs_bwd`` programs is the loop split over more programs, whose per-split partials torch
+sums (still deterministic).
 """
 
 from __future__ import annotations
@@ -15,7 +18,6 @@ import os
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 import triton
 import triton.language as tl
 from torch import Tensor
@@ -29,23 +31,26 @@ TAPS = tl.constexpr(_TAPS)  # globals read inside @triton.jit must be constexpr
 
 @dataclass(frozen=True)
 class ConvConfig:
-    block_d: int = 4
-    block_t: int = 256
+    block_d: int = 2
+    block_t: int = 1024
     num_warps: int = 4
-    block_d_bwd: int = 4
-    block_t_bwd: int = 256
+    block_d_bwd: int = 1
+    block_t_bwd: int = 1024
     num_warps_bwd: int = 4
+    min_programs_bwd: int = 1024
+    """Backward: split the (batch, time) loop over more programs only when dim / block_d_bwd gives fewer."""
 
 
-_VENDOR_CONFIGS = {  # CUDA: fastest of the H200 sweep (bench/results/); ROCm: not run
+_VENDOR_CONFIGS = {  # CUDA: fastest GPU time of the H200 sweep (bench/results/mamba_train_nvidia-h200_conv_sweep.json)
     hardware.CUDA: ConvConfig(),
-    hardware.ROCM: ConvConfig(block_t=512, block_t_bwd=512),  # 64-wide wavefronts: keep 8+ elements per lane
+    hardware.ROCM: ConvConfig(block_d_bwd=2),  # not run; 64-wide wavefronts: 8+ elements per lane either way
     hardware.CPU: ConvConfig(block_d=2, block_t=8, num_warps=1, block_d_bwd=2, block_t_bwd=8, num_warps_bwd=1),
 }
 
 
 def default_config() -> ConvConfig:
-    """Per-vendor tiles; env ANYTRAIN_CONV_CONFIG="block_d,block_t,warps,block_d_bwd,block_t_bwd,warps_bwd"."""
+    """Per-vendor tiles; env ANYTRAIN_CONV_CONFIG="block_d,block_t,warps,block_d_bwd,block_t_bwd,warps_bwd" with an
+    optional 7th value, min_programs_bwd."""
     env = os.environ.get("ANYTRAIN_CONV_CONFIG")
     if env:
         return ConvConfig(*(int(v) for v in env.split(",")))
@@ -54,9 +59,8 @@ def default_config() -> ConvConfig:
 
 @triton.jit
 def _sigmoid(x):
-    e = tl.exp(-tl.abs(x))
-    r = 1.0 / (1.0 + e)
-    return tl.where(x >= 0, r, e * r)
+    # exp(-x) overflowing to inf for x << 0 gives 1 / inf = 0, the right limit (no NaN): no branch needed
+    return 1.0 / (1.0 + tl.exp(-x))
 
 
 @triton.jit
@@ -106,10 +110,29 @@ def _dsilu(d, p, SILU: tl.constexpr):
 
 
 @triton.jit
+def _load_taps(w_ptr, offs_d, mask_d, s_wd, s_ww, PADW: tl.constexpr, ACC: tl.constexpr):
+    # the weight (dim, width) as 4 taps (BLOCK_D, 1) each, zero-padded in front: tap k is weight[:, k - PADW]
+    w0 = tl.load(w_ptr + offs_d * s_wd + (0 - PADW) * s_ww, mask=mask_d & (PADW <= 0), other=0.0).to(ACC)[:, None]
+    w1 = tl.load(w_ptr + offs_d * s_wd + (1 - PADW) * s_ww, mask=mask_d & (PADW <= 1), other=0.0).to(ACC)[:, None]
+    w2 = tl.load(w_ptr + offs_d * s_wd + (2 - PADW) * s_ww, mask=mask_d & (PADW <= 2), other=0.0).to(ACC)[:, None]
+    w3 = tl.load(w_ptr + offs_d * s_wd + (3 - PADW) * s_ww, mask=mask_d, other=0.0).to(ACC)[:, None]
+    return w0, w1, w2, w3
+
+
+@triton.jit
+def _time_mask(j, mask_d, seqlen, EVEN: tl.constexpr):
+    # (BLOCK_D, J, 4) store mask for the block-of-4 indices j
+    tt = 4 * j[:, None] + tl.arange(0, 4)[None, :]
+    if EVEN:
+        return mask_d[:, None, None] & ((4 * j < seqlen)[:, None] & (tl.arange(0, 4) < 4)[None, :])[None, :, :]
+    return mask_d[:, None, None] & (tt < seqlen)[None, :, :]
+
+
+@triton.jit
 def _conv_fwd_kernel(
-    x_ptr, w_ptr, bias_ptr, out_ptr, dim, seqlen, s_xb, s_xd, s_ob, s_od,
-    BLOCK_D: tl.constexpr, BLOCK_T: tl.constexpr, HAS_BIAS: tl.constexpr, SILU: tl.constexpr, ACC: tl.constexpr,
-    EVEN: tl.constexpr,
+    x_ptr, w_ptr, bias_ptr, out_ptr, dim, seqlen, s_xb, s_xd, s_ob, s_od, s_wd, s_ww,
+    BLOCK_D: tl.constexpr, BLOCK_T: tl.constexpr, PADW: tl.constexpr, HAS_BIAS: tl.constexpr, SILU: tl.constexpr,
+    ACC: tl.constexpr, EVEN: tl.constexpr,
 ):  # fmt: skip
     # Time is tiled as (BLOCK_T // 4 blocks, 4 slots): every load is an aligned vector of 4 (this block and the
     # previous one), and the 3 shifted taps are picked from the slots in registers (no misaligned scalar loads).
@@ -120,10 +143,7 @@ def _conv_fwd_kernel(
     mask_d = offs_d < dim
     j = pid_t * (BLOCK_T // 4) + tl.arange(0, BLOCK_T // 4)
     x_rows = x_ptr + b * s_xb + offs_d * s_xd
-    w0 = tl.load(w_ptr + offs_d * TAPS + 0, mask=mask_d, other=0.0).to(ACC)[:, None]
-    w1 = tl.load(w_ptr + offs_d * TAPS + 1, mask=mask_d, other=0.0).to(ACC)[:, None]
-    w2 = tl.load(w_ptr + offs_d * TAPS + 2, mask=mask_d, other=0.0).to(ACC)[:, None]
-    w3 = tl.load(w_ptr + offs_d * TAPS + 3, mask=mask_d, other=0.0).to(ACC)[:, None]
+    w0, w1, w2, w3 = _load_taps(w_ptr, offs_d, mask_d, s_wd, s_ww, PADW, ACC)
     if HAS_BIAS:
         bias = tl.load(bias_ptr + offs_d, mask=mask_d, other=0.0).to(ACC)[:, None]
     else:
@@ -135,75 +155,85 @@ def _conv_fwd_kernel(
     if SILU:
         out = out * _sigmoid(out)
     tt = 4 * j[:, None] + tl.arange(0, 4)[None, :]
-    if EVEN:
-        m = mask_d[:, None, None] & ((4 * j < seqlen)[:, None] & (tl.arange(0, 4) < 4)[None, :])[None, :, :]
-    else:
-        m = mask_d[:, None, None] & (tt < seqlen)[None, :, :]
     o_rows = out_ptr + b * s_ob + offs_d * s_od
-    tl.store(o_rows[:, None, None] + tt[None, :, :], out.to(out_ptr.dtype.element_ty), mask=m)
+    tl.store(o_rows[:, None, None] + tt[None, :, :], out.to(out_ptr.dtype.element_ty),
+             mask=_time_mask(j, mask_d, seqlen, EVEN))  # fmt: skip
 
 
 @triton.jit
 def _conv_bwd_kernel(
-    x_ptr, w_ptr, bias_ptr, dout_ptr, dx_ptr, dw_ptr, db_ptr, dim, seqlen, s_xb, s_xd, s_gb, s_gd, s_db, s_dd,
-    BLOCK_D: tl.constexpr, BLOCK_T: tl.constexpr, HAS_BIAS: tl.constexpr, SILU: tl.constexpr, ACC: tl.constexpr,
-    EVEN: tl.constexpr,
+    x_ptr, w_ptr, bias_ptr, dout_ptr, dx_ptr, dw_ptr, db_ptr, dim, seqlen, n_tblocks, n_iters, iters_per_program,
+    s_xb, s_xd, s_gb, s_gd, s_db, s_dd, s_wd, s_ww,
+    BLOCK_D: tl.constexpr, BLOCK_T: tl.constexpr, PADW: tl.constexpr, HAS_BIAS: tl.constexpr, SILU: tl.constexpr,
+    ACC: tl.constexpr, EVEN: tl.constexpr,
 ):  # fmt: skip
-    # dx: (batch, dim, L) strides s_db/s_dd; dw: (batch, n_tblocks, dim, 4) and db: (batch, n_tblocks, dim) partials.
-    # dpre_s = dout_s * act'(pre_s) is formed once for this block's 4 slots and for slots 0-2 of the next block
+    # Program (channel block, split s) walks iterations [s * iters_per_program, (s + 1) * iters_per_program) of the
+    # flattened (batch, time block) space; dweight/dbias accumulate elementwise in registers and are reduced and
+    # written once: dw (n_splits, dim, width) and db (n_splits, dim), final when there is one split.
+    # dpre_s = dout_s * act'(pre_s) is formed for this block's 4 slots and for slots 0-2 of the next block
     # (7 sigmoids per 4 outputs); dx_t = w3 dpre_t + w2 dpre_{t+1} + w1 dpre_{t+2} + w0 dpre_{t+3}.
-    pid_t = tl.program_id(0)
-    pid_d = tl.program_id(1)
-    b = tl.program_id(2).to(tl.int64)
+    pid_d = tl.program_id(0)
+    pid_s = tl.program_id(1)
     offs_d = pid_d * BLOCK_D + tl.arange(0, BLOCK_D)
     mask_d = offs_d < dim
-    j = pid_t * (BLOCK_T // 4) + tl.arange(0, BLOCK_T // 4)
-    x_rows = x_ptr + b * s_xb + offs_d * s_xd
-    g_rows = dout_ptr + b * s_gb + offs_d * s_gd
-    w0 = tl.load(w_ptr + offs_d * TAPS + 0, mask=mask_d, other=0.0).to(ACC)[:, None]
-    w1 = tl.load(w_ptr + offs_d * TAPS + 1, mask=mask_d, other=0.0).to(ACC)[:, None]
-    w2 = tl.load(w_ptr + offs_d * TAPS + 2, mask=mask_d, other=0.0).to(ACC)[:, None]
-    w3 = tl.load(w_ptr + offs_d * TAPS + 3, mask=mask_d, other=0.0).to(ACC)[:, None]
+    w0, w1, w2, w3 = _load_taps(w_ptr, offs_d, mask_d, s_wd, s_ww, PADW, ACC)
     if HAS_BIAS:
         bias = tl.load(bias_ptr + offs_d, mask=mask_d, other=0.0).to(ACC)[:, None]
     else:
         bias = tl.zeros((BLOCK_D, 1), dtype=ACC)
-    _, p1, p2, p3 = _split4(_load4(x_rows, j - 1, mask_d, seqlen, ACC, EVEN))
-    x0, x1, x2, x3 = _split4(_load4(x_rows, j, mask_d, seqlen, ACC, EVEN))
-    n0, n1, n2, _ = _split4(_load4(x_rows, j + 1, mask_d, seqlen, ACC, EVEN))
-    g0, g1, g2, g3 = _split4(_load4(g_rows, j, mask_d, seqlen, ACC, EVEN))
-    f0, f1, f2, _ = _split4(_load4(g_rows, j + 1, mask_d, seqlen, ACC, EVEN))
-    c0, c1, c2, c3 = _conv4(w0, w1, w2, w3, bias, p1, p2, p3, x0, x1, x2, x3)
-    e0 = _dsilu(g0, c0, SILU)
-    e1 = _dsilu(g1, c1, SILU)
-    e2 = _dsilu(g2, c2, SILU)
-    e3 = _dsilu(g3, c3, SILU)
-    # next block, slots 0-2 (zero beyond seqlen because dout is loaded as zero there)
-    e4 = _dsilu(f0, bias + w0 * x1 + w1 * x2 + w2 * x3 + w3 * n0, SILU)
-    e5 = _dsilu(f1, bias + w0 * x2 + w1 * x3 + w2 * n0 + w3 * n1, SILU)
-    e6 = _dsilu(f2, bias + w0 * x3 + w1 * n0 + w2 * n1 + w3 * n2, SILU)
-    dx = _join4(
-        w3 * e0 + w2 * e1 + w1 * e2 + w0 * e3,
-        w3 * e1 + w2 * e2 + w1 * e3 + w0 * e4,
-        w3 * e2 + w2 * e3 + w1 * e4 + w0 * e5,
-        w3 * e3 + w2 * e4 + w1 * e5 + w0 * e6,
-    )
-    tt = 4 * j[:, None] + tl.arange(0, 4)[None, :]
-    if EVEN:
-        m = mask_d[:, None, None] & ((4 * j < seqlen)[:, None] & (tl.arange(0, 4) < 4)[None, :])[None, :, :]
-    else:
-        m = mask_d[:, None, None] & (tt < seqlen)[None, :, :]
-    dx_rows = dx_ptr + b * s_db + offs_d * s_dd
-    tl.store(dx_rows[:, None, None] + tt[None, :, :], dx.to(dx_ptr.dtype.element_ty), mask=m)
-    # e0..e3 are zero outside [0, seqlen), so these sums only see real timesteps
-    k0, k1, k2, k3 = _conv4(e0, e1, e2, e3, 0.0, p1, p2, p3, x0, x1, x2, x3)
-    part = (b * tl.num_programs(0) + pid_t) * dim + offs_d  # (BLOCK_D,) row of the partial buffers
-    tl.store(dw_ptr + part * TAPS + 0, tl.sum(k0, axis=1), mask=mask_d)
-    tl.store(dw_ptr + part * TAPS + 1, tl.sum(k1, axis=1), mask=mask_d)
-    tl.store(dw_ptr + part * TAPS + 2, tl.sum(k2, axis=1), mask=mask_d)
-    tl.store(dw_ptr + part * TAPS + 3, tl.sum(k3, axis=1), mask=mask_d)
+    acc0 = tl.zeros((BLOCK_D, BLOCK_T // 4), dtype=ACC)
+    acc1 = tl.zeros((BLOCK_D, BLOCK_T // 4), dtype=ACC)
+    acc2 = tl.zeros((BLOCK_D, BLOCK_T // 4), dtype=ACC)
+    acc3 = tl.zeros((BLOCK_D, BLOCK_T // 4), dtype=ACC)
+    accb = tl.zeros((BLOCK_D, BLOCK_T // 4), dtype=ACC)
+    it0 = pid_s * iters_per_program
+    for it in range(it0, tl.minimum(it0 + iters_per_program, n_iters)):
+        b = (it // n_tblocks).to(tl.int64)
+        j = (it % n_tblocks) * (BLOCK_T // 4) + tl.arange(0, BLOCK_T // 4)
+        x_rows = x_ptr + b * s_xb + offs_d * s_xd
+        g_rows = dout_ptr + b * s_gb + offs_d * s_gd
+        _, p1, p2, p3 = _split4(_load4(x_rows, j - 1, mask_d, seqlen, ACC, EVEN))
+        x0, x1, x2, x3 = _split4(_load4(x_rows, j, mask_d, seqlen, ACC, EVEN))
+        n0, n1, n2, _ = _split4(_load4(x_rows, j + 1, mask_d, seqlen, ACC, EVEN))
+        g0, g1, g2, g3 = _split4(_load4(g_rows, j, mask_d, seqlen, ACC, EVEN))
+        f0, f1, f2, _ = _split4(_load4(g_rows, j + 1, mask_d, seqlen, ACC, EVEN))
+        c0, c1, c2, c3 = _conv4(w0, w1, w2, w3, bias, p1, p2, p3, x0, x1, x2, x3)
+        e0 = _dsilu(g0, c0, SILU)
+        e1 = _dsilu(g1, c1, SILU)
+        e2 = _dsilu(g2, c2, SILU)
+        e3 = _dsilu(g3, c3, SILU)
+        # next block, slots 0-2 (zero beyond seqlen because dout is loaded as zero there)
+        e4 = _dsilu(f0, bias + w0 * x1 + w1 * x2 + w2 * x3 + w3 * n0, SILU)
+        e5 = _dsilu(f1, bias + w0 * x2 + w1 * x3 + w2 * n0 + w3 * n1, SILU)
+        e6 = _dsilu(f2, bias + w0 * x3 + w1 * n0 + w2 * n1 + w3 * n2, SILU)
+        dx = _join4(
+            w3 * e0 + w2 * e1 + w1 * e2 + w0 * e3,
+            w3 * e1 + w2 * e2 + w1 * e3 + w0 * e4,
+            w3 * e2 + w2 * e3 + w1 * e4 + w0 * e5,
+            w3 * e3 + w2 * e4 + w1 * e5 + w0 * e6,
+        )
+        tt = 4 * j[:, None] + tl.arange(0, 4)[None, :]
+        dx_rows = dx_ptr + b * s_db + offs_d * s_dd
+        tl.store(dx_rows[:, None, None] + tt[None, :, :], dx.to(dx_ptr.dtype.element_ty),
+                 mask=_time_mask(j, mask_d, seqlen, EVEN))  # fmt: skip
+        # e0..e3 are zero outside [0, seqlen), so these sums only see real timesteps
+        k0, k1, k2, k3 = _conv4(e0, e1, e2, e3, 0.0, p1, p2, p3, x0, x1, x2, x3)
+        acc0 += k0
+        acc1 += k1
+        acc2 += k2
+        acc3 += k3
+        accb += e0 + e1 + e2 + e3
+    row = pid_s * dim + offs_d  # (BLOCK_D,) row of the (n_splits, dim, ...) outputs
+    width = 4 - PADW
+    if PADW <= 0:
+        tl.store(dw_ptr + row * width + (0 - PADW), tl.sum(acc0, axis=1), mask=mask_d)
+    if PADW <= 1:
+        tl.store(dw_ptr + row * width + (1 - PADW), tl.sum(acc1, axis=1), mask=mask_d)
+    if PADW <= 2:
+        tl.store(dw_ptr + row * width + (2 - PADW), tl.sum(acc2, axis=1), mask=mask_d)
+    tl.store(dw_ptr + row * width + (3 - PADW), tl.sum(acc3, axis=1), mask=mask_d)
     if HAS_BIAS:
-        tl.store(db_ptr + part, tl.sum(e0 + e1 + e2 + e3, axis=1), mask=mask_d)
+        tl.store(db_ptr + row, tl.sum(accb, axis=1), mask=mask_d)
 
 
 def _unit_last(x: Tensor) -> Tensor:
@@ -216,20 +246,28 @@ def _acc(*tensors: Tensor | None) -> tuple[torch.dtype, tl.dtype]:
     return torch.float32, tl.float32
 
 
+def _bwd_splits(cfg: ConvConfig, dim: int, n_iters: int) -> tuple[int, int]:
+    """(splits, iterations per program) of the backward: one program per channel block over all (batch, time
+    blocks) when that already gives ``cfg.min_programs_bwd`` programs (no partials, no reduction launch); otherwise
+    the iterations are split so that about that many programs run, and torch sums the per-split dweight/dbias."""
+    d_blocks = triton.cdiv(dim, cfg.block_d_bwd)
+    splits = max(1, min(n_iters, triton.cdiv(cfg.min_programs_bwd, d_blocks)))
+    per = triton.cdiv(n_iters, splits)
+    return triton.cdiv(n_iters, per), per
+
+
 class _CausalConv1dFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, silu, cfg):
         batch, dim, seqlen = x.shape
-        width = weight.shape[1]
-        w4 = F.pad(weight, (_TAPS - width, 0)).contiguous()  # (dim, 4), zero taps first
         out = torch.empty((batch, dim, seqlen), device=x.device, dtype=x.dtype)
         _, acc = _acc(x, weight, bias)
         grid = (triton.cdiv(seqlen, cfg.block_t), triton.cdiv(dim, cfg.block_d), batch)
         _conv_fwd_kernel[grid](
-            x, w4, bias if bias is not None else w4, out, dim, seqlen,
-            x.stride(0), x.stride(1), out.stride(0), out.stride(1),
-            BLOCK_D=cfg.block_d, BLOCK_T=cfg.block_t, HAS_BIAS=bias is not None, SILU=silu, ACC=acc,
-            EVEN=seqlen % 4 == 0,
+            x, weight, bias if bias is not None else weight, out, dim, seqlen,
+            x.stride(0), x.stride(1), out.stride(0), out.stride(1), weight.stride(0), weight.stride(1),
+            BLOCK_D=cfg.block_d, BLOCK_T=cfg.block_t, PADW=_TAPS - weight.shape[1], HAS_BIAS=bias is not None,
+            SILU=silu, ACC=acc, EVEN=seqlen % 4 == 0,
             num_warps=cfg.num_warps,
         )  # fmt: skip
         ctx.save_for_backward(x, weight, bias)
@@ -243,22 +281,26 @@ class _CausalConv1dFn(torch.autograd.Function):
         dout = _unit_last(dout)
         batch, dim, seqlen = x.shape
         width = weight.shape[1]
-        w4 = F.pad(weight, (_TAPS - width, 0)).contiguous()
         acc_t, acc = _acc(x, weight, bias)
-        nt = triton.cdiv(seqlen, cfg.block_t_bwd)
+        n_tblocks = triton.cdiv(seqlen, cfg.block_t_bwd)
+        splits, per = _bwd_splits(cfg, dim, batch * n_tblocks)
         dx = torch.empty_like(x)
-        dw = torch.empty((batch, nt, dim, _TAPS), device=x.device, dtype=acc_t)
-        db = torch.empty((batch, nt, dim), device=x.device, dtype=acc_t)
-        grid = (nt, triton.cdiv(dim, cfg.block_d_bwd), batch)
+        dw = torch.empty((splits, dim, width), device=x.device, dtype=acc_t)
+        db = torch.empty((splits, dim), device=x.device, dtype=acc_t) if bias is not None else dw
+        grid = (triton.cdiv(dim, cfg.block_d_bwd), splits)
         _conv_bwd_kernel[grid](
-            x, w4, bias if bias is not None else w4, dout, dx, dw, db, dim, seqlen,
+            x, weight, bias if bias is not None else weight, dout, dx, dw, db, dim, seqlen, n_tblocks,
+            batch * n_tblocks, per,
             x.stride(0), x.stride(1), dout.stride(0), dout.stride(1), dx.stride(0), dx.stride(1),
-            BLOCK_D=cfg.block_d_bwd, BLOCK_T=cfg.block_t_bwd, HAS_BIAS=bias is not None, SILU=ctx.silu, ACC=acc,
-            EVEN=seqlen % 4 == 0,
+            weight.stride(0), weight.stride(1),
+            BLOCK_D=cfg.block_d_bwd, BLOCK_T=cfg.block_t_bwd, PADW=_TAPS - width, HAS_BIAS=bias is not None,
+            SILU=ctx.silu, ACC=acc, EVEN=seqlen % 4 == 0,
             num_warps=cfg.num_warps_bwd,
         )  # fmt: skip
-        dweight = dw.sum((0, 1))[:, _TAPS - width :].to(weight.dtype)
-        dbias = None if bias is None else db.sum((0, 1)).to(bias.dtype)
+        dweight = dw[0] if splits == 1 else dw.sum(0)
+        dbias = None if bias is None else (db[0] if splits == 1 else db.sum(0))
+        dweight = dweight.to(weight.dtype)  # no-ops for fp32 parameters (the training case)
+        dbias = None if dbias is None else dbias.to(bias.dtype)
         return dx, dweight, dbias, None, None
 
 

@@ -1,18 +1,25 @@
 """Triton selective scan (Mamba-1 SSM) with a recomputing backward.
 
-Forward (v2). One program owns (batch b, group g, a block of BLOCK_D channels) x all dstate and walks seqlen in chunks
-of CHUNK timesteps. Tiles are (time, state, channel) so that Triton's default layout keeps a chunk's time steps inside
-one thread: the recurrence h_t = a_t * h_{t-1} + b_t (a = exp(delta*A), b = delta*B*u) is a ``tl.associative_scan``
-over axis 0 that runs sequentially in registers. State math is fp32 (fp64 for fp64 inputs, interpreter tests).
+Forward, two kernels (``ScanConfig.fwd_impl``); state math is fp32 (fp64 for fp64 inputs, interpreter tests):
+  1: ``_ss_fwd_kernel_v3`` (default, ``selective_scan_fwd.py``). (channel, segment, step) tiles: a thread owns a
+     segment of ``chunk`` steps, the ``seg`` segments of a chunk sit on the lanes of one warp; a runtime loop over the
+     states accumulates y in registers; per state an in-thread scan per segment, one cross-lane scan of the segment
+     aggregates and a ``tl.gather`` for each segment's start state.
+  0: ``_ss_fwd_kernel`` (v2): (time, state, channel) tiles, ``tl.associative_scan`` over time in registers, y summed
+     over states across warps; kept for comparison.
 
-Saved for backward: the inputs and the state every chunk_bwd steps, (batch, dim, nsub, dstate) fp32.
+Saved for backward: the inputs and the state every chunk_bwd steps, (batch, dim, dstate, nsub) fp32 (unit stride over
+nsub); entry k is the state after step (k + 1) chunk_bwd - 1, the last one the final state (``last_state``).
 
-Backward, two kernels (``ScanConfig.bwd_impl``), both recomputing the states from the saved ones:
-  2: ``_ss_bwd_kernel_v3`` (default). Loops over the states inside each (chunk_bwd x seg_bwd steps, block of channels)
-     tile, so sums over states are register accumulations; steps of a segment sit in one thread (in-thread scans),
-     segments on lanes (one cross-lane scan of segment aggregates for the adjoint), channels on warps.
+Backward, three kernels (``ScanConfig.bwd_impl``), all recomputing the states from the saved ones:
+  3: ``_ss_bwd_kernel_v4`` (default). The forward v3's layout with 8-step segments split into registers: explicit
+     sequential forward rescan and adjoint per segment (no shifted delta, one exp per element), one cross-lane scan
+     of segment maps; 1-2 channels per one-warp program.
+  2: ``_ss_bwd_kernel_v3``: (step, channel, segment) tiles, in-thread ``associative_scan``s (a reverse one for the
+     adjoint, with the shifted delta), channels on warps; used for deterministic mode when v4's per-block dB/dC
+     partials would be too large.
   0: ``_ss_bwd_kernel_v1`` (first kernel): lane-parallel scans over (channel, state, time) tiles; kept for comparison.
-  Adjoint g_t = exp(delta_{t+1} A) g_{t+1} + C_t dy_t (shifted delta load), hm = g_t (h_t - delta_t B_t u_t), and
+  Adjoint g_t = exp(delta_{t+1} A) g_{t+1} + C_t dy_t, hm = g_t (h_t - delta_t B_t u_t), and
   du_t = delta_t sum_n g B + D dy,   ddelta_t = u_t sum_n g B + sum_n A hm,   dA = sum_{b,t} delta hm,
   dB_t = sum_d g delta u,   dC_t = sum_d dy h.
 dB/dC reduce over the channels of a group: per program in registers, then across programs either with fp32 atomics
@@ -22,6 +29,7 @@ partials (no atomics) summed in torch.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from dataclasses import dataclass
 
@@ -39,34 +47,50 @@ from anytrain.kernels.selective_scan_bwd import (
     _softplus,
     _ss_bwd_kernel_v1,
     _ss_bwd_kernel_v3,
+    _ss_bwd_kernel_v4,
 )
+from anytrain.kernels.selective_scan_fwd import _ss_fwd_kernel_v3
 
 
 @dataclass(frozen=True)
 class ScanConfig:
-    """Tiles: CHUNK timesteps x next_pow2(dstate) states x BLOCK_D channels per program and loop step."""
+    """Tiles of the forward (``fwd_impl``) and backward (``bwd_impl``) kernels.
 
-    block_d: int = 32
-    chunk: int = 16
-    num_warps: int = 4
-    block_d_bwd: int = 32
-    chunk_bwd: int = 16
-    num_warps_bwd: int = 8
-    bwd_impl: int = 2  # 2: _ss_bwd_kernel_v3 (state loop); 0: _ss_bwd_kernel_v1 (lane-parallel scans)
-    seg_bwd: int = 32  # bwd_impl 2: segments of chunk_bwd steps per backward chunk (one per lane)
+    fwd_impl 1 (v3): programs of ``block_d`` channels walk chunks of ``chunk`` x ``seg`` steps (``chunk`` steps per
+    thread, ``seg`` segments on lanes); needs chunk_bwd % chunk == 0 and (chunk * seg) % chunk_bwd == 0. Layouts are
+    conversion-free when ``chunk`` steps are one 16-byte vector (8 for bf16) and ``seg`` x ``num_warps`` = lanes.
+    fwd_impl 0 (v2): tiles of ``chunk`` steps x next_pow2(dstate) states x ``block_d`` channels.
+    bwd_impl 3 (v4): ``block_d_bwd`` channels x ``seg_bwd`` segments x 8 steps (needs chunk_bwd == 8);
+    bwd_impl 2 (v3): ``chunk_bwd`` steps per thread x ``seg_bwd`` segments x ``block_d_bwd`` channels;
+    bwd_impl 0 (v1): ``chunk_bwd`` steps x states x ``block_d_bwd`` channels (needs chunk % chunk_bwd == 0 with v2).
+    The forward saves the state every ``chunk_bwd`` steps.
+    """
+
+    block_d: int = 1
+    chunk: int = 8
+    num_warps: int = 1
+    block_d_bwd: int = 2
+    chunk_bwd: int = 8
+    num_warps_bwd: int = 1
+    bwd_impl: int = 3  # 3: _ss_bwd_kernel_v4; 2: _ss_bwd_kernel_v3; 0: _ss_bwd_kernel_v1 (lane-parallel scans)
+    seg_bwd: int = 32  # bwd_impl 2/3: segments of chunk_bwd steps per backward chunk (one per lane)
+    fwd_impl: int = 1  # 1: _ss_fwd_kernel_v3 (state loop, segments on lanes); 0: _ss_fwd_kernel (v2)
+    seg: int = 32  # fwd_impl 1: segments of chunk steps per forward chunk (one per lane)
 
 
-# Per-vendor defaults. CUDA: fastest of bench/mamba_kernels.py --sweep on an H200 (bench/results/). ROCm: not run
-# (untuned; 64-wide wavefronts put 32 lanes on channels and 2 on states with the same tile).
+# Per-vendor defaults. CUDA: fastest of bench/mamba_kernels.py --sweep on an H200 (bench/results/, Triton 3.6):
+# forward 1 channel per one-warp program, backward 2. ROCm: not run (untuned; 64 segments fill a 64-wide wavefront).
 _VENDOR_CONFIGS = {
-    hardware.CUDA: ScanConfig(block_d=16, chunk=16, num_warps=2, block_d_bwd=4, chunk_bwd=16, num_warps_bwd=4),
-    hardware.ROCM: ScanConfig(16, 16, 2, block_d_bwd=4, chunk_bwd=8, num_warps_bwd=4, seg_bwd=64),
-    hardware.CPU: ScanConfig(block_d=4, chunk=16, num_warps=1, block_d_bwd=4, chunk_bwd=8, num_warps_bwd=1, seg_bwd=4),
+    hardware.CUDA: ScanConfig(1, 8, 1, block_d_bwd=2, chunk_bwd=8, num_warps_bwd=1, bwd_impl=3, seg=32),
+    hardware.ROCM: ScanConfig(1, 8, 1, block_d_bwd=2, chunk_bwd=8, num_warps_bwd=1, bwd_impl=3, seg_bwd=64, seg=64),
+    hardware.CPU: ScanConfig(4, 8, 1, block_d_bwd=4, chunk_bwd=8, num_warps_bwd=1, bwd_impl=3, seg_bwd=4, seg=4),
 }
+_MAX_PARTIALS = 1 << 26  # deterministic mode: largest dB (or dC) partial buffer, in elements, for bwd_impl 3
+_DIAG_SKIP_DBDC = False  # bench/mamba_kernels.py only: time bwd_impl 3 without its dB/dC reduction (wrong dB/dC)
 
 
 def default_config() -> ScanConfig:
-    """Per-vendor tiles; env ANYTRAIN_SCAN_CONFIG="block_d,chunk,warps,block_d_bwd,chunk_bwd,warps_bwd[,impl,seg]"."""
+    """Per-vendor tiles; env ANYTRAIN_SCAN_CONFIG = the ScanConfig fields in order, comma-separated (at least 6)."""
     env = os.environ.get("ANYTRAIN_SCAN_CONFIG")
     if env:
         return ScanConfig(*(int(v) for v in env.split(",")))
@@ -107,7 +131,7 @@ def _ss_fwd_kernel(
     o_base = out_ptr + b * s_ob + offs_d * s_od
     B_base = B_ptr + b * s_bb + g * s_bg + offs_n * s_bn  # (BLOCK_N,)
     C_base = C_ptr + b * s_cb + g * s_cg + offs_n * s_cn
-    st_base = state_ptr + ((b * dim + offs_d[None, :]) * nsub) * DSTATE + offs_n[:, None]  # (BLOCK_N, BLOCK_D)
+    st_base = state_ptr + (b * dim + offs_d[None, :]) * (nsub * DSTATE) + offs_n[:, None] * nsub  # (BLOCK_N, BLOCK_D)
 
     h = tl.zeros((BLOCK_N, BLOCK_D), dtype=ACC)
     for c in range(0, nchunks):
@@ -132,11 +156,11 @@ def _ss_fwd_kernel(
         if SUB >= CHUNK:
             h = tl.sum(tl.where(offs_t[:, None, None] == CHUNK - 1, hs, 0.0), axis=0)
             if SUB == CHUNK:
-                tl.store(st_base + c * DSTATE, h, mask=mask_nd)
+                tl.store(st_base + c, h, mask=mask_nd)
             else:  # save every SUB // CHUNK chunks, and the final state
                 cvec = c + 0 * offs_dl  # (BLOCK_D,) copy of c for the mask
                 keep = ((cvec + 1) % (SUB // CHUNK) == 0) | (cvec == nchunks - 1)
-                tl.store(st_base + (c // (SUB // CHUNK)) * DSTATE, h, mask=mask_nd & keep[None, :])
+                tl.store(st_base + c // (SUB // CHUNK), h, mask=mask_nd & keep[None, :])
         else:  # save the state every SUB steps (the backward's chunk)
             offs_s = tl.arange(0, SUB)
             offs_k = tl.arange(0, CHUNK // SUB)
@@ -144,7 +168,7 @@ def _ss_fwd_kernel(
             hk = tl.sum(tl.where(offs_s[None, :, None, None] == SUB - 1, hs4, 0.0), axis=1)  # (CHUNK//SUB, N, D)
             k = c * (CHUNK // SUB) + offs_k
             tl.store(
-                st_base[None, :, :] + k[:, None, None] * DSTATE,
+                st_base[None, :, :] + k[:, None, None],
                 hk,
                 mask=mask_nd[None, :, :] & (k < nsub)[:, None, None],
             )
@@ -178,21 +202,43 @@ def _fwd(u, delta, A, Bg, Cg, D, z, delta_bias, softplus: bool, cfg: ScanConfig)
     ngroups, dstate = Bg.shape[1], A.shape[1]
     dpg = dim // ngroups
     acc = _acc_dtype(u, delta, A, Bg, Cg)
-    nchunks = triton.cdiv(seqlen, cfg.chunk)
     nsub = triton.cdiv(seqlen, cfg.chunk_bwd)
     out = torch.empty((batch, dim, seqlen), device=u.device, dtype=u.dtype)
-    states = torch.empty((batch, dim, nsub, dstate), device=u.device, dtype=acc)  # state every chunk_bwd steps
+    # the state every chunk_bwd steps, (batch, dim, N, nsub): unit stride over nsub (coalesced stores and loads)
+    states = torch.empty((batch, dim, dstate, nsub), device=u.device, dtype=acc)
     zz = z if z is not None else u
     grid = (triton.cdiv(dpg, cfg.block_d), ngroups, batch)
-    _ss_fwd_kernel[grid](
-        u, delta, A, Bg, Cg, D if D is not None else A, zz, delta_bias if delta_bias is not None else A, out, states,
-        dpg, seqlen, nchunks, nsub,
+    ptrs = (
+        u,
+        delta,
+        A,
+        Bg,
+        Cg,
+        D if D is not None else A,
+        zz,
+        delta_bias if delta_bias is not None else A,
+        out,
+        states,
+    )
+    strides = (
         u.stride(0), u.stride(1), delta.stride(0), delta.stride(1), A.stride(0), A.stride(1),
         Bg.stride(0), Bg.stride(1), Bg.stride(2), Cg.stride(0), Cg.stride(1), Cg.stride(2),
         zz.stride(0), zz.stride(1), out.stride(0), out.stride(1),
-        DSTATE=dstate, BLOCK_N=triton.next_power_of_2(dstate), BLOCK_D=cfg.block_d, CHUNK=cfg.chunk, SUB=cfg.chunk_bwd,
+    )  # fmt: skip
+    flags = dict(
         ACC=_TL_DTYPE[acc], HAS_D=D is not None, HAS_Z=z is not None, HAS_BIAS=delta_bias is not None,
         SOFTPLUS=softplus, num_warps=cfg.num_warps,
+    )  # fmt: skip
+    if cfg.fwd_impl == 1:
+        _ss_fwd_kernel_v3[grid](
+            *ptrs, dpg, seqlen, nsub, *strides, states.stride(2), states.stride(3),
+            DSTATE=dstate, BLOCK_D=cfg.block_d, SUB=cfg.chunk, SEG=cfg.seg, SAVE=cfg.chunk_bwd // cfg.chunk, **flags,
+        )  # fmt: skip
+        return out, states
+    _ss_fwd_kernel[grid](
+        *ptrs, dpg, seqlen, triton.cdiv(seqlen, cfg.chunk), nsub, *strides,
+        DSTATE=dstate, BLOCK_N=triton.next_power_of_2(dstate), BLOCK_D=cfg.block_d, CHUNK=cfg.chunk, SUB=cfg.chunk_bwd,
+        **flags,
     )  # fmt: skip
     return out, states
 
@@ -202,9 +248,14 @@ def _bwd(dout, u, delta, A, Bg, Cg, D, z, delta_bias, states, softplus: bool, cf
     ngroups, dstate = Bg.shape[1], A.shape[1]
     dpg = dim // ngroups
     acc = _acc_dtype(u, delta, A, Bg, Cg)
-    nchunks = states.shape[2]  # the forward saved the state every cfg.chunk_bwd steps
+    nchunks = states.shape[3]  # the forward saved the state every cfg.chunk_bwd steps
     chunk = cfg.chunk_bwd
     nblk = triton.cdiv(dpg, cfg.block_d_bwd)
+    if deterministic and cfg.bwd_impl == 3 and nblk * batch * ngroups * dstate * seqlen > _MAX_PARTIALS:
+        # per-block dB/dC partials of 1-channel blocks would take dim x the size of dB: use the v3 kernel's
+        # 4-channel blocks (the forward saved the state every chunk_bwd = 8 steps, which v3 reads as well)
+        cfg = dataclasses.replace(cfg, bwd_impl=2, block_d_bwd=max(cfg.block_d_bwd, 4), num_warps_bwd=4)
+        nblk = triton.cdiv(dpg, cfg.block_d_bwd)
     atomic = not deterministic and nblk > 1
     du = torch.empty_like(u)
     ddelta = torch.empty_like(delta)
@@ -223,6 +274,22 @@ def _bwd(dout, u, delta, A, Bg, Cg, D, z, delta_bias, states, softplus: bool, cf
         HAS_Z=z is not None, HAS_BIAS=delta_bias is not None, SOFTPLUS=softplus, ATOMIC=atomic,
         num_warps=cfg.num_warps_bwd,
     )  # fmt: skip
+    if cfg.bwd_impl == 3:
+        dA = torch.empty((batch, triton.cdiv(seqlen, chunk * cfg.seg_bwd), dim, dstate), device=u.device, dtype=acc)
+        q = torch.empty((batch, dim, 2, dstate), device=u.device, dtype=acc)  # adjoint carry scratch
+        _ss_bwd_kernel_v4[grid](
+            u, delta, A, Bg, Cg, D if D is not None else A, zz, delta_bias if delta_bias is not None else A, states,
+            dout, du, ddelta, dzz, dB, dC, dA, dD, dbias, q,
+            dpg, seqlen, nchunks,
+            u.stride(0), u.stride(1), delta.stride(0), delta.stride(1), A.stride(0), A.stride(1),
+            Bg.stride(0), Bg.stride(1), Bg.stride(2), Cg.stride(0), Cg.stride(1), Cg.stride(2),
+            zz.stride(0), zz.stride(1), dout.stride(0), dout.stride(1),
+            dB.stride(0), dB.stride(1), dB.stride(2), dB.stride(3), states.stride(2), states.stride(3),
+            SUB=chunk, SEG=cfg.seg_bwd, DBDC=not _DIAG_SKIP_DBDC, **common,
+        )  # fmt: skip
+        dB = dB.sum(2) if kdim > 1 else dB.squeeze(2)
+        dC = dC.sum(2) if kdim > 1 else dC.squeeze(2)
+        return du, ddelta, dz, dB, dC, dA.sum((0, 1)), dD.sum(0), dbias.sum(0)
     if cfg.bwd_impl == 2:
         dA = torch.empty((batch, triton.cdiv(seqlen, chunk * cfg.seg_bwd), dim, dstate), device=u.device, dtype=acc)
         q = torch.empty((batch, dim, 2, dstate), device=u.device, dtype=acc)  # adjoint carry scratch
@@ -262,7 +329,7 @@ class _SelectiveScanFn(torch.autograd.Function):
         ctx.softplus, ctx.cfg, ctx.deterministic = delta_softplus, cfg, deterministic
         if not return_last_state:
             return out
-        last_state = states[:, :, -1].contiguous()  # (batch, dim, dstate) fp32 (fp64 for fp64 inputs)
+        last_state = states[..., -1].contiguous()  # (batch, dim, dstate) fp32 (fp64 for fp64 inputs)
         ctx.mark_non_differentiable(last_state)
         return out, last_state
 
@@ -300,9 +367,15 @@ def selective_scan_triton(
 ) -> Tensor | tuple[Tensor, Tensor]:
     """Triton selective scan; see ``anytrain.kernels.selective_scan`` for the semantics. ``config`` overrides tiles."""
     cfg = config or default_config()
-    if any(triton.next_power_of_2(v) != v for v in (cfg.chunk, cfg.chunk_bwd, cfg.seg_bwd)):
-        raise ValueError(f"ScanConfig: chunk, chunk_bwd and seg_bwd must be powers of 2, got {cfg}")
-    if cfg.bwd_impl != 2 and cfg.chunk % cfg.chunk_bwd != 0:
+    if any(triton.next_power_of_2(v) != v for v in (cfg.chunk, cfg.chunk_bwd, cfg.seg_bwd, cfg.seg)):
+        raise ValueError(f"ScanConfig: chunk, chunk_bwd, seg_bwd and seg must be powers of 2, got {cfg}")
+    if cfg.fwd_impl == 1 and (cfg.chunk_bwd % cfg.chunk or (cfg.chunk * cfg.seg) % cfg.chunk_bwd):
+        raise ValueError(
+            f"ScanConfig: fwd_impl 1 needs chunk_bwd % chunk == 0 and (chunk * seg) % chunk_bwd == 0: {cfg}"
+        )
+    if cfg.bwd_impl == 3 and cfg.chunk_bwd != 8:
+        raise ValueError(f"ScanConfig: bwd_impl 3 needs chunk_bwd == 8, got {cfg.chunk_bwd}")
+    if cfg.fwd_impl == 0 and cfg.bwd_impl != 2 and cfg.chunk % cfg.chunk_bwd != 0:
         raise ValueError(f"ScanConfig: bwd_impl {cfg.bwd_impl} needs chunk ({cfg.chunk}) % chunk_bwd == 0")
     batch, dim, seqlen = u.shape
     if seqlen == 0:

@@ -31,6 +31,33 @@ def _sigmoid(x):
 
 
 @triton.jit
+def _ld2(ptrs, mask, BLOCK_D: tl.constexpr, SEG: tl.constexpr, SUB: tl.constexpr, ACC: tl.constexpr):
+    # (BLOCK_D, SEG * SUB) load -> (BLOCK_D, SEG, SUB) tile (free when a thread's 16-byte vector is one segment)
+    return tl.reshape(tl.load(ptrs, mask=mask, other=0.0), (BLOCK_D, SEG, SUB)).to(ACC)
+
+
+@triton.jit
+def _split8(x, BLOCK_D: tl.constexpr, SEG: tl.constexpr):
+    # (BLOCK_D, SEG, 8) -> its 8 steps as (BLOCK_D, SEG) tensors (register renaming: the steps are in-thread)
+    x_e, x_o = tl.split(tl.reshape(x, (BLOCK_D, SEG, 2, 2, 2)))  # step bit 0
+    x_ee, x_eo = tl.split(x_e)  # step bit 1
+    x_oe, x_oo = tl.split(x_o)
+    r0, r4 = tl.split(x_ee)  # step bit 2
+    r2, r6 = tl.split(x_eo)
+    r1, r5 = tl.split(x_oe)
+    r3, r7 = tl.split(x_oo)
+    return r0, r1, r2, r3, r4, r5, r6, r7
+
+
+@triton.jit
+def _join8(r0, r1, r2, r3, r4, r5, r6, r7, BLOCK_D: tl.constexpr, SEG: tl.constexpr):
+    # inverse of _split8
+    x_e = tl.join(tl.join(r0, r4), tl.join(r2, r6))
+    x_o = tl.join(tl.join(r1, r5), tl.join(r3, r7))
+    return tl.reshape(tl.join(x_e, x_o), (BLOCK_D, SEG, 8))
+
+
+@triton.jit
 def _combine_adj(a2, b2, c2, d2, a1, b1, c1, d1):
     # Reverse-time adjoint scan. Each element maps x = s_{t+1} to (s_t, g_t) = (a x + b, c x + d); the first argument
     # is the already-combined later part, the second the earlier element: compose earlier o later.
@@ -82,7 +109,7 @@ def _ss_bwd_kernel_v1(
     r_off = b * s_rb + g * s_rg + offs_n[:, None] * s_rn
     if not ATOMIC:
         r_off += pid_blk * s_rk
-    st_base = state_ptr + ((b * dim + offs_d[:, None]) * nchunks) * DSTATE + offs_n[None, :]
+    st_base = state_ptr + (b * dim + offs_d[:, None]) * (nchunks * DSTATE) + offs_n[None, :] * nchunks
 
     dA_acc = tl.zeros((BLOCK_D, BLOCK_N), dtype=ACC)
     dD_acc = tl.zeros((BLOCK_D,), dtype=ACC)
@@ -94,7 +121,7 @@ def _ss_bwd_kernel_v1(
         mask_t = t < seqlen
         m2 = mask_d[:, None] & mask_t[None, :]
         mnt = mask_n[:, None] & mask_t[None, :]
-        h0 = tl.load(st_base + tl.maximum(c - 1, 0) * DSTATE, mask=mask_dn, other=0.0)  # state before the chunk
+        h0 = tl.load(st_base + tl.maximum(c - 1, 0), mask=mask_dn, other=0.0)  # state before the chunk
         h0 = tl.where(c > 0, h0, 0.0)
         u = tl.load(u_base + t[None, :], mask=m2, other=0.0).to(ACC)
         dt_raw = tl.load(dt_base + t[None, :], mask=m2, other=0.0).to(ACC)
@@ -219,7 +246,7 @@ def _ss_bwd_kernel_v3(
     if not ATOMIC:
         r_base += pid_blk * s_rk
     A_rows = A_ptr + offs_d * s_ad  # (BLOCK_D,)
-    st_rows = state_ptr + ((b * dim + offs_d) * nsub * DSTATE)[:, None]  # (BLOCK_D, 1)
+    st_rows = state_ptr + ((b * dim + offs_d) * nsub * DSTATE)[:, None]  # (BLOCK_D, 1); states (batch, dim, N, nsub)
     q_rows = q_ptr + (b * dim + offs_d) * (2 * DSTATE)
     first = mask_d[:, None] & (offs_s == 0)[None, :]
     zrow = 0 * rows
@@ -262,7 +289,7 @@ def _ss_bwd_kernel_v3(
             # full-tile loads (the same B/C for every channel, served by L1) keep the tiles' layout the same as u's
             B_n = tl.load(B_base + n * s_bn + t + zrow, mask=m3, other=0.0).to(ACC)
             C_n = tl.load(C_base + n * s_cn + t + zrow, mask=m3, other=0.0).to(ACC)
-            h0 = tl.load(st_rows + k * DSTATE + n, mask=mk, other=0.0)[None, :, :]  # (1, BLOCK_D, SEG)
+            h0 = tl.load(st_rows + n * nsub + k, mask=mk, other=0.0)[None, :, :]  # (1, BLOCK_D, SEG)
             q = tl.load(q_in + n, mask=mask_d & (cvec < nchunks - 1), other=0.0)[None, :, None]
             a = tl.exp2(dt * A2_n)
             bu = dtu * B_n
@@ -317,5 +344,209 @@ def _ss_bwd_kernel_v3(
         dbias_acc += tl.sum(tl.sum(ddt, axis=0), axis=1)
         tl.store(du_base + t, du.to(du_ptr.dtype.element_ty), mask=m3)
         tl.store(ddt_base + t, ddt.to(ddt_ptr.dtype.element_ty), mask=m3)
+    tl.store(dD_ptr + b * dim + offs_d, dD_acc, mask=mask_d)
+    tl.store(dbias_ptr + b * dim + offs_d, dbias_acc, mask=mask_d)
+
+
+@triton.jit(do_not_specialize=["s_sk"])
+def _ss_bwd_kernel_v4(
+    u_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, D_ptr, z_ptr, bias_ptr, state_ptr, dout_ptr,
+    du_ptr, ddt_ptr, dz_ptr, dB_ptr, dC_ptr, dA_ptr, dD_ptr, dbias_ptr, q_ptr,
+    dpg, seqlen, nsub,
+    s_ub, s_ud, s_tb, s_td, s_ad, s_an, s_bb, s_bg, s_bn, s_cb, s_cg, s_cn, s_zb, s_zd, s_gb, s_gd,
+    s_rb, s_rg, s_rk, s_rn, s_sn, s_sk,
+    DSTATE: tl.constexpr, BLOCK_D: tl.constexpr, SUB: tl.constexpr, SEG: tl.constexpr, ACC: tl.constexpr,
+    HAS_D: tl.constexpr, HAS_Z: tl.constexpr, HAS_BIAS: tl.constexpr, SOFTPLUS: tl.constexpr, ATOMIC: tl.constexpr,
+    DBDC: tl.constexpr = True,
+):  # fmt: skip
+    # (DBDC=False skips dB/dC: a timing diagnostic of bench/mamba_kernels.py only.)
+    # (BLOCK_D, SEG, SUB = 8) compute tiles, t = chunk start + s * SUB + r, loaded and stored through
+    # (BLOCK_D, SEG * SUB) pointers (``_ld2``) so that a segment's 8 steps sit in one thread (one 16-byte bf16 vector)
+    # and the segments on the lanes of a warp, in every Triton version. Per state:
+    #  - the 8 steps are split into separate tensors (``_split8``, register renaming) and scanned by explicit
+    #    sequential code: the forward rescan from the state saved at each segment's start, and the adjoint
+    #    g_r = C_r dy_r + x_{r+1} with x_r = a_r g_r (no shifted delta and no second exp; no in-thread reverse
+    #    ``associative_scan``, which Triton lowers with lane-reversing shuffles); the segments are linked by one
+    #    cross-lane reverse scan of their (prod a, x_0 from 0) maps and a ``tl.gather`` one lane up;
+    #  - x_0 of the chunk's first segment goes to the previous chunk through the double-buffered scratch q
+    #    (batch, dim, 2, N), re-read after a barrier;
+    #  - sums over states (y, sum_n g B, sum_n A hm) accumulate in registers; dB/dC sum over the block's channels.
+    # states: (batch, dim, N, nsub), strides s_sn, s_sk (= 1, unspecialised: the (BLOCK_D, SEG) state loads are not
+    # vectorised). dA: (batch, nchunks, dim, N) per-chunk partials; dD, dbias: (batch, dim); dB/dC: (batch, G, K, N, L).
+    tl.static_assert(SUB == 8, "bwd_impl 3 needs chunk_bwd == 8")
+    CHUNK: tl.constexpr = SUB * SEG
+    pid_blk = tl.program_id(0)
+    g = tl.program_id(1)
+    b = tl.program_id(2).to(tl.int64)
+    dim = dpg * tl.num_programs(1)
+    nchunks = tl.cdiv(seqlen, CHUNK)
+    offs_dl = pid_blk * BLOCK_D + tl.arange(0, BLOCK_D)
+    mask_d = offs_dl < dpg
+    offs_d = g * dpg + offs_dl
+    md3 = mask_d[:, None, None]
+    offs_s = tl.arange(0, SEG)[None, :, None]
+    offs_r = tl.arange(0, SUB)[None, None, :]
+    tloc = offs_s * SUB + offs_r  # (1, SEG, SUB) step inside the chunk
+    tl2 = tl.arange(0, CHUNK)[None, :]  # the same steps, flat, for the global loads and stores
+    offs_s2 = tl.arange(0, SEG)[None, :]
+    rows = offs_d[:, None]
+    if HAS_D:
+        Dv = tl.load(D_ptr + offs_d, mask=mask_d, other=0.0).to(ACC)[:, None, None]
+    if HAS_BIAS:
+        bias = tl.load(bias_ptr + offs_d, mask=mask_d, other=0.0).to(ACC)[:, None, None]
+    u_base = u_ptr + b * s_ub + rows * s_ud
+    dt_base = dt_ptr + b * s_tb + rows * s_td
+    z_base = z_ptr + b * s_zb + rows * s_zd
+    go_base = dout_ptr + b * s_gb + rows * s_gd
+    du_base = du_ptr + b * s_ub + rows * s_ud
+    ddt_base = ddt_ptr + b * s_tb + rows * s_td
+    dz_base = dz_ptr + b * s_zb + rows * s_zd
+    B_base = B_ptr + b * s_bb + g * s_bg  # B and C: (1, CHUNK) loads, broadcast over the block's channels
+    C_base = C_ptr + b * s_cb + g * s_cg
+    r_base = dB_ptr + b * s_rb + g * s_rg
+    rc_base = dC_ptr + b * s_rb + g * s_rg
+    if not ATOMIC:
+        r_base += pid_blk * s_rk
+        rc_base += pid_blk * s_rk
+    A_rows = A_ptr + offs_d * s_ad
+    st_rows = state_ptr + ((b * dim + offs_d) * (DSTATE * s_sn))[:, None]  # (BLOCK_D, 1)
+    q_rows = q_ptr + (b * dim + offs_d) * (2 * DSTATE)
+    first = mask_d[:, None] & (offs_s2 == 0)  # (BLOCK_D, SEG)
+    nxt = tl.minimum(offs_s2 + 1, SEG - 1) + 0 * rows  # gather index: the segment one lane up
+    rev = SEG - 1 - offs_s2 + 0 * rows  # gather index: lanes reversed
+    dD_acc = tl.zeros((BLOCK_D,), dtype=ACC)
+    dbias_acc = tl.zeros((BLOCK_D,), dtype=ACC)
+    for cc in range(0, nchunks):
+        c = nchunks - 1 - cc
+        tl.debug_barrier()  # the previous chunk's q stores (one thread each) before this chunk's loads (all threads)
+        t = c * CHUNK + tloc
+        m3 = md3 & (t < seqlen)
+        t2 = c * CHUNK + tl2
+        m2 = mask_d[:, None] & (t2 < seqlen)
+        dt = _ld2(dt_base + t2, m2, BLOCK_D, SEG, SUB, ACC)
+        if HAS_BIAS:
+            dt += bias
+        if SOFTPLUS:
+            dt = _softplus(dt)
+        dt = tl.where(m3, dt, 0.0)
+        dy = _ld2(go_base + t2, m2, BLOCK_D, SEG, SUB, ACC)
+        if HAS_Z:
+            zz = _ld2(z_base + t2, m2, BLOCK_D, SEG, SUB, ACC)
+            dy = dy * zz * _sigmoid(zz)
+        dtu = dt * _ld2(u_base + t2, m2, BLOCK_D, SEG, SUB, ACC)
+        y = tl.zeros((BLOCK_D, SEG, SUB), dtype=ACC)
+        sgb = tl.zeros((BLOCK_D, SEG, SUB), dtype=ACC)  # sum_n g B
+        sahm = tl.zeros((BLOCK_D, SEG, SUB), dtype=ACC)  # sum_n A hm (A in log2 units)
+        q_in = q_rows + ((c + 1) % 2) * DSTATE
+        q_out = q_rows[:, None] + (c % 2) * DSTATE + 0 * offs_s2
+        k = c * SEG + offs_s2 - 1  # (1, SEG) index of the saved state before each segment
+        mk = mask_d[:, None] & (k >= 0) & (k < nsub)  # segments past seqlen: no saved state (h0 = 0)
+        mq = mask_d & (offs_dl * 0 + c < nchunks - 1)
+        tn = c * CHUNK + tl.arange(0, SEG)[:, None] * SUB + tl.arange(0, 4)[None, :]  # (SEG, 4) dB/dC time index
+        mt = tn < seqlen
+        mt4 = tn + 4 < seqlen
+        mt1 = t2 < seqlen  # (1, CHUNK)
+        # per-state loads are issued one state ahead (loop-carried), so their latency overlaps a state's compute
+        A_nx = tl.load(A_rows, mask=mask_d, other=0.0)
+        B_nx = tl.load(B_base + t2, mask=mt1, other=0.0)
+        C_nx = tl.load(C_base + t2, mask=mt1, other=0.0)
+        h_nx = tl.load(st_rows + k * s_sk, mask=mk, other=0.0)
+        q_nx = tl.load(q_in, mask=mq, other=0.0)
+        for n in range(0, DSTATE):
+            A2 = A_nx.to(ACC)[:, None, None] * LOG2E
+            B_n = tl.reshape(B_nx, (1, SEG, SUB)).to(ACC)
+            C_n = tl.reshape(C_nx, (1, SEG, SUB)).to(ACC)
+            h = h_nx  # (BLOCK_D, SEG) state before each segment
+            q = q_nx[:, None]  # a g at the next chunk's first step
+            n1 = (n + 1) % DSTATE  # (the last state prefetches state 0 again, unused)
+            A_nx = tl.load(A_rows + n1 * s_an, mask=mask_d, other=0.0)
+            B_nx = tl.load(B_base + n1 * s_bn + t2, mask=mt1, other=0.0)
+            C_nx = tl.load(C_base + n1 * s_cn + t2, mask=mt1, other=0.0)
+            h_nx = tl.load(st_rows + n1 * s_sn + k * s_sk, mask=mk, other=0.0)
+            q_nx = tl.load(q_in + n1, mask=mq, other=0.0)
+            a = tl.exp2(dt * A2)
+            bu = dtu * B_n
+            a0, a1, a2, a3, a4, a5, a6, a7 = _split8(a, BLOCK_D, SEG)
+            b0, b1, b2, b3, b4, b5, b6, b7 = _split8(bu, BLOCK_D, SEG)
+            w0, w1, w2, w3, w4, w5, w6, w7 = _split8(C_n * dy, BLOCK_D, SEG)
+            # forward rescan of each segment from its saved start state (in-thread, sequential)
+            h0 = a0 * h + b0
+            h1 = a1 * h0 + b1
+            h2 = a2 * h1 + b2
+            h3 = a3 * h2 + b3
+            h4 = a4 * h3 + b4
+            h5 = a5 * h4 + b5
+            h6 = a6 * h5 + b6
+            h7 = a7 * h6 + b7
+            hs = _join8(h0, h1, h2, h3, h4, h5, h6, h7, BLOCK_D, SEG)
+            y += hs * C_n
+            # adjoint g_r = w_r + x_{r+1} with x_r = a_r g_r. Per segment, x_0 = sa * (x entering at its end) + sg;
+            # local pass from 0, one inclusive reverse scan over segments (lanes), then the pass with the true input.
+            x = a6 * (w6 + a7 * w7)
+            x = a4 * (w4 + a5 * (w5 + x))
+            x = a2 * (w2 + a3 * (w3 + x))
+            sg = a0 * (w0 + a1 * (w1 + x))
+            sa = ((a0 * a1) * (a2 * a3)) * ((a4 * a5) * (a6 * a7))
+            sg = tl.where(offs_s2 == SEG - 1, sg + sa * q, sg)  # the next chunk's carry enters the last segment
+            # x_0 of each segment: a reverse scan over the segments, done as a forward scan of the lane-reversed
+            # maps (a reverse=True scan is lowered with extra lane-reversing shuffles per register)
+            _, xf = tl.associative_scan(
+                (tl.gather(sa, rev, axis=1), tl.gather(sg, rev, axis=1)), axis=1, combine_fn=_combine
+            )
+            xf = tl.gather(xf, rev, axis=1)
+            tl.store(q_out + n, xf, mask=first)  # the carry for the previous chunk: x_0 of segment 0
+            x = tl.where(offs_s2 == SEG - 1, q, tl.gather(xf, nxt, axis=1))
+            g7 = w7 + x
+            g6 = w6 + a7 * g7
+            g5 = w5 + a6 * g6
+            g4 = w4 + a5 * g5
+            g3 = w3 + a4 * g4
+            g2 = w2 + a3 * g3
+            g1 = w1 + a2 * g2
+            g0 = w0 + a1 * g1
+            gs = _join8(g0, g1, g2, g3, g4, g5, g6, g7, BLOCK_D, SEG)
+            hm = gs * (hs - bu)  # g_t exp(delta_t A) h_{t-1}
+            sgb += gs * B_n
+            sahm += hm * A2
+            dA_n = tl.sum(tl.sum(hm * dt, axis=2), axis=1)  # (BLOCK_D,)
+            tl.store(dA_ptr + ((b * nchunks + c) * dim + offs_d) * DSTATE + n, dA_n, mask=mask_d)
+            # sums over this block's channels, as steps 0-3 and 4-7 of each segment: (SEG, 4) tiles whose 4-wide
+            # vector atomics (red.v4.f32) keep the segments on the lanes in every Triton version
+            dB_lo, dB_hi = tl.split(tl.permute(tl.reshape(tl.sum(gs * dtu, axis=0), (SEG, 2, 4)), (0, 2, 1)))
+            dC_lo, dC_hi = tl.split(tl.permute(tl.reshape(tl.sum(hs * dy, axis=0), (SEG, 2, 4)), (0, 2, 1)))
+            if not DBDC:
+                pass
+            elif ATOMIC:
+                tl.atomic_add(r_base + n * s_rn + tn, dB_lo, mask=mt, sem="relaxed")
+                tl.atomic_add(r_base + n * s_rn + tn + 4, dB_hi, mask=mt4, sem="relaxed")
+                tl.atomic_add(rc_base + n * s_rn + tn, dC_lo, mask=mt, sem="relaxed")
+                tl.atomic_add(rc_base + n * s_rn + tn + 4, dC_hi, mask=mt4, sem="relaxed")
+            else:
+                tl.store(r_base + n * s_rn + tn, dB_lo, mask=mt)
+                tl.store(r_base + n * s_rn + tn + 4, dB_hi, mask=mt4)
+                tl.store(rc_base + n * s_rn + tn, dC_lo, mask=mt)
+                tl.store(rc_base + n * s_rn + tn + 4, dC_hi, mask=mt4)
+        u = _ld2(u_base + t2, m2, BLOCK_D, SEG, SUB, ACC)  # reloaded (L1/L2) instead of kept through the state loop
+        du = dt * sgb
+        ddt = u * sgb + sahm / LOG2E
+        if HAS_D:
+            dD_acc += tl.sum(tl.sum(dy * u, axis=2), axis=1)
+            du += dy * Dv
+            y += u * Dv
+        if HAS_Z:  # dout and z reloaded (L1/L2) instead of kept in registers through the state loop
+            go = _ld2(go_base + t2, m2, BLOCK_D, SEG, SUB, ACC)
+            zz = _ld2(z_base + t2, m2, BLOCK_D, SEG, SUB, ACC)
+            sz = _sigmoid(zz)
+            dz = go * y * sz * (1.0 + zz * (1.0 - sz))
+            tl.store(dz_base + t2, tl.reshape(dz, (BLOCK_D, CHUNK)).to(dz_ptr.dtype.element_ty), mask=m2)
+        if SOFTPLUS:
+            dtr = _ld2(dt_base + t2, m2, BLOCK_D, SEG, SUB, ACC)  # raw delta reloaded, for softplus'
+            if HAS_BIAS:
+                dtr += bias
+            ddt = ddt * _sigmoid(dtr)
+        ddt = tl.where(m3, ddt, 0.0)
+        dbias_acc += tl.sum(tl.sum(ddt, axis=2), axis=1)
+        tl.store(du_base + t2, tl.reshape(du, (BLOCK_D, CHUNK)).to(du_ptr.dtype.element_ty), mask=m2)
+        tl.store(ddt_base + t2, tl.reshape(ddt, (BLOCK_D, CHUNK)).to(ddt_ptr.dtype.element_ty), mask=m2)
     tl.store(dD_ptr + b * dim + offs_d, dD_acc, mask=mask_d)
     tl.store(dbias_ptr + b * dim + offs_d, dbias_acc, mask=mask_d)

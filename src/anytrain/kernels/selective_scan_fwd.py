@@ -1,0 +1,120 @@
+"""Forward kernel v3 of the Triton selective scan (``ScanConfig.fwd_impl=1``, default); see ``selective_scan.py``.
+
+Program = (block of BLOCK_D channels, group, batch); it walks the sequence in chunks of SEG x SUB steps held as
+(channel, segment, step) tiles, t = chunk start + s * SUB + r. The global loads and stores go through
+(BLOCK_D, SEG * SUB) pointers whose coalesced layout (16-byte vectors, lanes along time, warps over channels) is the
+same in every Triton version; with SUB = the steps of one 16-byte vector (8 for bf16) and SEG = 32, the reshape to
+(BLOCK_D, SEG, SUB) is free and puts a segment in one thread and the segments on the lanes of one warp. So:
+  - a runtime loop over the states makes y = sum_n C h a register accumulation (no reduction over states);
+  - per state, each segment is scanned in-thread from h = 0, the (decay product, end state) aggregates of the SEG
+    segments are combined by one cross-lane scan, and each segment's start state (the previous segment's end state,
+    fetched with ``tl.gather`` one lane down) is folded in with hs = pa h0 + pb;
+  - the state at the end of every SUB * SAVE steps (the backward's chunk) is stored to ``states`` (batch, dim, N, nsub)
+    by the lane that owns it; the chunk's carry into the next chunk is re-read from there after a barrier.
+Other SUB / SEG / BLOCK_D values are correct too (the compiler then converts layouts).
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from anytrain.kernels.selective_scan_bwd import LOG2E, _combine, _ld2, _sigmoid, _softplus
+
+
+@triton.jit(do_not_specialize=["s_sk"])
+def _ss_fwd_kernel_v3(
+    u_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, D_ptr, z_ptr, bias_ptr, out_ptr, state_ptr,
+    dpg, seqlen, nsub,
+    s_ub, s_ud, s_tb, s_td, s_ad, s_an, s_bb, s_bg, s_bn, s_cb, s_cg, s_cn, s_zb, s_zd, s_ob, s_od, s_sn, s_sk,
+    DSTATE: tl.constexpr, BLOCK_D: tl.constexpr, SUB: tl.constexpr, SEG: tl.constexpr, SAVE: tl.constexpr,
+    ACC: tl.constexpr, HAS_D: tl.constexpr, HAS_Z: tl.constexpr, HAS_BIAS: tl.constexpr, SOFTPLUS: tl.constexpr,
+):  # fmt: skip
+    # states: (batch, dim, N, nsub) (s_sn, s_sk: strides of N and nsub; s_sk is 1 but not specialised, so the state
+    # stores are not vectorised across segments); entry k is the state after step (k + 1) * SUB * SAVE - 1 (the last
+    # entry: the final state).
+    CHUNK: tl.constexpr = SUB * SEG
+    KPC: tl.constexpr = SEG // SAVE  # saved states per chunk
+    pid_blk = tl.program_id(0)
+    g = tl.program_id(1)
+    b = tl.program_id(2).to(tl.int64)
+    dim = dpg * tl.num_programs(1)
+    nchunks = tl.cdiv(seqlen, CHUNK)
+    offs_dl = pid_blk * BLOCK_D + tl.arange(0, BLOCK_D)
+    mask_d = offs_dl < dpg
+    offs_d = g * dpg + offs_dl
+    md3 = mask_d[:, None, None]
+    offs_s = tl.arange(0, SEG)[None, :, None]
+    tloc = offs_s * SUB + tl.arange(0, SUB)[None, None, :]  # (1, SEG, SUB) step inside the chunk
+    tl2 = tl.arange(0, CHUNK)[None, :]  # the same steps, flat, for the global loads and stores
+    rows = offs_d[:, None]
+    offs_s2 = tl.arange(0, SEG)[None, :]
+    zero = 0 * (offs_dl[:, None] + offs_s2)  # (BLOCK_D, SEG): the segment aggregates are 2-D (see below)
+    u_base = u_ptr + b * s_ub + rows * s_ud
+    dt_base = dt_ptr + b * s_tb + rows * s_td
+    z_base = z_ptr + b * s_zb + rows * s_zd
+    o_base = out_ptr + b * s_ob + rows * s_od
+    B_base = B_ptr + b * s_bb + g * s_bg  # B and C: (1, CHUNK) loads, broadcast over the block's channels
+    C_base = C_ptr + b * s_cb + g * s_cg
+    A_rows = A_ptr + offs_d * s_ad
+    st_rows = state_ptr + (b * dim + offs_d) * (DSTATE * s_sn)  # (BLOCK_D,)
+    st_tile = st_rows[:, None] + zero  # (BLOCK_D, SEG)
+    if HAS_D:
+        Dv = tl.load(D_ptr + offs_d, mask=mask_d, other=0.0).to(ACC)[:, None, None]
+    if HAS_BIAS:
+        bias = tl.load(bias_ptr + offs_d, mask=mask_d, other=0.0).to(ACC)[:, None, None]
+    # the segment that ends a saved sub-chunk ((s + 1) % SAVE == 0) stores its end state at index kc + ks
+    ks = (offs_s2 + 1) // SAVE - 1
+    save = mask_d[:, None] & ((offs_s2 + 1) % SAVE == 0)
+    prev = tl.maximum(offs_s2 - 1, 0) + zero  # gather index: the segment one lane down
+    for c in range(0, nchunks):
+        tl.debug_barrier()  # the previous chunk's end states (stored by one lane each) before this chunk reads them
+        t = c * CHUNK + tloc
+        m3 = md3 & (t < seqlen)
+        t2 = c * CHUNK + tl2
+        m2 = mask_d[:, None] & (t2 < seqlen)
+        u = _ld2(u_base + t2, m2, BLOCK_D, SEG, SUB, ACC)
+        dt = _ld2(dt_base + t2, m2, BLOCK_D, SEG, SUB, ACC)
+        if HAS_BIAS:
+            dt += bias
+        if SOFTPLUS:
+            dt = _softplus(dt)
+        dt = tl.where(m3, dt, 0.0)  # padding steps: a = 1, b = 0, so h passes through unchanged
+        dtu = dt * u
+        y = tl.zeros((BLOCK_D, SEG, SUB), dtype=ACC)
+        if HAS_D:
+            y += u * Dv
+        kc = c * KPC
+        msave = save & (kc + ks < nsub)
+        mc = mask_d & (offs_dl * 0 + kc > 0)
+        mt1 = t2 < seqlen  # (1, CHUNK)
+        # per-state loads are issued one state ahead (loop-carried), so their latency overlaps a state's compute
+        A_nx = tl.load(A_rows, mask=mask_d, other=0.0)
+        h_nx = tl.load(st_rows + (kc - 1) * s_sk, mask=mc, other=0.0)
+        B_nx = tl.load(B_base + t2, mask=mt1, other=0.0)
+        C_nx = tl.load(C_base + t2, mask=mt1, other=0.0)
+        for n in range(0, DSTATE):
+            A2 = A_nx.to(ACC)[:, None, None] * LOG2E
+            hc = h_nx[:, None]  # the state before the chunk
+            B_n = tl.reshape(B_nx, (1, SEG, SUB)).to(ACC)
+            C_n = tl.reshape(C_nx, (1, SEG, SUB)).to(ACC)
+            n1 = (n + 1) % DSTATE  # (the last state prefetches state 0 again, unused)
+            A_nx = tl.load(A_rows + n1 * s_an, mask=mask_d, other=0.0)
+            h_nx = tl.load(st_rows + n1 * s_sn + (kc - 1) * s_sk, mask=mc, other=0.0)
+            B_nx = tl.load(B_base + n1 * s_bn + t2, mask=mt1, other=0.0)
+            C_nx = tl.load(C_base + n1 * s_cn + t2, mask=mt1, other=0.0)
+            a = tl.exp2(dt * A2)
+            pa, pb = tl.associative_scan((a, dtu * B_n), axis=2, combine_fn=_combine)  # in-thread, from h = 0
+            # segment aggregates, (BLOCK_D, SEG): 2-D (not keep_dims) so that no register dimension is broadcast,
+            # which Triton 3.6's cross-lane scan lowering does not support
+            la = tl.sum(tl.where(tloc % SUB == SUB - 1, pa, 0.0), axis=2)
+            lb = tl.sum(tl.where(tloc % SUB == SUB - 1, pb, 0.0), axis=2)
+            ia, ib = tl.associative_scan((la, lb), axis=1, combine_fn=_combine)  # across lanes (segments)
+            e = ia * hc + ib  # state at the end of each segment
+            h0 = tl.where(offs_s2 == 0, hc, tl.gather(e, prev, axis=1))  # state at the start of each segment
+            y += (pa * h0[:, :, None] + pb) * C_n
+            tl.store(st_tile + n * s_sn + (kc + ks) * s_sk, e, mask=msave)
+        if HAS_Z:
+            zz = _ld2(z_base + t2, m2, BLOCK_D, SEG, SUB, ACC)
+            y = y * zz * _sigmoid(zz)
+        tl.store(o_base + t2, tl.reshape(y, (BLOCK_D, CHUNK)).to(out_ptr.dtype.element_ty), mask=m2)
