@@ -94,9 +94,11 @@ class TrainConfig:
 
 @dataclass
 class ParallelConfig:
-    strategy: Literal["auto", "ddp", "fsdp"] = "auto"
-    """Data parallelism over the dp ranks: DDP (replicated) or FSDP2 (sharded over dp_shard, replicated over
-    dp_replicate: HSDP when both are > 1). auto = ddp."""
+    strategy: Literal["auto", "ddp", "fsdp", "zero1"] = "auto"
+    """Data parallelism over the dp ranks: DDP (replicated), FSDP2 (sharded over dp_shard, replicated over
+    dp_replicate: HSDP when both are > 1), or zero1 (DDP's replicated parameters and all-reduced gradients, each
+    rank keeping and updating only its dim-0 shard of the AdamW state, then all-gathering the parameters).
+    auto = ddp, or fsdp with tensor/pipeline parallelism (DDP does not combine with them)."""
     dp_replicate: int = 1
     """Data-parallel replicas (FSDP: HSDP replica groups; DDP: part of the replicated degree)."""
     dp_shard: int = -1
@@ -104,9 +106,12 @@ class ParallelConfig:
     tp: int = 1
     """Tensor-parallel degree (inside a node)."""
     pp: int = 1
-    """Pipeline-parallel stages (one per pipeline rank); micro-batches per step = per-rank batch / train.micro_batch."""
-    pp_schedule: Literal["1F1B", "GPipe"] = "1F1B"
-    """Pipeline schedule."""
+    """Pipeline-parallel ranks; micro-batches per step = per-rank batch / train.micro_batch (must be >= pp)."""
+    pp_schedule: Literal["1F1B", "GPipe", "Interleaved1F1B"] = "1F1B"
+    """Pipeline schedule: 1F1B and GPipe run one stage per pipeline rank; Interleaved1F1B runs
+    ``pp_virtual_stages`` stages per rank (round-robin: rank r holds stages r, r+pp, ...), a smaller bubble."""
+    pp_virtual_stages: int = 1
+    """Stages per pipeline rank (Interleaved1F1B only; the layers split into pp x pp_virtual_stages stages)."""
     auto: bool = False
     """Let the cost model choose strategy, micro-batch and activation checkpointing for this device and world size
     (``anytrain plan`` shows the ranking); the choice is written into the resolved config.yaml."""

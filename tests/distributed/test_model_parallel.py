@@ -1,4 +1,5 @@
-"""Tensor and pipeline parallelism (and their 2D combinations with FSDP) on real gloo processes."""
+"""Tensor parallelism (alone, with FSDP, inside pipeline stages) on real gloo processes; more pipeline layouts in
+test_pipeline.py."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from tests.distributed.test_data_parallel import STEPS, losses, train, write_con
 LAYOUTS = {
     "tp2": (2, ("--parallel.tp", "2")),
     "dp2_tp2": (4, ("--parallel.tp", "2", "--parallel.strategy", "fsdp")),
+    "pp2_tp2": (4, ("--parallel.pp", "2", "--parallel.tp", "2")),  # TP inside each pipeline stage
 }
 
 

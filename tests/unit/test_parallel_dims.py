@@ -3,6 +3,7 @@ import pytest
 from anytrain.config import ParallelConfig
 from anytrain.errors import ConfigError
 from anytrain.parallel.dims import ParallelDims, validate_for_model
+from anytrain.parallel.pipeline import rank_stages, stage_layer_ranges
 
 
 def dims(world, **kw):
@@ -37,6 +38,50 @@ def test_model_constraints():
         validate_for_model(dims(3, tp=3), n_layers=4, n_heads=12, n_kv_heads=4)
     with pytest.raises(ConfigError, match="parallel.pp: 8 pipeline stages for 4 layers"):
         validate_for_model(dims(8, pp=8), n_layers=4, n_heads=8, n_kv_heads=8)
-    with pytest.raises(ConfigError, match="parallel.pp: pipeline parallelism is not finished"):
-        validate_for_model(dims(2, pp=2), n_layers=4, n_heads=8, n_kv_heads=8)
     validate_for_model(dims(4, tp=2), n_layers=4, n_heads=8, n_kv_heads=2)
+    validate_for_model(dims(2, pp=2), n_layers=4, n_heads=8, n_kv_heads=8, cfg=ParallelConfig(pp=2), n_microbatches=2)
+
+
+PP2 = dict(pp=2, dp_shard=1)
+
+
+@pytest.mark.parametrize(
+    "world, kw, n_micro, tied, message",
+    [
+        (2, dict(PP2, pp_schedule="Interleaved1F1B", pp_virtual_stages=3), 4, False,
+         "parallel.pp: 2 x 3 pipeline stages for 4 layers"),
+        (2, dict(PP2, pp_virtual_stages=2), 4, False, "parallel.pp_virtual_stages: 1F1B runs one stage per"),
+        (2, dict(PP2, pp_schedule="Interleaved1F1B"), 4, False,
+         "parallel.pp_virtual_stages: Interleaved1F1B needs >= 2"),
+        (2, PP2, 1, False, "train.micro_batch: 1 micro-batches per step for 2 pipeline ranks"),
+        (2, dict(PP2, pp_schedule="Interleaved1F1B", pp_virtual_stages=2), 5, False,
+         "train.micro_batch: Interleaved1F1B needs the micro-batch count \\(5\\) to be a multiple of 2"),
+        (2, PP2, 4, True, "parallel.pp: tied embeddings put the embedding and the head on one stage"),
+        (4, dict(pp=2, strategy="zero1"), 4, False, "parallel.strategy: zero1 does not combine with tensor/pipeline"),
+        (4, dict(tp=2, strategy="ddp"), 4, False, "parallel.strategy: ddp does not combine with tensor/pipeline"),
+    ],
+)  # fmt: skip
+def test_impossible_pipeline_layouts(world, kw, n_micro, tied, message):
+    cfg = ParallelConfig(**kw)
+    with pytest.raises(ConfigError, match=message):
+        validate_for_model(ParallelDims.from_config(cfg, world), n_layers=4, n_heads=8, n_kv_heads=8, cfg=cfg,
+                           n_microbatches=n_micro, tied_embeddings=tied)  # fmt: skip
+
+
+def test_stage_assignment():
+    assert [list(r) for r in stage_layer_ranges(5, 2)] == [[0, 1, 2], [3, 4]]
+    assert rank_stages(1, pp=2, virtual=2) == [1, 3]  # round-robin: what Interleaved1F1B expects
+    assert rank_stages(0, pp=4, virtual=1) == [0]
+
+
+@pytest.mark.parametrize("rows, world", [(1, 2), (5, 4), (8, 2), (170, 4), (3, 3)])
+def test_zero1_rows_follow_dtensor_shard0(rows, world):
+    """ZeRO-1 shard rows are torch.chunk's split (what a Shard(0) DTensor of the full shape expects), padded with
+    empty shards, and cover every row exactly once."""
+    import torch
+
+    from anytrain.train.optim import _row_range
+
+    chunks = [c.tolist() for c in torch.arange(rows).chunk(world)]
+    chunks += [[]] * (world - len(chunks))
+    assert [list(range(*_row_range(rows, r, world))) for r in range(world)] == chunks

@@ -102,12 +102,15 @@ def all_reduce_mean(tensor: torch.Tensor) -> torch.Tensor:
 
 
 def resolve_strategy(cfg: RunConfig, dims: ParallelDims) -> str:
-    """'single' (one process), 'ddp', 'fsdp' (incl. HSDP), or 'none' (model parallel only, no data parallelism)."""
+    """'single' (one process), 'ddp', 'zero1' (DDP + sharded optimizer state), 'fsdp' (incl. HSDP), or 'none'
+    (model parallel only, no data parallelism)."""
     if dims.world_size == 1:
         return "single"  # one process: nothing to shard or replicate
     if dims.dp == 1:
         return "none"
-    return "ddp" if cfg.parallel.strategy == "auto" else cfg.parallel.strategy
+    if cfg.parallel.strategy == "auto":  # model parallelism composes with FSDP2 (DTensor parameters), not DDP
+        return "fsdp" if dims.tp > 1 or dims.pp > 1 else "ddp"
+    return cfg.parallel.strategy
 
 
 def apply_activation_checkpointing(model: nn.Module) -> None:
@@ -154,7 +157,7 @@ def parallelize(model: nn.Module, cfg: RunConfig, dims: ParallelDims, device: to
                 compute_dtype: torch.dtype) -> tuple[nn.Module, str]:  # fmt: skip
     """Apply AC -> compile -> DDP/FSDP in place order; returns (the model to call, strategy used)."""
     strategy = resolve_strategy(cfg, dims)
-    if (dims.tp > 1 or dims.pp > 1) and strategy == "ddp":
+    if (dims.tp > 1 or dims.pp > 1) and strategy in ("ddp", "zero1"):
         raise ConfigError("parallel.strategy: tensor/pipeline parallelism combine with fsdp (or no data "
                           "parallelism); set --parallel.strategy fsdp")  # fmt: skip
     if dims.tp > 1:
@@ -168,13 +171,19 @@ def parallelize(model: nn.Module, cfg: RunConfig, dims: ParallelDims, device: to
     if strategy == "fsdp":
         mp_dtype = compute_dtype if compute_dtype != torch.float32 else None
         model = apply_fsdp(model, dims, device, mp_dtype, cfg.parallel.reshard_after_forward)
-    elif strategy == "ddp":
+    elif strategy in ("ddp", "zero1"):  # zero1: replicated parameters and gradients; optim.py shards the state
         from torch.nn.parallel import DistributedDataParallel as DDP
 
         mesh = _dp_mesh(dims, device)
         group = mesh.get_group() if mesh.ndim == 1 else mesh["dp"].get_group()
         model = DDP(model, device_ids=[device.index] if hardware.is_gpu(device) else None, process_group=group)
     return model, strategy
+
+
+def dp_mesh_1d(dims: ParallelDims, device: torch.device):
+    """The 1D DeviceMesh over the data-parallel ranks (the flattened 'dp' dimension for 2D data parallelism)."""
+    mesh = _dp_mesh(dims, device)
+    return mesh if mesh.ndim == 1 else dims.build_mesh(device.type)["dp"]
 
 
 def unwrap(model: nn.Module) -> nn.Module:
@@ -185,7 +194,7 @@ def unwrap(model: nn.Module) -> nn.Module:
 @contextlib.contextmanager
 def gradient_sync(model: nn.Module, strategy: str, sync: bool):
     """Skip the gradient all-reduce on non-final micro-batches of an accumulation step."""
-    if strategy == "ddp" and not sync:
+    if strategy in ("ddp", "zero1") and not sync:
         with model.no_sync():
             yield
         return

@@ -90,15 +90,28 @@ class ParallelDims:
         return mesh
 
 
-def validate_for_model(dims: ParallelDims, n_layers: int, n_heads: int | None, n_kv_heads: int | None) -> None:
-    """Layouts the model cannot take: TP not dividing the heads, more pipeline stages than layers."""
+def validate_for_model(dims: ParallelDims, n_layers: int, n_heads: int | None, n_kv_heads: int | None,
+                       cfg: ParallelConfig | None = None, n_microbatches: int | None = None,
+                       tied_embeddings: bool = False) -> None:  # fmt: skip
+    """Layouts the model cannot take: TP not dividing the heads, more pipeline stages than layers, fewer
+    micro-batches than pipeline ranks, a schedule that does not fit the virtual stages, a pipeline over tied
+    embeddings, ZeRO-1 with model parallelism. Checked before any process group or run-dir work."""
+    from anytrain.parallel.pipeline import check_pipeline_layout
+
     if dims.tp > 1:
         if n_heads is None:
             raise ConfigError("parallel.tp: tensor parallelism is implemented for the transformer only; set tp 1")
         if n_heads % dims.tp or (n_kv_heads or n_heads) % dims.tp:
             raise ConfigError(f"parallel.tp: {dims.tp} does not divide the model's {n_heads} query / "
                               f"{n_kv_heads or n_heads} key-value heads; choose a divisor")  # fmt: skip
+    if dims.pp > 1 and tied_embeddings:
+        raise ConfigError("parallel.pp: tied embeddings put the embedding and the head on one stage; "
+                          "set --model.args.tie_embeddings false (or pp 1)")  # fmt: skip
     if dims.pp > n_layers:
         raise ConfigError(f"parallel.pp: {dims.pp} pipeline stages for {n_layers} layers; use at most {n_layers}")
-    if dims.pp > 1:  # parallel/pipeline.py builds stages and schedules, but a 2-stage gloo run still hangs
-        raise ConfigError("parallel.pp: pipeline parallelism is not finished yet; set pp 1 (use tp / fsdp)")
+    if cfg is not None:
+        check_pipeline_layout(n_layers, dims.pp, cfg.pp_virtual_stages, cfg.pp_schedule,
+                              n_microbatches if dims.pp > 1 else None)  # fmt: skip
+        if cfg.strategy in ("ddp", "zero1") and dims.dp > 1 and (dims.tp > 1 or dims.pp > 1):
+            raise ConfigError(f"parallel.strategy: {cfg.strategy} does not combine with tensor/pipeline parallelism; "
+                              "use --parallel.strategy fsdp (or auto)")  # fmt: skip

@@ -1,23 +1,26 @@
 """Pipeline parallelism with ``torch.distributed.pipelining``: split the model into stages, build a schedule.
 
-Each pipeline rank builds only its stage: the full model is created on the meta device, the layers of other stages
-are deleted (layers live in a ModuleDict keyed by global index, so the stage's parameter names equal the full
-model's and checkpoints move between layouts), the first stage keeps the embedding and the last stage the final norm
-and LM head. The last stage returns logits per micro-batch and the schedule's loss function takes the
-cross-entropy (the fused linear+cross-entropy path needs the head inside the module's forward; not yet wired here).
+The layers split into ``pp × virtual`` contiguous stages; pipeline rank r holds stages r, r + pp, r + 2·pp, ...
+(round-robin, what ``ScheduleInterleaved1F1B`` expects; one stage per rank for 1F1B and GPipe). Each stage is a
+*part*: a copy of the model holding only that stage's layers (layers live in a ModuleDict keyed by global index), the
+first stage also the embedding, the last the final norm and LM head. Parameter names equal the full model's, so
+checkpoints move between layouts. The last stage's forward takes the targets and returns the mean token loss of its
+micro-batch (the fused linear + cross-entropy, as without pipelining); the schedule's loss function passes it through
+and the schedule divides gradients by the number of micro-batches, so the step's gradient is the mean over the batch.
 """
 
 from __future__ import annotations
 
 import copy
+import inspect
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from anytrain.errors import ConfigError
+from anytrain.models.losses import lm_cross_entropy
 
-SCHEDULES = ("1F1B", "GPipe")
+SCHEDULES = ("1F1B", "GPipe", "Interleaved1F1B")
 
 
 def stage_layer_ranges(n_layers: int, n_stages: int) -> list[range]:
@@ -31,42 +34,207 @@ def stage_layer_ranges(n_layers: int, n_stages: int) -> list[range]:
     return ranges
 
 
-def prune_to_stage(meta_model: nn.Module, stage: int, n_stages: int) -> nn.Module:
-    """A copy of ``meta_model`` holding only stage ``stage``'s modules (others set to None / removed)."""
-    if not hasattr(meta_model, "forward_hidden"):
-        raise ConfigError("parallel.pp: pipeline parallelism is implemented for the transformer only; set pp 1")
-    if getattr(meta_model.args, "tie_embeddings", False):
-        raise ConfigError("parallel.pp: tied embeddings put the embedding and the head on one stage; "
-                          "set --model.args.tie_embeddings false")  # fmt: skip
-    model = copy.deepcopy(meta_model)
-    keep = {str(i) for i in stage_layer_ranges(len(model.layers), n_stages)[stage]}
-    for name in list(model.layers.keys()):
-        if name not in keep:
-            del model.layers[name]
-    if stage != 0:
-        model.tok_embeddings = None
-    if stage != n_stages - 1:
-        model.norm = None
-        model.output = None
-    return model
+def rank_stages(pp_rank: int, pp: int, virtual: int) -> list[int]:
+    """Global stage indices held by pipeline rank ``pp_rank`` (round-robin over ranks)."""
+    return [pp_rank + k * pp for k in range(virtual)]
 
 
-def build_schedule(model: nn.Module, stage: int, n_stages: int, device: torch.device, group, schedule: str,
-                   n_microbatches: int):  # fmt: skip
-    """The PipelineStage for this rank's sub-model and a schedule running ``n_microbatches`` per step."""
-    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
-
+def check_pipeline_layout(n_layers: int, pp: int, virtual: int, schedule: str, n_microbatches: int | None) -> None:
+    """One-line errors for pipeline layouts that cannot run (before any process group work)."""
     if schedule not in SCHEDULES:
         raise ConfigError(f"parallel.pp_schedule: expected one of {', '.join(SCHEDULES)}, got {schedule!r}")
-    if n_microbatches < n_stages:
-        raise ConfigError(f"train.micro_batch: {n_microbatches} micro-batches per step for {n_stages} pipeline "
-                          "stages leaves stages idle; lower train.micro_batch (>= pp micro-batches)")  # fmt: skip
-    # The stage module is the (FSDP-wrapped) sub-model itself, so FSDP's forward hooks run: a middle stage returns
-    # hidden states, the last stage logits (B, T, V) — the loss function must run outside the module here.
-    pipe_stage = PipelineStage(model, stage, n_stages, device, group=group)
-    loss_fn = None
-    if stage == n_stages - 1:
-        def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:  # mean loss of one micro-batch
-            return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
+    if virtual < 1:
+        raise ConfigError(f"parallel.pp_virtual_stages: must be >= 1, got {virtual}")
+    if pp == 1:
+        return
+    if virtual > 1 and schedule != "Interleaved1F1B":
+        raise ConfigError(f"parallel.pp_virtual_stages: {schedule} runs one stage per pipeline rank; set "
+                          "--parallel.pp_schedule Interleaved1F1B or pp_virtual_stages 1")  # fmt: skip
+    if schedule == "Interleaved1F1B" and virtual < 2:
+        raise ConfigError("parallel.pp_virtual_stages: Interleaved1F1B needs >= 2 stages per rank; set "
+                          "--parallel.pp_virtual_stages 2 (or use 1F1B)")  # fmt: skip
+    if pp * virtual > n_layers:
+        raise ConfigError(f"parallel.pp: {pp} x {virtual} pipeline stages for {n_layers} layers; use at most "
+                          f"{n_layers} stages in all (pp x pp_virtual_stages)")  # fmt: skip
+    if n_microbatches is None:
+        return
+    if n_microbatches < pp:
+        raise ConfigError(f"train.micro_batch: {n_microbatches} micro-batches per step for {pp} pipeline ranks "
+                          f"(per-rank batch / micro_batch); lower train.micro_batch so there are >= {pp}")  # fmt: skip
+    rounds = max(1, n_microbatches // pp)
+    if schedule == "Interleaved1F1B" and n_microbatches % rounds:
+        raise ConfigError(f"train.micro_batch: Interleaved1F1B needs the micro-batch count ({n_microbatches}) to be a "
+                          f"multiple of {rounds} (= count // pp); use a multiple of pp={pp}")  # fmt: skip
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# stage modules
+
+
+def _check_pipelineable(model: nn.Module) -> None:
+    args = getattr(model, "args", None)
+    if not (hasattr(model, "forward_hidden") or hasattr(model, "backbone")):
+        raise ConfigError("parallel.pp: pipeline parallelism supports the transformer and mamba models; set pp 1")
+    if getattr(args, "tie_embeddings", False):
+        raise ConfigError("parallel.pp: tied embeddings put the embedding and the head on one stage; "
+                          "set --model.args.tie_embeddings false (or pp 1)")  # fmt: skip
+
+
+class MambaStage(nn.Module):
+    """A pipeline stage of the Mamba LM: ``backbone`` (embeddings on the first stage, its layers, norm_f on the last)
+    and ``lm_head`` on the last, under the full model's parameter names. The forward repeats ``MambaBackbone`` and
+    ``Mamba.forward`` for the modules this stage holds (Mamba's own forward needs every piece)."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.args = model.args
+        self.backbone = model.backbone
+        self.lm_head = model.lm_head
+
+    def forward(self, x: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
+        """Token ids (B, T) on the first stage, hidden states (B, T, D) later; returns hidden states, or on the last
+        stage logits (B, T, V) / the mean token loss when ``targets`` (B, T) are given."""
+        bb = self.backbone
+        h = bb.embeddings(x) if bb.embeddings is not None else x  # (B, T, D)
+        for block in bb.layers.values():
+            h = block(h)
+        if bb.norm_f is None:
+            return h
+        h = bb.norm_f(h.to(bb.norm_f.weight.dtype))
+        if targets is not None:
+            return lm_cross_entropy(h, self.lm_head.weight, targets)
+        return self.lm_head(h)
+
+    def blocks(self) -> list[nn.Module]:
+        return list(self.backbone.layers.values())
+
+
+def _layer_dict(model: nn.Module) -> nn.ModuleDict:
+    return model.layers if hasattr(model, "forward_hidden") else model.backbone.layers
+
+
+def prune_to_stage(model: nn.Module, stage: int, n_stages: int, copy_model: bool = True) -> nn.Module:
+    """Stage ``stage`` of ``model`` (a copy unless ``copy_model`` is False): only its layers; the embedding on the
+    first stage, the final norm and head on the last (others set to None). Parameter names stay the full model's."""
+    _check_pipelineable(model)
+    model = copy.deepcopy(model) if copy_model else model
+    layers = _layer_dict(model)
+    keep = {str(i) for i in stage_layer_ranges(len(layers), n_stages)[stage]}
+    for name in list(layers.keys()):
+        if name not in keep:
+            del layers[name]
+    first, last = stage == 0, stage == n_stages - 1
+    if hasattr(model, "forward_hidden"):  # Transformer: its forward skips the modules that are None
+        if not first:
+            model.tok_embeddings = None
+        if not last:
+            model.norm = model.output = None
+        return model
+    if not first:
+        model.backbone.embeddings = None
+    if not last:
+        model.backbone.norm_f = model.lm_head = None
+    return MambaStage(model)
+
+
+def build_stage_parts(build, stages: list[int], n_stages: int, device: torch.device, seed: int) -> list[nn.Module]:
+    """Initialised stage modules for ``stages`` on ``device``; weights equal the same stages of an unsplit model.
+
+    Models whose ``init_weights`` takes a seed draw each parameter from its own stream: their stages are built on
+    the meta device and only the stage's parameters are allocated. Others (Mamba) draw from the global generator in
+    order, so the whole model is initialised on ``device`` first and then cut (the full model is held briefly).
+    """
+    with torch.device("meta"):
+        full = build()
+    if "seed" in inspect.signature(full.init_weights).parameters:
+        parts = []
+        for stage in stages:
+            part = prune_to_stage(full, stage, n_stages)
+            part.to_empty(device=device)
+            part.init_weights(seed=seed)
+            parts.append(part)
+        return parts
+    _check_pipelineable(full)
+    full.to_empty(device=device)
+    torch.manual_seed(seed)
+    full.init_weights()
+    parts = [prune_to_stage(full, stage, n_stages, copy_model=i < len(stages) - 1) for i, stage in enumerate(stages)]
+    return parts
+
+
+def merge_parts(parts: list[nn.Module]) -> nn.Module:
+    """One module naming every parameter of a rank's stage parts by its full-model name (for the optimizer, gradient
+    clipping and checkpoints). It shares the parts' modules and is never called; one part is returned as is."""
+    if len(parts) == 1:
+        return parts[0]
+    root = nn.Module()
+    for part in parts:
+        _graft(root, part)
+    return root
+
+
+def _graft(dst: nn.Module, src: nn.Module) -> None:
+    for name, child in src.named_children():
+        have = dst._modules.get(name)
+        if have is None:
+            dst.add_module(name, child)
+        elif have is not child:  # the same path in two parts (e.g. `layers`, `backbone`): merge their children
+            if any(True for _ in have.named_parameters(recurse=False)) or any(
+                    True for _ in child.named_parameters(recurse=False)):  # fmt: skip
+                raise RuntimeError(f"pipeline parts both hold parameters of module {name!r}")
+            merged = nn.ModuleDict() if isinstance(have, nn.ModuleDict) else nn.Module()
+            _graft(merged, have)
+            _graft(merged, child)
+            dst._modules[name] = merged
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# schedules
+
+
+def passthrough_loss(loss: torch.Tensor, target: torch.Tensor) -> torch.Tensor:  # noqa: ARG001 - schedule signature
+    """The last stage's forward already returns the micro-batch's mean token loss."""
+    return loss
+
+
+def build_schedule(parts: list[nn.Module], stages: list[int], n_stages: int, device: torch.device, group,
+                   schedule: str, n_microbatches: int, loss_fn=passthrough_loss):  # fmt: skip
+    """PipelineStages for this rank's parts and a schedule running ``n_microbatches`` per step.
+
+    Every rank passes the loss function (a schedule without one runs forward only, and the other ranks then wait
+    forever for its backward sends); gradients are divided by ``n_microbatches`` (the loss is a per-micro-batch mean).
+    """
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
+
+    pipe_stages = [PipelineStage(part, s, n_stages, device, group=group) for part, s in zip(parts, stages, strict=True)]
+    if schedule == "Interleaved1F1B":
+        return ScheduleInterleaved1F1B(pipe_stages, n_microbatches=n_microbatches, loss_fn=loss_fn)
     cls = {"1F1B": Schedule1F1B, "GPipe": ScheduleGPipe}[schedule]
-    return cls(pipe_stage, n_microbatches=n_microbatches, loss_fn=loss_fn)
+    return cls(pipe_stages[0], n_microbatches=n_microbatches, loss_fn=loss_fn)
+
+
+def step_accepts_return_outputs(schedule) -> bool:
+    return "return_outputs" in inspect.signature(schedule.step).parameters
+
+
+@torch.no_grad()
+def pipeline_forward(parts: list[nn.Module], stages: list[int], n_stages: int, group, pp_rank: int, pp: int,
+                     tokens: torch.Tensor, act_shape: tuple[int, ...]) -> torch.Tensor | None:  # fmt: skip
+    """Forward-only pass of one micro-batch through every stage in order (evaluation): each rank runs its stages and
+    sends fp32 hidden states (``act_shape``) to the next stage's rank. Returns the logits on the last stage's rank."""
+    import torch.distributed as dist
+
+    by_stage = dict(zip(stages, parts, strict=True))
+    out = None
+    for stage in range(n_stages):
+        if stage not in by_stage:
+            continue
+        if stage == 0:
+            x = tokens
+        else:
+            x = torch.empty(act_shape, device=tokens.device, dtype=torch.float32)
+            dist.recv(x, group_src=(pp_rank - 1) % pp, group=group)
+        out = by_stage[stage](x)
+        if stage < n_stages - 1:
+            dist.send(out.float().contiguous(), group_dst=(pp_rank + 1) % pp, group=group)
+    return out if n_stages - 1 in by_stage else None

@@ -69,3 +69,150 @@ def lr_factor(step: int, cfg: TrainConfig) -> float:
 
 def build_scheduler(optimizer: torch.optim.Optimizer, cfg: TrainConfig) -> torch.optim.lr_scheduler.LambdaLR:
     return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_factor(step, cfg))
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# ZeRO-1: replicated parameters and gradients (DDP), optimizer state sharded over the data-parallel ranks
+
+
+def _row_range(rows: int, rank: int, world: int) -> tuple[int, int]:
+    """Rows [lo, hi) of dim 0 held by ``rank``: torch.chunk's split (ceil-sized chunks, the last ones may be short or
+    empty), the same rule as DTensor's Shard(0), so the state can be described as a Shard(0) DTensor."""
+    size = -(-rows // world)
+    return min(rows, rank * size), min(rows, (rank + 1) * size)
+
+
+IMPLEMENTATION_KEYS = ("fused", "foreach", "capturable", "differentiable", "maximize")
+"""Param-group entries that choose the kernel on this machine: kept, not taken from a checkpoint."""
+
+
+class Zero1AdamW(torch.optim.AdamW):
+    """AdamW over this rank's dim-0 shard of every parameter (ZeRO stage 1).
+
+    The model is DDP-wrapped, so every rank holds full parameters and all-reduced gradients. The optimizer's params
+    are row-slice *views* into the parameters (rank r owns rows chunk r of each one), so AdamW keeps exp_avg /
+    exp_avg_sq for 1/dp of the model and updates the parameters' own storage in place; one all-gather per step then
+    sends each rank's updated rows to every rank. ``checkpoint_state`` describes the state as Shard(0) DTensors of the
+    parameters' full shapes under the parameters' names (the flattened layout of ``get_optimizer_state_dict``), so DCP
+    loads it under DDP, FSDP, a single process or another dp degree, and loads their checkpoints.
+    """
+
+    def __init__(self, model: nn.Module, cfg: TrainConfig, device: torch.device, mesh) -> None:
+        self.mesh = mesh
+        self.world, self.rank = mesh.size(), mesh.get_local_rank()
+        self.group = mesh.get_group()
+        named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        dtypes = {p.dtype for _, p in named}
+        if len(dtypes) != 1:
+            raise ValueError(
+                f"parallel.strategy zero1: parameters of one dtype expected, got {sorted(map(str, dtypes))}"
+            )
+        self.entries = []  # (name, full parameter, shard view)
+        shard_of = {}
+        for name, p in named:
+            lo, hi = _row_range(p.shape[0], self.rank, self.world) if p.ndim else (0, 0)
+            view = p.detach()[lo:hi] if p.ndim else p.detach()
+            self.entries.append((name, p, view))
+            shard_of[id(p)] = view
+        groups = [
+            {**g, "params": [shard_of[id(p)] for p in g["params"]]} for g in param_groups(model, cfg.weight_decay)
+        ]
+        fused = hardware.fused_adamw_available(device)
+        super().__init__(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, fused=fused or None,
+                         foreach=None if fused else True)  # fmt: skip
+        self._build_gather_layout()
+
+    def _build_gather_layout(self) -> None:
+        """Flat all-gather layout: rank q's segment packs its row-slices of every parameter, padded to the longest."""
+        self.segments = []  # per rank: list of (entry index, lo, hi, numel)
+        for q in range(self.world):
+            seg = []
+            for i, (_, p, _) in enumerate(self.entries):
+                lo, hi = _row_range(p.shape[0], q, self.world) if p.ndim else (0, 0)
+                seg.append((i, lo, hi, (hi - lo) * (p[0].numel() if p.ndim else 0)))
+            self.segments.append(seg)
+        self.segment_numel = max(sum(s[3] for s in seg) for seg in self.segments)
+
+    @torch.no_grad()
+    def step(self, closure=None):  # noqa: ARG002 - same signature as Optimizer.step
+        for _, p, view in self.entries:  # the shard's gradient: a view into DDP's all-reduced gradient
+            rows = slice(*_row_range(p.shape[0], self.rank, self.world)) if p.ndim else slice(None)
+            view.grad = None if p.grad is None else (p.grad[rows] if p.ndim else p.grad)
+        super().step()
+        self._all_gather()
+
+    def _all_gather(self) -> None:
+        """Every rank's updated rows to every rank: one all_gather_into_tensor of padded flat segments, then one
+        batched copy into the parameters (no host sync)."""
+        import torch.distributed as dist
+
+        dtype, device = self.entries[0][1].dtype, self.entries[0][1].device
+        local = torch.empty(self.segment_numel, dtype=dtype, device=device)  # the padding is never read
+        own = [self.entries[i][2].reshape(-1) for i, _, _, numel in self.segments[self.rank] if numel]
+        if own:
+            torch.cat(own, out=local[: sum(t.numel() for t in own)])
+        gathered = torch.empty(self.world * self.segment_numel, dtype=dtype, device=device)
+        dist.all_gather_into_tensor(gathered, local, group=self.group)
+        dsts, srcs = [], []
+        for q, seg in enumerate(self.segments):
+            offset = q * self.segment_numel
+            for i, lo, hi, numel in seg:
+                if numel and q != self.rank:
+                    p = self.entries[i][1]
+                    dsts.append(p.detach()[lo:hi])
+                    srcs.append(gathered[offset : offset + numel].view(hi - lo, *p.shape[1:]))
+                offset += numel
+        if dsts:
+            torch._foreach_copy_(dsts, srcs)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        super().zero_grad(set_to_none)
+        for _, p, _ in self.entries:
+            if set_to_none:
+                p.grad = None
+            elif p.grad is not None:
+                p.grad.zero_()
+
+    # checkpoints ----------------------------------------------------------------------------------------------------
+
+    def _init_state(self) -> None:
+        """Materialise empty AdamW state (what the first step creates) so a checkpoint can be loaded into it."""
+        for group in self.param_groups:
+            for view in group["params"]:
+                if not self.state[view]:
+                    step_device = view.device if group["fused"] or group["capturable"] else torch.device("cpu")
+                    self.state[view] = {"step": torch.zeros((), dtype=torch.float32, device=step_device),
+                                        "exp_avg": torch.zeros_like(view),
+                                        "exp_avg_sq": torch.zeros_like(view)}  # fmt: skip
+
+    def checkpoint_state(self) -> dict:
+        """Flattened optimizer state under the parameters' names; moment tensors as Shard(0) DTensors."""
+        from torch.distributed.tensor import DTensor, Shard
+
+        self._init_state()
+        group_of = {id(v): g for g in self.param_groups for v in g["params"]}
+        out = {}
+        for name, p, view in self.entries:
+            for key, value in self.state[view].items():
+                if isinstance(value, torch.Tensor) and value.ndim and p.ndim:
+                    value = DTensor.from_local(value, self.mesh, [Shard(0)], run_check=False, shape=p.shape,
+                                               stride=p.stride())  # fmt: skip
+                out[f"state.{name}.{key}"] = value
+            for key, value in group_of[id(view)].items():
+                if key != "params":
+                    out[f"param_groups.{name}.{key}"] = value
+        return out
+
+    def load_checkpoint_state(self, flat: dict) -> None:
+        """Take a loaded ``checkpoint_state`` dict (DCP filled its tensors in place; copy to be safe)."""
+        group_of = {id(v): g for g in self.param_groups for v in g["params"]}
+        for name, _, view in self.entries:
+            for key, value in self.state[view].items():
+                loaded = flat[f"state.{name}.{key}"]
+                loaded = loaded.to_local() if hasattr(loaded, "to_local") else loaded
+                if loaded is not value:
+                    value.copy_(loaded)
+            group = group_of[id(view)]
+            for key in group:
+                if key not in ("params", *IMPLEMENTATION_KEYS):
+                    group[key] = flat[f"param_groups.{name}.{key}"]

@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch.distributed.fsdp import FSDPModule
 
 from anytrain import hardware
 from anytrain.config import RunConfig, plan_batches, save_config, to_dict
@@ -29,18 +30,26 @@ from anytrain.parallel import (
     DistInfo,
     all_reduce_mean,
     broadcast_object,
+    dp_mesh_1d,
     gradient_sync,
     init_distributed,
     parallelize,
     unwrap,
 )
 from anytrain.parallel.dims import ParallelDims, validate_for_model
-from anytrain.parallel.pipeline import build_schedule, prune_to_stage
+from anytrain.parallel.pipeline import (
+    build_schedule,
+    build_stage_parts,
+    merge_parts,
+    pipeline_forward,
+    rank_stages,
+    step_accepts_return_outputs,
+)
 from anytrain.train.checkpoint import Checkpointer, TrainState
 from anytrain.train.energy import EnergyMeter, energy_metrics
 from anytrain.train.guard import Preempted, StepGuard, StepStatus
 from anytrain.train.metrics import MetricsLogger, ThroughputMeter, mfu
-from anytrain.train.optim import build_optimizer, build_scheduler
+from anytrain.train.optim import Zero1AdamW, build_optimizer, build_scheduler
 
 RUN_MARKERS = ("config.yaml", "metrics.jsonl", "checkpoints")
 
@@ -76,6 +85,42 @@ def compute_dtype(cfg: RunConfig, device: torch.device) -> torch.dtype:
     return torch.bfloat16 if hardware.supports_bf16(device) else torch.float32
 
 
+class LayoutFreeTrainState(TrainState):
+    """TrainState whose optimizer state is flattened by parameter name (``flatten_optimizer_state_dict``): every key
+    names one parameter, so a checkpoint loads at any pipeline / data-parallel layout (pipeline ranks hold different
+    parameter lists, which the nested format's per-group name lists cannot express). ZeRO-1 provides the same layout
+    itself (its optimizer's tensors are shards of the parameters, not the parameters)."""
+
+    def _options(self):
+        from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+        return StateDictOptions(flatten_optimizer_state_dict=True)
+
+    def state_dict(self) -> dict:
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+
+        model_sd = get_model_state_dict(self.model)  # first: its hooks reshard FSDP modules left unsharded by eval
+        if isinstance(self.optimizer, Zero1AdamW):
+            optim_sd = self.optimizer.checkpoint_state()
+        else:
+            optim_sd = get_optimizer_state_dict(self.model, self.optimizer, options=self._options())
+        return {"model": model_sd, "optim": optim_sd, "scheduler": self.scheduler.state_dict(),
+                "progress": dict(self.progress), "rng_cpu": torch.get_rng_state()}  # fmt: skip
+
+    def load_state_dict(self, state: dict) -> None:
+        from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
+
+        set_model_state_dict(self.model, state["model"])
+        if isinstance(self.optimizer, Zero1AdamW):
+            self.optimizer.load_checkpoint_state(state["optim"])
+        else:
+            set_optimizer_state_dict(self.model, self.optimizer, state["optim"], options=self._options())
+        self.scheduler.load_state_dict(state["scheduler"])
+        self.progress.clear()
+        self.progress.update(state["progress"])
+        torch.set_rng_state(state["rng_cpu"])
+
+
 class Trainer:
     def __init__(self, cfg: RunConfig, run_dir: str | None = None, resume: bool = False,
                  overwrite: bool = False) -> None:  # fmt: skip
@@ -88,7 +133,8 @@ class Trainer:
         self.plan = plan_batches(cfg.train, self.dp_world)
         self.model_args = resolve_args(cfg.model)
         validate_for_model(self.dims, self.model_args.n_layers, getattr(self.model_args, "n_heads", None),
-                           getattr(self.model_args, "n_kv_heads", None))  # fmt: skip
+                           getattr(self.model_args, "n_kv_heads", None), cfg.parallel, self.plan.grad_accum,
+                           getattr(self.model_args, "tie_embeddings", False))  # fmt: skip
         self.dataset = TokenDataset(cfg.data.path)
         self._check_data_fits_model()
         self.run_dir = self._setup_run_dir(run_dir, resume or cfg.checkpoint.auto_resume, overwrite)
@@ -98,7 +144,7 @@ class Trainer:
         self.dtype = compute_dtype(cfg, self.device)
         self._build_model()
         self.progress: dict = {"step": 0, "tokens_seen": 0}
-        self.state = TrainState(self.model, self.optimizer, self.scheduler, self.progress)
+        self.state = LayoutFreeTrainState(self.model, self.optimizer, self.scheduler, self.progress)
         self.checkpointer = Checkpointer(self.run_dir / "checkpoints", cfg.checkpoint.keep_last,
                                          self.info.is_main, log=self.log.print)  # fmt: skip
         if resume or cfg.checkpoint.auto_resume:
@@ -174,30 +220,54 @@ class Trainer:
         with torch.device("meta"):
             full = spec.build(self.model_args)
         self.accounting_model = full  # the whole model on the meta device: parameter and FLOP counts
-        stage = self.dims.coordinates(self.info.rank)["pp"]
-        model = prune_to_stage(full, stage, self.dims.pp) if self.dims.pp > 1 else full
-        model.to_empty(device=self.device)
-        torch.manual_seed(self.cfg.train.seed)  # identical weights on every rank of the same device type
-        if "seed" in inspect.signature(model.init_weights).parameters:
-            model.init_weights(seed=self.cfg.train.seed)  # per-parameter streams: independent of the layout
-        else:
-            model.init_weights()
-        self.raw_model = model
-        self.model, self.strategy = parallelize(model, self.cfg, self.dims, self.device, self.dtype)
-        self.pp_schedule, self.pp_last = None, True
+        self.pp_schedule, self.pp_first, self.pp_last = None, True, True
         if self.dims.pp > 1:
-            pp_group = self.dims.build_mesh(self.device.type)["pp"].get_group()
-            self.pp_schedule = build_schedule(self.model, stage, self.dims.pp, self.device, pp_group,
-                                              self.cfg.parallel.pp_schedule, self.plan.grad_accum)  # fmt: skip
-            self.pp_first, self.pp_last = stage == 0, stage == self.dims.pp - 1
+            self._build_pipeline(spec)
+        else:
+            model = full
+            model.to_empty(device=self.device)
+            torch.manual_seed(self.cfg.train.seed)  # identical weights on every rank of the same device type
+            if "seed" in inspect.signature(model.init_weights).parameters:
+                model.init_weights(seed=self.cfg.train.seed)  # per-parameter streams: independent of the layout
+            else:
+                model.init_weights()
+            self.raw_model = model
+            self.model, self.strategy = parallelize(model, self.cfg, self.dims, self.device, self.dtype)
         # ranks holding a copy of the loss: all but the non-final pipeline stages (TP peers hold equal copies)
         self.loss_ranks = self.info.world_size // self.dims.pp
-        self.optimizer = build_optimizer(self.model, self.cfg.train, self.device, per_tensor=self.dims.tp > 1)
+        if self.strategy == "zero1":
+            self.optimizer = Zero1AdamW(
+                unwrap(self.model), self.cfg.train, self.device, dp_mesh_1d(self.dims, self.device)
+            )
+        else:
+            self.optimizer = build_optimizer(self.model, self.cfg.train, self.device, per_tensor=self.dims.tp > 1)
         self.scheduler = build_scheduler(self.optimizer, self.cfg.train)
         # FSDP casts parameters itself (bf16 params, fp32 reduce); otherwise autocast does mixed precision.
         use_autocast = self.dtype != torch.float32 and self.strategy != "fsdp"
         self._autocast = (lambda: torch.autocast(self.device.type, dtype=self.dtype)) if use_autocast else (
             contextlib.nullcontext)  # fmt: skip
+
+    def _build_pipeline(self, spec) -> None:
+        """This rank's stage parts (parallelized one by one), their schedule, and ``self.model``: one module naming
+        all of this rank's parameters by their full-model names (for the optimizer, clipping and checkpoints)."""
+        pcfg = self.cfg.parallel
+        self.pp_rank = self.dims.coordinates(self.info.rank)["pp"]
+        self.pp_n_stages = self.dims.pp * pcfg.pp_virtual_stages
+        self.pp_stages = rank_stages(self.pp_rank, self.dims.pp, pcfg.pp_virtual_stages)
+        parts = build_stage_parts(lambda: spec.build(self.model_args), self.pp_stages, self.pp_n_stages, self.device,
+                                  self.cfg.train.seed)  # fmt: skip
+        self.pp_parts = []
+        for part in parts:
+            part, self.strategy = parallelize(part, self.cfg, self.dims, self.device, self.dtype)
+            self.pp_parts.append(part)
+        self.pp_group = self.dims.build_mesh(self.device.type)["pp"].get_group()
+        self.pp_schedule = build_schedule(self.pp_parts, self.pp_stages, self.pp_n_stages, self.device,
+                                          self.pp_group, pcfg.pp_schedule, self.plan.grad_accum,
+                                          loss_fn=self._pipeline_loss)  # fmt: skip
+        self._pp_step_kwargs = {"return_outputs": False} if step_accepts_return_outputs(self.pp_schedule) else {}
+        self.pp_first, self.pp_last = 0 in self.pp_stages, self.pp_n_stages - 1 in self.pp_stages
+        self.model = merge_parts(self.pp_parts)
+        self.raw_model = self.accounting_model
 
     def _resume(self) -> None:
         latest = self.checkpointer.latest()
@@ -227,6 +297,7 @@ class Trainer:
         finite; it is skipped and counted when the spike guard fires.
         """
         self.guard.maybe_kill(step, self.info.rank)
+        self._step = step
         inputs, targets, ids = self.train_source.rank_batch(step, self.dp_rank, self.dp_world)
         if self._sample_log is not None:
             self._sample_log.write(json.dumps({"step": step, "ids": ids.tolist()}) + "\n")
@@ -251,19 +322,22 @@ class Trainer:
         return loss, grad_norm, status
 
     def pipeline_forward_backward(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        """The schedule runs every micro-batch of this rank's batch through the stages (forward and backward);
-        gradients are averaged over micro-batches. Returns the mean loss on the last stage, 0 elsewhere."""
+        """The schedule runs every micro-batch of this rank's batch through the stages (forward and backward): the
+        first stage's rank passes the token ids, the last stage's rank the targets (to the schedule, and to the last
+        stage's forward, which returns the micro-batch's mean loss). The schedule averages gradients over
+        micro-batches. Returns the mean loss on the last stage's ranks, 0 elsewhere (no host sync here)."""
         losses: list[torch.Tensor] = []
+        args = (inputs,) if self.pp_first else ()
+        kwargs = dict(target=targets, losses=losses, targets=targets) if self.pp_last else {}
         with self._autocast():
-            if self.pp_first:
-                self.pp_schedule.step(inputs)
-            elif self.pp_last:
-                self.pp_schedule.step(target=targets, losses=losses)
-            else:
-                self.pp_schedule.step()
+            self.pp_schedule.step(*args, **kwargs, **self._pp_step_kwargs)
         if self.pp_last:
             return torch.stack([x.detach().float() for x in losses]).mean()
         return torch.zeros((), device=self.device)
+
+    def _pipeline_loss(self, loss: torch.Tensor, target: torch.Tensor) -> torch.Tensor:  # noqa: ARG002
+        """The schedule's loss function: the last stage already returns its micro-batch's mean token loss."""
+        return self.guard.poison(self._step, self.info.rank, loss)
 
     def _clip_gradients(self) -> torch.Tensor:
         """Global gradient norm (all ranks agree), clipping to train.grad_clip when > 0."""
@@ -297,12 +371,24 @@ class Trainer:
             for i in range(0, inputs.shape[0], micro):
                 x, y = inputs[i : i + micro].to(self.device), targets[i : i + micro].to(self.device)
                 with self._autocast():
-                    logits = self.model(x)
+                    logits = self.model(x) if self.pp_schedule is None else self._pipeline_logits(x)
+                if logits is None:  # a pipeline rank without the last stage
+                    continue
                 total[0] += F.cross_entropy(logits.float().flatten(0, 1), y.flatten(), reduction="sum").double()
                 total[1] += y.numel()
         self.model.train()
+        for part in self.pp_parts if self.pp_schedule is not None else [self.model]:
+            for module in part.modules():  # no backward follows: free what FSDP kept gathered (root, last block)
+                if isinstance(module, FSDPModule):
+                    module.reshard()
         total = all_reduce_mean(total)
         return (total[0] / total[1]).item() if total[1] > 0 else float("nan")
+
+    def _pipeline_logits(self, tokens: torch.Tensor) -> torch.Tensor | None:
+        """Forward-only pass of one micro-batch through the pipeline, stage after stage; logits on the last stage."""
+        width = getattr(self.model_args, "dim", None) or self.model_args.d_model
+        return pipeline_forward(self.pp_parts, self.pp_stages, self.pp_n_stages, self.pp_group, self.pp_rank,
+                                self.dims.pp, tokens, (*tokens.shape, width))  # fmt: skip
 
     # ----------------------------------------------------------------------------------------------------------------
     # loop
@@ -415,10 +501,6 @@ class Trainer:
         return total / self.loss_ranks
 
     def _eval_and_log(self, step: int) -> float:
-        if self.pp_schedule is not None:
-            self.log.print("validation under pipeline parallelism is not implemented: use `anytrain eval` on a "
-                           "checkpoint")  # fmt: skip
-            return float("nan")
         val = self.evaluate()
         self.log.log({"step": step, "val_loss": val, "val_ppl": math.exp(min(val, 50.0))}, kind="eval")
         return val
