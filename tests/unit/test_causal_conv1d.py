@@ -75,3 +75,29 @@ def test_backward_split_count():
     assert _bwd_splits(CFG, dim=5, n_iters=6) == (6, 1)  # 3 channel blocks < 1024 programs: one iteration each
     cfg = ConvConfig(block_d_bwd=4, min_programs_bwd=8)
     assert _bwd_splits(cfg, dim=8, n_iters=7) == (4, 2)  # 2 blocks x 4 splits of ceil(7 / 4) = 2 iterations
+
+
+@pytest.mark.parametrize("cfg", [CFG, CFG_ONE_SPLIT], ids=["splits", "one-split"])
+def test_launchers_take_batch_folded_layouts_and_out(cfg):
+    """``_fwd`` / ``_bwd`` on (batch, dim, L) views of a (dim, batch·L) matrix (strides (L, batch·L, 1), the fused
+    Mamba op's layout), writing into a given ``out``: bitwise the same as on contiguous tensors; dx keeps x's layout."""
+    from anytrain.kernels.causal_conv1d import _bwd, _fwd
+
+    g = torch.Generator().manual_seed(11)
+    batch, dim, seqlen = 2, 5, 13
+
+    def folded(t):  # (batch, dim, L) contiguous -> the same values in the (dim, batch·L) layout
+        return t.transpose(0, 1).reshape(dim, batch * seqlen).view(dim, batch, seqlen).transpose(0, 1)
+
+    x = torch.randn(batch, dim, seqlen, generator=g, dtype=torch.float64)
+    w = torch.randn(dim, 4, generator=g, dtype=torch.float64)
+    b = torch.randn(dim, generator=g, dtype=torch.float64)
+    dout = torch.randn(batch, dim, seqlen, generator=g, dtype=torch.float64)
+    ref = _fwd(x, w, b, True, cfg)
+    out = folded(torch.zeros_like(x))
+    assert _fwd(folded(x), w, b, True, cfg, out=out) is out and out.stride() == (seqlen, batch * seqlen, 1)
+    assert torch.equal(out, ref)
+    dx_ref, dw_ref, db_ref = _bwd(x, w, b, dout, True, cfg)
+    dx, dw, db = _bwd(folded(x), w, b, folded(dout), True, cfg)
+    assert dx.stride() == (seqlen, batch * seqlen, 1)
+    assert torch.equal(dx, dx_ref) and torch.equal(dw, dw_ref) and torch.equal(db, db_ref)

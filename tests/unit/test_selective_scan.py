@@ -171,3 +171,26 @@ def test_deterministic_many_blocks_falls_back_to_v3_backward(monkeypatch):
     monkeypatch.setattr(sys.modules["anytrain.kernels.selective_scan"], "_MAX_PARTIALS", 0)
     vals = make_inputs(1, 5, 19, 4, None, True, True, True, seed=2)
     assert_match(*run_both(vals, True, cfg=CFG_V4, deterministic=True))
+
+
+@pytest.mark.parametrize("cfg", [CFG, CFG_V1], ids=["fwd_v3", "fwd_v2"])
+def test_fwd_launcher_writes_into_strided_out(cfg):
+    """``_fwd(..., out=)`` into a (batch, dim, L) view of a (dim, batch·L) matrix (the fused Mamba op's layout), with
+    u, delta, z and B/C in such views too: bitwise the same output and states as on contiguous tensors."""
+    from anytrain.kernels.selective_scan import _as_groups, _fwd
+
+    batch, dim, seqlen, dstate = 2, 5, 19, 4
+    vals = make_inputs(batch, dim, seqlen, dstate, None, True, True, True, seed=3)
+
+    def folded(t):  # (batch, C, L) contiguous -> the same values in the (C, batch·L) layout
+        c = t.shape[1]
+        return t.transpose(0, 1).reshape(c, batch * seqlen).view(c, batch, seqlen).transpose(0, 1)
+
+    args = (vals["A"], _as_groups(vals["B"]), _as_groups(vals["C"]), vals["D"])
+    ref, states_ref = _fwd(vals["u"], vals["delta"], *args, vals["z"], vals["delta_bias"], True, cfg)
+    u, delta, z = folded(vals["u"]), folded(vals["delta"]), folded(vals["z"])
+    Bg, Cg = folded(vals["B"]).unsqueeze(1), folded(vals["C"]).unsqueeze(1)
+    out = folded(torch.zeros_like(ref))
+    y, states = _fwd(u, delta, vals["A"], Bg, Cg, vals["D"], z, vals["delta_bias"], True, cfg, out=out)
+    assert y is out and out.stride() == (seqlen, batch * seqlen, 1)
+    assert torch.equal(out, ref) and torch.equal(states, states_ref)

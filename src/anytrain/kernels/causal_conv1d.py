@@ -256,20 +256,60 @@ def _bwd_splits(cfg: ConvConfig, dim: int, n_iters: int) -> tuple[int, int]:
     return triton.cdiv(n_iters, per), per
 
 
+def _fwd(
+    x: Tensor, weight: Tensor, bias: Tensor | None, silu: bool, cfg: ConvConfig, *, out: Tensor | None = None
+) -> Tensor:
+    """Launch the forward: ``out`` = conv(x) (+ SiLU), (batch, dim, L). x and out: any batch/channel strides, unit
+    stride in time (out defaults to a new contiguous tensor; it must not overlap x); bias: unit stride or None."""
+    batch, dim, seqlen = x.shape
+    if out is None:
+        out = torch.empty((batch, dim, seqlen), device=x.device, dtype=x.dtype)
+    _, acc = _acc(x, weight, bias)
+    grid = (triton.cdiv(seqlen, cfg.block_t), triton.cdiv(dim, cfg.block_d), batch)
+    _conv_fwd_kernel[grid](
+        x, weight, bias if bias is not None else weight, out, dim, seqlen,
+        x.stride(0), x.stride(1), out.stride(0), out.stride(1), weight.stride(0), weight.stride(1),
+        BLOCK_D=cfg.block_d, BLOCK_T=cfg.block_t, PADW=_TAPS - weight.shape[1], HAS_BIAS=bias is not None,
+        SILU=silu, ACC=acc, EVEN=seqlen % 4 == 0,
+        num_warps=cfg.num_warps,
+    )  # fmt: skip
+    return out
+
+
+def _bwd(
+    x: Tensor, weight: Tensor, bias: Tensor | None, dout: Tensor, silu: bool, cfg: ConvConfig
+) -> tuple[Tensor, Tensor, Tensor | None]:
+    """Launch the backward of ``_fwd``: dx (``empty_like(x)``: x's layout when x is dense), dweight and dbias (None
+    without bias) in the parameters' dtypes. x, dout: any batch/channel strides, unit stride in time."""
+    batch, dim, seqlen = x.shape
+    width = weight.shape[1]
+    acc_t, acc = _acc(x, weight, bias)
+    n_tblocks = triton.cdiv(seqlen, cfg.block_t_bwd)
+    splits, per = _bwd_splits(cfg, dim, batch * n_tblocks)
+    dx = torch.empty_like(x)
+    dw = torch.empty((splits, dim, width), device=x.device, dtype=acc_t)
+    db = torch.empty((splits, dim), device=x.device, dtype=acc_t) if bias is not None else dw
+    grid = (triton.cdiv(dim, cfg.block_d_bwd), splits)
+    _conv_bwd_kernel[grid](
+        x, weight, bias if bias is not None else weight, dout, dx, dw, db, dim, seqlen, n_tblocks,
+        batch * n_tblocks, per,
+        x.stride(0), x.stride(1), dout.stride(0), dout.stride(1), dx.stride(0), dx.stride(1),
+        weight.stride(0), weight.stride(1),
+        BLOCK_D=cfg.block_d_bwd, BLOCK_T=cfg.block_t_bwd, PADW=_TAPS - width, HAS_BIAS=bias is not None,
+        SILU=silu, ACC=acc, EVEN=seqlen % 4 == 0,
+        num_warps=cfg.num_warps_bwd,
+    )  # fmt: skip
+    dweight = dw[0] if splits == 1 else dw.sum(0)
+    dbias = None if bias is None else (db[0] if splits == 1 else db.sum(0))
+    dweight = dweight.to(weight.dtype)  # no-ops for fp32 parameters (the training case)
+    dbias = None if dbias is None else dbias.to(bias.dtype)
+    return dx, dweight, dbias
+
+
 class _CausalConv1dFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, silu, cfg):
-        batch, dim, seqlen = x.shape
-        out = torch.empty((batch, dim, seqlen), device=x.device, dtype=x.dtype)
-        _, acc = _acc(x, weight, bias)
-        grid = (triton.cdiv(seqlen, cfg.block_t), triton.cdiv(dim, cfg.block_d), batch)
-        _conv_fwd_kernel[grid](
-            x, weight, bias if bias is not None else weight, out, dim, seqlen,
-            x.stride(0), x.stride(1), out.stride(0), out.stride(1), weight.stride(0), weight.stride(1),
-            BLOCK_D=cfg.block_d, BLOCK_T=cfg.block_t, PADW=_TAPS - weight.shape[1], HAS_BIAS=bias is not None,
-            SILU=silu, ACC=acc, EVEN=seqlen % 4 == 0,
-            num_warps=cfg.num_warps,
-        )  # fmt: skip
+        out = _fwd(x, weight, bias, silu, cfg)
         ctx.save_for_backward(x, weight, bias)
         ctx.silu, ctx.cfg = silu, cfg
         return out
@@ -277,30 +317,7 @@ class _CausalConv1dFn(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dout):
         x, weight, bias = ctx.saved_tensors
-        cfg = ctx.cfg
-        dout = _unit_last(dout)
-        batch, dim, seqlen = x.shape
-        width = weight.shape[1]
-        acc_t, acc = _acc(x, weight, bias)
-        n_tblocks = triton.cdiv(seqlen, cfg.block_t_bwd)
-        splits, per = _bwd_splits(cfg, dim, batch * n_tblocks)
-        dx = torch.empty_like(x)
-        dw = torch.empty((splits, dim, width), device=x.device, dtype=acc_t)
-        db = torch.empty((splits, dim), device=x.device, dtype=acc_t) if bias is not None else dw
-        grid = (triton.cdiv(dim, cfg.block_d_bwd), splits)
-        _conv_bwd_kernel[grid](
-            x, weight, bias if bias is not None else weight, dout, dx, dw, db, dim, seqlen, n_tblocks,
-            batch * n_tblocks, per,
-            x.stride(0), x.stride(1), dout.stride(0), dout.stride(1), dx.stride(0), dx.stride(1),
-            weight.stride(0), weight.stride(1),
-            BLOCK_D=cfg.block_d_bwd, BLOCK_T=cfg.block_t_bwd, PADW=_TAPS - width, HAS_BIAS=bias is not None,
-            SILU=ctx.silu, ACC=acc, EVEN=seqlen % 4 == 0,
-            num_warps=cfg.num_warps_bwd,
-        )  # fmt: skip
-        dweight = dw[0] if splits == 1 else dw.sum(0)
-        dbias = None if bias is None else (db[0] if splits == 1 else db.sum(0))
-        dweight = dweight.to(weight.dtype)  # no-ops for fp32 parameters (the training case)
-        dbias = None if dbias is None else dbias.to(bias.dtype)
+        dx, dweight, dbias = _bwd(x, weight, bias, _unit_last(dout), ctx.silu, ctx.cfg)
         return dx, dweight, dbias, None, None
 
 

@@ -197,13 +197,19 @@ def _as_groups(x: Tensor) -> Tensor:
     return _unit_last(x.unsqueeze(1) if x.dim() == 3 else x)
 
 
-def _fwd(u, delta, A, Bg, Cg, D, z, delta_bias, softplus: bool, cfg: ScanConfig) -> tuple[Tensor, Tensor]:
+def _fwd(
+    u, delta, A, Bg, Cg, D, z, delta_bias, softplus: bool, cfg: ScanConfig, *, out: Tensor | None = None
+) -> tuple[Tensor, Tensor]:
+    """Launch the forward: (out, states). u, delta, z and out (batch, dim, L) and Bg, Cg (batch, G, N, L): any
+    batch/channel(/group/state) strides, unit stride in time; D, delta_bias: unit stride. ``out`` defaults to a new
+    contiguous tensor (it must not overlap the inputs); states are always allocated here."""
     batch, dim, seqlen = u.shape
     ngroups, dstate = Bg.shape[1], A.shape[1]
     dpg = dim // ngroups
     acc = _acc_dtype(u, delta, A, Bg, Cg)
     nsub = triton.cdiv(seqlen, cfg.chunk_bwd)
-    out = torch.empty((batch, dim, seqlen), device=u.device, dtype=u.dtype)
+    if out is None:
+        out = torch.empty((batch, dim, seqlen), device=u.device, dtype=u.dtype)
     # the state every chunk_bwd steps, (batch, dim, N, nsub): unit stride over nsub (coalesced stores and loads)
     states = torch.empty((batch, dim, dstate, nsub), device=u.device, dtype=acc)
     zz = z if z is not None else u

@@ -1,0 +1,445 @@
+"""Mamba training throughput on one GPU: anytrain (Triton scan + conv kernels) vs HF transformers MambaForCausalLM.
+
+All rows run in ONE process, one after another, on identical random token batches (a bank of 4 global batches drawn
+once from a seeded generator and cycled), with bf16 autocast over fp32 weights, fused AdamW and gradient clipping. A
+step is one optimizer step (all micro-batches of the global batch). Each row runs ``warmup`` untimed steps (Triton
+autotuning / compilation happen there), then its timed steps, each between two ``torch.cuda.Event``s; tokens/s uses
+the summed event time. Peak memory is the caching allocator's max allocated bytes over the timed steps (the previous
+row is garbage-collected and the counter reset first).
+
+The anytrain rows run the product's own code: ``Trainer._build_model`` (meta-device build, init, ``parallelize``,
+``build_optimizer``, autocast) and ``Trainer.train_step`` on a Trainer whose data source yields the random batches.
+If that Trainer cannot be assembled outside ``Trainer.__init__`` (its internals change), the row falls back to the
+same pieces called directly (``build_model`` + ``parallelize`` + ``build_optimizer`` + autocast + clip) and says so
+in its ``driver`` field.
+
+The HF row builds ``MambaForCausalLM`` from a ``MambaConfig`` of the same shape (no download). Without mamba-ssm and
+causal-conv1d installed HF runs its pure-PyTorch slow path (a Python loop over time steps), so it gets 1 warm-up and
+2 timed steps of one micro-batch each.
+
+MFU = anytrain's ``Mamba.flops_per_token`` (6·N + the scan's elementwise FLOPs) × tokens/s / the device's dense bf16
+peak (``anytrain.hardware.peak_flops``), the same formula for every row.
+
+    PYTHONPATH=src python3 bench/mamba_train.py                       # all rows (GPU)
+    PYTHONPATH=src python3 bench/mamba_train.py --rows 130m hf-130m   # some rows
+    PYTHONPATH=src python3 bench/mamba_train.py --quick               # CPU smoke run: debug shape, 2 steps
+    PYTHONPATH=src python3 bench/mamba_train.py --cpu-scan            # CPU: reference scan, loop vs chunked
+
+``--cpu-scan`` times one forward + backward of the tiny-mamba LM on CPU with the reference selective scan as the
+plain per-step loop (``impl="loop"``) and as the chunked two-level scan (the default), interleaved, best of 3.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import gc
+import json
+import os
+import re
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+
+from anytrain import hardware  # noqa: E402
+from anytrain.config import ModelConfig, RunConfig, plan_batches  # noqa: E402
+from anytrain.models import build_model, resolve_args  # noqa: E402
+from anytrain.parallel import DistInfo, parallelize  # noqa: E402
+from anytrain.train.optim import build_optimizer  # noqa: E402
+
+
+@dataclass
+class Case:
+    name: str  # the --rows key
+    flavour: str
+    seq: int
+    micro: int
+    global_batch: int
+    stack: str  # "anytrain" | "hf"
+    label: str
+    compile: bool = False  # anytrain: per-block torch.compile (train.compile)
+    warmup: int = 2
+    steps: int = 10
+
+
+def default_cases() -> list[Case]:
+    """In run order (the slow HF row last, so a time budget drops it first)."""
+    return [
+        Case("130m", "130m", 1024, 8, 64, "anytrain", "anytrain recipe (configs/mamba-130m.yaml)"),
+        # configs/mamba-1.4b.yaml's shape and micro-batch; global batch 8 instead of 32 (2 micro-batches per step,
+        # not 8) so that 10 timed steps fit a short GPU lease: the optimizer step is ~1% of a step either way.
+        Case("1.4b", "1.4b", 2048, 4, 8, "anytrain", "anytrain recipe shape (mamba-1.4b.yaml)"),
+        Case("1.4b-mb8", "1.4b", 2048, 8, 16, "anytrain", "anytrain micro-batch 8"),
+        Case("1.4b-compile", "1.4b", 2048, 4, 8, "anytrain", "anytrain + per-block torch.compile", compile=True),
+        Case("130m-compile", "130m", 1024, 8, 64, "anytrain", "anytrain + per-block torch.compile", compile=True),
+        Case("hf-130m", "130m", 1024, 8, 8, "hf", "HF MambaForCausalLM (slow path)", warmup=1, steps=2),
+    ]
+
+
+def quick_cases() -> list[Case]:
+    return [
+        Case("debug", "debug", 64, 2, 4, "anytrain", "anytrain", warmup=1, steps=2),
+        Case("hf-debug", "debug", 64, 2, 2, "hf", "HF MambaForCausalLM", warmup=1, steps=2),
+    ]
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Batches and the two stacks
+
+
+class RandomBatches:
+    """A bank of global batches of random tokens; ``rank_batch`` has the trainer's BatchSource signature."""
+
+    def __init__(self, vocab: int, global_batch: int, seq: int, seed: int = 0, bank: int = 4) -> None:
+        gen = torch.Generator().manual_seed(seed)
+        self.bank = [torch.randint(0, vocab, (global_batch, seq + 1), generator=gen) for _ in range(bank)]
+
+    def rank_batch(self, step: int, rank: int = 0, world: int = 1) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        tokens = self.bank[step % len(self.bank)]  # (G, T+1)
+        return tokens[:, :-1], tokens[:, 1:], torch.arange(tokens.shape[0])
+
+
+def run_config(case: Case, device: torch.device) -> RunConfig:
+    cfg = RunConfig()
+    cfg.model = ModelConfig(arch="mamba", flavour=case.flavour)
+    cfg.data.seq_len = case.seq
+    cfg.train.global_batch, cfg.train.micro_batch = case.global_batch, case.micro
+    cfg.train.compile = case.compile
+    cfg.train.dtype = "bf16" if hardware.is_gpu(device) else "fp32"
+    cfg.train.lr, cfg.train.warmup_steps, cfg.train.steps = 1e-3, 100, 1000
+    return cfg
+
+
+def trainer_step_fn(case: Case, device: torch.device, batches: RandomBatches) -> tuple:
+    """A Trainer without data files or a run dir: the product's build and train_step on random batches."""
+    from anytrain.train import trainer as trainer_module
+    from anytrain.train.guard import StepGuard
+
+    cfg = run_config(case, device)
+    trainer = object.__new__(trainer_module.Trainer)
+    trainer.cfg, trainer.info, trainer.device = cfg, DistInfo(), device
+    trainer.dims = trainer_module.ParallelDims.from_config(cfg.parallel, 1)
+    trainer.dp_rank, trainer.dp_world = trainer.dims.dp_rank(0), trainer.dims.dp
+    trainer.plan = plan_batches(cfg.train, 1)
+    trainer.model_args = resolve_args(cfg.model)
+    trainer.dtype = trainer_module.compute_dtype(cfg, device)
+    trainer._build_model()
+    trainer.guard = StepGuard(cfg, device, True, 1, getattr(trainer, "loss_ranks", None))
+    trainer.train_source, trainer._sample_log = batches, None
+    model = trainer.raw_model
+
+    def step(i: int) -> None:
+        trainer.train_step(i)
+
+    return step, model, trainer
+
+
+def direct_step_fn(case: Case, device: torch.device, batches: RandomBatches) -> tuple:
+    """The same pieces as the Trainer, called directly: build, parallelize (compile), fused AdamW, autocast, clip."""
+    from anytrain.parallel.dims import ParallelDims
+
+    cfg = run_config(case, device)
+    torch.manual_seed(cfg.train.seed)
+    with torch.device("meta"):
+        model = build_model(cfg.model)
+    model.to_empty(device=device)
+    model.init_weights()
+    dtype = torch.bfloat16 if cfg.train.dtype == "bf16" else torch.float32
+    run, _ = parallelize(model, cfg, ParallelDims.from_config(cfg.parallel, 1), device, dtype)
+    optimizer = build_optimizer(run, cfg.train, device)
+    accum = case.global_batch // case.micro
+    use_autocast = dtype != torch.float32
+    autocast = (lambda: torch.autocast(device.type, dtype=dtype)) if use_autocast else contextlib.nullcontext
+
+    def step(i: int) -> None:
+        inputs, targets, _ = batches.rank_batch(i)
+        inputs, targets = inputs.to(device, non_blocking=True), targets.to(device, non_blocking=True)
+        for k in range(accum):
+            sl = slice(k * case.micro, (k + 1) * case.micro)
+            with autocast():
+                loss = run(inputs[sl], targets[sl]) / accum
+            loss.backward()
+        torch.nn.utils.clip_grad_norm_(run.parameters(), cfg.train.grad_clip or float("inf"), foreach=True)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    return step, model, (run, optimizer)
+
+
+def hf_step_fn(case: Case, device: torch.device, batches: RandomBatches) -> tuple:
+    """HF MambaForCausalLM of the same shape (random init, fp32 master weights), autocast bf16, fused AdamW."""
+    from transformers import MambaConfig, MambaForCausalLM
+    from transformers.models.mamba import modeling_mamba
+
+    a = resolve_args(ModelConfig(arch="mamba", flavour=case.flavour))
+    config = MambaConfig(vocab_size=a.vocab_size, hidden_size=a.d_model, state_size=a.d_state,
+                         num_hidden_layers=a.n_layers, expand=a.expand, conv_kernel=a.d_conv, time_step_rank=a.dt_rank,
+                         use_bias=False, use_conv_bias=True, layer_norm_epsilon=a.norm_eps,
+                         residual_in_fp32=a.residual_in_fp32, tie_word_embeddings=a.tie_embeddings,
+                         use_cache=False)  # fmt: skip
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = MambaForCausalLM(config)
+    model = model.float().train()
+    fast = getattr(modeling_mamba, "is_fast_path_available", None)
+    fast = bool(fast) if fast is not None and not callable(fast) else repr(fast)
+    info = {"hf_params": sum(p.numel() for p in model.parameters()), "hf_fast_path_available": fast}
+    fused = hardware.is_gpu(device)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, betas=(0.9, 0.95), weight_decay=0.1, fused=fused)
+    accum = case.global_batch // case.micro
+    dtype = torch.bfloat16 if hardware.is_gpu(device) else torch.float32
+
+    def step(i: int) -> None:
+        inputs, _, _ = batches.rank_batch(i)
+        inputs = inputs.to(device, non_blocking=True)
+        for k in range(accum):
+            x = inputs[k * case.micro : (k + 1) * case.micro]
+            with torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32):
+                loss = model(input_ids=x, labels=x).loss / accum  # HF shifts the labels itself
+            loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0, foreach=True)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    return step, info, (model, optimizer)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Measuring
+
+
+def measure(step: Callable[[int], None], device: torch.device, warmup: int, steps: int) -> dict:
+    """Warm-up steps, then ``steps`` timed steps, each between two device events (host clock on CPU)."""
+    t0 = time.perf_counter()
+    for i in range(warmup):
+        step(i)
+    hardware.synchronize(device)
+    warmup_s = time.perf_counter() - t0
+    hardware.reset_peak_memory(device)
+    step_s = []
+    if hardware.is_gpu(device):
+        events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(steps)]
+        for i, (start, end) in enumerate(events):
+            start.record()
+            step(warmup + i)
+            end.record()
+        hardware.synchronize(device)
+        step_s = [start.elapsed_time(end) / 1e3 for start, end in events]
+    else:
+        for i in range(steps):
+            t = time.perf_counter()
+            step(warmup + i)
+            step_s.append(time.perf_counter() - t)
+    return {"seconds": sum(step_s), "step_s": step_s, "warmup_s": warmup_s,
+            "peak_mem_gib": hardware.peak_memory_gib(device)}  # fmt: skip
+
+
+def profile_step(step: Callable[[int], None], device: torch.device, index: int) -> dict:
+    """Device kernels of one optimizer step, grouped by name: the top 15 and their share of the summed kernel time."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        step(index)
+        hardware.synchronize(device)
+    kernels = [e for e in prof.key_averages() if e.device_type == DeviceType.CUDA]
+    times = [(e.key, getattr(e, "self_device_time_total", 0) or getattr(e, "self_cuda_time_total", 0), e.count)
+             for e in kernels]  # fmt: skip
+    total_us = sum(t for _, t, _ in times) or 1.0
+    top = sorted(times, key=lambda r: -r[1])[:15]
+    top_rows = [{"kernel": n[:100], "ms": t / 1e3, "calls": c, "share": t / total_us} for n, t, c in top]
+    return {"kernel_ms": total_us / 1e3, "top": top_rows}
+
+
+def flops_per_token(flavour: str, seq: int) -> tuple[float, int]:
+    with torch.device("meta"):
+        model = build_model(ModelConfig(arch="mamba", flavour=flavour))
+    return model.flops_per_token(seq), model.num_params()
+
+
+def run_case(case: Case, device: torch.device, profile: bool = False) -> dict:
+    vocab = resolve_args(ModelConfig(arch="mamba", flavour=case.flavour)).vocab_size
+    batches = RandomBatches(vocab, case.global_batch, case.seq)
+    fpt, params = flops_per_token(case.flavour, case.seq)
+    row = {**asdict(case), "tokens_per_step": case.global_batch * case.seq, "flops_per_token": fpt, "params": params}
+    holder = None
+    try:
+        if case.stack == "hf":
+            step, info, holder = hf_step_fn(case, device, batches)
+            row.update(info, driver="hf")
+        else:
+            try:
+                step, _, holder = trainer_step_fn(case, device, batches)
+                row["driver"] = "Trainer.train_step"
+            except Exception as exc:  # noqa: BLE001 - the trainer's internals moved: same pieces, called directly
+                row["trainer_error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
+                release(device)
+                step, _, holder = direct_step_fn(case, device, batches)
+                row["driver"] = "direct (build_model + parallelize + build_optimizer)"
+        row.update(measure(step, device, case.warmup, case.steps))
+        row["tokens_per_s"] = case.steps * row["tokens_per_step"] / row["seconds"]
+        if profile and hardware.is_gpu(device):
+            row["kernel_profile"] = profile_step(step, device, case.warmup + case.steps)
+    except torch.OutOfMemoryError as exc:
+        row["error"] = f"out of memory: {str(exc).splitlines()[0][:200]}"
+    except Exception as exc:  # noqa: BLE001 - one failing row must not lose the others
+        row["error"] = f"{type(exc).__name__}: {str(exc)[:400]}"
+    finally:
+        del holder
+    return row
+
+
+def release(device: torch.device) -> None:
+    gc.collect()
+    torch._dynamo.reset()
+    if hardware.is_gpu(device):
+        torch.cuda.empty_cache()
+    hardware.reset_peak_memory(device)
+
+
+def finish_rows(rows: list[dict], peak: float | None) -> None:
+    """MFU from anytrain's flops/token; ratio of each row's tokens/s to the HF row of the same flavour."""
+    for r in rows:
+        r["mfu"] = r["flops_per_token"] * r["tokens_per_s"] / peak if peak and "tokens_per_s" in r else None
+    for r in rows:
+        hf = [x["tokens_per_s"] for x in rows if x["stack"] == "hf" and x["flavour"] == r["flavour"]
+              and "tokens_per_s" in x]  # fmt: skip
+        r["ratio_vs_hf"] = r["tokens_per_s"] / max(hf) if hf and "tokens_per_s" in r else None
+
+
+def print_table(rows: list[dict]) -> None:
+    head = f"{'row':<14}{'what':<44}{'seq':>6}{'mb':>4}{'gb':>4}{'tokens/s':>12}{'MFU':>8}{'peak GiB':>10}{'vs HF':>10}"
+    print("\n" + head + "\n" + "-" * len(head))
+    for r in rows:
+        if "tokens_per_s" not in r:
+            print(f"{r['name']:<14}{r['label'][:43]:<44}{r['seq']:>6}{r['micro']:>4}{r['global_batch']:>4}  "
+                  f"{r.get('error', 'skipped')[:100]}")  # fmt: skip
+            continue
+        mfu = "n/a" if r["mfu"] is None else f"{100 * r['mfu']:.1f}%"
+        ratio = "" if r["ratio_vs_hf"] is None else f"{r['ratio_vs_hf']:,.0f}x"
+        print(f"{r['name']:<14}{r['label'][:43]:<44}{r['seq']:>6}{r['micro']:>4}{r['global_batch']:>4}"
+              f"{r['tokens_per_s']:>12,.0f}{mfu:>8}{r['peak_mem_gib']:>10.1f}{ratio:>10}")  # fmt: skip
+
+
+def versions(device: torch.device) -> dict:
+    out = hardware.summary(device)
+    for name in ("transformers", "triton"):
+        try:
+            out[name] = __import__(name).__version__
+        except ImportError:
+            out[name] = None
+    out["python"] = sys.version.split()[0]
+    return out
+
+
+def cpu_scan_rows(repeats: int = 3) -> list[dict]:
+    """Forward + backward seconds of tiny-mamba-width LMs on CPU, reference scan loop vs chunked (best of repeats)."""
+    from functools import partial
+
+    import anytrain.models.mamba as mamba_module
+    from anytrain.kernels.reference import selective_scan_ref
+
+    rows = []
+    for layers, batch, seq in ((8, 16, 64), (4, 4, 256), (8, 4, 256)):
+        torch.manual_seed(0)
+        with contextlib.ExitStack() as stack:
+            stack.callback(setattr, mamba_module, "selective_scan", mamba_module.selective_scan)
+            args = resolve_args(ModelConfig(arch="mamba", flavour="tiny-mamba"))
+            args.n_layers = layers
+            model = mamba_module.Mamba(args)
+            tokens = torch.randint(0, args.vocab_size, (batch, seq))
+            best: dict[str, float] = {}
+            for _ in range(repeats):
+                for impl in ("loop", "chunked"):
+                    mamba_module.selective_scan = partial(selective_scan_ref, impl=impl)
+                    t0 = time.perf_counter()
+                    model(tokens, tokens).backward()
+                    best[impl] = min(best.get(impl, float("inf")), time.perf_counter() - t0)
+                    model.zero_grad(set_to_none=True)
+        row = {"layers": layers, "batch": batch, "seq": seq, "loop_s": best["loop"], "chunked_s": best["chunked"],
+               "speedup": best["loop"] / best["chunked"], "threads": torch.get_num_threads()}  # fmt: skip
+        print(json.dumps(row), flush=True)
+        rows.append(row)
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", default="bench/results", help="directory for mamba_train_<device>.json")
+    parser.add_argument("--rows", nargs="*", default=None, help="row names to run (default: all)")
+    parser.add_argument("--steps", type=int, default=0, help="timed steps of the anytrain rows (0: the row's own)")
+    parser.add_argument("--hf-steps", type=int, default=2, help="timed steps of the HF rows (its slow path)")
+    parser.add_argument("--hf-warmup", type=int, default=1, help="untimed steps of the HF rows")
+    parser.add_argument("--budget-s", type=float, default=0.0, help="skip rows that start past this (0 = none)")
+    parser.add_argument("--profile", nargs="*", default=None, help="rows to profile one extra step of (GPU)")
+    parser.add_argument("--quick", action="store_true", help="CPU smoke run: debug shape, 1 + 2 steps")
+    parser.add_argument("--cpu-scan", action="store_true", help="CPU: reference scan loop vs chunked, fwd + bwd")
+    args = parser.parse_args()
+    if args.cpu_scan:
+        rows = cpu_scan_rows()
+        env = versions(torch.device("cpu"))
+        env["cpu_count"], env["load_avg_1m"] = os.cpu_count(), os.getloadavg()[0]
+        print(f"\n{'layers':>7}{'batch':>7}{'seq':>6}{'loop s':>10}{'chunked s':>11}{'speedup':>9}")
+        for r in rows:
+            print(f"{r['layers']:>7}{r['batch']:>7}{r['seq']:>6}{r['loop_s']:>10.2f}{r['chunked_s']:>11.2f}"
+                  f"{r['speedup']:>8.1f}x")  # fmt: skip
+        out_path = Path(args.out) / "mamba_train_cpu-scan.json"
+        out_path.parent.mkdir(parents=True, exist_ok=True)
+        out_path.write_text(json.dumps({"date": time.strftime("%Y-%m-%d"), "versions": env, "rows": rows}, indent=1))
+        print(f"\nwrote {out_path}")
+        return
+    device = hardware.resolve_device("cpu" if args.quick else "auto")
+    cases = quick_cases() if args.quick else default_cases()
+    names = [c.name for c in cases]
+    for name in args.rows or []:
+        if name not in names:
+            parser.error(f"--rows: unknown row {name!r}; choose from {', '.join(names)}")
+    cases = [c for c in cases if args.rows is None or c.name in args.rows]
+    for c in cases:
+        c.steps = args.steps if args.steps and c.stack == "anytrain" else c.steps
+        if c.stack == "hf" and not args.quick:
+            c.warmup, c.steps = args.hf_warmup, args.hf_steps
+    if hardware.is_gpu(device):
+        torch.backends.cuda.matmul.allow_tf32 = True  # fp32 matmuls outside autocast: same for every stack
+    env = versions(device)
+    slug = "quick" if args.quick else re.sub(r"[^a-z0-9]+", "-", env["device"].lower()).strip("-")
+    out_path = Path(args.out) / f"mamba_train_{slug}.json"
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    print(json.dumps(env), flush=True)
+    started, rows = time.perf_counter(), []
+    for case in cases:
+        if args.budget_s and time.perf_counter() - started > args.budget_s:
+            rows.append({**asdict(case), "error": "skipped: time budget"})
+            continue
+        release(device)
+        t0 = time.perf_counter()
+        rows.append(run_case(case, device, profile=case.name in (args.profile or [])))
+        rows[-1]["row_wall_s"] = time.perf_counter() - t0
+        print(json.dumps({k: v for k, v in rows[-1].items() if k not in ("step_s", "kernel_profile")}, default=str),
+              flush=True)  # fmt: skip
+        finish_rows(rows, hardware.peak_flops(device))
+        kernels = {k: v for k, v in os.environ.items() if k.startswith(("ANYTRAIN", "TORCH"))}
+        payload = {"date": time.strftime("%Y-%m-%d"), "device": env["device"], "versions": env,
+                   "settings": {"dtype": "bf16 autocast over fp32 weights (fp32 on CPU)", "optimizer": "AdamW fused",
+                                "env": kernels}, "rows": rows}  # fmt: skip
+        out_path.write_text(json.dumps(payload, indent=1, default=str))
+    finish_rows(rows, hardware.peak_flops(device))
+    print_table(rows)
+    for r in rows:
+        if "kernel_profile" in r:
+            p = r["kernel_profile"]
+            wall_ms = 1e3 * r["seconds"] / r["steps"]
+            print(f"\nprofile of one step of {r['name']}: wall {wall_ms:.0f} ms, kernels {p['kernel_ms']:.0f} ms")
+            for k in p["top"]:
+                print(f"  {k['ms']:>9.1f} ms {100 * k['share']:>5.1f}% x{k['calls']:<5} {k['kernel'][:90]}")
+    print(f"\nwrote {out_path}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,173 @@
+"""Fused Mamba mixer (``kernels/mamba_inner.py``) on the Triton CPU interpreter vs the unfused reference composition:
+forward and every gradient in float64, the model's dispatch, autocast dtypes, and torch.compile over a block."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+
+_TRITON_PREIMPORTED = "triton" in sys.modules and os.environ.get("TRITON_INTERPRET") != "1"
+os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported: kernels then run in the interpreter
+pytest.importorskip("triton")
+if _TRITON_PREIMPORTED:
+    pytest.skip("triton was imported before TRITON_INTERPRET=1 could be set", allow_module_level=True)
+
+import torch  # noqa: E402
+
+from anytrain import kernels  # noqa: E402
+from anytrain.kernels import mamba_inner as mi  # noqa: E402
+from anytrain.models.mamba import MambaArgs, MambaBlock, MambaMixer  # noqa: E402
+
+F64 = torch.float64
+WEIGHTS = (
+    "in_proj.weight", "conv1d.weight", "conv1d.bias", "x_proj.weight", "dt_proj.weight", "dt_proj.bias", "A_log", "D",
+    "out_proj.weight",
+)  # fmt: skip
+
+
+@pytest.fixture(autouse=True)
+def tiles_and_backend(monkeypatch):
+    """Interpreter-sized tiles (several time and channel blocks at seqlen 33; the conv backward's program loops over
+    both batches) and the kernel backend restored after each test."""
+    monkeypatch.setenv("ANYTRAIN_CONV_CONFIG", "8,16,1,8,16,1,1")
+    monkeypatch.setenv("ANYTRAIN_SCAN_CONFIG", "8,8,1,8,8,1,3,4,1,4")
+    previous = kernels.get_backend()
+    yield
+    kernels.set_backend(previous)
+    mi.set_mamba_inner(True)
+
+
+def make_mixer(dtype=F64, d_conv=4, seed=0) -> MambaMixer:
+    """d_model 16 -> E 32, S 4, R 2; parameters perturbed so that no gradient is structurally trivial."""
+    torch.manual_seed(seed)
+    mixer = MambaMixer(MambaArgs(d_model=16, d_state=4, d_conv=d_conv, expand=2, dt_rank=2)).to(dtype)
+    mixer.reset_parameters()
+    with torch.no_grad():
+        for p in mixer.parameters():
+            p.add_(0.1 * torch.randn_like(p))
+    return mixer
+
+
+def weights(mixer: MambaMixer) -> list[torch.Tensor]:
+    params = dict(mixer.named_parameters())
+    return [params[n] for n in WEIGHTS]
+
+
+def run(fn, h, params, seed=1):
+    """out and the gradients of (h, *params) for a fixed random output gradient."""
+    h = h.detach().clone().requires_grad_()
+    out = fn(h)
+    grad = torch.randn(out.shape, generator=torch.Generator().manual_seed(seed), dtype=out.dtype)
+    return out, torch.autograd.grad(out, [h, *params], grad)
+
+
+def assert_same(res, ref, rtol=1e-10, atol=1e-12):
+    torch.testing.assert_close(res[0], ref[0], rtol=rtol, atol=atol)
+    for name, g, g_ref in zip(("h", *WEIGHTS), res[1], ref[1], strict=True):
+        assert g.dtype == g_ref.dtype and g.shape == g_ref.shape, name
+        torch.testing.assert_close(g, g_ref, rtol=rtol, atol=atol, msg=lambda m, n=name: f"d{n}: {m}")
+
+
+@pytest.mark.parametrize("seqlen, d_conv, deterministic", [(7, 4, False), (33, 4, True), (16, 3, False)])
+def test_fused_op_matches_unfused_reference(seqlen, d_conv, deterministic):
+    mixer = make_mixer(d_conv=d_conv)
+    ws = weights(mixer)
+    h = torch.randn(2, seqlen, 16, dtype=F64)
+    fused = run(lambda x: mi.mamba_inner_triton(x, *ws, deterministic=deterministic), h, ws)
+    kernels.set_backend("reference")
+    unfused = run(mixer, h, ws)  # the model's own composition on the reference ops
+    assert_same(fused, unfused)
+    assert_same(run(lambda x: mi.mamba_inner_ref(x, *ws), h, ws), unfused, rtol=1e-13, atol=1e-14)
+    assert all(g.abs().max() > 1e-6 for g in fused[1])  # no gradient compared is trivially zero
+
+
+def test_fused_op_with_the_v2_scan_forward(monkeypatch):
+    """fwd_impl 0 (the v2 scan forward) writes y into the op's (E, B·T) buffer through the same launcher."""
+    monkeypatch.setenv("ANYTRAIN_SCAN_CONFIG", "8,8,1,8,8,1,3,4,0,4")
+    mixer = make_mixer()
+    ws = weights(mixer)
+    h = torch.randn(2, 13, 16, dtype=F64)
+    fused = run(lambda x: mi.mamba_inner_triton(x, *ws), h, ws)
+    assert_same(fused, run(lambda x: mi.mamba_inner_ref(x, *ws), h, ws))
+
+
+def test_fused_op_is_one_autograd_node():
+    mixer = make_mixer()
+    h = torch.randn(2, 7, 16, dtype=F64, requires_grad=True)
+    out = mi.mamba_inner_triton(h, *weights(mixer))
+    assert type(out.grad_fn).__name__ == "_MambaInnerFnBackward"
+    leaves = [fn.variable for fn, _ in out.grad_fn.next_functions if fn is not None]
+    assert [id(t) for t in leaves] == [id(t) for t in (h, *weights(mixer))]  # straight to the leaves, no cast nodes
+
+
+def test_mixer_dispatches_to_the_fused_op_on_the_triton_path():
+    mixer = make_mixer()
+    ws = weights(mixer)
+    h = torch.randn(2, 7, 16, dtype=F64)
+    kernels.set_backend("triton")
+    assert mi.use_mamba_inner(h)
+    fused = run(mixer, h, ws)
+    assert type(mixer(h).grad_fn).__name__ == "_MambaInnerFnBackward"
+    mi.set_mamba_inner(False)  # the unfused composition on the Triton kernels
+    assert not mi.use_mamba_inner(h) and type(mixer(h).grad_fn).__name__ != "_MambaInnerFnBackward"
+    unfused_triton = run(mixer, h, ws)
+    kernels.set_backend("reference")
+    assert not mi.use_mamba_inner(h)
+    reference = run(mixer, h, ws)
+    assert_same(fused, reference)
+    assert_same(unfused_triton, reference)
+
+
+def test_autocast_casts_gemms_and_returns_grads_in_param_dtypes():
+    """bf16 autocast over fp32 weights: out in bf16, gradients in the parameters' dtype, close to the reference
+    composition under the same autocast (bf16 rounding level)."""
+    mixer = make_mixer(dtype=torch.float32)
+    ws = weights(mixer)
+    h = torch.randn(2, 16, 16)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        fused = run(lambda x: mi.mamba_inner_triton(x, *ws), h, ws)
+        reference = run(lambda x: mi.mamba_inner_ref(x, *ws), h, ws)
+    assert fused[0].dtype == torch.bfloat16 == reference[0].dtype
+    assert all(g.dtype == torch.float32 for g in fused[1])
+    for g, g_ref in zip((fused[0], *fused[1]), (reference[0], *reference[1]), strict=True):
+        assert (g.float() - g_ref.float()).abs().max() <= 0.05 * g_ref.float().abs().max()
+
+
+@pytest.mark.skipif(not mi.HAS_CUSTOM_OP, reason="torch.library.custom_op is not available")
+def test_custom_ops_pass_opcheck():
+    """Schema, fake kernels, autograd registration and AOT dispatch (dynamic shapes) of both torch.library ops."""
+    ws = weights(make_mixer())
+    h = torch.randn(2, 7, 16, dtype=F64, requires_grad=True)
+    out, *residuals = torch.ops.anytrain.mamba_inner_fwd(h, *ws, False)
+    assert out.requires_grad and not any(r.requires_grad for r in residuals)  # no zero grads materialised for them
+    assert [tuple(r.shape) for r in residuals] == [(64, 14), (2 + 8, 14), (32, 14), (2, 32, 4, 1)]  # N = 2 x 7
+    ok = {k: "SUCCESS" for k in ("test_schema", "test_autograd_registration", "test_faketensor")}
+    ok["test_aot_dispatch_dynamic"] = "SUCCESS"
+    assert torch.library.opcheck(torch.ops.anytrain.mamba_inner_fwd.default, (h, *ws, False)) == ok
+    bwd_args = (torch.randn_like(out), h.detach(), *(w.detach() for w in ws), *residuals, False)
+    assert torch.library.opcheck(torch.ops.anytrain.mamba_inner_bwd.default, bwd_args) == ok
+
+
+@pytest.mark.skipif(not mi.HAS_CUSTOM_OP, reason="torch.library.custom_op is not available")
+def test_compiled_block_uses_the_opaque_op_and_matches_eager():
+    torch.manual_seed(0)
+    block = MambaBlock(MambaArgs(d_model=16, d_state=4, expand=2, dt_rank=2)).to(F64)
+    block.mixer.reset_parameters()
+    params = list(block.parameters())
+    h = torch.randn(2, 7, 16, dtype=F64)
+    kernels.set_backend("triton")
+    eager = run(block, h, params)
+    graph_ops: list[str] = []
+
+    def backend(gm, example_inputs):
+        graph_ops.extend(str(n.target) for n in gm.graph.nodes if n.op == "call_function")
+        return torch._dynamo.lookup_backend("aot_eager")(gm, example_inputs)
+
+    torch._dynamo.reset()
+    compiled = run(torch.compile(block, backend=backend, fullgraph=True), h, params)
+    assert any("mamba_inner_fwd" in op for op in graph_ops), graph_ops
+    torch.testing.assert_close(compiled[0], eager[0], rtol=1e-12, atol=1e-12)
+    for g, g_ref in zip(compiled[1], eager[1], strict=True):
+        torch.testing.assert_close(g, g_ref, rtol=1e-12, atol=1e-12)
