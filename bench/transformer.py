@@ -1,12 +1,14 @@
 """Transformer training throughput on one GPU: HF transformers (eager, torch.compile) vs anytrain's recipe.
 
-All rows run in ONE process, one after another, on identical random token batches (a bank of 4 global batches drawn
-once from a seeded generator and cycled), with bf16 autocast, SDPA attention, fused AdamW, gradient clipping and the
-same global batch / micro-batch / gradient accumulation per shape. A step is one optimizer step (all micro-batches of
-the global batch); each row runs ``--warmup`` steps (compilation happens there) then ``--steps`` timed steps between
-two device synchronisations. Peak memory is the caching allocator's max allocated bytes over the timed steps (the
-previous row is garbage-collected and the peak counter reset before each row; ``warmup_peak_mem_gib`` covers the
-compile step).
+One run, one GPU, rows one after another, each in a fresh subprocess of this script (``--in-process`` runs them in
+this process instead: measured on an H200, an HF + torch.compile row that follows anytrain rows in the same process
+ran at ~40k instead of ~57k tokens/s, so sharing a process biases the comparison), on identical random token batches
+(a bank of 4 global batches drawn once from a seeded generator and cycled), with bf16 autocast, SDPA attention, fused
+AdamW, gradient clipping and the same global batch / micro-batch / gradient accumulation per shape. A step is one
+optimizer step (all micro-batches of the global batch); each row runs ``--warmup`` steps (compilation happens there)
+then ``--steps`` timed steps between two device synchronisations. Peak memory is the caching allocator's max allocated
+bytes over the timed steps (the previous row is garbage-collected and the peak counter reset before each row;
+``warmup_peak_mem_gib`` covers the compile step).
 
 The anytrain rows run the product's own code: ``Trainer._build_model`` (meta-device build, init, ``parallelize`` =
 per-block compile, ``build_optimizer``, autocast) and ``Trainer.train_step`` (micro-batch loop, clipping, the per-step
@@ -27,6 +29,7 @@ import gc
 import json
 import os
 import re
+import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterator
@@ -60,29 +63,41 @@ class Case:
     check_finite: bool = True
     attention: str = "auto"  # train.attention_backend for anytrain rows; the SDPA order for HF rows too
     profile: bool = False
-    options: dict = field(default_factory=dict)
+    options: dict = field(default_factory=dict)  # dotted config overrides for anytrain rows, e.g. model.args.X
+    ablation: bool = False  # a recipe change undone, for the one-change-at-a-time table (--ablations)
 
 
-def default_cases() -> list[Case]:
-    """In priority order: a time budget drops the tail."""
-    big = dict(flavour="1.1b", seq=2048, micro=4, global_batch=32)  # configs/1.1b.yaml
-    g = "1.1b-2048"
-    return [
-        Case(g, **big, stack="anytrain", label="anytrain recipe (configs/1.1b.yaml)", profile=True),
+def default_cases(ablations: bool = False) -> list[Case]:
+    """In priority order (a time budget drops the tail). Ablation rows (one recipe change undone each; their results
+    are in docs/benchmarks.md) run only with ``ablations``."""
+    big = dict(flavour="1.1b", seq=2048, micro=4, global_batch=32)  # micro-batch 4: the anchors' HF setup
+    mb8 = dict(flavour="1.1b", seq=2048, micro=8, global_batch=32)  # configs/1.1b.yaml
+    g, g8, g16 = "1.1b-2048", "1.1b-2048-mb8", "1.1b-2048-mb16"
+    fp32_residual = {"model.args.residual_in_fp32": True}
+    cases = [
+        Case(g8, **mb8, stack="anytrain", label="anytrain recipe (configs/1.1b.yaml)", profile=True),
         Case(g, **big, stack="hf-eager", label="HF eager"),
         Case(g, **big, stack="hf-compile", label="HF + torch.compile"),
+        Case(g, **big, stack="anytrain", label="anytrain, micro-batch 4"),
+        Case(g8, **mb8, stack="hf-compile", label="HF + torch.compile, mb 8"),
+        Case(g16, "1.1b", 2048, 16, 32, "anytrain", label="anytrain micro-batch 16"),
+        Case(g16, "1.1b", 2048, 16, 32, "hf-compile", label="HF + torch.compile, mb 16"),
+        Case(
+            g8,
+            **mb8,
+            stack="anytrain",
+            label="anytrain mb 8, fp32 residual stream (before)",
+            options=fp32_residual,
+            ablation=True,
+        ),  # fmt: skip
         Case(
             g,
             **big,
             stack="anytrain",
-            label="anytrain before: full logits CE, K/V expanded",
-            loss_impl="naive",
-            native_gqa=False,
+            label="anytrain mb 4, fp32 residual stream (before)",
+            options=fp32_residual,
+            ablation=True,
         ),  # fmt: skip
-        Case(g, **big, stack="anytrain", label="anytrain + chunked linear+CE (K/V expanded)", native_gqa=False),
-        Case("1.1b-2048-mb8", "1.1b", 2048, 8, 32, "anytrain", label="anytrain micro-batch 8"),
-        Case(g, **big, stack="anytrain", label="anytrain, train.check_finite false", check_finite=False),
-        Case("125m-2048", "125m", 2048, 8, 32, "anytrain", label="anytrain recipe"),
         Case("125m-2048", "125m", 2048, 8, 32, "hf-eager", label="HF eager"),
         Case("125m-2048", "125m", 2048, 8, 32, "hf-compile", label="HF + torch.compile"),
         Case("1.1b-4096", "1.1b", 4096, 2, 16, "anytrain", label="anytrain recipe"),
@@ -91,13 +106,29 @@ def default_cases() -> list[Case]:
         Case("350m-2048", "350m", 2048, 8, 32, "anytrain", label="anytrain recipe"),
         Case("350m-2048", "350m", 2048, 8, 32, "hf-eager", label="HF eager"),
         Case("350m-2048", "350m", 2048, 8, 32, "hf-compile", label="HF + torch.compile"),
-        Case("1.1b-2048-mb16", "1.1b", 2048, 16, 32, "anytrain", label="anytrain micro-batch 16"),
-        Case(g, **big, stack="anytrain", label="anytrain, cuDNN attention first", attention="cudnn"),
-        Case("1.1b-2048-mb8", "1.1b", 2048, 8, 32, "anytrain", label="anytrain mb 8, cuDNN attention",
-             attention="cudnn"),  # fmt: skip
-        Case("1.1b-2048-mb8", "1.1b", 2048, 8, 32, "hf-compile", label="HF + torch.compile, mb 8"),
-        Case("1.1b-2048-mb16", "1.1b", 2048, 16, 32, "hf-compile", label="HF + torch.compile, mb 16"),
+        Case(
+            g,
+            **big,
+            stack="anytrain",
+            label="anytrain before: full logits CE, K/V expanded",
+            loss_impl="naive",
+            native_gqa=False,
+            ablation=True,
+        ),  # fmt: skip
+        Case(
+            g,
+            **big,
+            stack="anytrain",
+            label="anytrain + chunked linear+CE (K/V expanded)",
+            native_gqa=False,
+            ablation=True,
+        ),  # fmt: skip
+        Case(g, **big, stack="anytrain", label="anytrain, train.check_finite false", check_finite=False, ablation=True),
+        Case(
+            g8, **mb8, stack="anytrain", label="anytrain mb 8, cuDNN attention first", attention="cudnn", ablation=True
+        ),  # fmt: skip
     ]
+    return [c for c in cases if ablations or not c.ablation]
 
 
 def estimate_s(case: Case) -> float:
@@ -152,7 +183,8 @@ def attention_order(case: Case) -> Iterator[None]:
 def anytrain_step_fn(case: Case, device: torch.device, batches: RandomBatches, compile_blocks: bool) -> tuple:
     """A Trainer without data files or a run dir: the product's build and train_step on random batches."""
     cfg = RunConfig()
-    cfg.model = ModelConfig(arch="transformer", flavour=case.flavour)
+    model_args = {k.removeprefix("model.args."): v for k, v in case.options.items() if k.startswith("model.args.")}
+    cfg.model = ModelConfig(arch="transformer", flavour=case.flavour, args=model_args)
     cfg.data.seq_len = case.seq
     cfg.train.global_batch, cfg.train.micro_batch = case.global_batch, case.micro
     cfg.train.compile, cfg.train.check_finite = compile_blocks, case.check_finite
@@ -310,7 +342,8 @@ def release(device: torch.device) -> None:
 
 
 def finish_rows(rows: list[dict], peak: float | None) -> None:
-    """MFU with anytrain's flops/token of the shape; ratio of each row to the best HF row of its group."""
+    """MFU with anytrain's flops/token of the shape; ratio of each row to the best HF row of the same shape and
+    sequence length at any micro-batch (groups "<shape>-<seq>" and "<shape>-<seq>-mb<k>")."""
     flops = {(r["flavour"], r["seq"]): r["flops_per_token"] for r in rows if "flops_per_token" in r}
     for r in rows:
         fpt = flops.get((r["flavour"], r["seq"]))
@@ -321,8 +354,8 @@ def finish_rows(rows: list[dict], peak: float | None) -> None:
         r["mfu"] = fpt * r["tokens_per_s"] / peak if peak and "tokens_per_s" in r else None
     for r in rows:
         base_group = r["group"].split("-mb")[0]
-        hf = [x["tokens_per_s"] for x in rows if x["stack"].startswith("hf") and x["group"] == base_group
-              and "tokens_per_s" in x]  # fmt: skip
+        hf = [x["tokens_per_s"] for x in rows if x["stack"].startswith("hf") and "tokens_per_s" in x
+              and x["group"].split("-mb")[0] == base_group]  # fmt: skip
         r["ratio_vs_best_hf"] = r["tokens_per_s"] / max(hf) if hf and "tokens_per_s" in r else None
 
 
@@ -360,6 +393,38 @@ def versions(device: torch.device) -> dict:
     return out
 
 
+def run_case_here(case: Case, device: torch.device, args: argparse.Namespace) -> dict:
+    release(device)
+    start_gib = torch.cuda.memory_allocated(device) / 2**30 if hardware.is_gpu(device) else 0.0
+    row = run_case(case, device, args)
+    row["allocated_at_start_gib"] = start_gib  # ~0: nothing left over from earlier rows
+    return row
+
+
+ROW_MARK = "ROW-JSON "
+
+
+def run_case_child(case: Case) -> dict:
+    """Run one case in a fresh Python process (same flags as this one) and return its row."""
+    argv = [a for a in sys.argv[1:] if a != "--in-process"]
+    cmd = [sys.executable, str(Path(__file__).resolve()), *argv, "--one-case", json.dumps(asdict(case))]
+    proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith(ROW_MARK)]
+    if not lines:
+        return {**asdict(case), "error": f"child exited {proc.returncode}: {proc.stdout[-600:]}"}
+    return json.loads(lines[-1][len(ROW_MARK) :])
+
+
+def run_child(args: argparse.Namespace) -> None:
+    case = Case(**json.loads(args.one_case))
+    if args.smoke:
+        args.steps, args.warmup, args.no_compile = 2, 1, True
+    device = hardware.resolve_device("cpu" if args.smoke else "auto")
+    if hardware.is_gpu(device):
+        torch.backends.cuda.matmul.allow_tf32 = True
+    print(ROW_MARK + json.dumps(run_case_here(case, device, args), default=str), flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default="bench/results", help="directory for transformer_<device>.json")
@@ -370,8 +435,15 @@ def main() -> None:
     parser.add_argument("--budget-s", type=float, default=0.0, help="skip rows that would end past this (0 = none)")
     parser.add_argument("--profile", action=argparse.BooleanOptionalAction, default=True)
     parser.add_argument("--no-compile", action="store_true", help="anytrain rows without per-block compile")
+    parser.add_argument("--match", nargs="*", default=None, help="only rows whose label contains one of these")
+    parser.add_argument("--ablations", action="store_true", help="also the rows that undo one recipe change each")
     parser.add_argument("--smoke", action="store_true", help="CPU check: debug shape, anytrain rows only, 2 steps")
+    parser.add_argument("--in-process", action="store_true", help="run every row in this process (no subprocess)")
+    parser.add_argument("--one-case", default=None, help=argparse.SUPPRESS)  # a child: run this JSON Case, print row
     args = parser.parse_args()
+    if args.one_case is not None:
+        run_child(args)
+        return
     device = hardware.resolve_device("cpu" if args.smoke else "auto")
     if args.smoke:
         cases = [
@@ -380,8 +452,9 @@ def main() -> None:
         ]
         args.steps, args.warmup, args.no_compile = 2, 1, True  # fmt: skip
     else:
-        cases = [c for c in default_cases() if (args.groups is None or c.group in args.groups)
-                 and (args.stacks is None or c.stack in args.stacks)]  # fmt: skip
+        cases = [c for c in default_cases(args.ablations) if (args.groups is None or c.group in args.groups)
+                 and (args.stacks is None or c.stack in args.stacks)
+                 and (args.match is None or any(m in c.label for m in args.match))]  # fmt: skip
     if hardware.is_gpu(device):
         torch.backends.cuda.matmul.allow_tf32 = True  # fp32 matmuls outside autocast: same for every stack
     env = versions(device)
@@ -395,11 +468,8 @@ def main() -> None:
         if args.budget_s and elapsed + estimate_s(case) > args.budget_s:
             rows.append({**asdict(case), "error": f"skipped: time budget ({elapsed:.0f} s used)"})
             continue
-        release(device)
         t0 = time.perf_counter()
-        start_gib = torch.cuda.memory_allocated(device) / 2**30 if hardware.is_gpu(device) else 0.0
-        rows.append(run_case(case, device, args))
-        rows[-1]["allocated_at_start_gib"] = start_gib  # ~0: nothing left over from earlier rows
+        rows.append(run_case_here(case, device, args) if args.in_process else run_case_child(case))
         rows[-1]["row_wall_s"] = time.perf_counter() - t0
         shown = {k: v for k, v in rows[-1].items() if k not in ("kernel_profile", "options")}
         print(json.dumps(shown, default=str), flush=True)

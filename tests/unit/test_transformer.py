@@ -93,3 +93,23 @@ def test_generate_extends_prompt():
     model = Transformer(small_args())
     out = model.generate(torch.tensor([[1, 2, 3]]), 5, generator=torch.Generator().manual_seed(0))
     assert out.shape == (1, 8) and out[0, :3].tolist() == [1, 2, 3]
+
+
+def test_residual_stream_dtype_under_autocast():
+    """Default: the residual stream takes the autocast dtype (bf16 saved activations); residual_in_fp32 keeps fp32.
+    Both compute the same loss up to bf16 rounding; without autocast nothing changes."""
+    torch.manual_seed(0)
+    tokens = torch.randint(0, 64, (2, 16))
+    shape = dict(vocab_size=64, dim=32, n_layers=2, n_heads=4)
+    bf16_model = Transformer(TransformerArgs(**shape))
+    fp32_model = Transformer(TransformerArgs(**shape, residual_in_fp32=True))
+    fp32_model.load_state_dict(bf16_model.state_dict())
+    block_out, losses = {}, {}
+    for name, model in (("bf16", bf16_model), ("fp32", fp32_model)):
+        hook = model.layers["1"].register_forward_hook(lambda m, a, out, key=name: block_out.__setitem__(key, out))
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            losses[name] = model(tokens, targets=tokens).float()
+        hook.remove()
+        assert model(tokens).dtype == torch.float32  # no autocast: fp32 throughout
+    assert (block_out["bf16"].dtype, block_out["fp32"].dtype) == (torch.bfloat16, torch.float32)
+    torch.testing.assert_close(losses["bf16"], losses["fp32"], rtol=0, atol=2e-2)
