@@ -108,6 +108,7 @@ def test_mixer_dispatches_to_the_fused_op_on_the_triton_path():
     h = torch.randn(2, 7, 16, dtype=F64)
     kernels.set_backend("triton")
     assert mi.use_mamba_inner(h)
+    assert mi.use_mamba_inner(h, d_inner=32) and not mi.use_mamba_inner(h, d_inner=2**31 // h.shape[1])  # 32-bit guard
     fused = run(mixer, h, ws)
     assert type(mixer(h).grad_fn).__name__ == "_MambaInnerFnBackward"
     mi.set_mamba_inner(False)  # the unfused composition on the Triton kernels

@@ -40,8 +40,15 @@ from anytrain.kernels.reference import causal_conv1d_ref, selective_scan_ref
 _enabled = os.environ.get("ANYTRAIN_MAMBA_INNER", "1").strip().lower() not in ("0", "false", "no", "off")
 
 
-def use_mamba_inner(x: Tensor) -> bool:
-    """Whether the model should call the fused op: the Triton path is active for ``x`` and it is not disabled."""
+MAX_ELEMENTS = 2**31 - 1
+"""The kernels index the (C, B·T) activations with 32-bit channel offsets: C·B·T must stay below 2^31."""
+
+
+def use_mamba_inner(x: Tensor, d_inner: int | None = None) -> bool:
+    """Whether the model should call the fused op: the Triton path is active for ``x`` (B, T, D), it is not disabled,
+    and (given ``d_inner``) the (2·d_inner, B·T) activations fit 32-bit offsets; otherwise the unfused composition."""
+    if d_inner is not None and 2 * d_inner * x.shape[0] * x.shape[1] > MAX_ELEMENTS:
+        return False
     return _enabled and kernels._use_triton(x)
 
 

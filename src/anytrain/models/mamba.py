@@ -148,7 +148,7 @@ class MambaMixer(nn.Module):
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
         """h (B, T, D) -> (B, T, D)."""
-        if use_mamba_inner(h):  # GPU (Triton) path: the whole mixer as one fused op that owns the layouts
+        if use_mamba_inner(h, self.args.d_inner):  # GPU (Triton) path: the mixer as one fused op owning the layouts
             return mamba_inner_triton(
                 h, self.in_proj.weight, self.conv1d.weight, self.conv1d.bias, self.x_proj.weight, self.dt_proj.weight,
                 self.dt_proj.bias, self.A_log, self.D, self.out_proj.weight,
