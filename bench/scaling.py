@@ -11,6 +11,8 @@ Definitions (per GPU = one process):
   at N / tokens/s at 1 GPU with the same per-GPU batch;
 - strong scaling: fixed global batch (the recipe's 32 sequences); efficiency = T(1) / (N * T(N)) = per-GPU tokens/s at
   N / tokens/s at 1 GPU with the whole global batch.
+Baselines and HF references are rows of the same model shape (model, recipe, sequence length, micro-batch:
+``shape_key``); vs HF + DDP is per-GPU tokens/s against the HF row on as many GPUs (the 1.1B Transformer only).
 Cost model: each transformer row gets the planner's predicted step time and memory (anytrain.cost.estimate) with the
 catalogue efficiency and with the efficiency fitted on the 1-GPU strong-scaling row (calibration), and the error.
 
@@ -18,8 +20,14 @@ Rows whose GPU sets are disjoint run at the same time (``--concurrent``, the def
 each job owns its GPUs (CUDA_VISIBLE_DEVICES); the host's NVLink switch gives each pair its own links. Use
 ``--serial`` to run one job at a time.
 
+``--merge`` joins results files of several runs (oldest first): a later file's row replaces an earlier row of the
+same case, except that a failed or skipped row never replaces a measured one; every row keeps its source file and
+machine, and the efficiencies and predictions are recomputed on the merged set (``--note`` adds free-text notes).
+
     PYTHONPATH=src python bench/scaling.py --gpus 1 2 4 --out bench/results           # the study (GPU host)
     PYTHONPATH=src python bench/scaling.py --only t-fsdp-2-g32 t-1-g32 --serial       # a subset
+    python bench/scaling.py --merge bench/results/scaling_nvidia-h200_2gpu_*.json \\
+        bench/results/scaling_nvidia-h200_4gpu.json                                  # several runs -> one file
     python bench/scaling.py --plot bench/results/scaling_nvidia-h200.json --png docs/scaling.png
 """
 
@@ -51,7 +59,7 @@ class Case:
     name: str
     model: str  # "transformer" | "mamba"
     gpus: int
-    layout: str  # "single" | "fsdp" | "hsdp" | "ddp" | "tp" | "pp" | "hf-ddp"
+    layout: str  # "single" | "fsdp" | "zero2" | "zero1" | "hsdp" | "ddp" | "tp" | "pp" | "hf-ddp"
     global_batch: int
     micro: int = 4
     seq: int = 2048
@@ -92,8 +100,11 @@ def default_cases(max_gpus: int) -> list[Case]:
         Case("m-fsdp-2-g32", m, 2, "fsdp", 32, studies=("strong", "layout")),
         Case("m-fsdp-2-g16", m, 2, "fsdp", 16, studies=("weak",)),
         Case("m-ddp-2-g32", m, 2, "ddp", 32, studies=("layout",)),
-        Case("m-pp2-2-g32", m, 2, "pp", 32, pp=2, studies=("layout",)),
+        Case("m-pp2-2-g32", m, 2, "pp", 32, pp=2, studies=("layout",), extra=["--model.args.tie_embeddings", "false"]),
+        Case("t-zero2-2-g32", t, 2, "zero2", 32, studies=("layout",)),
+        Case("t-zero1-2-g32", t, 2, "zero1", 32, studies=("layout",)),
         Case("t-fsdp-4-g32", t, 4, "fsdp", 32, studies=("strong", "weak", "layout")),
+        Case("t-zero2-4-g32", t, 4, "zero2", 32, studies=("strong", "layout")),
         Case("hf-ddp-4-g32", t, 4, "hf-ddp", 32, studies=("weak",)),
         Case("t-hsdp2x2-4-g32", t, 4, "hsdp", 32, dp_replicate=2, studies=("layout",)),
         Case("t-tp4-4-g32", t, 4, "tp", 32, tp=4, studies=("layout",)),
@@ -109,7 +120,8 @@ def default_cases(max_gpus: int) -> list[Case]:
 
 
 def anytrain_command(case: Case, run_dir: Path, data: str, steps: int, log_interval: int) -> list[str]:
-    strategy = {"single": "auto", "fsdp": "fsdp", "hsdp": "fsdp", "ddp": "ddp", "tp": "fsdp", "pp": "fsdp"}[case.layout]
+    strategy = {"single": "auto", "fsdp": "fsdp", "hsdp": "fsdp", "ddp": "ddp", "tp": "fsdp", "pp": "fsdp",
+                "zero2": "fsdp", "zero1": "zero1"}[case.layout]  # fmt: skip
     overrides = {
         "data.path": data, "data.seq_len": case.seq, "train.global_batch": case.global_batch,
         "train.micro_batch": case.micro, "train.steps": steps, "train.log_interval": log_interval,
@@ -117,6 +129,8 @@ def anytrain_command(case: Case, run_dir: Path, data: str, steps: int, log_inter
         "parallel.strategy": strategy, "parallel.tp": case.tp, "parallel.pp": case.pp,
         "parallel.dp_replicate": case.dp_replicate,
     }  # fmt: skip
+    if case.layout == "zero2":  # FSDP keeping the gathered parameters from forward to backward
+        overrides["parallel.reshard_after_forward"] = "false"
     args = [a for k, v in overrides.items() for a in (f"--{k}", str(v))]
     recipe = case.recipe or RECIPES[case.model]
     return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={case.gpus}",
@@ -232,6 +246,7 @@ def hf_worker(args: argparse.Namespace) -> None:
 
     spec = importlib.util.spec_from_file_location("bench_transformer", Path(__file__).parent / "transformer.py")
     bench_transformer = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = bench_transformer  # @dataclass looks its module up in sys.modules
     spec.loader.exec_module(bench_transformer)
     from anytrain import hardware
 
@@ -286,36 +301,54 @@ def hf_worker(args: argparse.Namespace) -> None:
 # Analysis: efficiencies, cost-model predictions, table, plot
 
 
+def shape_key(row: dict) -> tuple:
+    """What makes two rows the same training problem apart from GPUs and batch: model, recipe, sequence length and
+    micro-batch (HF + DDP runs the 1.1B recipe's shape). Efficiency baselines and HF references must share it."""
+    return (row["model"], row.get("recipe") or RECIPES[row["model"]], row["seq"], row["micro"])
+
+
 def add_efficiencies(rows: list[dict]) -> None:
-    def base(model: str, stack_hf: bool, global_batch: int) -> dict | None:
-        found = [r for r in rows if r["model"] == model and r["gpus"] == 1 and "tokens_per_s_per_gpu" in r
-                 and (r["layout"] == "hf-ddp") == stack_hf and r["global_batch"] == global_batch]  # fmt: skip
+    """Weak / strong scaling efficiency and the ratio to HF + DDP, with the name of each reference row.
+
+    weak: vs the 1-GPU row of the same stack and shape whose global batch is this row's per-GPU batch (dp == GPUs
+    only); strong: vs the 1-GPU row of the same stack and shape at the same global batch; vs HF + DDP: per-GPU
+    tokens/s vs the HF row of the same shape on as many GPUs, at the same global batch when there is one
+    (``vs_hf_ddp_batch_matched`` says whether it was), else the HF row of that GPU count."""
+    good = [r for r in rows if "tokens_per_s_per_gpu" in r]
+
+    def base(row: dict, global_batch: int) -> dict | None:
+        hf = row["layout"] == "hf-ddp"
+        found = [r for r in good if r["gpus"] == 1 and (r["layout"] == "hf-ddp") == hf
+                 and shape_key(r) == shape_key(row) and r["global_batch"] == global_batch]  # fmt: skip
         return found[0] if found else None
 
-    for r in rows:
-        if "tokens_per_s_per_gpu" not in r:
-            continue
+    for r in good:
         hf = r["layout"] == "hf-ddp"
-        weak = base(r["model"], hf, r["global_batch"] // r["gpus"] if r["dp"] == r["gpus"] else -1)
-        strong = base(r["model"], hf, r["global_batch"])
-        r["weak_efficiency"] = r["tokens_per_s_per_gpu"] / weak["tokens_per_s_per_gpu"] if weak else None
-        r["strong_efficiency"] = r["tokens_per_s_per_gpu"] / strong["tokens_per_s_per_gpu"] if strong else None
-        same_gpus_hf = [x for x in rows if x["layout"] == "hf-ddp" and x["gpus"] == r["gpus"] and "tokens_per_s" in x]
-        r["vs_hf_ddp_same_gpus"] = (
-            r["tokens_per_s_per_gpu"] / same_gpus_hf[0]["tokens_per_s_per_gpu"] if same_gpus_hf and not hf else None
-        )
+        per_gpu_batch = r["global_batch"] // r["gpus"] if r["dp"] == r["gpus"] else -1
+        for study, ref in (("weak", base(r, per_gpu_batch)), ("strong", base(r, r["global_batch"]))):
+            r[f"{study}_efficiency"] = r["tokens_per_s_per_gpu"] / ref["tokens_per_s_per_gpu"] if ref else None
+            r[f"{study}_ref"] = ref["name"] if ref else None
+        hf_rows = [x for x in good if x["layout"] == "hf-ddp" and x["gpus"] == r["gpus"] and not hf
+                   and shape_key(x) == shape_key(r)]  # fmt: skip
+        same_batch = [x for x in hf_rows if x["global_batch"] == r["global_batch"]]
+        ref = (same_batch or hf_rows or [None])[0]
+        r["vs_hf_ddp_same_gpus"] = r["tokens_per_s_per_gpu"] / ref["tokens_per_s_per_gpu"] if ref else None
+        r["vs_hf_ddp_ref"] = ref["name"] if ref else None
+        r["vs_hf_ddp_batch_matched"] = bool(same_batch) if ref else None
 
 
 def cost_layout(case: dict):
     from anytrain.cost import Layout
 
-    strategy = {"single": "ddp", "fsdp": "fsdp", "hsdp": "hsdp", "ddp": "ddp", "tp": "fsdp", "pp": "fsdp"}
+    strategy = {"single": "ddp", "fsdp": "fsdp", "zero2": "fsdp", "zero1": "zero1", "hsdp": "hsdp", "ddp": "ddp",
+                "tp": "fsdp", "pp": "fsdp"}  # fmt: skip
     strat = strategy[case["layout"]]
     dp = case["gpus"] // (case["tp"] * case["pp"])
     if strat in ("fsdp", "hsdp") and dp == 1:
         strat = "ddp"  # nothing to shard: the trainer keeps plain replicated params
     shard = dp // case["dp_replicate"] if strat == "hsdp" else 0
-    return Layout(dp=dp, tp=case["tp"], pp=case["pp"], strategy=strat, shard=shard, micro_batch=case["micro"])
+    return Layout(dp=dp, tp=case["tp"], pp=case["pp"], strategy=strat, shard=shard, micro_batch=case["micro"],
+                  reshard_after_forward=case["layout"] != "zero2")  # fmt: skip
 
 
 def run_config(case: dict):
@@ -369,57 +402,209 @@ def add_predictions(rows: list[dict], device_key: str, gpus_per_node: int, calib
             r["predicted"][label] = pred
 
 
+DERIVED = ("weak_efficiency", "strong_efficiency", "weak_ref", "strong_ref", "vs_hf_ddp_same_gpus", "vs_hf_ddp_ref",
+           "vs_hf_ddp_batch_matched", "predicted")  # fmt: skip
+
+
+def _outcome(row: dict) -> dict:
+    got = {"tokens_per_s_per_gpu": row["tokens_per_s_per_gpu"]} if "tokens_per_s_per_gpu" in row else {}
+    return {"source": row.get("source"), **(got or {"error": row.get("error", "not run")})}
+
+
+def merge_rows(sources: list[tuple[str, dict]]) -> list[dict]:
+    """One row per case name from several results files (``(file name, payload)``, oldest first): a later file's row
+    replaces an earlier one of the same name, except that an error row never replaces a measured row. Each kept row
+    records its ``source`` file, ``machine`` and ``date``, and the runs of the same case it was preferred to
+    (``other_runs``); derived columns are dropped, to be recomputed on the merged set."""
+    merged: dict[str, dict] = {}
+    for src, payload in sources:
+        machine = f"{payload.get('gpus_on_host', '?')}x {payload.get('device', '?')}"
+        for row in payload["rows"]:
+            new = {k: v for k, v in row.items() if k not in DERIVED and k != "other_runs"}
+            new.update(source=src, machine=machine, date=payload.get("date"))
+            old = merged.get(row["name"])
+            if old is None:
+                merged[row["name"]] = new
+            elif "tokens_per_s_per_gpu" in old and "tokens_per_s_per_gpu" not in new:
+                old.setdefault("other_runs", []).append(_outcome(new))  # a failed rerun keeps the measurement
+            else:
+                new["other_runs"] = [*old.get("other_runs", []), _outcome(old)]
+                merged[row["name"]] = new
+    canonical = {c.name: i for i, c in enumerate(default_cases(1 << 10))}
+
+    def order(r: dict) -> tuple:  # anytrain Transformer, HF + DDP, Mamba, then the cost-model validation rows
+        group = 3 if r.get("recipe") else 1 if r["layout"] == "hf-ddp" else 0 if r["model"] == "transformer" else 2
+        return group, r["gpus"], canonical.get(r["name"], len(canonical)), r["name"]
+
+    return sorted(merged.values(), key=order)
+
+
+def merge_payloads(sources: list[tuple[str, dict]], notes: list[str] | tuple[str, ...] = ()) -> dict:
+    """The merged results: rows (``merge_rows``), efficiencies and cost-model predictions recomputed on them."""
+    rows = merge_rows(sources)
+    add_efficiencies(rows)
+    payloads = [p for _, p in sources]
+    devices = sorted({p.get("device") or "" for p in payloads})
+    gpus_per_node = max(p.get("gpus_on_host") or 1 for p in payloads)
+    device_key = "h200" if "H200" in devices[0] else "h100"
+    add_predictions(rows, device_key, gpus_per_node)
+    by_name = {r["name"]: r for r in rows}
+    auto = []
+    if len(devices) > 1:
+        auto.append(f"sources ran on different devices: {devices}")
+    cross: dict[tuple[str, str], list[str]] = {}  # (row file, reference file) -> "row (kind ref)"
+    for r in rows:
+        refs = {k: r.get(f"{k}_ref") for k in ("weak", "strong")} | {"vs HF": r.get("vs_hf_ddp_ref")}
+        for kind, n in refs.items():
+            if n and n != r["name"] and by_name[n]["source"] != r["source"]:
+                cross.setdefault((r["source"], by_name[n]["source"]), []).append(f"{r['name']} ({kind} {n})")
+    for (src, ref_src), items in cross.items():
+        auto.append(f"reference rows from another results file (another machine lease): {src} rows against "
+                    f"{ref_src}: {', '.join(items)}")  # fmt: skip
+    loose = [f"{r['name']} vs {r['vs_hf_ddp_ref']}" for r in rows if r.get("vs_hf_ddp_batch_matched") is False]
+    if loose:
+        auto.append("vs HF + DDP at a different global batch (no HF row of the same batch on that GPU count): "
+                    + ", ".join(loose))  # fmt: skip
+    dates = sorted({p.get("date") for p in payloads})
+    versions = [p.get("versions") for p in payloads]
+    settings = [p.get("settings") for p in payloads]
+    return {
+        "date": dates[0] if len(dates) == 1 else dates,
+        "device": devices[0] if len(devices) == 1 else devices,
+        "gpus_on_host": gpus_per_node,
+        "versions": versions[0] if all(v == versions[0] for v in versions) else versions,
+        "settings": settings[0] if all(s == settings[0] for s in settings) else settings,
+        "merged_from": [
+            {
+                "file": src,
+                "machine": f"{p.get('gpus_on_host')}x {p.get('device')}",
+                "date": p.get("date"),
+                "rows_kept": [r["name"] for r in rows if r["source"] == src],
+                "rows_not_kept": [r["name"] for r in p["rows"] if by_name[r["name"]]["source"] != src],
+            }
+            for src, p in sources
+        ],  # fmt: skip
+        "analysis": {
+            "recomputed_by": "bench/scaling.py --merge",
+            "cost_model_device": device_key,
+            "gpus_per_node": gpus_per_node,
+            "calibration_run": "t-1-g32",
+        },  # fmt: skip
+        "notes": [*notes, *auto],
+        "rows": rows,
+    }
+
+
 def print_table(rows: list[dict]) -> None:
+    """The results table; ``host`` is the machine a merged row came from, ``~`` marks a vs-HF ratio taken against an
+    HF row of another global batch."""
     head = (f"{'case':<20}{'GPUs':>5}{'layout':>8}{'gbs':>5}{'acc':>4}{'tok/s/GPU':>11}{'MFU':>7}{'GiB':>7}"
-            f"{'weak':>7}{'strong':>8}{'vs HF':>7}{'pred err':>9}")  # fmt: skip
+            f"{'weak':>7}{'strong':>8}{'vs HF':>8}{'pred err':>9}{'host':>6}")  # fmt: skip
     print("\n" + head + "\n" + "-" * len(head))
     pct = lambda v: "" if v is None else f"{100 * v:.1f}%"  # noqa: E731
     for r in rows:
+        host = r["machine"].split("x")[0] + "x" if r.get("machine") else ""
         if "tokens_per_s_per_gpu" not in r:
-            print(f"{r['name']:<20}{r['gpus']:>5}{r['layout']:>8}  {r.get('error', 'not run')[:150]!r}")
+            print(f"{r['name']:<20}{r['gpus']:>5}{r['layout']:>8}  {r.get('error', 'not run')[:120]!r}")
             continue
         pred = (r.get("predicted") or {}).get("calibrated", {}).get("step_error")
+        vs = r.get("vs_hf_ddp_same_gpus")
+        vs = "" if vs is None else f"{vs:.2f}x" + ("~" if r.get("vs_hf_ddp_batch_matched") is False else " ")
         print(f"{r['name']:<20}{r['gpus']:>5}{r['layout']:>8}{r['global_batch']:>5}{r['accum']:>4}"
               f"{r['tokens_per_s_per_gpu']:>11,.0f}{pct(r.get('mfu')):>7}{r['peak_mem_gib']:>7.1f}"
-              f"{pct(r.get('weak_efficiency')):>7}{pct(r.get('strong_efficiency')):>8}"
-              f"{'' if r.get('vs_hf_ddp_same_gpus') is None else format(r['vs_hf_ddp_same_gpus'], '.2f') + 'x':>7}"
-              f"{'' if pred is None else format(100 * pred, '+.0f') + '%':>9}")  # fmt: skip
+              f"{pct(r.get('weak_efficiency')):>7}{pct(r.get('strong_efficiency')):>8}{vs:>8}"
+              f"{'' if pred is None else format(100 * pred, '+.0f') + '%':>9}{host:>6}")  # fmt: skip
+
+
+LAYOUT_STYLE = {"fsdp": ("FSDP", "tab:blue", "o"), "zero2": ("ZeRO-2", "tab:orange", "s"),
+                "zero1": ("ZeRO-1", "tab:green", "D"), "ddp": ("DDP", "tab:red", "^"),
+                "hsdp": ("HSDP 2x2", "tab:purple", "v"), "tp": ("TP", "tab:brown", "P"),
+                "pp": ("PP", "tab:pink", "X")}  # fmt: skip
+
+
+def plot_series(rows: list[dict], model: str) -> list[dict]:
+    """Lines for one model's panel: per layout, the 1-GPU run at the study's global batch then the layout's rows at
+    that batch (labelled with strong efficiency); FSDP and HF + DDP also at a fixed per-GPU batch (weak efficiency)."""
+    rows = [r for r in rows if "tokens_per_s_per_gpu" in r and r["model"] == model and not r.get("recipe")]
+    singles = {r["global_batch"]: r for r in rows if r["gpus"] == 1 and r["layout"] == "single"}
+    strong_gbs = max(singles, default=None)
+    series = []
+    for layout, (name, color, marker) in LAYOUT_STYLE.items():
+        mine = sorted((r for r in rows if r["layout"] == layout and r["gpus"] > 1), key=lambda r: r["gpus"])
+        strong = [r for r in mine if r["global_batch"] == strong_gbs]
+        if strong:
+            untied = any("tie_embeddings" in " ".join(r.get("extra", [])) for r in strong)
+            series.append({"label": f"{name}{' (untied emb.)' if untied else ''}, {strong_gbs} seq global",
+                           "rows": [singles[strong_gbs], *strong], "eff": "strong", "color": color,
+                           "marker": marker, "style": "-"})  # fmt: skip
+        weak_batches = {r["global_batch"] // r["gpus"] for r in mine if r["global_batch"] != strong_gbs}
+        for b in sorted(weak_batches & set(singles)):
+            weak = [r for r in mine if r["dp"] == r["gpus"] and r["global_batch"] == b * r["gpus"]]
+            series.append({"label": f"{name}, {b} seq per GPU", "rows": [singles[b], *weak], "eff": "weak",
+                           "color": color, "marker": marker, "style": ":"})  # fmt: skip
+    hf = sorted((r for r in rows if r["layout"] == "hf-ddp"), key=lambda r: r["gpus"])
+    if hf:
+        b = hf[0]["global_batch"] // hf[0]["gpus"]
+        series.append({"label": f"HF + DDP, {b} seq per GPU", "rows": hf, "eff": "weak", "color": "dimgray",
+                       "marker": "o", "style": "--"})  # fmt: skip
+    return series
 
 
 def plot(payload: dict, png: Path) -> None:
+    """Per-GPU tokens/s against GPUs, one panel per model, efficiency labels at each multi-GPU point."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    rows = [r for r in payload["rows"] if "tokens_per_s_per_gpu" in r]
-    fig, (ax_bar, ax_eff) = plt.subplots(1, 2, figsize=(14, 5.2))
-    labels = [f"{r['name']}" for r in rows]
-    colors = ["tab:gray" if r["layout"] == "hf-ddp" else ("tab:blue" if r["model"] == "transformer" else "tab:green")
-              for r in rows]  # fmt: skip
-    ax_bar.barh(range(len(rows)), [r["tokens_per_s_per_gpu"] for r in rows], color=colors)
-    ax_bar.set_yticks(range(len(rows)), labels, fontsize=7)
-    ax_bar.invert_yaxis()
-    ax_bar.set_xlabel("tokens/s per GPU (seq 2048)")
-    ax_bar.set_title("per-GPU throughput (blue: anytrain 1.1B, green: mamba-1.4b, gray: HF+DDP)", fontsize=9)
-    for study, marker in (("weak", "o"), ("strong", "s")):
-        for model, layout, color in (("transformer", "fsdp", "tab:blue"), ("mamba", "fsdp", "tab:green"),
-                                     ("transformer", "hf-ddp", "tab:gray")):  # fmt: skip
-            wanted = {layout} if layout == "hf-ddp" else {layout, "single"}
-            pts = sorted((r["gpus"], r[f"{study}_efficiency"]) for r in rows if r["model"] == model
-                         and r["layout"] in wanted and study in r["studies"]
-                         and r.get(f"{study}_efficiency") is not None)  # fmt: skip
-            if len(pts) > 1:
-                name = "HF+DDP" if layout == "hf-ddp" else f"anytrain {MODEL_NAMES[model]} FSDP"
-                style = "-" if study == "weak" else "--"
-                ax_eff.plot(*zip(*pts, strict=True), marker=marker, color=color, linestyle=style,
-                            label=f"{name}, {study}")  # fmt: skip
-    ax_eff.axhline(1.0, color="black", linewidth=0.5)
-    ax_eff.set_xlabel("GPUs")
-    ax_eff.set_ylabel("scaling efficiency (per-GPU tokens/s vs 1 GPU)")
-    ax_eff.set_ylim(0.5, 1.1)
-    ax_eff.legend(fontsize=7)
-    ax_eff.set_title(f"{payload['device']}, {payload['date']}", fontsize=9)
+    rows = payload["rows"]
+    models = [m for m in MODEL_NAMES if any(r["model"] == m and "tokens_per_s_per_gpu" in r for r in rows)]
+    widths = [1.6 if m == "transformer" else 1.0 for m in models]  # the Transformer panel has more lines and labels
+    fig, axes = plt.subplots(1, len(models), figsize=(6.6 * sum(widths), 7.2), squeeze=False,
+                             gridspec_kw={"width_ratios": widths})  # fmt: skip
+    for ax, model in zip(axes[0], models, strict=True):
+        series = plot_series(rows, model)
+        labels: dict[int, list[tuple[float, str, str]]] = {}
+        for s in series:
+            xs = [r["gpus"] for r in s["rows"]]
+            ys = [r["tokens_per_s_per_gpu"] / 1e3 for r in s["rows"]]
+            ax.plot(xs, ys, linestyle=s["style"], marker=s["marker"], color=s["color"], label=s["label"],
+                    linewidth=2.2 if s["color"] == "dimgray" else 1.6, markersize=7)  # fmt: skip
+            for r in s["rows"][1:]:
+                eff = r.get(f"{s['eff']}_efficiency")
+                if eff is not None:
+                    name = s["label"].split(",")[0].replace(" (untied emb.)", "")
+                    text = f"{name} {100 * eff:.1f}% {s['eff']}"
+                    if r.get("vs_hf_ddp_batch_matched"):  # the ratio only where HF ran the same batch
+                        text += f", {r['vs_hf_ddp_same_gpus']:.2f}x HF"
+                    labels.setdefault(r["gpus"], []).append((r["tokens_per_s_per_gpu"] / 1e3, text, s["color"]))
+        top = max((r["tokens_per_s_per_gpu"] / 1e3 for s in series for r in s["rows"]), default=1.0) * 1.12
+        gap = top * 0.042
+        for gpus, items in labels.items():  # spread the labels of one GPU count so that none overlap
+            items.sort()
+            placed: list[float] = []
+            for y, _, _ in items:
+                placed.append(max(y, placed[-1] + gap) if placed else y)
+            shift = max(0.0, placed[-1] - (top - gap / 2))
+            for (y, text, color), ly in zip(items, placed, strict=True):
+                ax.annotate(text, (gpus, y), xytext=(gpus * 1.1, ly - shift), fontsize=8.5, color=color, va="center",
+                            bbox={"boxstyle": "square,pad=0.15", "fc": "white", "ec": "none", "alpha": 0.9},
+                            arrowprops={"arrowstyle": "-", "color": color, "lw": 0.6}, zorder=5)  # fmt: skip
+        counts = sorted({r["gpus"] for s in series for r in s["rows"]})
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(counts, [str(c) for c in counts])
+        ax.set_xlim(0.85, max(counts) * 2.3)
+        ax.set_ylim(0, top)
+        ax.set_xlabel("GPUs (one host, NVLink)")
+        ax.set_ylabel("tokens/s per GPU (thousands), seq 2048")
+        ax.set_title(f"anytrain {MODEL_NAMES[model]}" + (" vs HF + DDP (dashed)" if model == "transformer" else ""))
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8, loc="lower left")
+    date = payload.get("date")
+    date = ", ".join(date) if isinstance(date, list) else date
+    fig.suptitle(f"Per-GPU throughput and scaling efficiency: {payload.get('device')}, {date} "
+                 "(strong: vs 1 GPU at the same global batch; weak: vs 1 GPU at the same per-GPU batch)",
+                 fontsize=10)  # fmt: skip
     fig.tight_layout()
     png.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(png, dpi=120)
@@ -445,6 +630,20 @@ def smoke(args: argparse.Namespace) -> None:
         sys.exit(f"error: smoke rows failed: {', '.join(bad)}")
 
 
+def merge_main(args: argparse.Namespace) -> None:
+    sources = [(Path(f).name, json.loads(Path(f).read_text())) for f in args.merge]
+    payload = merge_payloads(sources, args.note)
+    print_table(payload["rows"])
+    for note in payload["notes"]:
+        print(f"note: {note}")
+    device = payload["device"] if isinstance(payload["device"], str) else "mixed"
+    slug = re.sub(r"[^a-z0-9]+", "-", device.lower()).strip("-")
+    path = Path(args.out) / f"scaling_{slug}{args.tag}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(payload, indent=1, default=str))
+    print(f"\nwrote {path}")
+
+
 def gpu_count() -> int:
     import torch
 
@@ -468,6 +667,15 @@ def main() -> None:
     parser.add_argument("--smoke", action="store_true", help="CPU check: tiny model, 1 and 2 gloo processes")
     parser.add_argument("--plot", default=None, help="only plot an existing results JSON")
     parser.add_argument("--png", default="docs/scaling.png")
+    parser.add_argument(
+        "--merge",
+        nargs="+",
+        default=None,
+        metavar="JSON",
+        help="merge results files (oldest first; a later row replaces an earlier one of the same case "
+        "unless it failed), recompute the analysis, write scaling_<device><tag>.json in --out",
+    )
+    parser.add_argument("--note", action="append", default=[], help="with --merge: a note to record in the file")
     # worker mode (internal)
     parser.add_argument("--hf-worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--global-batch", type=int, default=8, help=argparse.SUPPRESS)
@@ -484,6 +692,9 @@ def main() -> None:
         return
     if args.smoke:
         smoke(args)
+        return
+    if args.merge:
+        merge_main(args)
         return
     n_gpus = gpu_count()
     if n_gpus == 0:

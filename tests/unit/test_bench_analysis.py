@@ -40,6 +40,63 @@ def test_efficiencies_use_the_matching_one_gpu_baseline():
     assert by["t-fsdp-2-g16"]["vs_hf_ddp_same_gpus"] == pytest.approx(880 / 450)
 
 
+def test_efficiency_baselines_match_the_model_shape():
+    cases = {c.name: c for c in scaling.default_cases(4)}
+    rows = [_row(cases["t-1-g32"], 1000.0, 30.0), _row(cases["v-tiny-1"], 250000.0, 0.4),
+            _row(cases["t-fsdp-2-g32"], 950.0, 20.0), _row(cases["m-fsdp-2-g32"], 400.0, 40.0),
+            _row(cases["hf-ddp-2-g16"], 450.0, 40.0)]  # fmt: skip
+    scaling.add_efficiencies(rows)
+    by = {r["name"]: r for r in rows}
+    # v-tiny-1 is a 1-GPU "transformer" row of global batch 16 = t-fsdp-2-g32's per-GPU batch, but another model
+    assert by["t-fsdp-2-g32"]["weak_efficiency"] is None and by["t-fsdp-2-g32"]["weak_ref"] is None
+    assert by["t-fsdp-2-g32"]["strong_ref"] == "t-1-g32"
+    # HF + DDP runs the 1.1B Transformer: no ratio for Mamba; another global batch is flagged
+    assert by["m-fsdp-2-g32"]["vs_hf_ddp_same_gpus"] is None
+    assert by["t-fsdp-2-g32"]["vs_hf_ddp_ref"] == "hf-ddp-2-g16"
+    assert by["t-fsdp-2-g32"]["vs_hf_ddp_batch_matched"] is False
+
+
+def test_merge_prefers_later_rows_but_never_an_error_over_a_measurement():
+    cases = {c.name: c for c in scaling.default_cases(4)}
+    fail = lambda name: {**asdict(cases[name]), "error": "exit 1: boom"}  # noqa: E731
+    first = {
+        "device": "NVIDIA H200",
+        "gpus_on_host": 2,
+        "date": "d1",
+        "rows": [
+            _row(cases["t-1-g32"], 1000.0, 30.0) | {"strong_efficiency": 0.5, "predicted": {"x": 1}},
+            _row(cases["t-fsdp-2-g32"], 900.0, 20.0),
+            fail("hf-ddp-2-g16"),
+            fail("t-tp2-2-g32"),
+        ],
+    }
+    second = {
+        "device": "NVIDIA H200",
+        "gpus_on_host": 2,
+        "date": "d2",
+        "rows": [
+            fail("t-1-g32"),
+            _row(cases["t-fsdp-2-g32"], 950.0, 21.0),
+            _row(cases["hf-ddp-2-g16"], 450.0, 40.0),
+            {**fail("t-tp2-2-g32"), "error": "exit 2: later"},
+        ],
+    }
+    third = {"device": "NVIDIA H200", "gpus_on_host": 4, "date": "d3", "rows": [_row(cases["t-fsdp-4-g32"], 800, 18)]}
+    rows = scaling.merge_rows([("a.json", first), ("b.json", second), ("c.json", third)])
+    by = {r["name"]: r for r in rows}
+    assert by["t-1-g32"]["source"] == "a.json"  # the later failure does not replace the measurement ...
+    assert by["t-1-g32"]["other_runs"] == [{"source": "b.json", "error": "exit 1: boom"}]  # ... but is recorded
+    assert "strong_efficiency" not in by["t-1-g32"] and "predicted" not in by["t-1-g32"]  # derived: recomputed
+    assert by["t-fsdp-2-g32"]["tokens_per_s_per_gpu"] == 950.0 and by["t-fsdp-2-g32"]["source"] == "b.json"
+    assert by["t-fsdp-2-g32"]["other_runs"] == [{"source": "a.json", "tokens_per_s_per_gpu": 900.0}]
+    assert by["hf-ddp-2-g16"]["source"] == "b.json" and "error" not in by["hf-ddp-2-g16"]  # a rerun fixes a failure
+    assert by["t-tp2-2-g32"]["error"] == "exit 2: later"  # error over error: the later one
+    assert (by["t-fsdp-4-g32"]["machine"], by["t-fsdp-4-g32"]["date"]) == ("4x NVIDIA H200", "d3")
+    assert [r["name"] for r in rows] == ["t-1-g32", "t-fsdp-2-g32", "t-tp2-2-g32", "t-fsdp-4-g32", "hf-ddp-2-g16"]
+    scaling.add_efficiencies(rows)
+    assert by["t-fsdp-4-g32"]["strong_efficiency"] == pytest.approx(0.8)  # against the 1-GPU row of another file
+
+
 def test_cost_layout_maps_case_layouts():
     cases = {c.name: c for c in scaling.default_cases(4)}
     hsdp = scaling.cost_layout(asdict(cases["t-hsdp2x2-4-g32"]) | {"dp": 4})
