@@ -251,31 +251,31 @@ def mamba_inner_triton(
     return _MambaInnerFn.apply(*args, out_proj_weight, det)
 
 
-def mamba_inner_ref(
-    h: Tensor,
-    in_proj_weight: Tensor,
-    conv1d_weight: Tensor,
-    conv1d_bias: Tensor,
-    x_proj_weight: Tensor,
-    dt_proj_weight: Tensor,
-    dt_proj_bias: Tensor,
-    A_log: Tensor,
-    D: Tensor,
-    out_proj_weight: Tensor,
-) -> Tensor:
-    """The unfused composition on the PyTorch reference ops (``MambaMixer``'s computation), autograd through it."""
+def mixer_composition(h, in_proj_weight, conv1d_weight, conv1d_bias, x_proj_weight, dt_proj_weight, dt_proj_bias,
+                      A_log, D, out_proj_weight, conv_fn, scan_fn) -> Tensor:  # fmt: skip
+    """The unfused mixer (``MambaMixer``'s computation) on the given ops, autograd through it: ``conv_fn`` /
+    ``scan_fn`` with the ``causal_conv1d`` / ``selective_scan`` signatures (the public dispatching ops, or the
+    reference twins). in_proj and dt_proj are computed channel-major as mamba-ssm does, so x, z and delta reach the
+    kernels with unit stride along time."""
     batch, T, _ = h.shape
     E, R, S = in_proj_weight.shape[0] // 2, dt_proj_weight.shape[1], A_log.shape[1]
     xz = (in_proj_weight @ h.reshape(batch * T, -1).t()).view(-1, batch, T).transpose(0, 1)  # (B, 2E, T)
     x, z = xz.chunk(2, dim=1)  # (B, E, T) each
-    x = causal_conv1d_ref(x, conv1d_weight.reshape(E, -1), conv1d_bias, activation="silu")
+    x = conv_fn(x, conv1d_weight.reshape(E, -1), conv1d_bias, activation="silu")  # (B, E, T)
     dt, b, c = F.linear(x.transpose(1, 2), x_proj_weight).split([R, S, S], dim=-1)  # (B, T, R), (B, T, S) x 2
     dt = (dt_proj_weight @ dt.reshape(batch * T, R).t()).view(-1, batch, T).transpose(0, 1)  # (B, E, T)
-    A = -torch.exp(at_least_fp32(A_log))
-    y = selective_scan_ref(
-        x, dt, A, b.transpose(1, 2), c.transpose(1, 2), at_least_fp32(D), z, at_least_fp32(dt_proj_bias), True
-    )  # (B, E, T)
+    A = -torch.exp(at_least_fp32(A_log))  # (E, S), fp32 as the kernels require (fp64 in fp64 tests)
+    # out = (scan(u) + D·u) · SiLU(z); dt_proj's bias and the softplus are applied inside the scan
+    y = scan_fn(x, dt, A, b.transpose(1, 2), c.transpose(1, 2), D=at_least_fp32(D), z=z,
+                delta_bias=at_least_fp32(dt_proj_bias), delta_softplus=True)  # (B, E, T)  # fmt: skip
     return F.linear(y.transpose(1, 2), out_proj_weight)  # (B, T, D)
+
+
+def mamba_inner_ref(h, in_proj_weight, conv1d_weight, conv1d_bias, x_proj_weight, dt_proj_weight, dt_proj_bias,
+                    A_log, D, out_proj_weight) -> Tensor:  # fmt: skip
+    """The unfused composition on the PyTorch reference ops (``MambaMixer``'s computation), autograd through it."""
+    weights = (in_proj_weight, conv1d_weight, conv1d_bias, x_proj_weight, dt_proj_weight, dt_proj_bias, A_log, D)
+    return mixer_composition(h, *weights, out_proj_weight, causal_conv1d_ref, selective_scan_ref)
 
 
 def mamba_inner(

@@ -32,7 +32,7 @@ from torch import nn
 
 from anytrain.errors import ConfigError
 from anytrain.kernels import causal_conv1d, selective_scan
-from anytrain.kernels.mamba_inner import at_least_fp32, mamba_inner_triton, use_mamba_inner
+from anytrain.kernels.mamba_inner import mamba_inner_triton, mixer_composition, use_mamba_inner
 from anytrain.models.losses import lm_cross_entropy
 from anytrain.models.sampling import sample
 from anytrain.models.transformer import RMSNorm
@@ -149,34 +149,14 @@ class MambaMixer(nn.Module):
     def forward(self, h: torch.Tensor) -> torch.Tensor:
         """h (B, T, D) -> (B, T, D)."""
         if use_mamba_inner(h, self.args.d_inner):  # GPU (Triton) path: the mixer as one fused op owning the layouts
-            return mamba_inner_triton(
-                h, self.in_proj.weight, self.conv1d.weight, self.conv1d.bias, self.x_proj.weight, self.dt_proj.weight,
-                self.dt_proj.bias, self.A_log, self.D, self.out_proj.weight,
-            )  # fmt: skip
-        R, S = self.args.dt_rank, self.args.d_state
-        Bsz, T, _ = h.shape
-        # As mamba-ssm: the projections feeding the kernels are computed channel-major, W @ h^T -> (2E, B·T), and
-        # viewed as (B, 2E, T) with unit stride along T, which is what the conv and scan kernels read (no copies).
-        xz = (self.in_proj.weight @ h.reshape(Bsz * T, -1).t()).view(-1, Bsz, T).transpose(0, 1)  # (B, 2E, T)
-        x, z = xz.chunk(2, dim=1)  # (B, E, T) each
-        x = causal_conv1d(x, self.conv1d.weight.squeeze(1), self.conv1d.bias, activation="silu")  # (B, E, T)
-        x_dbl = self.x_proj(x.transpose(1, 2))  # (B, T, R + 2S)
-        dt, b, c = x_dbl.split([R, S, S], dim=-1)  # (B, T, R), (B, T, S), (B, T, S)
-        dt = (self.dt_proj.weight @ dt.reshape(Bsz * T, R).t()).view(-1, Bsz, T).transpose(0, 1)  # (B, E, T)
-        # (dt_proj's bias and the softplus are applied inside the scan)
-        A = -torch.exp(at_least_fp32(self.A_log))  # (E, S), fp32 as the kernels require (fp64 in fp64 tests)
-        y = selective_scan(
-            x,  # u (B, E, T)
-            dt,  # Δ (B, E, T)
-            A,
-            b.transpose(1, 2),  # (B, S, T)
-            c.transpose(1, 2),  # (B, S, T)
-            D=at_least_fp32(self.D),
-            z=z,  # out = (scan(u) + D·u) · SiLU(z)
-            delta_bias=at_least_fp32(self.dt_proj.bias),
-            delta_softplus=True,
-        )  # (B, E, T)
-        return self.out_proj(y.transpose(1, 2))  # (B, T, D)
+            return mamba_inner_triton(h, *self._weights())
+        # elsewhere (CPU, or the fused op switched off): the same computation on the public dispatching ops
+        return mixer_composition(h, *self._weights(), causal_conv1d, selective_scan)
+
+    def _weights(self) -> tuple[torch.Tensor, ...]:
+        """The mixer's parameters in the order of ``kernels.mamba_inner`` (weights as held, fetched at call time)."""
+        return (self.in_proj.weight, self.conv1d.weight, self.conv1d.bias, self.x_proj.weight, self.dt_proj.weight,
+                self.dt_proj.bias, self.A_log, self.D, self.out_proj.weight)  # fmt: skip
 
 
 class MambaBlock(nn.Module):
