@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import gc
 import json
 import os
 import re
@@ -46,6 +45,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+
+from bench_common import RandomBatches, release, versions  # noqa: E402
 
 from anytrain import hardware  # noqa: E402
 from anytrain.config import ModelConfig, RunConfig, plan_batches  # noqa: E402
@@ -91,18 +92,6 @@ def quick_cases() -> list[Case]:
 
 # ---------------------------------------------------------------------------------------------------------------------
 # Batches and the two stacks
-
-
-class RandomBatches:
-    """A bank of global batches of random tokens; ``rank_batch`` has the trainer's BatchSource signature."""
-
-    def __init__(self, vocab: int, global_batch: int, seq: int, seed: int = 0, bank: int = 4) -> None:
-        gen = torch.Generator().manual_seed(seed)
-        self.bank = [torch.randint(0, vocab, (global_batch, seq + 1), generator=gen) for _ in range(bank)]
-
-    def rank_batch(self, step: int, rank: int = 0, world: int = 1) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        tokens = self.bank[step % len(self.bank)]  # (G, T+1)
-        return tokens[:, :-1], tokens[:, 1:], torch.arange(tokens.shape[0])
 
 
 def run_config(case: Case, device: torch.device) -> RunConfig:
@@ -295,14 +284,6 @@ def run_case(case: Case, device: torch.device, profile: bool = False) -> dict:
     return row
 
 
-def release(device: torch.device) -> None:
-    gc.collect()
-    torch._dynamo.reset()
-    if hardware.is_gpu(device):
-        torch.cuda.empty_cache()
-    hardware.reset_peak_memory(device)
-
-
 def finish_rows(rows: list[dict], peak: float | None) -> None:
     """MFU from anytrain's flops/token; ratio of each row's tokens/s to the HF row of the same flavour."""
     for r in rows:
@@ -325,17 +306,6 @@ def print_table(rows: list[dict]) -> None:
         ratio = "" if r["ratio_vs_hf"] is None else f"{r['ratio_vs_hf']:,.0f}x"
         print(f"{r['name']:<14}{r['label'][:43]:<44}{r['seq']:>6}{r['micro']:>4}{r['global_batch']:>4}"
               f"{r['tokens_per_s']:>12,.0f}{mfu:>8}{r['peak_mem_gib']:>10.1f}{ratio:>10}")  # fmt: skip
-
-
-def versions(device: torch.device) -> dict:
-    out = hardware.summary(device)
-    for name in ("transformers", "triton"):
-        try:
-            out[name] = __import__(name).__version__
-        except ImportError:
-            out[name] = None
-    out["python"] = sys.version.split()[0]
-    return out
 
 
 def cpu_scan_rows(repeats: int = 3) -> list[dict]:

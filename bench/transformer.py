@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import gc
 import json
 import os
 import re
@@ -39,6 +38,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+
+from bench_common import RandomBatches, release, versions  # noqa: E402
 
 from anytrain import hardware  # noqa: E402
 from anytrain.config import ModelConfig, RunConfig, plan_batches  # noqa: E402
@@ -139,18 +140,6 @@ def estimate_s(case: Case) -> float:
 
 # ---------------------------------------------------------------------------------------------------------------------
 # Batches and the two stacks
-
-
-class RandomBatches:
-    """A bank of global batches of random tokens; ``rank_batch`` has the trainer's BatchSource signature."""
-
-    def __init__(self, vocab: int, global_batch: int, seq: int, seed: int = 0, bank: int = 4) -> None:
-        gen = torch.Generator().manual_seed(seed)
-        self.bank = [torch.randint(0, vocab, (global_batch, seq + 1), generator=gen) for _ in range(bank)]
-
-    def rank_batch(self, step: int, rank: int = 0, world: int = 1) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        tokens = self.bank[step % len(self.bank)]  # (G, T+1)
-        return tokens[:, :-1], tokens[:, 1:], torch.arange(tokens.shape[0])
 
 
 @contextlib.contextmanager
@@ -332,15 +321,6 @@ def run_case(case: Case, device: torch.device, args: argparse.Namespace) -> dict
     return row
 
 
-def release(device: torch.device) -> None:
-    """Free the previous row completely (its closures and reference cycles too) before the next one starts."""
-    gc.collect()
-    torch._dynamo.reset()
-    if hardware.is_gpu(device):
-        torch.cuda.empty_cache()
-    hardware.reset_peak_memory(device)
-
-
 def finish_rows(rows: list[dict], peak: float | None) -> None:
     """MFU with anytrain's flops/token of the shape; ratio of each row to the best HF row of the same shape and
     sequence length at any micro-batch (groups "<shape>-<seq>" and "<shape>-<seq>-mb<k>")."""
@@ -379,18 +359,6 @@ def print_table(rows: list[dict]) -> None:
                 print(f"  {kind:<40}{v['ms']:>9.1f} ms {100 * v['share']:>5.1f}%")
             for k in p["top"]:
                 print(f"  {k['ms']:>9.1f} ms {100 * k['share']:>5.1f}% x{k['calls']:<5} {k['kernel']}")
-
-
-def versions(device: torch.device) -> dict:
-    out = hardware.summary(device)
-    try:
-        import transformers
-
-        out["transformers"] = transformers.__version__
-    except ImportError:
-        out["transformers"] = None
-    out["python"] = sys.version.split()[0]
-    return out
 
 
 def run_case_here(case: Case, device: torch.device, args: argparse.Namespace) -> dict:
