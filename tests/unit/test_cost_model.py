@@ -1,16 +1,27 @@
-"""Closed forms of the cost model against hand-computed values (seed study formulas and anytrain's accounting)."""
+"""Closed forms of the cost model against hand-computed values (seed study formulas and anytrain's accounting), the
+activation accounting against the tensors autograd really saves on CPU, and memory against H200 allocator peaks."""
 
 import math
+import os
 
-import pytest
+os.environ.setdefault("TRITON_INTERPRET", "1")  # if this module is the first to import triton (fused Mamba mixer test)
 
-from anytrain.config import ModelConfig
-from anytrain.cost.devices import get_device
-from anytrain.cost.model import (
+from dataclasses import replace  # noqa: E402
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from anytrain.config import ModelConfig  # noqa: E402
+from anytrain.cost.devices import get_device  # noqa: E402
+from anytrain.cost.memory import ddp_splits_blocks  # noqa: E402
+from anytrain.cost.model import (  # noqa: E402
     AMP,
+    FP32,
+    FSDP_BF16,
     GIB,
     MEGATRON,
     Layout,
+    MambaShape,
     ModelShape,
     Workload,
     activation_bytes_per_token,
@@ -20,14 +31,18 @@ from anytrain.cost.model import (
     estimate,
     fit_efficiency,
     group_bandwidth,
+    head_activation_bytes_per_token,
+    loss_chunk_bytes,
+    mamba_activation_bytes_per_token,
     memory_per_device,
+    memory_phases,
     seed_comm_per_step,
     seed_compute_flops,
     seed_energy_j,
     seed_memory_per_device,
     seed_time_s,
 )
-from anytrain.models import build_model, resolve_args
+from anytrain.models import build_model, resolve_args  # noqa: E402
 
 LLAMA_1B = ModelShape(22, 2048, 32, 4, 5632, 32000)
 
@@ -68,36 +83,265 @@ def test_shape_matches_the_built_model():
 
 
 def test_activation_count_by_hand():
-    d, f = 2048, 5632
-    # compiled, fp32 residual (autocast), K/V expanded: 2·4d + 2·2d + 2·3d + 2d + 3·2f
-    assert activation_bytes_per_token(LLAMA_1B, AMP, compiled=True) == 8 * d + 4 * d + 6 * d + 2 * d + 6 * f
-    # eager: 16d (norms) + 5·2d (autocast casts) + 6d + 2d + 8f = 34d + 8f
-    assert activation_bytes_per_token(LLAMA_1B, AMP, compiled=False) == 34 * d + 8 * f
+    """Per token and block, K/V native (GQA inside SDPA), bf16 residual (anytrain's defaults)."""
+    d, kv, f, heads = 2048, 256, 5632, 32
+    small = 4 * heads + 8  # flash attention's fp32 log-sum-exp, the two norms' fp32 1/rms
+    # compiled: block input 2d + 5·2d (norm outputs, q, attention output, o-projection output) + 2·2·kv + 3·2f
+    assert activation_bytes_per_token(LLAMA_1B, AMP, compiled=True) == 12 * d + 4 * kv + 6 * f + small
+    # eager: 2·(4d + 4d) fp32 norm internals + 2·2d norm outputs + 2d (q) + 4kv + 2d (out) + 4·2f (SwiGLU)
+    assert activation_bytes_per_token(LLAMA_1B, AMP, compiled=False) == 24 * d + 4 * kv + 8 * f + small
+    # fp32 residual under autocast: compiled keeps a 4-byte block input (+2d); eager casts the fp32 norm output once
+    # per consuming matmul (5 casts instead of 2 bf16 outputs: +6d)
+    fp32_res = replace(LLAMA_1B, residual_fp32=True)
+    assert activation_bytes_per_token(fp32_res, AMP, True) - activation_bytes_per_token(LLAMA_1B, AMP, True) == 2 * d
+    assert activation_bytes_per_token(fp32_res, AMP, False) - activation_bytes_per_token(LLAMA_1B, AMP, False) == 6 * d
+    # FSDP2's bf16 parameters (no autocast) save the same activations; K/V expanded to H heads save 4·(d - kv) more
+    assert activation_bytes_per_token(LLAMA_1B, FSDP_BF16, True) == activation_bytes_per_token(LLAMA_1B, AMP, True)
+    expanded = replace(LLAMA_1B, expand_kv=True)
+    assert activation_bytes_per_token(expanded, AMP, True) - activation_bytes_per_token(LLAMA_1B, AMP, True) == (
+        4 * (d - kv)
+    )
+    # DDP's graph split: one more bf16 F-wide tensor; TP 2 (anytrain): the gathered norm outputs are not split
+    assert activation_bytes_per_token(LLAMA_1B, AMP, True, ddp_split=True) == 12 * d + 4 * kv + 8 * f + small
+    assert activation_bytes_per_token(LLAMA_1B, AMP, True, tp=2) == (8 * d + 4 * kv + 6 * f + small) / 2 + 4 * d
+    # Korthikanti et al.'s 34·h for GPT (bf16, MHA) without the two 1-byte dropout masks = 32·h (+ lse and 1/rms)
     gpt = ModelShape(96, 12288, 96, 96, 4 * 12288, 51200, mlp="gelu", expand_kv=False)
-    h = 12288  # Korthikanti's 34·h minus the two 1-byte dropout masks = 32·h (bf16 residual, flash attention)
-    assert activation_bytes_per_token(gpt, MEGATRON, compiled=True) == 32 * h
+    h = 12288
+    assert activation_bytes_per_token(gpt, MEGATRON, compiled=True) == 32 * h + 4 * 96 + 8
+    assert activation_bytes_per_token(gpt, MEGATRON, True, tp=8) == (32 * h + 4 * 96 + 8) / 8  # Megatron's SP
+
+
+def test_mamba_activation_count_by_hand():
+    """mamba-1.4b under autocast: fp32 residual, fused mixer saving h, xz, x_dbl, y and the scan state every 8 steps."""
+    shape = MambaShape.from_args(resolve_args(ModelConfig(arch="mamba", flavour="1.4b")))
+    d, e, s, r = 2048, 4096, 16, 128
+    mixer = 2 * d + 2 * (2 * e + r + 2 * s + e) + 4 * e * s / 8
+    assert mamba_activation_bytes_per_token(shape, AMP, compiled=True) == 4 * d + 4 + mixer
+    assert mamba_activation_bytes_per_token(shape, AMP, compiled=False) == 8 * d + 4 + mixer  # eager norm: 2 × 4d
+
+
+def test_loss_chunk_matches_the_kernel():
+    from anytrain.kernels.fused_linear_ce import default_chunk_rows
+
+    for tokens, vocab in ((8192, 32000), (16384, 32000), (4096, 8192), (8192, 50280), (7, 11)):
+        rows = default_chunk_rows(tokens, vocab, torch.bfloat16)
+        assert loss_chunk_bytes(tokens, vocab, 2) == rows * vocab * 2
 
 
 def test_single_device_memory_by_hand():
-    """1.1B, seq 2048, micro-batch 4, autocast over fp32 params + fp32 AdamW, no AC, compiled."""
+    """1.1B, seq 2048, micro-batch 4, 8 micro-batches: autocast over fp32 params + fp32 AdamW, compiled blocks.
+    The peak is the loss of a later micro-batch's forward (accumulated gradients alive)."""
     wl = Workload(2048, 32, compiled=True)
     mem = memory_per_device(LLAMA_1B, Layout(micro_batch=4), wl, AMP)
-    psi = LLAMA_1B.num_params
+    psi, v, d, tokens = LLAMA_1B.num_params, 32000, 2048, 4 * 2048
     assert mem["weights"] == 4 * psi and mem["grads"] == 4 * psi and mem["optimizer"] == 8 * psi
-    assert mem["compute_copy"] == 2 * (psi - LLAMA_1B.embedding_params)
-    tokens = 4 * 2048
+    assert mem["compute_copy"] == 2 * 22 * LLAMA_1B.layer_params  # the blocks' bf16 weights, saved by each graph
     assert mem["activations"] == pytest.approx(activation_bytes_per_token(LLAMA_1B, AMP, True) * tokens * 22)
-    assert mem["transient"] == 12 * 32000 * tokens
+    assert mem["head_activations"] == (8 * d + 4 + 2 * d) * tokens + 4 * v * d  # final norm, dHidden, fp32 dW
+    # the loss's chunk of bf16 logits (2 chunks of 4096 rows), the chunk's dW product and the bf16 head copy
+    assert mem["transient"] == 4096 * v * 2 + 2 * v * d + 2 * v * d
+    assert mem["workspace"] == 2 * 32 * 2**20
+    assert sum(mem.values()) / GIB == pytest.approx(29.30, rel=0.02)  # H200 allocator peak, t-1-g32
+    phases = memory_phases(LLAMA_1B, Layout(micro_batch=4), wl, AMP)
+    assert "grads" not in memory_phases(LLAMA_1B, Layout(micro_batch=4), Workload(2048, 4), AMP)["forward"]
+    assert set(phases) == {"forward", "backward", "optimizer"} and "activations" not in phases["optimizer"]
 
 
-def test_sanity_against_measured_h200_peaks():
-    """bench/results/train_check_nvidia-h200.json: 33.84 GiB (1.1B) and 14.04 GiB (125m), compiled blocks."""
-    dev = get_device("h200")
-    big = estimate(LLAMA_1B, Layout(micro_batch=4), Workload(2048, 32), dev)
-    assert big.allocated_gib == pytest.approx(33.84, rel=0.05)
-    small_shape = ModelShape.from_args(resolve_args(ModelConfig(flavour="125m")))
-    small = estimate(small_shape, Layout(micro_batch=16), Workload(1024, 64), dev)
-    assert small.allocated_gib == pytest.approx(14.04, rel=0.10)
+def test_fsdp_memory_by_hand():
+    """FSDP2 over 2 ranks, bf16 params: sharded fp32 params and AdamW, the unsharded fp32 gradients accumulated while
+    sync is off (m > 1), the root and the last block gathered after forward (+ the prefetched one in backward)."""
+    wl = Workload(2048, 32)
+    lay = Layout(dp=2, strategy="fsdp", micro_batch=4)
+    phases = memory_phases(LLAMA_1B, lay, wl, FSDP_BF16)
+    psi, layer = LLAMA_1B.num_params, LLAMA_1B.layer_params
+    root = LLAMA_1B.embedding_params + LLAMA_1B.head_params
+    fwd, bwd = phases["forward"], phases["backward"]
+    assert fwd["weights"] == 4 * psi / 2 and fwd["optimizer"] == 8 * psi / 2 and fwd["nosync_grads"] == 4 * psi
+    assert "grads" not in fwd and "compute_copy" not in fwd  # sharded grads only after the last reduce-scatter
+    assert fwd["gathered_params"] == 2 * (layer + root) and bwd["gathered_params"] == 2 * (2 * layer + root)
+    assert phases["optimizer"]["grads"] == 4 * psi / 2
+    noreshard = memory_phases(LLAMA_1B, replace(lay, reshard_after_forward=False), wl, FSDP_BF16)["forward"]
+    assert noreshard["gathered_params"] == 2 * (22 * layer + root)
+    one_micro_batch = memory_phases(LLAMA_1B, lay, Workload(2048, 8), FSDP_BF16)["forward"]
+    assert "nosync_grads" not in one_micro_batch and "grads" not in one_micro_batch
+
+
+def test_ddp_buckets_split_graphs_and_zero1_buffers():
+    wl = Workload(2048, 32)
+    single = memory_per_device(LLAMA_1B, Layout(micro_batch=4), wl, AMP)
+    ddp = memory_per_device(LLAMA_1B, Layout(dp=2, micro_batch=4), wl, AMP)
+    psi, tokens = LLAMA_1B.num_params, 4 * 2048
+    assert ddp["ddp_buckets"] == 4 * psi
+    # compiled blocks inside DDP are split at its 25 MiB buckets: the 46 MB down projection sits alone, +2·F per token
+    assert ddp["activations"] - single["activations"] / 2 * 2 == pytest.approx(2 * 5632 * tokens * 22)
+    small = ModelShape.from_args(resolve_args(ModelConfig(flavour="125m")))  # 6 MB down projection: no split
+    assert not ddp_splits_blocks(small, Layout(dp=2, micro_batch=4), wl, AMP)
+    assert not ddp_splits_blocks(LLAMA_1B, Layout(dp=2, micro_batch=4), Workload(2048, 32, compiled=False), AMP)
+    z1 = memory_phases(LLAMA_1B, Layout(dp=2, strategy="zero1", micro_batch=4), wl, AMP)
+    assert z1["forward"]["optimizer"] == 8 * psi / 2 and z1["forward"]["ddp_buckets"] == 4 * psi
+    assert z1["optimizer"]["zero1_gather"] == 4 * psi * (1 + 1 / 2)  # own segment + the gathered flat buffer
+
+
+def test_pipeline_stage_holds_weight_copies_per_micro_batch_in_flight():
+    wl = Workload(2048, 32)
+    mem = memory_per_device(LLAMA_1B, Layout(pp=4, micro_batch=4), wl, AMP)  # first stage: 6 of 22 layers, 4 in flight
+    assert mem["compute_copy"] == 2 * 6 * LLAMA_1B.layer_params * 4
+    assert mem["activations"] == pytest.approx(activation_bytes_per_token(LLAMA_1B, AMP, True) * 4 * 2048 * 6 * 4)
+    eager = memory_per_device(LLAMA_1B, Layout(pp=4, micro_batch=4), Workload(2048, 32, compiled=False), AMP)
+    assert eager["compute_copy"] == 2 * 6 * LLAMA_1B.layer_params  # one autocast cache around the schedule
+
+
+def test_tensor_parallel_keeps_the_lm_head_whole():
+    wl = Workload(2048, 32)
+    tp = memory_per_device(LLAMA_1B, Layout(tp=2, micro_batch=4), wl, AMP)
+    psi_tp2 = 22 * LLAMA_1B.layer_params / 2 + LLAMA_1B.embedding_params / 2 + LLAMA_1B.head_params
+    assert tp["weights"] == pytest.approx(4 * psi_tp2)
+    assert tp["head_activations"] == ((8 * 2048 + 4) / 2 + 2 * 2048) * 4 * 2048 + 4 * 32000 * 2048
+
+
+@pytest.mark.parametrize(
+    "name, shape_args, layout, batch, seq, compiled, prec, measured",
+    [  # bench/results/scaling_nvidia-h200_*.json (torch 2.11, 2026-11-22): allocator peaks of rank 0; mb16 and
+        # fp32-residual: transformer_nvidia-h200_in_process.json; mamba-compiled: mamba_train_nvidia-h200.json
+        ("t-1-g32", ("transformer", "1.1b"), Layout(micro_batch=4), 32, 2048, True, AMP, 29.30),
+        ("v-tiny-1", ("transformer", "tiny"), Layout(micro_batch=16), 16, 256, False, AMP, 0.436),
+        ("v-125m-1", ("transformer", "125m"), Layout(micro_batch=16), 64, 1024, True, AMP, 7.54),
+        ("t-fsdp-2-g32", ("transformer", "1.1b"), Layout(dp=2, strategy="fsdp", micro_batch=4), 32, 2048, True,
+         FSDP_BF16, 21.64),
+        ("t-ddp-2-g32", ("transformer", "1.1b"), Layout(dp=2, micro_batch=4), 32, 2048, True, AMP, 35.28),
+        ("t-zero2-2-g32", ("transformer", "1.1b"), Layout(dp=2, strategy="fsdp", micro_batch=4,
+                                                          reshard_after_forward=False), 32, 2048, True, FSDP_BF16,
+         23.36),
+        ("t-pp4-4-g32", ("transformer", "1.1b"), Layout(pp=4, micro_batch=4), 32, 2048, True, AMP, 18.33),
+        ("mb16", ("transformer", "1.1b"), Layout(micro_batch=16), 32, 2048, True, AMP, 59.83),
+        ("fp32-residual", ("transformer", "1.1b", True), Layout(micro_batch=8), 32, 2048, True, AMP, 40.97),
+        ("m-1-g32", ("mamba", "1.4b"), Layout(micro_batch=4), 32, 2048, False, AMP, 50.36),
+        ("mamba-compiled", ("mamba", "1.4b"), Layout(micro_batch=4), 8, 2048, True, AMP, 47.36),
+        ("m-fsdp-2-g32", ("mamba", "1.4b"), Layout(dp=2, strategy="fsdp", micro_batch=4), 32, 2048, False,
+         FSDP_BF16, 42.87),
+    ],
+)  # fmt: skip
+def test_against_measured_h200_peaks(name, shape_args, layout, batch, seq, compiled, prec, measured):
+    from anytrain.config import RunConfig
+    from anytrain.cost.cli import shape_from_config
+
+    arch, flavour, *residual_fp32 = shape_args
+    args = {"residual_in_fp32": True} if residual_fp32 else {}
+    shape = shape_from_config(RunConfig(model=ModelConfig(arch=arch, flavour=flavour, args=args)))
+    mem = memory_per_device(shape, layout, Workload(seq, batch, compiled=compiled), prec)
+    assert sum(mem.values()) / GIB == pytest.approx(measured, rel=0.05), name
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# The accounting against the tensors the code really saves (CPU: eager, torch.compile, the fused Mamba mixer)
+
+
+def _saved_bytes(fn, exclude) -> int:
+    """Bytes of the distinct storages autograd saves while ``fn`` runs, storages of ``exclude`` not counted."""
+    skip = {t.untyped_storage().data_ptr() for t in exclude}
+    seen: dict[int, int] = {}
+
+    def pack(t):
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in skip:
+            seen[storage.data_ptr()] = storage.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        fn()
+    return sum(seen.values())
+
+
+TINY_ARGS = dict(vocab_size=96, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=160, max_seq_len=32)
+
+
+@pytest.mark.parametrize(
+    "mode, residual_fp32, compiled",
+    [("amp", False, False), ("amp", True, False), ("bf16", False, False), ("fp32", False, False),
+     pytest.param("amp", False, True, marks=pytest.mark.slow)],
+)  # fmt: skip
+def test_saved_tensors_match_the_formula(mode, residual_fp32, compiled):
+    """A 2-block Transformer on CPU: autocast over fp32 params ('amp'), bf16 params without autocast (FSDP2's
+    'bf16') or plain fp32; the bytes autograd saves = L·N·A + N·(head) + 4·V·d (the loss's fp32 dW) + the blocks'
+    bf16 weight copies (autocast) + the token ids (8·N, the embedding's backward)."""
+    from anytrain.models.transformer import Transformer, TransformerArgs
+
+    torch.manual_seed(0)
+    model = Transformer(TransformerArgs(**TINY_ARGS, residual_in_fp32=residual_fp32))
+    if mode == "bf16":
+        model = model.to(torch.bfloat16)
+    if compiled:
+        for block in model.blocks():
+            block.compile()
+    tokens = torch.randint(0, 96, (2, 32))
+
+    def step():
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=mode == "amp"):
+            return model(tokens, tokens)
+
+    if compiled:
+        step().backward()  # compile outside the measurement
+    saved = _saved_bytes(step, [*model.parameters(), *model.buffers()])
+    prec = {"amp": AMP, "bf16": FSDP_BF16, "fp32": FP32}[mode]
+    shape = ModelShape.from_args(model.args)
+    n, d, v = 64, 64, 96
+    layer = activation_bytes_per_token(shape, prec, compiled)
+    copies = 2 * 2 * shape.layer_params - 2 * 2 * 2 * d if mode == "amp" else 0  # bf16 matmul weights (not norms)
+    if mode == "bf16":  # each of the 5 RMSNorms saves the fp32 upcast of its bf16 weight (4·d, negligible)
+        copies = 5 * 4 * d
+    expected = 2 * n * layer + n * head_activation_bytes_per_token(shape, prec) + 4 * v * d + copies + 8 * n
+    assert saved == expected
+
+
+def test_saved_tensors_of_the_fused_mamba_mixer():
+    """The fused mixer op (Triton interpreter on CPU) saves exactly what mamba_activation_bytes_per_token counts."""
+    triton = pytest.importorskip("triton")
+    del triton
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("triton was imported before TRITON_INTERPRET=1 could be set")
+    from anytrain.kernels import mamba_inner
+    from anytrain.models.mamba import MambaArgs, MambaMixer
+
+    args = MambaArgs(d_model=32, d_state=8, d_conv=4, expand=2, dt_rank=4, vocab_size=100)
+    torch.manual_seed(0)
+    mixer = MambaMixer(args)
+    mixer.reset_parameters()
+    weights = [mixer.in_proj.weight, mixer.conv1d.weight, mixer.conv1d.bias, mixer.x_proj.weight,
+               mixer.dt_proj.weight, mixer.dt_proj.bias, mixer.A_log, mixer.D, mixer.out_proj.weight]  # fmt: skip
+    h = torch.randn(2, 24, 32, dtype=torch.bfloat16, requires_grad=True)
+    saved = _saved_bytes(lambda: mamba_inner._MambaInnerFn.apply(h, *weights, False), [*weights, h])
+    shape = MambaShape(1, 32, 64, 8, 4, 4, 100)
+    per_token = mamba_activation_bytes_per_token(shape, AMP, compiled=True) - (4 * 32 + 4) - 2 * 32  # mixer less h
+    assert saved == 2 * 24 * per_token
+
+
+def test_eager_ops_per_block():
+    """The host's work per eager block: ATen ops (views excluded) one block adds to forward + backward."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from anytrain.models.transformer import Transformer, TransformerArgs
+
+    views = {"view", "_unsafe_view", "t", "transpose", "expand", "unsqueeze", "squeeze", "permute", "slice", "select",
+             "split", "split_with_sizes", "unbind", "as_strided", "alias", "detach", "reshape", "unflatten",
+             "flatten", "_reshape_alias", "chunk"}  # fmt: skip
+
+    class Count(TorchDispatchMode):
+        n = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.n += func.overloadpacket.__name__ not in views
+            return func(*args, **(kwargs or {}))
+
+    def ops(layers: int) -> int:
+        model = Transformer(TransformerArgs(**{**TINY_ARGS, "n_layers": layers}))
+        tokens = torch.randint(0, 96, (2, 32))
+        with Count() as count:
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                loss = model(tokens, tokens)
+            loss.backward()
+        return count.n
+
+    assert (ops(4) - ops(2)) / 2 == ModelShape.from_args(resolve_args(ModelConfig(flavour="tiny"))).eager_ops_per_block
 
 
 def test_sharding_divides_states():
@@ -116,8 +360,11 @@ def test_sharding_divides_states():
 
 def test_full_ac_keeps_block_inputs_only():
     wl = Workload(2048, 4)
-    mem = memory_per_device(LLAMA_1B, Layout(micro_batch=4, ac="full"), wl, AMP)
-    assert mem["activations"] == 4 * 2048 * 4 * 2048 * 22  # r·d·b·s per layer
+    phases = memory_phases(LLAMA_1B, Layout(micro_batch=4, ac="full"), wl, AMP)
+    assert phases["forward"]["activations"] == 2 * 2048 * 4 * 2048 * 22  # r·d·b·s per layer (bf16 residual)
+    assert "compute_copy" not in phases["forward"]  # checkpointed blocks keep no weight copies
+    recomputed = activation_bytes_per_token(LLAMA_1B, AMP, True) * 4 * 2048 + 2 * LLAMA_1B.layer_params
+    assert phases["backward"]["transient"] == pytest.approx(max(recomputed, 4 * 32000 * 2048 + 2 * 32000 * 2048))
 
 
 def test_pipeline_bubble_and_in_flight():
@@ -157,35 +404,68 @@ def test_step_time_and_energy():
     dev = get_device("h100", efficiency=0.5)
     est = estimate(LLAMA_1B, Layout(micro_batch=4), Workload(2048, 4, tokens=8192 * 100), dev)
     flops = LLAMA_1B.flops_per_token(2048) * 8192
-    # GEMMs at the efficiency plus the memory-bound part: per token 22 blocks x 3 x (4+2 + 4 + 4*256 ... ) bytes
-    d, kv, f = 2048, 256, 5632
-    per_token = 22 * 3 * ((4 + 2) * d + 4 * d + 4 * kv + 10 * d + (4 + 2) * d + 6 * f + 10 * d) + 16 * 32000
+    # memory-bound part, per token: 22 blocks x 3 x elementwise forward (r = 2) + the fused loss's row kernel 3·2·V
+    # + the GEMM operands 3·2·(K+N) per linear and the head's 3·2·(d+V); per micro-batch the GEMM weights 3·2·K·N and
+    # autocast's casts 16 B per parameter; clipping + AdamW 80 B per parameter
+    d, kv, f, v = 2048, 256, 5632, 32000
+    elementwise = 22 * 3 * (4 * d + 4 * d + 4 * kv + 6 * d + 4 * d + 6 * f + 6 * d) + 6 * v
+    linears = [(d, d), (d, kv), (d, kv), (d, d), (d, f), (d, f), (f, d)]
+    gemm = 22 * sum(6 * (k + n) for k, n in linears) + 6 * (d + v)
+    weights = 6 * (22 * sum(k * n for k, n in linears) + v * d)
     params = 22 * LLAMA_1B.layer_params + LLAMA_1B.head_params
-    elementwise = (8192 * per_token + 16 * params) / (3.35e12 * 0.85)
-    assert est.elementwise_s == pytest.approx(elementwise)
-    assert est.compute_s == pytest.approx(flops / (989e12 * 0.5) + elementwise)
+    hbm = 3.35e12 * 0.85
+    optimizer = LLAMA_1B.num_params * 80 / hbm
+    memory_bound = (8192 * (elementwise + gemm) + weights + 16 * params) / hbm + optimizer
+    assert est.optimizer_s == pytest.approx(optimizer)
+    assert est.elementwise_s == pytest.approx(memory_bound)
+    assert est.compute_s == pytest.approx(flops / (989e12 * 0.5) + memory_bound)
     assert est.step_s == pytest.approx(est.compute_s) and est.mfu < 0.5
     assert fit_efficiency(est, est.step_s) == pytest.approx(0.5)  # refitting on its own prediction is a fixed point
     assert est.steps == 100
     assert est.energy_j == pytest.approx(100 * est.step_s * dev.tdp_watts * dev.power_fraction)
     assert est.tflops_per_watt == pytest.approx(989 * est.mfu / dev.avg_watts)
     assert math.isclose(est.allocated_gib, sum(est.memory.values()) / GIB)
+    assert est.memory_phase == "forward"
 
 
 def test_host_floor_binds_small_models_only():
+    from anytrain.cost.model import HEAD_EAGER_OPS, fit_host_op_us
+
     h200 = get_device("h200")
     tiny = ModelShape(4, 256, 4, 4, 688, 8192)
     one = Layout(dp=1, micro_batch=16)
     est_tiny = estimate(tiny, one, Workload(256, 16, compiled=False), h200)
-    # eager: 1 micro-batch x 4 blocks x 2300 us + 2000 us per step, far above the GPU's ~0.1 ms of arithmetic
-    assert est_tiny.host_s == pytest.approx((4 * 2300 + 2000) * 1e-6)
+    # eager: 1 micro-batch x (4 blocks x 139 ops + 55 ops outside the blocks) x host_op_us + 2000 us per step
+    op = h200.host_op_us
+    assert est_tiny.host_s == pytest.approx((4 * 139 * op + HEAD_EAGER_OPS * op + 2000) * 1e-6)
     assert est_tiny.step_s == pytest.approx(est_tiny.host_s) and est_tiny.notes
+    assert fit_host_op_us(est_tiny, est_tiny.step_s) == pytest.approx(op)  # a fixed point, like fit_efficiency
+    assert fit_host_op_us(est_tiny, 2 * est_tiny.step_s) > 2 * op
     # compiled blocks cost less host time; accumulation multiplies it
     four = estimate(tiny, Layout(dp=1, micro_batch=4), Workload(256, 16, compiled=True), h200)
-    assert four.host_s == pytest.approx((4 * 4 * 450 + 2000) * 1e-6)
+    assert four.host_s == pytest.approx((4 * (4 * 450 + HEAD_EAGER_OPS * op) + 2000) * 1e-6)
     # the 1.1B model is compute-bound: the floor does not change its step time
     big = estimate(LLAMA_1B, Layout(dp=1, micro_batch=4), Workload(2048, 32), h200)
     assert big.host_s < big.compute_s and big.step_s == pytest.approx(big.compute_s) and not big.notes
+
+
+def test_small_width_gemms_pay_more_operand_traffic():
+    """The additive roofline: per FLOP, a 768-wide model moves ~2.6x the GEMM operand bytes of a 2048-wide one."""
+    from anytrain.cost.model import gemm_bytes_per_token
+
+    small = ModelShape.from_args(resolve_args(ModelConfig(flavour="125m")))
+    ratio = [gemm_bytes_per_token(s, AMP) / s.flops_per_token(0) for s in (small, LLAMA_1B)]
+    assert 2.0 < ratio[0] / ratio[1] < 3.0
+
+
+def test_tp_repeats_the_unsplit_head_on_every_rank():
+    h200 = get_device("h200")
+    wl = Workload(2048, 32)
+    one = estimate(LLAMA_1B, Layout(micro_batch=4), wl, h200)
+    tp2 = estimate(LLAMA_1B, Layout(tp=2, micro_batch=4), wl, h200)
+    head = 6 * 32000 * 2048 * 32 * 2048 / 2 / (989e12 * h200.efficiency)  # half the step's tokens' head FLOPs
+    gemm = [e.compute_s - e.elementwise_s for e in (one, tp2)]
+    assert gemm[1] == pytest.approx(gemm[0] / 2 + head)
 
 
 @pytest.mark.parametrize("flavour", ["tiny-mamba", "130m", "1.4b"])

@@ -164,3 +164,14 @@ def test_parallel_auto_in_the_trainer_keeps_cpu_choices_and_runs(tmp_path, small
                    "--data.seq_len", "32", "--train.steps", "2", "--train.eval_batches", "0", "--parallel.auto",
                    "true", "--run-dir", str(tmp_path / "auto"))  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-2000:]
+
+
+def test_plan_command_defaults_to_layouts_the_trainer_runs():
+    """Without --strategy the table holds only what `anytrain train` can run (ZeRO-2 appears as fsdp-noreshard);
+    the analytical zero2 (replicated parameters) comes only when asked for."""
+    base = ["--model", "configs/1.1b.yaml", "--gpu", "h200", "--gpus", "2", "--json"]
+    default = json.loads(CliRunner().invoke(_app(), base).output)
+    strategies = {row["strategy"] for row in default["ranked"]}
+    assert "zero2" not in strategies and {"ddp", "zero1", "fsdp"} <= strategies
+    asked = json.loads(CliRunner().invoke(_app(), [*base, "--strategy", "zero2"]).output)
+    assert {row["strategy"] for row in asked["ranked"]} == {"zero2"}

@@ -1,8 +1,11 @@
 """Cost model and planner: predict memory, communication, time and energy of a training run before it starts.
 
-``model`` holds the arithmetic (closed forms in each docstring and in docs/cost-model.md), ``devices`` the device
-and system figures (hardware.DEVICE_CATALOGUE plus efficiency, power and node data), ``planner`` the layout search,
-``cli`` the ``anytrain plan`` command and ``report`` the projection tables.
+``shapes`` holds the inputs (model shape, precision preset, layout, workload), ``memory`` the per-device memory
+accounting (validated against H200 allocator peaks and the tensors autograd saves), ``model`` the communication,
+time and energy arithmetic and ``estimate`` (re-exporting the other two; closed forms in each docstring and in
+docs/cost-model.md), ``devices`` the device and system figures (hardware.DEVICE_CATALOGUE plus efficiency, power,
+host and node data), ``planner`` the layout search, ``cli`` the ``anytrain plan`` command and ``report`` the
+projection tables.
 """
 
 from anytrain.cost.devices import DEVICES, SYSTEMS, Device, get_device
@@ -18,6 +21,7 @@ from anytrain.cost.model import (
     Workload,
     estimate,
     memory_per_device,
+    memory_phases,
 )
 from anytrain.cost.planner import NoFeasiblePlan, PlanResult, choose_layout, plan
 
@@ -40,5 +44,6 @@ __all__ = [
     "estimate",
     "get_device",
     "memory_per_device",
+    "memory_phases",
     "plan",
 ]

@@ -15,7 +15,7 @@ import typer
 
 from anytrain.cost.devices import get_device, load_efficiency_table
 from anytrain.cost.model import PRECISIONS, STRATEGIES, MambaShape, ModelShape, Workload
-from anytrain.cost.planner import PlanResult, plan
+from anytrain.cost.planner import RUNNABLE_STRATEGIES, PlanResult, plan
 from anytrain.errors import ConfigError
 
 # Published shapes for bare parameter counts: (layers, hidden, heads, mlp, ffn, vocab).
@@ -177,7 +177,9 @@ def plan_command(
     tp: int = typer.Option(None, "--tp", help="Fix the tensor-parallel degree."),
     pp: int = typer.Option(None, "--pp", help="Fix the pipeline-parallel degree."),
     micro_batch: int = typer.Option(None, "--micro-batch", help="Fix the micro-batch."),
-    strategy: list[str] = typer.Option(None, "--strategy", help=f"Allowed data-parallel strategies: {STRATEGIES}."),
+    strategy: list[str] = typer.Option(
+        None, "--strategy", help=f"Allowed data-parallel strategies, of {STRATEGIES} (default: those anytrain runs)."
+    ),
     precision: str = typer.Option(None, "--precision", help=f"Precision accounting: {', '.join(PRECISIONS)}."),
     compiled: bool = typer.Option(True, "--compiled/--eager", help="Activation accounting of compiled blocks."),
     efficiency: float = typer.Option(None, "--efficiency", help="Achieved fraction of peak (overrides the table)."),
@@ -207,7 +209,7 @@ def plan_command(
         gpus,
         wl,
         PRECISIONS.get(precision) if precision else None,
-        strategies=tuple(strategy) if strategy else STRATEGIES,
+        strategies=tuple(strategy) if strategy else RUNNABLE_STRATEGIES,
         tp=tp,
         pp=pp,
         micro_batch=micro_batch,

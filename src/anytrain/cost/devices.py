@@ -8,11 +8,16 @@ field can be overridden (``get_device("h100", efficiency=0.5)``, ``--efficiency-
 
 MI250/MI250X per *card* (two GCDs as one planning device) come from ``hardware.CARD_CATALOGUE``.
 
-Host floor: small models are bound by the host launching kernels, not by the GPU's arithmetic. ``host_layer_us``
-(eager) / ``host_layer_us_compiled`` are the host time per transformer block per micro-batch (forward + backward
-dispatch) and ``host_step_us`` the fixed per-step part (optimizer, clipping, step agreement). Defaults fitted on
-session 1's tiny run on one H200 (6 blocks, eager, one micro-batch: 16 ms per step) and an assumed 5x cheaper
-compiled block (a handful of graph launches instead of ~100 eager ops); see docs/cost-model.md.
+Host floor: small models are bound by the host launching kernels, not by the GPU's arithmetic. An eager block costs
+the host ``shape.eager_ops_per_block`` × ``host_op_us`` per micro-batch (forward + backward dispatch; 139 ATen ops
+per Llama block, counted on CPU), a compiled block ``host_layer_us_compiled``; ``host_step_us`` is the fixed
+per-step part (optimizer, clipping, step agreement). ``host_op_us`` was fitted on the tiny run on one H200 (eager,
+4 blocks, one micro-batch: 16.3 ms per step, host-bound); the compiled figure and the per-step part are assumptions
+that no measured run is bound by (see docs/cost-model.md).
+
+Allocator-visible framework memory: ``blas_workspace_mib``, one cuBLAS/hipBLAS workspace per (thread, stream) —
+PyTorch's defaults: 32 MiB on Hopper (sm90) and later, 8.125 MiB (:4096:2:16:8) before, 32 MiB on ROCm (128 MiB on
+MI300X, gfx942); the training step holds two (the forward thread and autograd's backward thread).
 """
 
 from __future__ import annotations
@@ -44,11 +49,16 @@ class Device:
     power_fraction: float = 0.80  # average board power while training / TDP
     intra_latency_us: float = 5.0
     inter_latency_us: float = 15.0
-    host_layer_us: float = 2300.0  # host dispatch per block per micro-batch, eager forward + backward
-    host_layer_us_compiled: float = 450.0  # the same with per-block torch.compile
-    host_step_us: float = 2000.0  # per optimizer step: optimizer, clipping, the guard's all-reduce
-    scan_ns: float = 0.14  # Mamba selective scan fwd+bwd per (token, inner channel) at S=16 (bench/mamba_kernels.py)
+    host_op_us: float = 23.5  # host cost of one eager ATen op (dispatch + autocast + autograd); fitted, H200 host
+    host_layer_us: float = 0.0  # eager host time per block per micro-batch; 0 = eager_ops_per_block × host_op_us
+    host_layer_us_compiled: float = 450.0  # host time per compiled block per micro-batch (assumed)
+    host_step_us: float = 2000.0  # per optimizer step: optimizer, clipping, the guard's all-reduce (assumed)
+    scan_ns: float = 0.079  # Mamba scan fwd+bwd per (token, inner channel), S=16: H200 kernel profile (253.8 ms
+    # for 16384 tokens x 48 layers x 4096 channels, bench/results/mamba_train_nvidia-h200.json)
     hbm_efficiency: float = 0.85  # achieved fraction of HBM bandwidth by fused elementwise kernels (H200 copy: 87%)
+    optimizer_bytes_per_param: float = 80.0  # clipping + fused AdamW, in HBM-equivalent bytes per parameter
+    # (H200 kernel profile: 18.4 ms AdamW + 3.7 ms clipping for 1.1B parameters)
+    blas_workspace_mib: float = 32.0  # one cuBLAS/hipBLAS workspace, held per (thread, stream)
 
     @property
     def peak_flops(self) -> float:
@@ -57,6 +67,11 @@ class Device:
     @property
     def avg_watts(self) -> float:
         return self.tdp_watts * self.power_fraction
+
+    @property
+    def vendor(self) -> str:
+        """'rocm' for AMD Instinct devices, else 'cuda'."""
+        return "rocm" if self.key.startswith("mi") or self.name.upper().startswith(("MI", "AMD")) else "cuda"
 
     def replace(self, **changes: float | int | str) -> Device:
         known = {f.name for f in dataclasses.fields(self)}
@@ -74,19 +89,21 @@ def _from_hw(key: str, catalogue_key: str, **extra: float | int) -> Device:
     return Device(key=key, **fields, **extra)
 
 
-# Achieved-efficiency defaults (fraction of dense bf16 peak on the GEMM/attention part; the memory-bound elementwise
-# part is modelled separately at hbm_efficiency): H200 0.60 fitted on anytrain's 1.1B run on one H200 (69k tok/s =
-# 51% MFU overall), H100 a little lower (same chip, less bandwidth); Megatron-Core reports 41-49% MFU at scale;
-# A100 ~50% (Megatron); MI250X 0.38 from ORNL Frontier (22B: 38.4% of 191.5 TFLOP/s; 175B: 36.1%, 1T: 32.0%
-# including communication); MI300X conservative. Refit with bench/cost_model_validation.py on a GPU.
+# Achieved-efficiency defaults (fraction of dense bf16 peak on the GEMM/attention arithmetic; the memory-bound part —
+# elementwise kernels, GEMM operand traffic, casts, the optimizer — is modelled separately at hbm_efficiency): H200
+# 0.70 fitted on anytrain's 1.1B run on one H200 (70k tok/s = 52% MFU overall; bench/cost_model_validation.py,
+# docs/cost-model.md), H100 5% lower as before (same chip, less bandwidth; not measured); Megatron-Core reports 41-49%
+# MFU at scale; A100 ~50% (Megatron); MI250X 0.38 from ORNL Frontier (22B: 38.4% of 191.5 TFLOP/s; 175B: 36.1%, 1T:
+# 32.0% including communication); MI300X conservative. These other devices' figures come from published MFU and have
+# not been refit with the present memory-bound accounting. Refit with bench/cost_model_validation.py on a GPU.
 DEVICES: dict[str, Device] = {
-    "h200": _from_hw("h200", "H200", efficiency=0.60),
-    "h100": _from_hw("h100", "H100", efficiency=0.57),
+    "h200": _from_hw("h200", "H200", efficiency=0.70),
+    "h100": _from_hw("h100", "H100", efficiency=0.66),
     "h100-pcie": _from_hw("h100-pcie", "H100 PCIe", efficiency=0.40, gpus_per_node=4),
-    "a100-40": _from_hw("a100-40", "A100-SXM4-40GB", efficiency=0.50),
-    "a100-80": _from_hw("a100-80", "A100", efficiency=0.50),
-    "v100": _from_hw("v100", "V100", efficiency=0.40),  # fp16 peak: V100 has no bf16
-    "mi300x": _from_hw("mi300x", "MI300X", efficiency=0.35),
+    "a100-40": _from_hw("a100-40", "A100-SXM4-40GB", efficiency=0.50, blas_workspace_mib=8.125),
+    "a100-80": _from_hw("a100-80", "A100", efficiency=0.50, blas_workspace_mib=8.125),
+    "v100": _from_hw("v100", "V100", efficiency=0.40, blas_workspace_mib=8.125),  # fp16 peak: V100 has no bf16
+    "mi300x": _from_hw("mi300x", "MI300X", efficiency=0.35, blas_workspace_mib=128.0),
     "mi250x": _from_hw("mi250x", "MI250X", efficiency=0.38),
     "mi250": _from_hw("mi250", "MI250", efficiency=0.38),
     "mi250x-card": _from_hw("mi250x-card", "MI250X card", gpus_per_node=4, efficiency=0.38),

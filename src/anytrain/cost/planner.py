@@ -17,7 +17,13 @@ from anytrain.cost.model import STRATEGIES, Estimate, Layout, ModelShape, Precis
 from anytrain.errors import ConfigError
 
 # What anytrain's trainer can run today (no TP/PP yet): used by choose_layout.
-TRAINER_STRATEGIES = ("ddp", "fsdp")
+TRAINER_STRATEGIES = ("ddp", "zero1", "fsdp")
+"""What ``parallel.auto`` chooses from on one node: the trainer's strategies (fsdp includes its no-reshard-after-forward
+form, the trainer's ZeRO-2)."""
+RUNNABLE_STRATEGIES = (*TRAINER_STRATEGIES, "hsdp")
+"""``anytrain plan``'s default: the layouts the trainer can run. ``zero2`` (parameters replicated, gradients and
+optimizer state sharded: the seed study's accounting) is available with ``--strategy zero2``; anytrain runs ZeRO-2 as
+fsdp with ``parallel.reshard_after_forward: false`` (listed as fsdp-noreshard)."""
 
 
 class NoFeasiblePlan(ConfigError):

@@ -1,0 +1,242 @@
+"""Peak memory per device: what each tensor the training step holds costs, and when the allocator peaks.
+
+Every count below was checked against the tensors the code really saves (``torch.autograd.graph.saved_tensors_hooks``
+on CPU, eager and torch.compile, in tests/unit/test_cost_model.py) and against H200 allocator peaks
+(docs/cost-model.md, "Validation against H200 measurements"). Notation: a activation bytes, r residual bytes, d width,
+d_kv K/V width seen by attention, F FFN width, H heads, V vocabulary, N tokens of a micro-batch, t/p/z tensor-,
+pipeline-parallel and ZeRO shard-group sizes. The peak is the largest of three moments of a step:
+
+- ``forward``: the end of a micro-batch's forward, in the loss (every activation saved, the loss's chunk of logits);
+- ``backward``: the start of its backward (the loss's weight-gradient temporaries; FSDP's prefetched block; under
+  activation checkpointing, one recomputed block);
+- ``optimizer``: the optimizer step (activations freed, full gradients, the ZeRO-1 all-gather buffers).
+
+With gradient accumulation (m > 1) every micro-batch after the first runs its forward with the accumulated gradients
+alive; with m = 1 the trainer's ``zero_grad(set_to_none=True)`` means the forward runs without gradients.
+"""
+
+from __future__ import annotations
+
+import math
+
+from anytrain.cost.shapes import MIB, Layout, MambaShape, ModelShape, Precision, Workload
+
+LOGITS_CHUNK_BYTES = 256 * MIB  # anytrain.kernels.fused_linear_ce.LOGITS_CHUNK_BYTES
+BLAS_WORKSPACES = 2  # cuBLAS/hipBLAS workspaces: one per (thread, stream): the forward thread and autograd's thread
+AC_POLICIES = {"none": 0.0, "selective": 0.5, "full": 1.0}
+
+
+def ac_fraction(policy: str) -> float:
+    """Share of blocks under activation checkpointing: none 0, selective 1/2 (every other block), full 1."""
+    return AC_POLICIES[policy]
+
+
+def residual_bytes(shape: ModelShape | MambaShape, prec: Precision) -> int:
+    """Bytes of the residual stream. Transformer: 4 when ``residual_fp32`` meets autocast, else the activation dtype
+    (anytrain casts the embedding output to the autocast dtype). Mamba: its residual add is fp32 when
+    ``residual_fp32`` and under autocast (the fp32 embedding output starts it) — else the activation dtype."""
+    if isinstance(shape, MambaShape):
+        return 4 if shape.residual_fp32 or prec.autocast else prec.act
+    return 4 if shape.residual_fp32 and prec.autocast else prec.residual
+
+
+def kv_width(shape: ModelShape) -> int:
+    """K/V width that attention saves: d when K/V heads are expanded to H heads, d_kv with native GQA."""
+    return shape.dim if shape.expand_kv else shape.kv_dim
+
+
+def activation_bytes_per_token(
+    shape: ModelShape | MambaShape, prec: Precision, compiled: bool, tp: int = 1, ddp_split: bool = False
+) -> float:
+    """Bytes one block saves for backward per token of its micro-batch, on one of ``tp`` tensor-parallel ranks.
+
+    Transformer, compiled block (the AOT partitioner recomputes norms, RoPE and residual adds from what it saves):
+        r·d (block input) + 5·a·d (the two norm outputs, q, the attention output, the o-projection output from
+        which the mid residual is recomputed) + 2·a·d_kv (k, v) + 3·a·F (SwiGLU gate, up, product; GELU 2·a·F)
+        + 4·H (flash attention's fp32 log-sum-exp) + 2·4 (the norms' fp32 1/rms)
+    eager block (every op saves its inputs):
+        2·(4·d + 4·d) (each RMSNorm keeps its fp32 input and fp32 normalised output) + the matmul inputs: 2·a·d when
+        the residual has the compute dtype, else c·a·d (autocast casts the norm output once per consuming matmul:
+        c = 5 SwiGLU / 4 GELU) + a·d (q) + 2·a·d_kv + a·d (attention output) + 4·a·F (w1 out, silu out, w3 out,
+        product; GELU 2·a·F) + 4·H + 2·4
+    ``ddp_split``: torch.compile under DDP splits each block's graph at DDP's bucket boundaries (dynamo's
+    DDPOptimizer); when the down projection has a bucket to itself the SwiGLU saves one more a·F (silu output).
+    Tensor parallelism (sequence parallel) divides everything by t except, for anytrain's DTensor plan, the two
+    all-gathered norm outputs (the column-parallel matmuls save the full-sequence input); Megatron re-gathers them
+    in backward, so all of it divides by t (Korthikanti et al. 2022).
+    For GPT (GELU, MHA, bf16 residual) the compiled count is Korthikanti's 34·s·b·h without the two dropout masks
+    (and without the s² attention matrix: flash attention), i.e. 32·d + 4·H + 8.
+    """
+    if isinstance(shape, MambaShape):
+        return mamba_activation_bytes_per_token(shape, prec, compiled)
+    d, f, a, r = shape.dim, shape.ffn_dim, prec.act, residual_bytes(shape, prec)
+    kv, swiglu = kv_width(shape), shape.mlp == "swiglu"
+    small = 4 * shape.n_heads + 2 * 4  # log-sum-exp, 1/rms
+    gathered = 2 * a * d if prec.framework == "anytrain" and tp > 1 else 0.0  # norm outputs, full sequence
+    if compiled:
+        mlp = (3 if swiglu else 2) * a * f + (a * f if ddp_split and swiglu else 0)
+        sharded = r * d + 5 * a * d + 2 * a * kv + mlp + small
+        return (sharded - gathered) / tp + gathered
+    casts = 2 if r == a else (5 if swiglu else 4)
+    mlp = (4 if swiglu else 2) * a * f
+    sharded = 16 * d + casts * a * d + 2 * a * d + 2 * a * kv + mlp + small
+    return (sharded - gathered) / tp + gathered
+
+
+def mamba_activation_bytes_per_token(shape: MambaShape, prec: Precision, compiled: bool = True) -> float:
+    """Bytes one Mamba block saves per token.
+
+    The fused mixer op (kernels/mamba_inner.py) saves its input h (a·d), xz (2·a·E), x_dbl (a·(R + 2S)), the scan
+    output y (a·E) and the scan's fp32 state every ``state_every`` steps (4·E·S/state_every per token); it recomputes
+    the conv output and Δ. Around it, compiled: the block input (r·d) and the norm's 1/rms; eager: the RMSNorm's fp32
+    input and fp32 normalised output (8·d)."""
+    d, e, a = shape.dim, shape.d_inner, prec.act
+    mixer = a * d + a * (2 * e + shape.dt_rank + 2 * shape.d_state + e) + 4 * e * shape.d_state / shape.state_every
+    around = residual_bytes(shape, prec) * d + 4 if compiled else 8 * d + 4
+    return around + mixer
+
+
+def loss_bytes_per_token(shape: ModelShape | MambaShape) -> float:
+    """Full-logits cross-entropy (Megatron's accounting): 12·V — fp32 log-probabilities saved (4·V) plus, in
+    backward, the gradients w.r.t. the log-probabilities and the logits (2 × 4·V)."""
+    return 12.0 * shape.vocab_size
+
+
+def head_activation_bytes_per_token(shape: ModelShape | MambaShape, prec: Precision, tp: int = 1) -> float:
+    """anytrain's last stage outside the blocks, per token: the eager final RMSNorm's fp32 input, normalised output and
+    1/rms (8·d + 4, sequence-parallel under TP) and the fused loss's saved input gradient (a·d, full sequence)."""
+    return (8 * shape.dim + 4) / tp + prec.act * shape.dim
+
+
+def loss_chunk_bytes(tokens: int, vocab: int, act: int) -> float:
+    """One chunk of logits of the fused linear + cross-entropy: rows·V·a with the chunk count
+    ⌈N·V·a / 256 MiB⌉ and rows = ⌈N / chunks⌉ (``fused_linear_ce.default_chunk_rows``)."""
+    chunks = max(1, math.ceil(tokens * vocab * act / LOGITS_CHUNK_BYTES))
+    return math.ceil(tokens / chunks) * vocab * act
+
+
+def pp_in_flight(layout: Layout, micro_batches: int) -> float:
+    """Micro-batches whose activations the first pipeline stage holds at once: GPipe m; 1F1B min(p, m);
+    interleaved 1F1B min(m, p·(1 + (p−1)/(p·v))) (Korthikanti et al. 2022, §4.2.3)."""
+    p, m = layout.pp, micro_batches
+    if p == 1:
+        return 1.0
+    if layout.pp_schedule == "gpipe":
+        return float(m)
+    if layout.pp_schedule == "interleaved":
+        return min(m, p * (1 + (p - 1) / (p * layout.pp_chunks)))
+    return float(min(p, m))
+
+
+def ddp_splits_blocks(shape: ModelShape | MambaShape, layout: Layout, wl: Workload, prec: Precision) -> bool:
+    """torch.compile'd blocks inside DDP are split at DDP's buckets; the SwiGLU saves one more tensor when the down
+    projection's fp32 weight (4·d·F/t bytes) fills a bucket alone (checked on CPU with gloo DDP)."""
+    if isinstance(shape, MambaShape) or shape.mlp != "swiglu" or not wl.compiled or prec.framework != "anytrain":
+        return False
+    wrapped = layout.strategy in ("ddp", "zero1") and layout.dp > 1
+    return wrapped and prec.ddp_bucket > 0 and 4 * shape.dim * shape.ffn_dim / layout.tp >= wl.ddp_bucket_mib * MIB
+
+
+def memory_phases(
+    shape: ModelShape | MambaShape, layout: Layout, wl: Workload, prec: Precision, workspace_mib: float = 32.0
+) -> dict[str, dict[str, float]]:
+    """Bytes on the most loaded device at the forward / backward / optimizer moments, by component (see the module
+    docstring). Pipeline parallelism: the first stage (ceil(L/p) blocks, the embedding, min(p, m) micro-batches in
+    flight under 1F1B) and the last (the head and the loss) are both evaluated; the one with the larger peak is
+    returned. ``workspace_mib``: one BLAS workspace (32 MiB on Hopper: ``Device.blas_workspace_mib``)."""
+    stages = [(True, True)] if layout.pp == 1 else [(True, False), (False, True)]
+    best: dict[str, dict[str, float]] = {}
+    for first, last in stages:
+        phases = _stage_phases(shape, layout, wl, prec, workspace_mib, first, last)
+        if max(sum(v.values()) for v in phases.values()) > max((sum(v.values()) for v in best.values()), default=-1):
+            best = phases
+    return best
+
+
+def _stage_phases(shape, layout: Layout, wl: Workload, prec: Precision, workspace_mib: float, first: bool,
+                  last: bool) -> dict[str, dict[str, float]]:  # fmt: skip
+    t, p, z, anytrain = layout.tp, layout.pp, layout.shard_size, prec.framework == "anytrain"
+    layers = math.ceil(shape.n_layers / p) if first else shape.n_layers // p
+    m = max(1, wl.global_batch // (layout.dp * layout.micro_batch))
+    tokens = layout.micro_batch * wl.seq_len
+    v, d, a = shape.vocab_size, shape.dim, prec.act
+    sharded_params = layout.strategy in ("fsdp", "hsdp") and z > 1
+    # parameters on this device: blocks / t; embedding / t (row-parallel); anytrain's LM head is not split by TP
+    blocks = layers * shape.layer_params / t
+    root = first * shape.embedding_params / t + last * shape.head_params / (1 if anytrain else t)
+    psi = blocks + root
+
+    persistent = {
+        "weights": psi * prec.weight / (z if sharded_params else 1),
+        "optimizer": psi * prec.optimizer / (z if layout.strategy != "ddp" else 1),
+        "ddp_buckets": psi * prec.ddp_bucket if layout.strategy in ("ddp", "zero1") and layout.dp > 1 else 0.0,
+        "workspace": BLAS_WORKSPACES * workspace_mib * MIB,
+    }
+    grads_final = psi * prec.grad / (z if layout.strategy in ("zero2", "fsdp", "hsdp") else 1)
+    accumulating = m > 1 or not anytrain  # anytrain frees gradients after each step; Megatron keeps its buffers
+    grads_fwd = {}
+    if accumulating and sharded_params and prec.nosync_grad:
+        grads_fwd["nosync_grads"] = psi * prec.nosync_grad  # FSDP2: unsharded, in the reduce dtype
+    elif accumulating:
+        grads_fwd["grads"] = grads_final
+
+    # activations: blocks (× micro-batches in flight on the first stage), then the head and the loss
+    f = ac_fraction(layout.ac)
+    in_flight = pp_in_flight(layout, m) if first else 1.0
+    per_token = activation_bytes_per_token(shape, prec, wl.compiled, t, ddp_splits_blocks(shape, layout, wl, prec))
+    checkpointed = residual_bytes(shape, prec) * d / t
+    acts = {"activations": (f * checkpointed + (1 - f) * per_token) * tokens * layers * in_flight}
+    loss_fwd = loss_bwd = 0.0
+    if last and anytrain:
+        acts["head_activations"] = head_activation_bytes_per_token(shape, prec, t) * tokens + 4 * v * d  # + dW fp32
+        narrow = a < 4  # bf16 compute: the chunk's dW product and the returned weight gradient are separate tensors
+        loss_fwd = loss_chunk_bytes(tokens, v, a) + narrow * a * v * d + prec.autocast * a * v * d  # + cast head
+        loss_bwd = 4 * v * d + narrow * a * v * d
+    elif last:
+        loss_fwd = loss_bwd = loss_bytes_per_token(shape) * tokens / t
+
+    # bf16 weights the blocks use: autocast's copies saved per micro-batch in flight, or FSDP's gathered units
+    copies: dict[str, float] = {}
+    copies_bwd: dict[str, float] = {}
+    if sharded_params:
+        unit = shape.layer_params / t * prec.gather
+        root_gathered = root * prec.gather  # the root module is never resharded after forward
+        kept = layers * unit if not layout.reshard_after_forward else unit  # the last block stays gathered
+        copies["gathered_params"] = kept + root_gathered
+        copies_bwd["gathered_params"] = (kept if not layout.reshard_after_forward else 2 * unit) + root_gathered
+    elif prec.compute_copy and not isinstance(shape, MambaShape):  # the fused mixer casts inside, saves fp32 weights
+        per_mb = in_flight if (wl.compiled or p == 1) else 1.0  # eager PP: one autocast cache for the whole step
+        copies["compute_copy"] = blocks * prec.compute_copy * (1 - f) * per_mb
+        copies_bwd["compute_copy"] = copies["compute_copy"]
+    recompute = 0.0
+    if f:  # backward recomputes one checkpointed block: its activations and its weight copy
+        recompute = per_token * tokens + (shape.layer_params / t * prec.compute_copy if not sharded_params else 0.0)
+
+    forward = {**persistent, **grads_fwd, **copies, **acts, "transient": loss_fwd}
+    backward = {**persistent, **grads_fwd, **copies_bwd, **acts, "transient": max(loss_bwd, recompute)}
+    optimizer = {**persistent, "grads": grads_final}
+    if layout.strategy == "zero1" and anytrain and z > 1:  # Zero1AdamW's all-gather: own segment + gathered flat
+        optimizer["zero1_gather"] = psi * prec.weight * (1 + 1 / z)
+    return {name: {k: val for k, val in phase.items() if val} for name, phase in
+            (("forward", forward), ("backward", backward), ("optimizer", optimizer))}  # fmt: skip
+
+
+def memory_per_device(
+    shape: ModelShape | MambaShape, layout: Layout, wl: Workload, prec: Precision, workspace_mib: float = 32.0
+) -> dict[str, float]:
+    """Peak bytes on the most loaded device, by component: the largest of ``memory_phases``.
+
+    Ψ_dev = (L/p blocks + the embedding on the first stage + the head on the last) / t (anytrain's head is not split
+    by TP). With ZeRO shard-group size z: weights Ψ_dev·w / (z if ZeRO-3); optimizer Ψ_dev·o / (z unless DDP);
+    gradients Ψ_dev·g (/ z if ZeRO-2/3) — for FSDP2 while accumulating, the unsharded fp32 Ψ_dev·4 instead; DDP
+    buckets Ψ_dev·4; the bf16 weight copies of the blocks (autocast) or FSDP's gathered units; activations
+    A·b·s × L/p × micro-batches in flight; the head's and the loss's tensors; two BLAS workspaces.
+    """
+    phases = memory_phases(shape, layout, wl, prec, workspace_mib)
+    return max(phases.values(), key=lambda mem: sum(mem.values()))
+
+
+def peak_phase(shape, layout: Layout, wl: Workload, prec: Precision, workspace_mib: float = 32.0) -> str:
+    """Which moment holds the peak: 'forward', 'backward' or 'optimizer'."""
+    phases = memory_phases(shape, layout, wl, prec, workspace_mib)
+    return max(phases, key=lambda name: sum(phases[name].values()))

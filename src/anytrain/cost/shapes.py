@@ -1,0 +1,248 @@
+"""What the cost model is asked about: the model's shape, the precision/framework preset, the parallel layout and the
+workload. Plain frozen dataclasses (no torch), shared by ``memory`` and ``model``; ``anytrain.cost.model`` re-exports
+every name here.
+
+Notation: Ψ parameters, L layers, d width, F FFN width, V vocabulary, s sequence length, b micro-batch,
+m micro-batches per step, t/p/n tensor-, pipeline-, data-parallel degrees.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+GIB = 2**30
+MIB = 2**20
+STRATEGIES = ("ddp", "zero1", "zero2", "fsdp", "hsdp")
+SCHEDULES = ("gpipe", "1f1b", "interleaved")
+
+
+class _LanguageModelParams:
+    """Parameter counts shared by the shapes: token embedding V·d, LM head (V·d unless tied) + final norm, blocks."""
+
+    @property
+    def embedding_params(self) -> int:
+        return self.vocab_size * self.dim
+
+    @property
+    def head_params(self) -> int:
+        """LM head (V·d unless tied) + final norm."""
+        return (0 if self.tie_embeddings else self.vocab_size * self.dim) + self.dim
+
+    @property
+    def num_params(self) -> int:
+        return self.embedding_params + self.n_layers * self.layer_params + self.head_params
+
+    def dense_params(self) -> int:
+        """N of 6·N: parameters without the input embedding, the LM head's V·d counted even when tied."""
+        return self.num_params - self.embedding_params + (self.vocab_size * self.dim if self.tie_embeddings else 0)
+
+
+@dataclass(frozen=True)
+class ModelShape(_LanguageModelParams):
+    """Decoder shape. ``mlp``: 'swiglu' (Llama: 3 matrices) or 'gelu' (GPT: 2). ``expand_kv``: K/V heads expanded to
+    H before attention, so attention saves full-width K and V; None = what anytrain's Transformer does on the device
+    (native grouped-query SDPA on NVIDIA and CPU, expanded on ROCm: ``estimate`` resolves it from the device).
+    ``residual_fp32``: the residual stream stays fp32 under autocast (``model.args.residual_in_fp32``; anytrain's
+    default is False: bf16 residual)."""
+
+    n_layers: int
+    dim: int
+    n_heads: int
+    n_kv_heads: int
+    ffn_dim: int
+    vocab_size: int
+    mlp: str = "swiglu"
+    tie_embeddings: bool = False
+    expand_kv: bool | None = None
+    name: str = ""
+    residual_fp32: bool = False
+
+    @property
+    def kv_dim(self) -> int:
+        return self.n_kv_heads * (self.dim // self.n_heads)
+
+    @property
+    def layer_params(self) -> int:
+        """2·d² (Q, O) + 2·d·d_kv (K, V) + (3 or 2)·d·F (MLP) + 2·d (norms)."""
+        d, f = self.dim, self.ffn_dim
+        return 2 * d * d + 2 * d * self.kv_dim + (3 if self.mlp == "swiglu" else 2) * d * f + 2 * d
+
+    def linears(self) -> list[tuple[int, int]]:
+        """(in, out) widths of a block's matmuls: q, k, v, o, then the MLP's."""
+        d, kv, f = self.dim, self.kv_dim, self.ffn_dim
+        mlp = [(d, f), (d, f), (f, d)] if self.mlp == "swiglu" else [(d, f), (f, d)]
+        return [(d, d), (d, kv), (d, kv), (d, d), *mlp]
+
+    @property
+    def eager_ops_per_block(self) -> int:
+        """Non-view ATen ops one eager block dispatches, forward + backward under autocast (counted with a
+        TorchDispatchMode on CPU, tests/unit/test_cost_model.py): the host's work per block and micro-batch."""
+        return 139
+
+    def flops_per_token(self, seq_len: int) -> float:
+        """6·N + 12·L·d·s with N = parameters without the input embedding, LM head included (as the model's own)."""
+        return 6.0 * self.dense_params() + 12.0 * self.n_layers * self.dim * seq_len
+
+    @classmethod
+    def from_args(cls, args: object, name: str = "", expand_kv: bool | None = None) -> ModelShape:
+        """From anytrain's TransformerArgs (or anything with the same field names)."""
+        return cls(
+            args.n_layers,
+            args.dim,
+            args.n_heads,
+            args.n_kv_heads,
+            args.ffn_dim,
+            args.vocab_size,
+            tie_embeddings=bool(getattr(args, "tie_embeddings", False)),
+            expand_kv=expand_kv,
+            name=name,
+            residual_fp32=bool(getattr(args, "residual_in_fp32", False)),
+        )
+
+
+@dataclass(frozen=True)
+class MambaShape(_LanguageModelParams):
+    """Mamba-1 LM shape for the cost model (anytrain's models/mamba.py). E = expand·d inner width, S state size,
+    R Δ rank, K conv width. No attention: tensor parallelism is not offered (``n_heads`` = 1 keeps tp = 1).
+    ``state_every``: the fused scan saves its fp32 state every ``state_every`` steps (``ScanConfig.chunk_bwd``)."""
+
+    n_layers: int
+    dim: int
+    d_inner: int
+    d_state: int
+    dt_rank: int
+    d_conv: int
+    vocab_size: int
+    tie_embeddings: bool = True
+    residual_fp32: bool = True
+    name: str = ""
+    n_heads: int = 1
+    n_kv_heads: int = 1
+    expand_kv: bool = True
+    kind: str = "mamba"
+    state_every: int = 8
+
+    @property
+    def layer_params(self) -> int:
+        """3·D·E + E·(K + 2R + 3S + 3) + D (as ``Mamba.num_params``)."""
+        d, e = self.dim, self.d_inner
+        return 3 * d * e + e * (self.d_conv + 2 * self.dt_rank + 3 * self.d_state + 3) + d
+
+    def linears(self) -> list[tuple[int, int]]:
+        """(in, out) widths of a block's matmuls: in_proj, x_proj, dt_proj, out_proj."""
+        d, e = self.dim, self.d_inner
+        return [(d, 2 * e), (e, self.dt_rank + 2 * self.d_state), (self.dt_rank, e), (e, d)]
+
+    @property
+    def eager_ops_per_block(self) -> int:
+        """Host-side ops of one eager block, forward + backward: the eager RMSNorm and residual (~30 ATen ops) and
+        the fused mixer op (~40 launches: weight casts, 4 + 10 GEMMs, conv and scan kernels, buffers)."""
+        return 70
+
+    def flops_per_token(self, seq_len: int) -> float:
+        """6·N (N without the input embedding, the LM head's V·D counted even when tied) + 3·L·E·(8·S + 10)."""
+        del seq_len
+        return 6.0 * self.dense_params() + 3.0 * self.n_layers * self.d_inner * (8 * self.d_state + 10)
+
+    @classmethod
+    def from_args(cls, args: object, name: str = "") -> MambaShape:
+        return cls(args.n_layers, args.d_model, args.expand * args.d_model, args.d_state, args.dt_rank, args.d_conv,
+                   args.vocab_size, bool(args.tie_embeddings), bool(args.residual_in_fp32), name=name)  # fmt: skip
+
+
+@dataclass(frozen=True)
+class Precision:
+    """Bytes per parameter of each state, the dtypes of activations, and whose training loop it describes.
+
+    ``weight``: the parameter tensors kept (fp32 master under autocast/FSDP, bf16 under Megatron-style mixed
+    precision); ``grad``: gradient buffer; ``optimizer``: AdamW m and v (+ the fp32 master copy when weights are
+    low precision); ``compute_copy``: bf16 copy of a block's weights that its matmuls use and that is saved for
+    backward (autocast's casts inside a compiled block, autocast's weight cache in eager); ``reduce``: dtype of the
+    gradient reduction; ``gather``: dtype of FSDP's gathered parameters; ``ddp_bucket``: DDP's bucket copy of the
+    gradients (PyTorch DDP without gradient_as_bucket_view); ``nosync_grad``: FSDP's unsharded accumulated gradient
+    while gradient sync is off between micro-batches; ``act``: activation bytes; ``residual``: residual-stream bytes
+    (a shape with ``residual_fp32`` under ``autocast`` keeps 4); ``autocast``: fp32 weights cast to bf16 per use;
+    ``cast``: bytes moved per local parameter per micro-batch by dtype casts (see ``elementwise_seconds``).
+
+    ``framework``: 'anytrain' = this trainer's loop (gradients freed by ``zero_grad(set_to_none=True)``, the chunked
+    fused linear + cross-entropy, DTensor tensor parallelism that saves the gathered matmul inputs, an unsplit LM
+    head under TP); 'megatron' = Megatron-LM's (persistent gradient buffers, vocab-parallel cross-entropy over full
+    logits, sequence parallelism that re-gathers in backward).
+    """
+
+    name: str
+    weight: float
+    grad: float
+    optimizer: float
+    compute_copy: float = 2.0
+    reduce: float = 4.0
+    gather: float = 2.0
+    ddp_bucket: float = 0.0
+    nosync_grad: float = 0.0
+    act: int = 2
+    residual: int = 2
+    cast: float = 0.0
+    autocast: bool = False
+    framework: str = "anytrain"
+
+
+# This trainer: fp32 params + autocast bf16 + fp32 AdamW (DDP/single); FSDP2 with bf16 params and fp32 reduction.
+AMP = Precision("amp-fp32-master", weight=4, grad=4, optimizer=8, ddp_bucket=4, cast=16, autocast=True)
+FSDP_BF16 = Precision("fsdp2-bf16", weight=4, grad=4, optimizer=8, nosync_grad=4, cast=10)
+# Megatron-style: bf16 params, fp32 main grads, fp32 master + Adam (12 B, sharded by the distributed optimizer).
+MEGATRON = Precision("megatron-bf16", weight=2, grad=4, optimizer=12, compute_copy=0, framework="megatron")
+FP32 = Precision("fp32", weight=4, grad=4, optimizer=8, compute_copy=0, reduce=4, gather=4, act=4, residual=4)
+PRECISIONS = {p.name: p for p in (AMP, FSDP_BF16, MEGATRON, FP32)}
+
+
+def trainer_precision(strategy: str) -> Precision:
+    """What anytrain's trainer does: FSDP2 casts params to bf16; everything else runs autocast over fp32 params."""
+    return FSDP_BF16 if strategy in ("fsdp", "hsdp") else AMP
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Parallel degrees and per-device knobs. ``shard``: ZeRO shard-group size (0 = all of dp; < dp is HSDP)."""
+
+    dp: int = 1
+    tp: int = 1
+    pp: int = 1
+    strategy: str = "ddp"
+    shard: int = 0
+    micro_batch: int = 1
+    ac: str = "none"
+    pp_schedule: str = "1f1b"
+    pp_chunks: int = 1
+    reshard_after_forward: bool = True
+
+    @property
+    def world(self) -> int:
+        return self.dp * self.tp * self.pp
+
+    @property
+    def shard_size(self) -> int:
+        return self.shard or self.dp if self.strategy in ("zero1", "zero2", "fsdp", "hsdp") else 1
+
+    @property
+    def label(self) -> str:
+        parts = [f"tp{self.tp}"] if self.tp > 1 else []
+        parts += [f"pp{self.pp}"] if self.pp > 1 else []
+        dp = (
+            f"dp{self.dp}"
+            if self.strategy != "hsdp"
+            else f"dp{self.dp}({self.dp // self.shard_size}x{self.shard_size})"
+        )
+        name = {"fsdp": "fsdp" if self.reshard_after_forward else "fsdp-noreshard"}.get(self.strategy, self.strategy)
+        return "·".join([*parts, dp]) + f" {name}"
+
+
+@dataclass(frozen=True)
+class Workload:
+    seq_len: int
+    global_batch: int  # sequences per optimizer step
+    tokens: float = 0.0  # training tokens; 0 = 20·Ψ (Chinchilla)
+    compiled: bool = True  # torch.compile'd blocks save fewer activations (see activation_bytes_per_token)
+    overlap: float = 0.8  # fraction of the overlap window in which data-parallel traffic hides
+    fragmentation: float = 0.05
+    overhead_gib: float = 1.0  # CUDA/HIP context, NCCL buffers: outside the allocator (not in its peak)
+    ddp_bucket_mib: float = 25.0  # DDP's bucket cap (torch default); torch.compile splits blocks at its buckets
