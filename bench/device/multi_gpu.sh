@@ -15,6 +15,8 @@ for g in 2 "$n"; do
 done
 python3 bench/scaling.py "$@"
 dev=$(python3 -c 'import re, torch; print(re.sub(r"[^a-z0-9]+", "-", torch.cuda.get_device_name().lower()).strip("-"))')
-python3 bench/cost_model_validation.py --reuse-only --reuse "bench/results/scaling_${dev}.json"
-cp bench/results/doctor_*gpu.json "bench/results/scaling_${dev}.json" "bench/results/cost_model_validation_${dev}.json" \
-  "bench/results/efficiency_${dev}.json" "$OUT/" 2>/dev/null || true
+doctors=$(ls bench/results/doctor_*gpu.json 2>/dev/null)
+python3 bench/cost_model_validation.py --reuse-only --reuse "bench/results/scaling_${dev}.json" ${doctors:+--doctor $doctors}
+# (--reuse-only writes *_reuse.json so that it never overwrites results measured on a GPU)
+cp bench/results/doctor_*gpu.json "bench/results/scaling_${dev}.json" "bench/results/cost_model_validation_${dev}_reuse.json" \
+  "bench/results/efficiency_${dev}_reuse.json" "$OUT/" 2>/dev/null || true
