@@ -96,8 +96,11 @@ def main() -> None:
         "date": time.strftime("%Y-%m-%d"),
         "device": device,
         "torch": torch.__version__,
-        "segments": {"gpu": [1, SWITCH_TO_CPU], "cpu": [SWITCH_TO_CPU + 1, SWITCH_TO_GPU],
-                     "gpu2": [SWITCH_TO_GPU + 1, STEPS]},  # fmt: skip
+        "segments": {
+            "gpu": [1, SWITCH_TO_CPU],
+            "cpu": [SWITCH_TO_CPU + 1, SWITCH_TO_GPU],
+            "gpu2": [SWITCH_TO_GPU + 1, STEPS],
+        },  # fmt: skip
         "uninterrupted": ref,
         "switched": sw,
         "diff_first_cpu_step": diff[SWITCH_TO_CPU + 1],
