@@ -280,50 +280,34 @@ def _bwd(dout, u, delta, A, Bg, Cg, D, z, delta_bias, states, softplus: bool, cf
         HAS_Z=z is not None, HAS_BIAS=delta_bias is not None, SOFTPLUS=softplus, ATOMIC=atomic,
         num_warps=cfg.num_warps_bwd,
     )  # fmt: skip
-    if cfg.bwd_impl == 3:
-        dA = torch.empty((batch, triton.cdiv(seqlen, chunk * cfg.seg_bwd), dim, dstate), device=u.device, dtype=acc)
-        q = torch.empty((batch, dim, 2, dstate), device=u.device, dtype=acc)  # adjoint carry scratch
-        _ss_bwd_kernel_v4[grid](
+
+    def launch(kernel, dA: Tensor, *scratch: Tensor, extra_strides: tuple = (), **meta) -> None:
+        """The three backward kernels share their leading arguments; v3/v4 add the adjoint scratch, v4 state strides."""
+        kernel[grid](
             u, delta, A, Bg, Cg, D if D is not None else A, zz, delta_bias if delta_bias is not None else A, states,
-            dout, du, ddelta, dzz, dB, dC, dA, dD, dbias, q,
+            dout, du, ddelta, dzz, dB, dC, dA, dD, dbias, *scratch,
             dpg, seqlen, nchunks,
             u.stride(0), u.stride(1), delta.stride(0), delta.stride(1), A.stride(0), A.stride(1),
             Bg.stride(0), Bg.stride(1), Bg.stride(2), Cg.stride(0), Cg.stride(1), Cg.stride(2),
             zz.stride(0), zz.stride(1), dout.stride(0), dout.stride(1),
-            dB.stride(0), dB.stride(1), dB.stride(2), dB.stride(3), states.stride(2), states.stride(3),
-            SUB=chunk, SEG=cfg.seg_bwd, DBDC=not _DIAG_SKIP_DBDC, **common,
+            dB.stride(0), dB.stride(1), dB.stride(2), dB.stride(3), *extra_strides, **meta, **common,
         )  # fmt: skip
-        dB = dB.sum(2) if kdim > 1 else dB.squeeze(2)
-        dC = dC.sum(2) if kdim > 1 else dC.squeeze(2)
-        return du, ddelta, dz, dB, dC, dA.sum((0, 1)), dD.sum(0), dbias.sum(0)
-    if cfg.bwd_impl == 2:
+
+    if cfg.bwd_impl in (2, 3):  # v4 (3) / v3 (2): per-chunk dA partials (batch, nchunks, dim, N)
         dA = torch.empty((batch, triton.cdiv(seqlen, chunk * cfg.seg_bwd), dim, dstate), device=u.device, dtype=acc)
         q = torch.empty((batch, dim, 2, dstate), device=u.device, dtype=acc)  # adjoint carry scratch
-        _ss_bwd_kernel_v3[grid](
-            u, delta, A, Bg, Cg, D if D is not None else A, zz, delta_bias if delta_bias is not None else A, states,
-            dout, du, ddelta, dzz, dB, dC, dA, dD, dbias, q,
-            dpg, seqlen, nchunks,
-            u.stride(0), u.stride(1), delta.stride(0), delta.stride(1), A.stride(0), A.stride(1),
-            Bg.stride(0), Bg.stride(1), Bg.stride(2), Cg.stride(0), Cg.stride(1), Cg.stride(2),
-            zz.stride(0), zz.stride(1), dout.stride(0), dout.stride(1),
-            dB.stride(0), dB.stride(1), dB.stride(2), dB.stride(3), SUB=chunk, SEG=cfg.seg_bwd, **common,
-        )  # fmt: skip
-        dB = dB.sum(2) if kdim > 1 else dB.squeeze(2)
-        dC = dC.sum(2) if kdim > 1 else dC.squeeze(2)
-        return du, ddelta, dz, dB, dC, dA.sum((0, 1)), dD.sum(0), dbias.sum(0)
-    _ss_bwd_kernel_v1[grid](
-        u, delta, A, Bg, Cg, D if D is not None else A, zz, delta_bias if delta_bias is not None else A, states, dout,
-        du, ddelta, dzz, dB, dC, dA, dD, dbias,
-        dpg, seqlen, nchunks,
-        u.stride(0), u.stride(1), delta.stride(0), delta.stride(1), A.stride(0), A.stride(1),
-        Bg.stride(0), Bg.stride(1), Bg.stride(2), Cg.stride(0), Cg.stride(1), Cg.stride(2),
-        zz.stride(0), zz.stride(1), dout.stride(0), dout.stride(1),
-        dB.stride(0), dB.stride(1), dB.stride(2), dB.stride(3),
-        BLOCK_N=triton.next_power_of_2(dstate), CHUNK=chunk, **common,
-    )  # fmt: skip
+        if cfg.bwd_impl == 3:
+            launch(_ss_bwd_kernel_v4, dA, q, extra_strides=(states.stride(2), states.stride(3)), SUB=chunk,
+                   SEG=cfg.seg_bwd, DBDC=not _DIAG_SKIP_DBDC)  # fmt: skip
+        else:
+            launch(_ss_bwd_kernel_v3, dA, q, SUB=chunk, SEG=cfg.seg_bwd)
+        dA = dA.sum((0, 1))
+    else:
+        launch(_ss_bwd_kernel_v1, dA, BLOCK_N=triton.next_power_of_2(dstate), CHUNK=chunk)
+        dA = dA.sum(0)
     dB = dB.sum(2) if kdim > 1 else dB.squeeze(2)  # (batch, G, N, L)
     dC = dC.sum(2) if kdim > 1 else dC.squeeze(2)
-    return du, ddelta, dz, dB, dC, dA.sum(0), dD.sum(0), dbias.sum(0)
+    return du, ddelta, dz, dB, dC, dA, dD.sum(0), dbias.sum(0)
 
 
 class _SelectiveScanFn(torch.autograd.Function):
