@@ -44,3 +44,10 @@ def versions(device: torch.device) -> dict:
             out[name] = None
     out["python"] = sys.version.split()[0]
     return out
+
+
+def row_error(exc: BaseException) -> str:
+    """What a failed row records (one failing row must not lose the others): OOM in one line, else type and text."""
+    if isinstance(exc, torch.OutOfMemoryError):
+        return f"out of memory: {str(exc).splitlines()[0][:200]}"
+    return f"{type(exc).__name__}: {str(exc)[:400]}"

@@ -25,12 +25,11 @@ from triton.testing import do_bench
 from anytrain.kernels.causal_conv1d import ConvConfig
 from anytrain.kernels.reference import causal_conv1d_ref
 
+sys.path.insert(0, str(Path(__file__).parent))
+from mamba_kernels import median_ms, rotating  # noqa: E402  (the same timing as the kernel bench)
+
 conv_mod = importlib.import_module("anytrain.kernels.causal_conv1d")
 BATCH, DIM, SEQLEN, WIDTH = 2, 5376, 4096, 4
-
-
-def median_ms(fn) -> float:
-    return float(do_bench(fn, warmup=25, rep=200, return_mode="median"))
 
 
 def graph_ms(fn, iters: int = 20) -> float:
@@ -51,16 +50,6 @@ def graph_ms(fn, iters: int = 20) -> float:
     except Exception as exc:  # noqa: BLE001
         print(f"  graph capture failed: {type(exc).__name__}: {str(exc)[:120]}")
         return float("nan")
-
-
-def rotating(fns):
-    state = {"i": 0}
-
-    def call():
-        fns[state["i"] % len(fns)]()
-        state["i"] += 1
-
-    return call
 
 
 def check(fn_apply, cfg) -> dict:

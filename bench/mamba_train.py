@@ -46,7 +46,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
-from bench_common import RandomBatches, release, versions  # noqa: E402
+from bench_common import RandomBatches, release, row_error, versions  # noqa: E402
 
 from anytrain import hardware  # noqa: E402
 from anytrain.config import ModelConfig, RunConfig, plan_batches  # noqa: E402
@@ -275,10 +275,8 @@ def run_case(case: Case, device: torch.device, profile: bool = False) -> dict:
         row["tokens_per_s"] = case.steps * row["tokens_per_step"] / row["seconds"]
         if profile and hardware.is_gpu(device):
             row["kernel_profile"] = profile_step(step, device, case.warmup + case.steps)
-    except torch.OutOfMemoryError as exc:
-        row["error"] = f"out of memory: {str(exc).splitlines()[0][:200]}"
     except Exception as exc:  # noqa: BLE001 - one failing row must not lose the others
-        row["error"] = f"{type(exc).__name__}: {str(exc)[:400]}"
+        row["error"] = row_error(exc)
     finally:
         del holder
     return row

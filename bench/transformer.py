@@ -39,7 +39,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
-from bench_common import RandomBatches, release, versions  # noqa: E402
+from bench_common import RandomBatches, release, row_error, versions  # noqa: E402
 
 from anytrain import hardware  # noqa: E402
 from anytrain.config import ModelConfig, RunConfig, plan_batches  # noqa: E402
@@ -312,10 +312,8 @@ def run_case(case: Case, device: torch.device, args: argparse.Namespace) -> dict
             if case.profile and args.profile:
                 wall = row["seconds"] / args.steps
                 row["kernel_profile"] = profile_step(step, device, args.warmup + args.steps, wall)
-    except torch.OutOfMemoryError as exc:
-        row["error"] = f"out of memory: {str(exc).splitlines()[0][:200]}"
     except Exception as exc:  # noqa: BLE001 - one failing row must not lose the others
-        row["error"] = f"{type(exc).__name__}: {str(exc)[:400]}"
+        row["error"] = row_error(exc)
     finally:
         del holder
     return row
