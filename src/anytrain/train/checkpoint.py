@@ -17,7 +17,13 @@ from pathlib import Path
 import torch
 import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
 from torch.distributed.checkpoint.stateful import Stateful
 
 from anytrain.parallel import barrier
@@ -27,13 +33,26 @@ PREFIX = "step_"
 
 
 class TrainState(Stateful):
-    """Everything a resume needs: model, optimizer, LR schedule and progress counters (step, tokens seen, RNG)."""
+    """Everything a resume needs: model, optimizer, LR schedule and progress counters (step, tokens seen, RNG).
+
+    The optimizer state is flattened by parameter name (``flatten_optimizer_state_dict``): every key names one
+    parameter, so a checkpoint loads at any pipeline / data-parallel layout (pipeline ranks hold different parameter
+    lists, which the nested format's per-group name lists cannot express). An optimizer that keeps shards of the
+    parameters rather than the parameters (ZeRO-1, ``train/optim.py``) provides that layout itself through
+    ``checkpoint_state`` / ``load_checkpoint_state``.
+    """
+
+    OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, scheduler, progress: dict) -> None:
         self.model, self.optimizer, self.scheduler, self.progress = model, optimizer, scheduler, progress
 
     def state_dict(self) -> dict:
-        model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
+        model_sd = get_model_state_dict(self.model)  # first: its hooks reshard FSDP modules left unsharded by eval
+        if hasattr(self.optimizer, "checkpoint_state"):
+            optim_sd = self.optimizer.checkpoint_state()
+        else:
+            optim_sd = get_optimizer_state_dict(self.model, self.optimizer, options=self.OPTIONS)
         return {
             "model": model_sd,
             "optim": optim_sd,
@@ -43,7 +62,11 @@ class TrainState(Stateful):
         }
 
     def load_state_dict(self, state: dict) -> None:
-        set_state_dict(self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+        set_model_state_dict(self.model, state["model"])
+        if hasattr(self.optimizer, "load_checkpoint_state"):
+            self.optimizer.load_checkpoint_state(state["optim"])
+        else:
+            set_optimizer_state_dict(self.model, self.optimizer, state["optim"], options=self.OPTIONS)
         self.scheduler.load_state_dict(state["scheduler"])
         self.progress.clear()
         self.progress.update(state["progress"])

@@ -85,42 +85,6 @@ def compute_dtype(cfg: RunConfig, device: torch.device) -> torch.dtype:
     return torch.bfloat16 if hardware.supports_bf16(device) else torch.float32
 
 
-class LayoutFreeTrainState(TrainState):
-    """TrainState whose optimizer state is flattened by parameter name (``flatten_optimizer_state_dict``): every key
-    names one parameter, so a checkpoint loads at any pipeline / data-parallel layout (pipeline ranks hold different
-    parameter lists, which the nested format's per-group name lists cannot express). ZeRO-1 provides the same layout
-    itself (its optimizer's tensors are shards of the parameters, not the parameters)."""
-
-    def _options(self):
-        from torch.distributed.checkpoint.state_dict import StateDictOptions
-
-        return StateDictOptions(flatten_optimizer_state_dict=True)
-
-    def state_dict(self) -> dict:
-        from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
-
-        model_sd = get_model_state_dict(self.model)  # first: its hooks reshard FSDP modules left unsharded by eval
-        if isinstance(self.optimizer, Zero1AdamW):
-            optim_sd = self.optimizer.checkpoint_state()
-        else:
-            optim_sd = get_optimizer_state_dict(self.model, self.optimizer, options=self._options())
-        return {"model": model_sd, "optim": optim_sd, "scheduler": self.scheduler.state_dict(),
-                "progress": dict(self.progress), "rng_cpu": torch.get_rng_state()}  # fmt: skip
-
-    def load_state_dict(self, state: dict) -> None:
-        from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
-
-        set_model_state_dict(self.model, state["model"])
-        if isinstance(self.optimizer, Zero1AdamW):
-            self.optimizer.load_checkpoint_state(state["optim"])
-        else:
-            set_optimizer_state_dict(self.model, self.optimizer, state["optim"], options=self._options())
-        self.scheduler.load_state_dict(state["scheduler"])
-        self.progress.clear()
-        self.progress.update(state["progress"])
-        torch.set_rng_state(state["rng_cpu"])
-
-
 class Trainer:
     def __init__(self, cfg: RunConfig, run_dir: str | None = None, resume: bool = False,
                  overwrite: bool = False) -> None:  # fmt: skip
@@ -144,7 +108,7 @@ class Trainer:
         self.dtype = compute_dtype(cfg, self.device)
         self._build_model()
         self.progress: dict = {"step": 0, "tokens_seen": 0}
-        self.state = LayoutFreeTrainState(self.model, self.optimizer, self.scheduler, self.progress)
+        self.state = TrainState(self.model, self.optimizer, self.scheduler, self.progress)
         self.checkpointer = Checkpointer(self.run_dir / "checkpoints", cfg.checkpoint.keep_last,
                                          self.info.is_main, log=self.log.print)  # fmt: skip
         if resume or cfg.checkpoint.auto_resume:
