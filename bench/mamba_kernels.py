@@ -190,16 +190,19 @@ def main() -> int:
     scan_cfg, conv_cfg = scan_mod.default_config(), conv_mod.default_config()
     if args.sweep:
         # ScanConfig fields: block_d, chunk, num_warps, block_d_bwd, chunk_bwd, num_warps_bwd, bwd_impl, seg_bwd,
-        # fwd_impl, seg. Forward variants are timed on the forward only, backward variants on the backward only
+        # fwd_impl, seg, rot_bwd, flat_bwd, maxnreg_bwd. Forward variants are timed on the forward only, backward variants on the backward only
         # (their states from a compatible forward); each is checked against the v2 forward / v3 backward.
         trusted = ScanConfig(16, 16, 2, 4, 16, 4, 2, 32, 0, 32)
         ref = scan_grads(trusted, sets[0])
-        fwd_variants = [
-            trusted, ScanConfig(1, 8, 1, 1, 8, 1, 3, 32, 1, 32), ScanConfig(2, 8, 1, 1, 8, 1, 3, 32, 1, 32),
-        ]  # fmt: skip
+        fwd_variants = [trusted, ScanConfig(1, 8, 1, 2, 8, 1, 3, 32, 1, 32)]
+        # backward: channels per program x warps, flat (coalesced) dB/dC atomics, register cap (bench/kernel_asm.py)
         bwd_variants = [
-            trusted, ScanConfig(1, 8, 1, 1, 8, 1, 3, 32, 1, 32), ScanConfig(1, 8, 1, 2, 8, 1, 3, 32, 1, 32),
-            ScanConfig(1, 8, 1, 4, 8, 4, 2, 32, 1, 32),
+            trusted, ScanConfig(1, 8, 1, 2, 8, 1, 3, 32, 1, 32), ScanConfig(1, 8, 1, 1, 8, 1, 3, 32, 1, 32, 0, 1),
+            ScanConfig(1, 8, 1, 2, 8, 1, 3, 32, 1, 32, 0, 1), ScanConfig(1, 8, 1, 2, 8, 2, 3, 32, 1, 32, 0, 1, 160),
+            ScanConfig(1, 8, 1, 2, 8, 2, 3, 32, 1, 32, 0, 1), ScanConfig(1, 8, 1, 4, 8, 4, 3, 32, 1, 32, 0, 1, 160),
+            ScanConfig(1, 8, 1, 4, 8, 4, 3, 32, 1, 32, 0, 1, 128), ScanConfig(1, 8, 1, 4, 8, 4, 3, 32, 1, 32, 0, 1),
+            ScanConfig(1, 8, 1, 8, 8, 8, 3, 32, 1, 32, 0, 1, 160), ScanConfig(1, 8, 1, 4, 8, 2, 3, 32, 1, 32, 0, 1),
+            ScanConfig(1, 8, 1, 8, 8, 4, 3, 32, 1, 32, 0, 1),
         ]  # fmt: skip
         for which, variants in (("fwd", fwd_variants), ("bwd", bwd_variants)):
             for cfg in variants:
@@ -213,12 +216,13 @@ def main() -> int:
                 ms = f if which == "fwd" else b
                 sweep.append({"op": f"scan_{which}", "config": vars(cfg), "ms": ms, "max_rel_err": err})
                 print(f"scan {which} {ms:.3f} ms  err {err:.1e}  {tuple(vars(cfg).values())}", flush=True)
-        # diagnostic: the fastest 1-channel backward without its dB/dC atomics (dB/dC then wrong; not a candidate)
+        # diagnostic: 2-, 1- and 4-channel backwards without their dB/dC atomics (dB/dC then wrong; not candidates)
         scan_mod._DIAG_SKIP_DBDC = True
         try:
-            _, b = bench_scan(bwd_variants[1], sets, which="bwd")
-            sweep.append({"op": "diag_scan_bwd_no_dBdC", "config": vars(bwd_variants[1]), "ms": b})
-            print(f"scan bwd without dB/dC atomics (diagnostic) {b:.3f} ms", flush=True)
+            for cfg in (bwd_variants[1], bwd_variants[2], bwd_variants[6]):
+                _, b = bench_scan(cfg, sets, which="bwd")
+                sweep.append({"op": "diag_scan_bwd_no_dBdC", "config": vars(cfg), "ms": b})
+                print(f"scan bwd without dB/dC (diagnostic) {b:.3f} ms  {tuple(vars(cfg).values())}", flush=True)
         finally:
             scan_mod._DIAG_SKIP_DBDC = False
         conv_variants = [

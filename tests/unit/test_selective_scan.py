@@ -32,6 +32,12 @@ CFG_SAME = ScanConfig(
 CFG_V4 = ScanConfig(
     block_d=2, chunk=4, num_warps=1, block_d_bwd=2, chunk_bwd=8, num_warps_bwd=1, seg_bwd=2, seg=2, bwd_impl=3
 )
+# v4 backward with its options: state loop rotated per program (rot_bwd), flat dB/dC tiles (flat_bwd), B/C loaded as
+# full tiles (num_warps_bwd > 1), 4-channel blocks over 2 blocks of dim 6
+CFG_V4_ALT = ScanConfig(
+    block_d=2, chunk=4, num_warps=1, block_d_bwd=4, chunk_bwd=8, num_warps_bwd=2, seg_bwd=2, seg=2, bwd_impl=3,
+    rot_bwd=1, flat_bwd=1,
+)  # fmt: skip
 CFG_V1 = ScanConfig(
     block_d=2, chunk=8, num_warps=1, block_d_bwd=2, chunk_bwd=4, num_warps_bwd=1, bwd_impl=0, fwd_impl=0
 )
@@ -90,7 +96,7 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize("cfg", [CFG, CFG_V4, CFG_V1], ids=["bwd3", "bwd4", "bwd1"])
+@pytest.mark.parametrize("cfg", [CFG, CFG_V4, CFG_V4_ALT, CFG_V1], ids=["bwd3", "bwd4", "bwd4alt", "bwd1"])
 @pytest.mark.parametrize("batch,dim,seqlen,dstate,ngroups,has_z,has_d,has_bias,softplus", CASES)
 def test_matches_reference(batch, dim, seqlen, dstate, ngroups, has_z, has_d, has_bias, softplus, cfg):
     vals = make_inputs(batch, dim, seqlen, dstate, ngroups, has_z, has_d, has_bias)
@@ -128,7 +134,7 @@ def test_float32_and_bfloat16_inputs_keep_dtype():
         torch.testing.assert_close(out.double(), ref, rtol=tol, atol=tol)
 
 
-@pytest.mark.parametrize("cfg", [CFG, CFG_V4, CFG_V1], ids=["bwd3", "bwd4", "bwd1"])
+@pytest.mark.parametrize("cfg", [CFG, CFG_V4, CFG_V4_ALT, CFG_V1], ids=["bwd3", "bwd4", "bwd4alt", "bwd1"])
 def test_deterministic_mode_is_bitwise_reproducible_and_matches_atomics(cfg):
     vals = make_inputs(2, 6, 11, 4, 2, True, True, True, seed=5)
     runs = [run_both(vals, True, cfg=cfg, deterministic=True)[0] for _ in range(2)]

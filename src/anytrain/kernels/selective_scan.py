@@ -76,6 +76,9 @@ class ScanConfig:
     seg_bwd: int = 32  # bwd_impl 2/3: segments of chunk_bwd steps per backward chunk (one per lane)
     fwd_impl: int = 1  # 1: _ss_fwd_kernel_v3 (state loop, segments on lanes); 0: _ss_fwd_kernel (v2)
     seg: int = 32  # fwd_impl 1: segments of chunk steps per forward chunk (one per lane)
+    rot_bwd: int = 0  # bwd_impl 3: 1 = each program starts its state loop at its block index (spreads the atomics)
+    flat_bwd: int = 0  # bwd_impl 3: 1 = dB/dC atomics on (chunk,) tiles in the coalesced layout (values cross lanes)
+    maxnreg_bwd: int = 0  # CUDA only: register cap per thread for the backward kernel (0: the compiler's choice)
 
 
 # Per-vendor defaults. CUDA: fastest of bench/mamba_kernels.py --sweep on an H200 (bench/results/, Triton 3.6):
@@ -280,6 +283,8 @@ def _bwd(dout, u, delta, A, Bg, Cg, D, z, delta_bias, states, softplus: bool, cf
         HAS_Z=z is not None, HAS_BIAS=delta_bias is not None, SOFTPLUS=softplus, ATOMIC=atomic,
         num_warps=cfg.num_warps_bwd,
     )  # fmt: skip
+    if cfg.maxnreg_bwd and hardware.vendor() == hardware.CUDA:
+        common["maxnreg"] = cfg.maxnreg_bwd
 
     def launch(kernel, dA: Tensor, *scratch: Tensor, extra_strides: tuple = (), **meta) -> None:
         """The three backward kernels share their leading arguments; v3/v4 add the adjoint scratch, v4 state strides."""
@@ -298,7 +303,8 @@ def _bwd(dout, u, delta, A, Bg, Cg, D, z, delta_bias, states, softplus: bool, cf
         q = torch.empty((batch, dim, 2, dstate), device=u.device, dtype=acc)  # adjoint carry scratch
         if cfg.bwd_impl == 3:
             launch(_ss_bwd_kernel_v4, dA, q, extra_strides=(states.stride(2), states.stride(3)), SUB=chunk,
-                   SEG=cfg.seg_bwd, DBDC=not _DIAG_SKIP_DBDC)  # fmt: skip
+                   SEG=cfg.seg_bwd, DBDC=not _DIAG_SKIP_DBDC, ROT=bool(cfg.rot_bwd),
+                   FLAT=bool(cfg.flat_bwd), BC_TILE=cfg.num_warps_bwd > 1)  # fmt: skip
         else:
             launch(_ss_bwd_kernel_v3, dA, q, SUB=chunk, SEG=cfg.seg_bwd)
         dA = dA.sum((0, 1))

@@ -357,9 +357,16 @@ def _ss_bwd_kernel_v4(
     s_rb, s_rg, s_rk, s_rn, s_sn, s_sk,
     DSTATE: tl.constexpr, BLOCK_D: tl.constexpr, SUB: tl.constexpr, SEG: tl.constexpr, ACC: tl.constexpr,
     HAS_D: tl.constexpr, HAS_Z: tl.constexpr, HAS_BIAS: tl.constexpr, SOFTPLUS: tl.constexpr, ATOMIC: tl.constexpr,
-    DBDC: tl.constexpr = True,
+    DBDC: tl.constexpr = True, ROT: tl.constexpr = False, FLAT: tl.constexpr = False, BC_TILE: tl.constexpr = False,
 ):  # fmt: skip
     # (DBDC=False skips dB/dC: a timing diagnostic of bench/mamba_kernels.py only.)
+    # ROT: program p walks the states starting at p % DSTATE, so that the programs running at the same time spread
+    # their dB/dC atomics over DSTATE rows instead of all adding into the same (state, chunk) row at once.
+    # FLAT: dB/dC atomics on the flat (CHUNK,) tile in Triton's coalesced layout (a warp's 4-wide atomics cover
+    # contiguous memory; the compiler moves the values between lanes) instead of two (SEG, 4) halves in the compute
+    # layout (each lane's 16 bytes half of a 32-byte sector).
+    # BC_TILE: B and C loaded as full (BLOCK_D, CHUNK) tiles (zero channel stride, L1 hits) so that with several warps
+    # (channels on warps) their layout is the compute layout; a (1, CHUNK) load would be split over the warps.
     # (BLOCK_D, SEG, SUB = 8) compute tiles, t = chunk start + s * SUB + r, loaded and stored through
     # (BLOCK_D, SEG * SUB) pointers (``_ld2``) so that a segment's 8 steps sit in one thread (one 16-byte bf16 vector)
     # and the segments on the lanes of a warp, in every Triton version. Per state:
@@ -414,6 +421,7 @@ def _ss_bwd_kernel_v4(
     first = mask_d[:, None] & (offs_s2 == 0)  # (BLOCK_D, SEG)
     nxt = tl.minimum(offs_s2 + 1, SEG - 1) + 0 * rows  # gather index: the segment one lane up
     rev = SEG - 1 - offs_s2 + 0 * rows  # gather index: lanes reversed
+    n0 = pid_blk % DSTATE if ROT else 0  # the first state this program walks
     dD_acc = tl.zeros((BLOCK_D,), dtype=ACC)
     dbias_acc = tl.zeros((BLOCK_D,), dtype=ACC)
     for cc in range(0, nchunks):
@@ -445,23 +453,31 @@ def _ss_bwd_kernel_v4(
         tn = c * CHUNK + tl.arange(0, SEG)[:, None] * SUB + tl.arange(0, 4)[None, :]  # (SEG, 4) dB/dC time index
         mt = tn < seqlen
         mt4 = tn + 4 < seqlen
+        tf = c * CHUNK + tl.arange(0, CHUNK)  # FLAT: (CHUNK,) dB/dC time index
+        mf = tf < seqlen
         mt1 = t2 < seqlen  # (1, CHUNK)
+        if BC_TILE:
+            tb = t2 + 0 * rows  # (BLOCK_D, CHUNK)
+            mt1 = mt1 & (rows >= 0)
+        else:
+            tb = t2
         # per-state loads are issued one state ahead (loop-carried), so their latency overlaps a state's compute
-        A_nx = tl.load(A_rows, mask=mask_d, other=0.0)
-        B_nx = tl.load(B_base + t2, mask=mt1, other=0.0)
-        C_nx = tl.load(C_base + t2, mask=mt1, other=0.0)
-        h_nx = tl.load(st_rows + k * s_sk, mask=mk, other=0.0)
-        q_nx = tl.load(q_in, mask=mq, other=0.0)
-        for n in range(0, DSTATE):
+        A_nx = tl.load(A_rows + n0 * s_an, mask=mask_d, other=0.0)
+        B_nx = tl.load(B_base + n0 * s_bn + tb, mask=mt1, other=0.0)
+        C_nx = tl.load(C_base + n0 * s_cn + tb, mask=mt1, other=0.0)
+        h_nx = tl.load(st_rows + n0 * s_sn + k * s_sk, mask=mk, other=0.0)
+        q_nx = tl.load(q_in + n0, mask=mq, other=0.0)
+        for i in range(0, DSTATE):
+            n = (n0 + i) % DSTATE
             A2 = A_nx.to(ACC)[:, None, None] * LOG2E
-            B_n = tl.reshape(B_nx, (1, SEG, SUB)).to(ACC)
-            C_n = tl.reshape(C_nx, (1, SEG, SUB)).to(ACC)
+            B_n = tl.reshape(B_nx, (BLOCK_D if BC_TILE else 1, SEG, SUB)).to(ACC)
+            C_n = tl.reshape(C_nx, (BLOCK_D if BC_TILE else 1, SEG, SUB)).to(ACC)
             h = h_nx  # (BLOCK_D, SEG) state before each segment
             q = q_nx[:, None]  # a g at the next chunk's first step
-            n1 = (n + 1) % DSTATE  # (the last state prefetches state 0 again, unused)
+            n1 = (n + 1) % DSTATE  # (the last state prefetches the first one again, unused)
             A_nx = tl.load(A_rows + n1 * s_an, mask=mask_d, other=0.0)
-            B_nx = tl.load(B_base + n1 * s_bn + t2, mask=mt1, other=0.0)
-            C_nx = tl.load(C_base + n1 * s_cn + t2, mask=mt1, other=0.0)
+            B_nx = tl.load(B_base + n1 * s_bn + tb, mask=mt1, other=0.0)
+            C_nx = tl.load(C_base + n1 * s_cn + tb, mask=mt1, other=0.0)
             h_nx = tl.load(st_rows + n1 * s_sn + k * s_sk, mask=mk, other=0.0)
             q_nx = tl.load(q_in + n1, mask=mq, other=0.0)
             a = tl.exp2(dt * A2)
@@ -516,6 +532,15 @@ def _ss_bwd_kernel_v4(
             dC_lo, dC_hi = tl.split(tl.permute(tl.reshape(tl.sum(hs * dy, axis=0), (SEG, 2, 4)), (0, 2, 1)))
             if not DBDC:
                 pass
+            elif FLAT:
+                dBf = tl.reshape(tl.sum(gs * dtu, axis=0), (CHUNK,))
+                dCf = tl.reshape(tl.sum(hs * dy, axis=0), (CHUNK,))
+                if ATOMIC:
+                    tl.atomic_add(r_base + n * s_rn + tf, dBf, mask=mf, sem="relaxed")
+                    tl.atomic_add(rc_base + n * s_rn + tf, dCf, mask=mf, sem="relaxed")
+                else:
+                    tl.store(r_base + n * s_rn + tf, dBf, mask=mf)
+                    tl.store(rc_base + n * s_rn + tf, dCf, mask=mf)
             elif ATOMIC:
                 tl.atomic_add(r_base + n * s_rn + tn, dB_lo, mask=mt, sem="relaxed")
                 tl.atomic_add(r_base + n * s_rn + tn + 4, dB_hi, mask=mt4, sem="relaxed")
