@@ -190,8 +190,9 @@ def main() -> int:
     scan_cfg, conv_cfg = scan_mod.default_config(), conv_mod.default_config()
     if args.sweep:
         # ScanConfig fields: block_d, chunk, num_warps, block_d_bwd, chunk_bwd, num_warps_bwd, bwd_impl, seg_bwd,
-        # fwd_impl, seg, rot_bwd, flat_bwd, maxnreg_bwd. Forward variants are timed on the forward only, backward variants on the backward only
-        # (their states from a compatible forward); each is checked against the v2 forward / v3 backward.
+        # fwd_impl, seg, rot_bwd, flat_bwd, maxnreg_bwd. Forward variants are timed on the forward only, backward
+        # variants on the backward only (their states from a compatible forward); each is checked against the v2
+        # forward / v3 backward.
         trusted = ScanConfig(16, 16, 2, 4, 16, 4, 2, 32, 0, 32)
         ref = scan_grads(trusted, sets[0])
         fwd_variants = [trusted, ScanConfig(1, 8, 1, 2, 8, 1, 3, 32, 1, 32)]
