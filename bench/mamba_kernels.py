@@ -161,6 +161,13 @@ def main() -> int:
     ap.add_argument("--out", default=str(Path(__file__).resolve().parent / "results"))
     ap.add_argument("--sweep", action="store_true", help="also time alternative tile configs")
     ap.add_argument("--no-conv-sweep", action="store_true", help="with --sweep: scan configs only")
+    ap.add_argument(
+        "--bwd-configs",
+        nargs="+",
+        default=None,
+        metavar="FIELDS",
+        help="with --sweep: time these backward ScanConfigs (comma-separated fields) instead of the list",
+    )
     args = ap.parse_args()
     if not torch.cuda.is_available():
         print("no GPU visible: nothing to benchmark", file=sys.stderr)
@@ -205,6 +212,8 @@ def main() -> int:
             ScanConfig(1, 8, 1, 8, 8, 8, 3, 32, 1, 32, 0, 1, 160), ScanConfig(1, 8, 1, 4, 8, 2, 3, 32, 1, 32, 0, 1),
             ScanConfig(1, 8, 1, 8, 8, 4, 3, 32, 1, 32, 0, 1),
         ]  # fmt: skip
+        if args.bwd_configs:
+            bwd_variants = [trusted] + [ScanConfig(*(int(v) for v in c.split(","))) for c in args.bwd_configs]
         for which, variants in (("fwd", fwd_variants), ("bwd", bwd_variants)):
             for cfg in variants:
                 try:
@@ -220,7 +229,7 @@ def main() -> int:
         # diagnostic: 2-, 1- and 4-channel backwards without their dB/dC atomics (dB/dC then wrong; not candidates)
         scan_mod._DIAG_SKIP_DBDC = True
         try:
-            for cfg in (bwd_variants[1], bwd_variants[2], bwd_variants[6]):
+            for cfg in [] if args.bwd_configs else (bwd_variants[1], bwd_variants[2], bwd_variants[6]):
                 _, b = bench_scan(cfg, sets, which="bwd")
                 sweep.append({"op": "diag_scan_bwd_no_dBdC", "config": vars(cfg), "ms": b})
                 print(f"scan bwd without dB/dC (diagnostic) {b:.3f} ms  {tuple(vars(cfg).values())}", flush=True)

@@ -53,6 +53,7 @@ from anytrain.config import ModelConfig, RunConfig, plan_batches  # noqa: E402
 from anytrain.models import build_model, resolve_args  # noqa: E402
 from anytrain.parallel import DistInfo, parallelize  # noqa: E402
 from anytrain.train.optim import build_optimizer  # noqa: E402
+from anytrain.train.profiling import summarize  # noqa: E402
 
 
 @dataclass
@@ -230,20 +231,13 @@ def measure(step: Callable[[int], None], device: torch.device, warmup: int, step
 
 
 def profile_step(step: Callable[[int], None], device: torch.device, index: int) -> dict:
-    """Device kernels of one optimizer step, grouped by name: the top 15 and their share of the summed kernel time."""
-    from torch.autograd import DeviceType
+    """Device kernels of one optimizer step (``summarize``): the top 15, the kinds and the timeline."""
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         step(index)
         hardware.synchronize(device)
-    kernels = [e for e in prof.key_averages() if e.device_type == DeviceType.CUDA]
-    times = [(e.key, getattr(e, "self_device_time_total", 0) or getattr(e, "self_cuda_time_total", 0), e.count)
-             for e in kernels]  # fmt: skip
-    total_us = sum(t for _, t, _ in times) or 1.0
-    top = sorted(times, key=lambda r: -r[1])[:15]
-    top_rows = [{"kernel": n[:100], "ms": t / 1e3, "calls": c, "share": t / total_us} for n, t, c in top]
-    return {"kernel_ms": total_us / 1e3, "top": top_rows}
+    return summarize(prof)
 
 
 def flops_per_token(flavour: str, seq: int) -> tuple[float, int]:

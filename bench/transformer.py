@@ -47,6 +47,7 @@ from anytrain.models import losses, resolve_args, transformer  # noqa: E402
 from anytrain.parallel import DistInfo  # noqa: E402
 from anytrain.train import trainer as trainer_module  # noqa: E402
 from anytrain.train.guard import StepGuard  # noqa: E402
+from anytrain.train.profiling import summarize  # noqa: E402
 from anytrain.train.trainer import Trainer  # noqa: E402
 
 
@@ -257,42 +258,14 @@ def measure(step: Callable[[int], None], device: torch.device, warmup: int, step
             "warmup_peak_mem_gib": warm_peak}  # fmt: skip
 
 
-KERNEL_KINDS = (
-    ("ce_rows", "fused CE row kernel"), ("flash", "attention"), ("fmha", "attention"), ("attention", "attention"),
-    ("adam", "optimizer"), ("multi_tensor", "optimizer/clip"), ("foreach", "optimizer/clip"), ("gemm", "GEMM"),
-    ("nvjet", "GEMM"), ("xmma", "GEMM"), ("cutlass", "GEMM"), ("triton", "Triton fused elementwise (compile)"),
-    ("elementwise", "eager elementwise"), ("reduce", "eager reductions"), ("copy", "copies"), ("memcpy", "copies"),
-    ("memset", "memset"),
-)  # fmt: skip
-
-
-def kernel_kind(name: str) -> str:
-    low = name.lower()
-    return next((kind for key, kind in KERNEL_KINDS if key in low), "other")
-
-
 def profile_step(step: Callable[[int], None], device: torch.device, index: int, wall_s: float) -> dict:
-    """Kernels of one optimizer step: top 15 and per kind, as a share of the summed kernel time."""
-    from torch.autograd import DeviceType
+    """Kernels of one optimizer step: top 15 and per kind, as a share of the summed kernel time (``summarize``)."""
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         step(index)
         hardware.synchronize(device)
-    kernels = [e for e in prof.key_averages() if e.device_type == DeviceType.CUDA]
-    times = [(e.key, getattr(e, "self_device_time_total", 0) or getattr(e, "self_cuda_time_total", 0), e.count)
-             for e in kernels]  # fmt: skip
-    total_us = sum(t for _, t, _ in times) or 1.0
-    top = sorted(times, key=lambda r: -r[1])[:15]
-    kinds: dict[str, float] = {}
-    for name, t, _ in times:
-        kinds[kernel_kind(name)] = kinds.get(kernel_kind(name), 0.0) + t
-    return {
-        "step_wall_ms": 1e3 * wall_s,
-        "kernel_ms": total_us / 1e3,
-        "top": [{"kernel": n[:110], "ms": t / 1e3, "calls": c, "share": t / total_us} for n, t, c in top],
-        "kinds": {k: {"ms": t / 1e3, "share": t / total_us} for k, t in sorted(kinds.items(), key=lambda r: -r[1])},
-    }
+    return {"step_wall_ms": 1e3 * wall_s, **summarize(prof)}
 
 
 def run_case(case: Case, device: torch.device, args: argparse.Namespace) -> dict:

@@ -82,10 +82,13 @@ class ScanConfig:
 
 
 # Per-vendor defaults. CUDA: fastest of bench/mamba_kernels.py --sweep on an H200 (bench/results/, Triton 3.6):
-# forward 1 channel per one-warp program, backward 2. ROCm: not run (untuned; 64 segments fill a 64-wide wavefront).
+# forward 1 channel per one-warp program, backward 2 with flat dB/dC atomics. ROCm: not run (untuned; 64 segments
+# fill a 64-wide wavefront).
 _VENDOR_CONFIGS = {
-    hardware.CUDA: ScanConfig(1, 8, 1, block_d_bwd=2, chunk_bwd=8, num_warps_bwd=1, bwd_impl=3, seg=32),
-    hardware.ROCM: ScanConfig(1, 8, 1, block_d_bwd=2, chunk_bwd=8, num_warps_bwd=1, bwd_impl=3, seg_bwd=64, seg=64),
+    hardware.CUDA: ScanConfig(1, 8, 1, block_d_bwd=2, chunk_bwd=8, num_warps_bwd=1, bwd_impl=3, seg=32, flat_bwd=1),
+    hardware.ROCM: ScanConfig(
+        1, 8, 1, block_d_bwd=2, chunk_bwd=8, num_warps_bwd=1, bwd_impl=3, seg_bwd=64, seg=64, flat_bwd=1
+    ),
     hardware.CPU: ScanConfig(4, 8, 1, block_d_bwd=4, chunk_bwd=8, num_warps_bwd=1, bwd_impl=3, seg_bwd=4, seg=4),
 }
 _MAX_PARTIALS = 1 << 26  # deterministic mode: largest dB (or dC) partial buffer, in elements, for bwd_impl 3
