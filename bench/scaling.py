@@ -83,6 +83,8 @@ def default_cases(max_gpus: int) -> list[Case]:
     """Priority order (a time budget drops the tail): the 1- and 2-GPU study of issue #6 for both models, the
     cost-model validation's small runs, then 4 GPUs (issue #8)."""
     t, m = "transformer", "mamba"
+    gathered = ["--parallel.reshard_during_accumulation", "false"]
+    profiled = ["--profile.start_step", "4", "--profile.steps", "1"]
     cases = [
         Case("t-1-g32", t, 1, "single", 32, studies=("strong",)),
         Case("t-1-g8", t, 1, "single", 8, studies=("weak",)),
@@ -90,6 +92,13 @@ def default_cases(max_gpus: int) -> list[Case]:
         Case("v-125m-1", t, 1, "single", 64, micro=16, seq=1024, recipe="configs/125m.yaml", studies=("cost",)),
         Case("t-fsdp-2-g32", t, 2, "fsdp", 32, studies=("strong", "layout")),
         Case("t-fsdp-2-g16", t, 2, "fsdp", 16, studies=("weak",)),
+        # FSDP keeping the gathered parameters through the accumulation micro-batches; ZeRO-2's weak scaling; one
+        # profiled FSDP step per rank (studies=(): the profiled step's overhead must not enter an efficiency)
+        Case("t-fsdpg-2-g32", t, 2, "fsdp", 32, studies=("strong",), extra=gathered),
+        Case("t-fsdpg-2-g16", t, 2, "fsdp", 16, studies=("weak",), extra=gathered),
+        Case("t-zero2-2-g16", t, 2, "zero2", 16, studies=("weak",)),
+        Case("p-fsdp-2-g16", t, 2, "fsdp", 16, extra=profiled),
+        Case("p-1-g8", t, 1, "single", 8, extra=profiled),
         Case("hf-ddp-1-g8", t, 1, "hf-ddp", 8, studies=("weak",)),
         Case("hf-ddp-2-g16", t, 2, "hf-ddp", 16, studies=("weak",)),
         Case("t-ddp-2-g32", t, 2, "ddp", 32, studies=("strong", "layout")),
@@ -99,6 +108,8 @@ def default_cases(max_gpus: int) -> list[Case]:
         Case("m-1-g8", m, 1, "single", 8, studies=("weak",)),
         Case("m-fsdp-2-g32", m, 2, "fsdp", 32, studies=("strong", "layout")),
         Case("m-fsdp-2-g16", m, 2, "fsdp", 16, studies=("weak",)),
+        Case("m-fsdpg-2-g32", m, 2, "fsdp", 32, studies=("strong",), extra=gathered),
+        Case("m-fsdpg-2-g16", m, 2, "fsdp", 16, studies=("weak",), extra=gathered),
         Case("m-ddp-2-g32", m, 2, "ddp", 32, studies=("layout",)),
         Case("m-pp2-2-g32", m, 2, "pp", 32, pp=2, studies=("layout",), extra=["--model.args.tie_embeddings", "false"]),
         Case("t-zero2-2-g32", t, 2, "zero2", 32, studies=("layout",)),
@@ -197,6 +208,9 @@ def collect(job: Job, timed_out: bool) -> dict:
         "strategy": summary["strategy"],
         "device": summary["hardware"].get("device"),
     })  # fmt: skip
+    profiles = sorted((job.work / "run" / "profile").glob("rank*.json"))  # cases run with --profile.steps
+    if profiles:
+        row["profile"] = [json.loads(p.read_text()) for p in profiles]
     return row
 
 

@@ -73,17 +73,17 @@ def default_cases(ablations: bool = False) -> list[Case]:
     """In priority order (a time budget drops the tail). Ablation rows (one recipe change undone each; their results
     are in docs/benchmarks.md) run only with ``ablations``."""
     big = dict(flavour="1.1b", seq=2048, micro=4, global_batch=32)  # micro-batch 4: the anchors' HF setup
-    mb8 = dict(flavour="1.1b", seq=2048, micro=8, global_batch=32)  # configs/1.1b.yaml
+    mb8 = dict(flavour="1.1b", seq=2048, micro=8, global_batch=32)  # configs/1.1b.yaml before it went to 16
     g, g8, g16 = "1.1b-2048", "1.1b-2048-mb8", "1.1b-2048-mb16"
     fp32_residual = {"model.args.residual_in_fp32": True}
     cases = [
-        Case(g8, **mb8, stack="anytrain", label="anytrain recipe (configs/1.1b.yaml)", profile=True),
+        Case(g16, "1.1b", 2048, 16, 32, "anytrain", label="anytrain recipe (configs/1.1b.yaml)", profile=True),
+        Case(g16, "1.1b", 2048, 16, 32, "hf-compile", label="HF + torch.compile, mb 16"),
+        Case(g8, **mb8, stack="anytrain", label="anytrain micro-batch 8"),
         Case(g, **big, stack="hf-eager", label="HF eager"),
         Case(g, **big, stack="hf-compile", label="HF + torch.compile"),
         Case(g, **big, stack="anytrain", label="anytrain, micro-batch 4"),
         Case(g8, **mb8, stack="hf-compile", label="HF + torch.compile, mb 8"),
-        Case(g16, "1.1b", 2048, 16, 32, "anytrain", label="anytrain micro-batch 16"),
-        Case(g16, "1.1b", 2048, 16, 32, "hf-compile", label="HF + torch.compile, mb 16"),
         Case(
             g8,
             **mb8,

@@ -18,7 +18,7 @@ for part in $parts; do
     kernels) python3 bench/mamba_kernels.py --out "$OUT" 2>&1 | tail -8 ;;
     mamba) python3 bench/mamba_train.py --out "$OUT" --rows 130m 1.4b 1.4b-compile --profile 1.4b-compile 2>&1 |
       grep -v '^{' | tail -24 ;;
-    transformer) python3 bench/transformer.py --out "$OUT" --groups 1.1b-2048 1.1b-2048-mb8 --ablations \
+    transformer) python3 bench/transformer.py --out "$OUT" --groups 1.1b-2048-mb16 1.1b-2048-mb8 1.1b-2048 --ablations \
       --match "anytrain recipe" "HF eager" "HF + torch.compile" "mb 8, fp32 residual" --budget-s 420 2>&1 |
       grep -v '^{' | tail -30 ;;
     *) echo "unknown part: $part (tests, kernels, mamba, transformer)" >&2; exit 2 ;;

@@ -117,6 +117,11 @@ class ParallelConfig:
     (``anytrain plan`` shows the ranking); the choice is written into the resolved config.yaml."""
     reshard_after_forward: bool = True
     """FSDP only: free gathered parameters after forward (ZeRO-3); False keeps them until backward (ZeRO-2)."""
+    reshard_during_accumulation: bool = True
+    """FSDP only: False keeps parameters gathered from the first micro-batch's forward to the last micro-batch's
+    backward of each step (one all-gather + one reduce-scatter per step; costs the compute-dtype parameters unsharded
+    for the whole step, like ZeRO-2, plus the gradient-accumulation buffers FSDP already keeps unsharded when gradient
+    sync is off). No effect without gradient accumulation, or with pipeline parallelism (its schedule does this)."""
 
 
 @dataclass
@@ -136,12 +141,24 @@ class CheckpointConfig:
 
 
 @dataclass
+class ProfileConfig:
+    steps: int = 0
+    """Profile this many optimizer steps with torch.profiler on GPUs (0 = off): each rank writes
+    <run_dir>/profile/rank<r>.json (kernels by name and kind, exposed communication, idle time)."""
+    start_step: int = 5
+    """First profiled step (0-based, counted from the start of this invocation's first step); after compile."""
+    trace: bool = False
+    """Also write each rank's Chrome trace, rank<r>.trace.json.gz (hundreds of MB for a 1B-parameter step)."""
+
+
+@dataclass
 class RunConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    profile: ProfileConfig = field(default_factory=ProfileConfig)
     device: str = "auto"
     """auto (GPU if present), cpu, or gpu."""
     run_dir: str = ""
@@ -331,8 +348,20 @@ def validate(cfg: RunConfig) -> None:
     _positive(cfg.data.seq_len, "data.seq_len")
     _positive(cfg.checkpoint.interval, "checkpoint.interval", allow_zero=True)
     _positive(cfg.checkpoint.keep_last, "checkpoint.keep_last")
+    _positive(cfg.profile.steps, "profile.steps", allow_zero=True)
+    _positive(cfg.profile.start_step, "profile.start_step", allow_zero=True)
     if cfg.device not in ("auto", "cpu", "gpu", "cuda"):
         raise ConfigError(f"device: expected auto, cpu or gpu, got {cfg.device!r}")
+    check_fsdp_only_options(cfg.parallel, cfg.parallel.strategy)
+
+
+def check_fsdp_only_options(parallel: ParallelConfig, strategy: str) -> None:
+    """Refuse FSDP-only settings with a DDP-family strategy (called at load with the configured strategy and again
+    by ``parallelize`` with the resolved one, which catches ``auto`` choosing DDP)."""
+    if not parallel.reshard_during_accumulation and strategy in ("ddp", "zero1"):
+        raise ConfigError(f"parallel.reshard_during_accumulation: false applies to FSDP only, but the strategy is "
+                          f"{strategy}; set --parallel.strategy fsdp or --parallel.reshard_during_accumulation "
+                          "true")  # fmt: skip
 
 
 @dataclass(frozen=True)

@@ -1,4 +1,4 @@
-"""Training options that must not change the maths: activation checkpointing and per-block torch.compile."""
+"""Training options that must not change the maths: activation checkpointing, per-block torch.compile, profiling."""
 
 from __future__ import annotations
 
@@ -37,3 +37,11 @@ def test_activation_checkpointing_gives_the_same_losses(baseline, small_data, tm
 def test_compiled_blocks_give_the_same_losses(baseline, small_data, tmp_path):
     compiled = train(small_data, tmp_path / "compiled", "--train.compile", "true")
     np.testing.assert_allclose(compiled, baseline, rtol=0, atol=1e-4)
+
+
+def test_profiling_two_steps_keeps_the_losses_and_writes_the_summary(baseline, small_data, tmp_path):
+    run = tmp_path / "prof"
+    profiled = train(small_data, run, "--profile.steps", "2", "--profile.start_step", "1")
+    np.testing.assert_allclose(profiled, baseline, rtol=0, atol=1e-6)
+    summary = json.loads((run / "profile" / "rank0.json").read_text())
+    assert summary["steps"] == [1, 2] and summary["top"] and summary["wall_ms"] > 0

@@ -35,6 +35,11 @@ def test_int_accepted_for_float_field(tmp_path):
         ("- a list\n", [], "expected a mapping"),
         ("", ["--train.steps"], "--train.steps: missing value"),
         ("", ["train.steps", "3"], "expected an override"),
+        (
+            "parallel: {strategy: ddp}\n",
+            ["--parallel.reshard_during_accumulation", "false"],
+            "parallel.reshard_during_accumulation: false applies to FSDP only, but the strategy is ddp",
+        ),
     ],
 )
 def test_config_errors_name_the_field(tmp_path, text, overrides, message):

@@ -400,6 +400,37 @@ def test_fsdp_traffic_is_one_and_a_half_ddp_at_equal_dtypes():
     assert sum(c.bytes_per_step for c in fsdp) / sum(c.bytes_per_step for c in ddp) == pytest.approx(1.5)
 
 
+def test_fsdp_gathered_through_accumulation_one_all_gather_per_step():
+    """reshard_during_accumulation off: one all-gather per step instead of two per micro-batch, for ZeRO-2's gathered
+    parameters through the step; nothing changes without accumulation."""
+    dev = get_device("h100")
+    wl = Workload(2048, 32)  # 4 micro-batches of 4 per rank
+    lay = Layout(dp=2, strategy="fsdp", micro_batch=4)
+    kept = replace(lay, reshard_during_accumulation=False)
+
+    def gathers(layout: Layout, workload: Workload) -> tuple[int, float, float]:
+        (comm,) = [
+            c for c in communication(LLAMA_1B, layout, workload, FSDP_BF16, dev, 1.0) if c.collective == "all_gather"
+        ]
+        return comm.count, comm.bytes_per_step, comm.seconds
+
+    assert gathers(lay, wl)[0] == 8 and gathers(kept, wl)[0] == 1
+    assert gathers(kept, wl)[1] == pytest.approx(gathers(lay, wl)[1] / 8)
+    assert gathers(kept, wl)[2] < gathers(lay, wl)[2]
+    assert estimate(LLAMA_1B, kept, wl, dev).step_s < estimate(LLAMA_1B, lay, wl, dev).step_s
+    layer, root = LLAMA_1B.layer_params, LLAMA_1B.embedding_params + LLAMA_1B.head_params
+    for phase in ("forward", "backward"):
+        assert memory_phases(LLAMA_1B, kept, wl, FSDP_BF16)[phase]["gathered_params"] == 2 * (22 * layer + root)
+    assert sum(memory_per_device(LLAMA_1B, kept, wl, FSDP_BF16).values()) > sum(
+        memory_per_device(LLAMA_1B, lay, wl, FSDP_BF16).values()
+    )
+    one_micro_batch = Workload(2048, 8)
+    assert gathers(kept, one_micro_batch) == gathers(lay, one_micro_batch)
+    assert memory_phases(LLAMA_1B, kept, one_micro_batch, FSDP_BF16) == memory_phases(
+        LLAMA_1B, lay, one_micro_batch, FSDP_BF16
+    )
+
+
 def test_step_time_and_energy():
     dev = get_device("h100", efficiency=0.5)
     est = estimate(LLAMA_1B, Layout(micro_batch=4), Workload(2048, 4, tokens=8192 * 100), dev)

@@ -85,3 +85,18 @@ def test_zero1_rows_follow_dtensor_shard0(rows, world):
     chunks = [c.tolist() for c in torch.arange(rows).chunk(world)]
     chunks += [[]] * (world - len(chunks))
     assert [list(range(*_row_range(rows, r, world))) for r in range(world)] == chunks
+
+
+@pytest.mark.parametrize("strategy", ["auto", "zero1"])
+def test_reshard_during_accumulation_needs_fsdp(strategy):
+    """Refused once the strategy is resolved (auto = ddp without model parallelism), before the model is touched."""
+    import torch
+
+    from anytrain.config import RunConfig
+    from anytrain.parallel import parallelize
+
+    cfg = RunConfig()
+    cfg.parallel.strategy, cfg.parallel.reshard_during_accumulation = strategy, False
+    resolved = "ddp" if strategy == "auto" else strategy
+    with pytest.raises(ConfigError, match=f"parallel.reshard_during_accumulation: .* the strategy is {resolved}; set"):
+        parallelize(torch.nn.Module(), cfg, dims(2), torch.device("cpu"), torch.float32)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -44,15 +46,21 @@ def test_timeline_exposed_communication_and_idle():
     assert timeline([])["span_ms"] == 0.0
 
 
-def test_summarize_runs_on_a_cpu_profile_and_step_profiler_is_off_on_cpu(tmp_path):
+def test_summarize_a_cpu_profile_and_the_step_profiler_window(tmp_path):
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CPU]) as prof:
-        torch.ones(8) @ torch.ones(8)
+        torch.ones(64, 64) @ torch.ones(64, 64)
     s = summarize(prof)
-    assert s["top"] == [] and s["timeline"]["span_ms"] == 0.0
-    p = StepProfiler(start=1, steps=2, out_dir=tmp_path, rank=0, device=torch.device("cpu"))
-    assert not p.enabled
-    p.before_step(1)
-    p.after_step(2)
-    assert not list(tmp_path.iterdir())
+    assert any("mm" in r["kernel"] for r in s["top"]) and s["timeline"]["span_ms"] == 0.0
+    p = StepProfiler(start=1, steps=2, out_dir=tmp_path, rank=3, device=torch.device("cpu"))
+    for step in range(4):
+        p.before_step(step)
+        torch.ones(32, 32) @ torch.ones(32, 32)
+        done = p.after_step(step)
+        assert (done is not None) == (step == 2)
+    out = json.loads((tmp_path / "rank3.json").read_text())
+    assert out["steps"] == [1, 2] and out["rank"] == 3 and out["wall_ms"] > 0
+    off = StepProfiler(start=0, steps=0, out_dir=tmp_path / "off", rank=0, device=torch.device("cpu"))
+    off.before_step(0)
+    assert off.after_step(0) is None and not (tmp_path / "off").exists()

@@ -201,9 +201,10 @@ def _stage_phases(shape, layout: Layout, wl: Workload, prec: Precision, workspac
     if sharded_params:
         unit = shape.layer_params / t * prec.gather
         root_gathered = root * prec.gather  # the root module is never resharded after forward
-        kept = layers * unit if not layout.reshard_after_forward else unit  # the last block stays gathered
+        all_kept = not layout.reshard_after_forward or layout.keeps_gathered(m)  # ZeRO-2, or gathered all step
+        kept = layers * unit if all_kept else unit  # else the last block stays gathered
         copies["gathered_params"] = kept + root_gathered
-        copies_bwd["gathered_params"] = (kept if not layout.reshard_after_forward else 2 * unit) + root_gathered
+        copies_bwd["gathered_params"] = (kept if all_kept else 2 * unit) + root_gathered
     elif prec.compute_copy and not isinstance(shape, MambaShape):  # the fused mixer casts inside, saves fp32 weights
         per_mb = in_flight if (wl.compiled or p == 1) else 1.0  # eager PP: one autocast cache for the whole step
         copies["compute_copy"] = blocks * prec.compute_copy * (1 - f) * per_mb

@@ -183,9 +183,9 @@ def communication(
 
     dp (ddp): all_reduce of Ψ_dev·reduce bytes once per step (accumulation defers sync to the last micro-batch).
     dp (zero1/2): reduce_scatter of gradients + all_gather of bf16 params, once per step.
-    dp (fsdp): per micro-batch all_gather in forward and again in backward (once if not resharding), plus one
-    reduce_scatter per step: ≈ 1.5 × DDP's volume at equal dtypes. hsdp: that within the shard group plus an
-    all_reduce of the Ψ_dev/z shard across replicas.
+    dp (fsdp): per micro-batch all_gather in forward and again in backward (once if not resharding; once per step
+    with ``reshard_during_accumulation`` off), plus one reduce_scatter per step: ≈ 1.5 × DDP's volume at equal
+    dtypes. hsdp: that within the shard group plus an all_reduce of the Ψ_dev/z shard across replicas.
     tp (sequence parallel): per layer and micro-batch 4 all_gather + 4 reduce_scatter of a·b·s·d (6 + 6 with
     full AC, which replays the forward). pp: per micro-batch one activation send forward and one gradient back.
     Exposure: tp and pp are on the critical path; dp hides in ``overlap`` × (the last micro-batch's backward for
@@ -212,7 +212,7 @@ def communication(
             dp_comms.append(add("dp", "reduce_scatter", 1, psi * prec.reduce, dp, t))
             dp_comms.append(add("dp", "all_gather", 1, psi * prec.gather, dp, t))
         elif z > 1:
-            gathers = m * (2 if layout.reshard_after_forward else 1)
+            gathers = layout.gathers_per_step(m)
             dp_comms.append(add("dp_shard", "all_gather", gathers, psi * prec.gather, z, t))
             dp_comms.append(add("dp_shard", "reduce_scatter", 1, psi * prec.reduce, z, t))
             if dp // z > 1:
@@ -285,8 +285,7 @@ def parameter_traffic_bytes(shape: ModelShape | MambaShape, layout: Layout, wl: 
     total = m * prec.cast * psi
     anytrain = prec.framework == "anytrain"
     if layout.strategy in ("fsdp", "hsdp") and z > 1 and anytrain:
-        gathers = 2 if layout.reshard_after_forward else 1
-        total += m * gathers * (6.0 + 8.0 / z) * prec.gather / 2 * psi
+        total += layout.gathers_per_step(m) * (6.0 + 8.0 / z) * prec.gather / 2 * psi
     if layout.strategy in ("ddp", "zero1") and layout.dp > 1 and prec.ddp_bucket:
         total += 4 * prec.ddp_bucket * psi
     if layout.strategy == "zero1" and anytrain and z > 1:

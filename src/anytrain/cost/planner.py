@@ -304,6 +304,7 @@ def choose_layout(cfg: object, world_size: int, device_spec: object, gpus_per_no
     return {
         "parallel.strategy": lay.strategy if world_size > 1 else "auto",
         "parallel.reshard_after_forward": lay.reshard_after_forward,
+        "parallel.reshard_during_accumulation": lay.reshard_during_accumulation,
         "train.micro_batch": lay.micro_batch,
         "train.activation_checkpointing": lay.ac,
         "dp": lay.dp,

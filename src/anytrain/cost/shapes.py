@@ -214,10 +214,24 @@ class Layout:
     pp_schedule: str = "1f1b"
     pp_chunks: int = 1
     reshard_after_forward: bool = True
+    reshard_during_accumulation: bool = True  # FSDP: False keeps parameters gathered across a step's micro-batches
 
     @property
     def world(self) -> int:
         return self.dp * self.tp * self.pp
+
+    def keeps_gathered(self, micro_batches: int) -> bool:
+        """FSDP with ``reshard_during_accumulation`` off and several micro-batches: the parameters stay gathered from
+        the first forward to the last backward of the step (the trainer's pipeline schedules do not use it)."""
+        return (not self.reshard_during_accumulation and micro_batches > 1 and self.pp == 1
+                and self.strategy in ("fsdp", "hsdp"))  # fmt: skip
+
+    def gathers_per_step(self, micro_batches: int) -> int:
+        """FSDP parameter all-gathers per step: per micro-batch one in forward and, when resharding after forward,
+        one more in backward; one per step when the parameters stay gathered through accumulation."""
+        if self.keeps_gathered(micro_batches):
+            return 1
+        return micro_batches * (2 if self.reshard_after_forward else 1)
 
     @property
     def shard_size(self) -> int:

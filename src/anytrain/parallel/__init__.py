@@ -18,7 +18,7 @@ import torch.distributed as dist
 from torch import nn
 
 from anytrain import hardware
-from anytrain.config import RunConfig
+from anytrain.config import RunConfig, check_fsdp_only_options
 from anytrain.errors import ConfigError
 from anytrain.parallel.dims import ParallelDims
 
@@ -137,6 +137,10 @@ def _dp_mesh(dims: ParallelDims, device: torch.device):
     return mesh[names] if len(names) > 1 or mesh.ndim > 1 else mesh
 
 
+# Each fully_shard'ed module's configured reshard_after_forward, restored after a step that kept parameters gathered.
+_RESHARD_ATTR = "_anytrain_reshard_after_forward"
+
+
 def apply_fsdp(model: nn.Module, dims: ParallelDims, device: torch.device, mp_dtype: torch.dtype | None,
                reshard: bool) -> nn.Module:  # fmt: skip
     """FSDP2: shard each block, then the root (embeddings, final norm, head); bf16 params with fp32 reduction.
@@ -149,7 +153,9 @@ def apply_fsdp(model: nn.Module, dims: ParallelDims, device: torch.device, mp_dt
     for i, block in enumerate(blocks):
         # The last block's params are needed again right away by backward: keeping them saves one all-gather.
         fully_shard(block, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard and i < len(blocks) - 1)
+        setattr(block, _RESHARD_ATTR, reshard and i < len(blocks) - 1)
     fully_shard(model, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard)
+    setattr(model, _RESHARD_ATTR, reshard)
     return model
 
 
@@ -157,6 +163,7 @@ def parallelize(model: nn.Module, cfg: RunConfig, dims: ParallelDims, device: to
                 compute_dtype: torch.dtype) -> tuple[nn.Module, str]:  # fmt: skip
     """Apply AC -> compile -> DDP/FSDP in place order; returns (the model to call, strategy used)."""
     strategy = resolve_strategy(cfg, dims)
+    check_fsdp_only_options(cfg.parallel, strategy)
     if (dims.tp > 1 or dims.pp > 1) and strategy in ("ddp", "zero1"):
         raise ConfigError("parallel.strategy: tensor/pipeline parallelism combine with fsdp (or no data "
                           "parallelism); set --parallel.strategy fsdp")  # fmt: skip
@@ -192,12 +199,43 @@ def unwrap(model: nn.Module) -> nn.Module:
 
 
 @contextlib.contextmanager
-def gradient_sync(model: nn.Module, strategy: str, sync: bool):
-    """Skip the gradient all-reduce on non-final micro-batches of an accumulation step."""
+def gradient_sync(model: nn.Module, strategy: str, sync: bool, keep_gathered: bool = False):
+    """Skip the gradient all-reduce on non-final micro-batches of an accumulation step.
+
+    ``keep_gathered`` (FSDP, ``parallel.reshard_during_accumulation: false``; pass it only when the step has several
+    micro-batches): the first micro-batch's forward all-gathers the parameters and they stay gathered (no reshard
+    after forward or backward) until the last micro-batch's backward, which reduce-scatters and reshards; then each
+    module gets its configured reshard_after_forward back, so evaluation and checkpoints see the usual set-up."""
     if strategy in ("ddp", "zero1") and not sync:
         with model.no_sync():
             yield
         return
-    if strategy == "fsdp":
-        model.set_requires_gradient_sync(sync)
-    yield
+    if strategy != "fsdp":
+        yield
+        return
+    model.set_requires_gradient_sync(sync)
+    if not keep_gathered:
+        yield
+        return
+    model.set_reshard_after_forward(False)  # the final micro-batch too: resharding would force a second gather
+    model.set_reshard_after_backward(sync)
+    try:
+        yield
+    except BaseException:
+        _restore_resharding(model, reshard_now=True)  # leave no gathered parameters behind a failed step
+        raise
+    if sync:
+        _restore_resharding(model)
+
+
+def _restore_resharding(model: nn.Module, reshard_now: bool = False) -> None:
+    """Each FSDP module's configured reshard_after_forward (recorded by ``apply_fsdp``), reshard after backward on;
+    ``reshard_now`` also frees any parameters still gathered."""
+    from torch.distributed.fsdp import FSDPModule
+
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.set_reshard_after_forward(getattr(module, _RESHARD_ATTR, True), recurse=False)
+            module.set_reshard_after_backward(True, recurse=False)
+            if reshard_now:
+                module.reshard()

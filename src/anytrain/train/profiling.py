@@ -86,19 +86,29 @@ def timeline(kernels: list[tuple[str, float, float]]) -> dict:
 
 def summarize(prof, top: int = 15) -> dict:
     """Kernel summary of a finished ``torch.profiler.profile``: summed kernel time, the ``top`` kernels and the kinds
-    (each with its share of the summed kernel time), and the ``timeline`` figures."""
+    (each with its share of the summed kernel time), and the ``timeline`` figures. Without device kernels (a CPU run)
+    the rows are operators by self CPU time and the timeline is empty."""
     from torch.autograd import DeviceType
 
-    times = [
-        (e.key, getattr(e, "self_device_time_total", 0) or getattr(e, "self_cuda_time_total", 0), e.count)
-        for e in prof.key_averages()
-        if e.device_type == DeviceType.CUDA
-    ]
+    # user annotations (e.g. "nccl:_all_gather_base", recorded on the GPU timeline too) would count their kernels twice
+    averages = [e for e in prof.key_averages() if not getattr(e, "is_user_annotation", False)]
+    if any(e.device_type == DeviceType.CUDA for e in averages):
+        times = [
+            (e.key, getattr(e, "self_device_time_total", 0) or getattr(e, "self_cuda_time_total", 0), e.count)
+            for e in averages
+            if e.device_type == DeviceType.CUDA
+        ]
+    else:  # a CPU run: operators by self CPU time (no device timeline)
+        times = [(e.key, e.self_cpu_time_total, e.count) for e in averages if e.self_cpu_time_total > 0]
     total_us = sum(t for _, t, _ in times) or 1.0
     kinds: dict[str, float] = {}
     for name, t, _ in times:
         kinds[kernel_kind(name)] = kinds.get(kernel_kind(name), 0.0) + t
-    events = [(e.name, e.time_range.start, e.time_range.end) for e in prof.events() if e.device_type == DeviceType.CUDA]
+    events = [
+        (e.name, e.time_range.start, e.time_range.end)
+        for e in prof.events()
+        if e.device_type == DeviceType.CUDA and not getattr(e, "is_user_annotation", False)
+    ]
     return {
         "kernel_ms": total_us / 1e3,
         "top": [
@@ -126,14 +136,12 @@ def format_summary(summary: dict, title: str) -> str:
 class StepProfiler:
     """Profiles optimizer steps ``start .. start + steps - 1`` (0-based) of a run on a GPU and writes, per rank,
     ``<out_dir>/rank<r>.json`` (the ``summarize`` dict plus the steps' wall time) and with ``trace`` the Chrome trace
-    ``rank<r>.trace.json.gz``. Inactive (``enabled`` False) on CPU devices or when ``steps`` is 0."""
+    ``rank<r>.trace.json.gz``. Inactive when ``steps`` is 0; on CPU devices it records operators instead of kernels."""
 
     def __init__(self, start: int, steps: int, out_dir: Path, rank: int, device: torch.device, trace: bool = False):
-        from anytrain import hardware
-
         self.start, self.end = start, start + steps
         self.out_dir, self.rank, self.device, self.trace = Path(out_dir), rank, device, trace
-        self.enabled = steps > 0 and hardware.is_gpu(device)
+        self.enabled = steps > 0
         self._prof = None
         self._t0 = 0.0
         self.summary: dict | None = None
@@ -148,14 +156,15 @@ class StepProfiler:
         from anytrain import hardware
 
         hardware.synchronize(self.device)
-        self._prof = profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA])
+        gpu = hardware.is_gpu(self.device)
+        self._prof = profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if gpu else []))
         self._prof.__enter__()
         self._t0 = time.perf_counter()
 
-    def after_step(self, step: int) -> None:
-        """``step``: the step just finished (0-based)."""
+    def after_step(self, step: int) -> dict | None:
+        """``step``: the step just finished (0-based). Returns the summary once the last profiled step is done."""
         if self._prof is None or step + 1 != self.end:
-            return
+            return None
         import time
 
         from anytrain import hardware
@@ -171,3 +180,4 @@ class StepProfiler:
             self._prof.export_chrome_trace(str(self.out_dir / f"rank{self.rank}.trace.json.gz"))
         self.summary = summary
         self._prof = None
+        return summary

@@ -50,6 +50,7 @@ from anytrain.train.energy import EnergyMeter, energy_metrics
 from anytrain.train.guard import Preempted, StepGuard, StepStatus
 from anytrain.train.metrics import MetricsLogger, ThroughputMeter, mfu
 from anytrain.train.optim import Zero1AdamW, build_optimizer, build_scheduler
+from anytrain.train.profiling import StepProfiler, format_summary
 
 RUN_MARKERS = ("config.yaml", "metrics.jsonl", "checkpoints")
 
@@ -247,7 +248,8 @@ class Trainer:
 
     def forward_backward(self, inputs: torch.Tensor, targets: torch.Tensor, sync: bool, step: int = 0) -> torch.Tensor:
         """One micro-batch: (b, T) ids -> mean token loss / grad_accum, gradients accumulated. Returns the loss."""
-        with gradient_sync(self.model, self.strategy, sync):
+        keep_gathered = self.plan.grad_accum > 1 and not self.cfg.parallel.reshard_during_accumulation
+        with gradient_sync(self.model, self.strategy, sync, keep_gathered=keep_gathered):
             with self._autocast():
                 loss = self.model(inputs, targets) / self.plan.grad_accum  # mean token loss of the micro-batch
             loss = self.guard.poison(step, self.info.rank, loss)
@@ -373,9 +375,16 @@ class Trainer:
         self._energy_start = (time.perf_counter(), self.progress["tokens_seen"])
         if self.energy is not None:
             self.energy.start()
+        p = self.cfg.profile
+        profiler = StepProfiler(p.start_step, p.steps, self.run_dir / "profile", self.info.rank, self.device, p.trace)
+        first_step = step
         try:
             while step < end:
+                profiler.before_step(step - first_step)
                 loss, grad_norm, status = self.train_step(step)
+                profiled = profiler.after_step(step - first_step)
+                if profiled is not None:
+                    self.log.print(format_summary(profiled, f"profile of step {step + 1}, rank {self.info.rank}"))
                 self.checkpointer.poll()
                 if status.nonfinite:
                     self._stop_nonfinite(step, grad_norm)

@@ -1,0 +1,142 @@
+"""FSDP2 with ``parallel.reshard_during_accumulation: false`` on 2 gloo processes: same losses as the default, one
+all-gather per FSDP module per step, parameters sharded again after every step and the configured resharding back.
+
+The test launches this file under torchrun; each rank trains the debug transformer twice (default, then with the
+option off) in one process group and writes what it saw to ``<out>/rank<r>.json``."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+STEPS = 3
+GRAD_ACCUM = 2  # global batch 8 over 2 ranks = 4 sequences each, in micro-batches of 2
+
+
+def _sharded(model) -> list[bool]:
+    """Per parameter: is the module's registered parameter FSDP's sharded DTensor (not the gathered tensor)?"""
+    from torch.distributed.tensor import DTensor, Shard
+
+    return [isinstance(p, DTensor) and all(isinstance(pl, Shard) for pl in p.placements) for p in model.parameters()]
+
+
+def _train(config: Path, run_dir: Path, reshard_during_accumulation: bool) -> dict:
+    """STEPS optimizer steps; per micro-batch the all-gathers issued and whether all parameters were sharded after it;
+    then which parameters a no-grad forward leaves gathered (the configured reshard_after_forward)."""
+    import torch
+    import torch.distributed as dist
+
+    from anytrain.config import load_config
+    from anytrain.parallel import all_reduce_mean
+    from anytrain.train.trainer import Trainer
+
+    flag = str(reshard_during_accumulation).lower()
+    trainer = Trainer(load_config(config, ["--parallel.reshard_during_accumulation", flag]), run_dir=str(run_dir))
+    assert trainer.strategy == "fsdp" and trainer.plan.grad_accum == GRAD_ACCUM
+    gathers, micro_batches = [0], []
+    all_gather_single, forward_backward = dist.all_gather_single, trainer.forward_backward
+
+    def counting_all_gather(*args, **kwargs):  # FSDP2's default all-gather
+        gathers[0] += 1
+        return all_gather_single(*args, **kwargs)
+
+    def recording_forward_backward(*args, **kwargs):
+        out = forward_backward(*args, **kwargs)
+        micro_batches.append({"sync": kwargs["sync"], "all_sharded": all(_sharded(trainer.model))})
+        return out
+
+    trainer.forward_backward = recording_forward_backward
+    losses, grad_norms, gathers_per_step = [], [], []
+    dist.all_gather_single = counting_all_gather
+    try:
+        for step in range(STEPS):
+            gathers[0] = 0
+            loss, grad_norm, _ = trainer.train_step(step)
+            gathers_per_step.append(gathers[0])
+            losses.append(all_reduce_mean(loss).item())
+            grad_norms.append(grad_norm.item())
+    finally:
+        dist.all_gather_single = all_gather_single
+    inputs, _, _ = trainer.val_source.rank_batch(0, trainer.dp_rank, trainer.dp_world)
+    with torch.no_grad():
+        trainer.model(inputs[: trainer.plan.micro_batch])
+    after_eval_forward = _sharded(trainer.model)
+    trainer.evaluate()  # reshards what the forward kept
+    trainer.close()
+    fsdp_modules = sum(1 for m in trainer.model.modules() if hasattr(m, "set_reshard_after_backward"))
+    return {"losses": losses, "grad_norms": grad_norms, "gathers_per_step": gathers_per_step,
+            "micro_batches": micro_batches, "after_eval_forward": after_eval_forward,
+            "fsdp_modules": fsdp_modules}  # fmt: skip
+
+
+def _worker(config: Path, out: Path) -> None:
+    import torch.distributed as dist
+
+    runs = {name: _train(config, out / name, flag) for name, flag in (("default", True), ("gathered", False))}
+    (out / f"rank{dist.get_rank()}.json").write_text(json.dumps(runs))
+    dist.barrier()
+    dist.destroy_process_group()
+    # Skip interpreter teardown: a gloo worker thread still freeing a finished collective's tensors can need the GIL
+    # during Py_Finalize and abort the process ("terminate called without an active exception", ~1 run in 15 here).
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory, small_data) -> list[dict]:
+    from tests.conftest import ROOT, cli_env
+
+    tmp = tmp_path_factory.mktemp("fsdp_accum")
+    config = tmp / "accum.yaml"
+    config.write_text(f"""
+model: {{arch: transformer, flavour: debug}}
+data: {{path: {small_data}, seq_len: 32}}
+train: {{steps: {STEPS}, global_batch: 8, micro_batch: 2, lr: 3.0e-3, warmup_steps: 1, dtype: fp32, eval_batches: 1}}
+parallel: {{strategy: fsdp}}
+device: cpu
+""")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", __file__,
+           str(config), str(tmp)]  # fmt: skip
+    proc = subprocess.run(cmd, cwd=ROOT, env=cli_env(), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return [json.loads((tmp / f"rank{r}.json").read_text()) for r in range(2)]
+
+
+def test_losses_match_the_default(ranks):
+    for rank in ranks:
+        default, gathered = rank["default"], rank["gathered"]
+        assert default["losses"][-1] < default["losses"][0]  # it trains
+        np.testing.assert_allclose(gathered["losses"], default["losses"], rtol=0, atol=1e-5)
+        np.testing.assert_allclose(gathered["grad_norms"], default["grad_norms"], rtol=1e-4)
+
+
+def test_one_all_gather_per_module_per_step(ranks):
+    for rank in ranks:
+        default, gathered = rank["default"], rank["gathered"]
+        assert gathered["gathers_per_step"] == [gathered["fsdp_modules"]] * STEPS
+        # default: every module in every micro-batch's forward, and again in backward (all but the last block)
+        assert all(n >= GRAD_ACCUM * (2 * default["fsdp_modules"] - 2) for n in default["gathers_per_step"])
+
+
+def test_parameters_sharded_after_each_step_and_resharding_restored(ranks):
+    for rank in ranks:
+        default, gathered = rank["default"], rank["gathered"]
+        assert all(mb["all_sharded"] for mb in default["micro_batches"])
+        assert len(gathered["micro_batches"]) == STEPS * GRAD_ACCUM
+        for mb in gathered["micro_batches"]:
+            assert mb["all_sharded"] == mb["sync"]  # gathered between micro-batches, sharded after the step
+        # after the steps each module has its configured reshard_after_forward again: a no-grad forward keeps the
+        # same parameters gathered (the last block's) as without the option
+        assert gathered["after_eval_forward"] == default["after_eval_forward"]
+        assert not all(default["after_eval_forward"]) and any(default["after_eval_forward"])
+
+
+if __name__ == "__main__":  # one torchrun rank (see ``ranks``)
+    _worker(Path(sys.argv[1]), Path(sys.argv[2]))
