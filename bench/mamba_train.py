@@ -53,7 +53,7 @@ from anytrain.config import ModelConfig, RunConfig, plan_batches  # noqa: E402
 from anytrain.models import build_model, resolve_args  # noqa: E402
 from anytrain.parallel import DistInfo, parallelize  # noqa: E402
 from anytrain.train.optim import build_optimizer  # noqa: E402
-from anytrain.train.profiling import summarize  # noqa: E402
+from anytrain.train.profiling import profile_call  # noqa: E402
 
 
 @dataclass
@@ -230,16 +230,6 @@ def measure(step: Callable[[int], None], device: torch.device, warmup: int, step
             "peak_mem_gib": hardware.peak_memory_gib(device)}  # fmt: skip
 
 
-def profile_step(step: Callable[[int], None], device: torch.device, index: int) -> dict:
-    """Device kernels of one optimizer step (``summarize``): the top 15, the kinds and the timeline."""
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        step(index)
-        hardware.synchronize(device)
-    return summarize(prof)
-
-
 def flops_per_token(flavour: str, seq: int) -> tuple[float, int]:
     with torch.device("meta"):
         model = build_model(ModelConfig(arch="mamba", flavour=flavour))
@@ -268,7 +258,8 @@ def run_case(case: Case, device: torch.device, profile: bool = False) -> dict:
         row.update(measure(step, device, case.warmup, case.steps))
         row["tokens_per_s"] = case.steps * row["tokens_per_step"] / row["seconds"]
         if profile and hardware.is_gpu(device):
-            row["kernel_profile"] = profile_step(step, device, case.warmup + case.steps)
+            index = case.warmup + case.steps
+            row["kernel_profile"] = profile_call(lambda: step(index), device)
     except Exception as exc:  # noqa: BLE001 - one failing row must not lose the others
         row["error"] = row_error(exc)
     finally:

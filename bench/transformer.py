@@ -47,7 +47,7 @@ from anytrain.models import losses, resolve_args, transformer  # noqa: E402
 from anytrain.parallel import DistInfo  # noqa: E402
 from anytrain.train import trainer as trainer_module  # noqa: E402
 from anytrain.train.guard import StepGuard  # noqa: E402
-from anytrain.train.profiling import summarize  # noqa: E402
+from anytrain.train.profiling import profile_call  # noqa: E402
 from anytrain.train.trainer import Trainer  # noqa: E402
 
 
@@ -258,16 +258,6 @@ def measure(step: Callable[[int], None], device: torch.device, warmup: int, step
             "warmup_peak_mem_gib": warm_peak}  # fmt: skip
 
 
-def profile_step(step: Callable[[int], None], device: torch.device, index: int, wall_s: float) -> dict:
-    """Kernels of one optimizer step: top 15 and per kind, as a share of the summed kernel time (``summarize``)."""
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        step(index)
-        hardware.synchronize(device)
-    return {"step_wall_ms": 1e3 * wall_s, **summarize(prof)}
-
-
 def run_case(case: Case, device: torch.device, args: argparse.Namespace) -> dict:
     vocab = resolve_args(ModelConfig(arch="transformer", flavour=case.flavour)).vocab_size
     batches = RandomBatches(vocab, case.global_batch, case.seq)
@@ -284,7 +274,8 @@ def run_case(case: Case, device: torch.device, args: argparse.Namespace) -> dict
             row["tokens_per_s"] = args.steps * row["tokens_per_step"] / row["seconds"]
             if case.profile and args.profile:
                 wall = row["seconds"] / args.steps
-                row["kernel_profile"] = profile_step(step, device, args.warmup + args.steps, wall)
+                index = args.warmup + args.steps
+                row["kernel_profile"] = {"step_wall_ms": 1e3 * wall, **profile_call(lambda: step(index), device)}
     except Exception as exc:  # noqa: BLE001 - one failing row must not lose the others
         row["error"] = row_error(exc)
     finally:

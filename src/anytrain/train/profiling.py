@@ -10,9 +10,14 @@ kernel tables.
 from __future__ import annotations
 
 import json
+import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
+from torch.profiler import ProfilerActivity, profile
+
+from anytrain import hardware
 
 # (substring of the lower-cased kernel name, kind): the first match wins.
 KERNEL_KINDS = (
@@ -133,6 +138,19 @@ def format_summary(summary: dict, title: str) -> str:
     return "\n".join(lines)
 
 
+def _activities(device: torch.device) -> list:
+    return [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if hardware.is_gpu(device) else [])
+
+
+def profile_call(fn: Callable[[], None], device: torch.device) -> dict:
+    """``summarize`` of one call of ``fn``, with the device synchronised before the profile ends (the benches' kernel
+    tables of one optimizer step)."""
+    with profile(activities=_activities(device)) as prof:
+        fn()
+        hardware.synchronize(device)
+    return summarize(prof)
+
+
 class StepProfiler:
     """Profiles optimizer steps ``start .. start + steps - 1`` (0-based) of a run on a GPU and writes, per rank,
     ``<out_dir>/rank<r>.json`` (the ``summarize`` dict plus the steps' wall time) and with ``trace`` the Chrome trace
@@ -149,15 +167,8 @@ class StepProfiler:
     def before_step(self, step: int) -> None:
         if not self.enabled or step != self.start:
             return
-        import time
-
-        from torch.profiler import ProfilerActivity, profile
-
-        from anytrain import hardware
-
         hardware.synchronize(self.device)
-        gpu = hardware.is_gpu(self.device)
-        self._prof = profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if gpu else []))
+        self._prof = profile(activities=_activities(self.device))
         self._prof.__enter__()
         self._t0 = time.perf_counter()
 
@@ -165,10 +176,6 @@ class StepProfiler:
         """``step``: the step just finished (0-based). Returns the summary once the last profiled step is done."""
         if self._prof is None or step + 1 != self.end:
             return None
-        import time
-
-        from anytrain import hardware
-
         hardware.synchronize(self.device)
         wall = time.perf_counter() - self._t0
         self._prof.__exit__(None, None, None)
