@@ -118,6 +118,8 @@ def main() -> int:
     for cfg in cfgs:
         print(f"{cfg}")
         for fn, a, kw in scan_launches(cfg):
+            if cfg.maxnreg_bwd and "bwd" in fn.__name__ and backend == "cuda":
+                kw = {**kw, "maxnreg": cfg.maxnreg_bwd}  # the launcher sets it on CUDA devices only
             k = compile_launch(fn, a, kw, target)
             r = resources(k, target, Path(args.dump) if args.dump else None)
             print("  " + "  ".join(f"{k_}={v}" for k_, v in r.items()), flush=True)

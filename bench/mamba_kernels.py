@@ -168,6 +168,19 @@ def main() -> int:
         metavar="FIELDS",
         help="with --sweep: time these backward ScanConfigs (comma-separated fields) instead of the list",
     )
+    ap.add_argument(
+        "--fwd-configs",
+        nargs="+",
+        default=None,
+        metavar="FIELDS",
+        help="with --sweep: time these forward ScanConfigs (comma-separated fields) instead of the list",
+    )
+    ap.add_argument(
+        "--diag",
+        type=int,
+        default=2,
+        help="with --bwd-configs: time the first N given backward configs without their dB/dC atomics too",
+    )
     args = ap.parse_args()
     if not torch.cuda.is_available():
         print("no GPU visible: nothing to benchmark", file=sys.stderr)
@@ -197,9 +210,9 @@ def main() -> int:
     scan_cfg, conv_cfg = scan_mod.default_config(), conv_mod.default_config()
     if args.sweep:
         # ScanConfig fields: block_d, chunk, num_warps, block_d_bwd, chunk_bwd, num_warps_bwd, bwd_impl, seg_bwd,
-        # fwd_impl, seg, rot_bwd, flat_bwd, maxnreg_bwd. Forward variants are timed on the forward only, backward
-        # variants on the backward only (their states from a compatible forward); each is checked against the v2
-        # forward / v3 backward.
+        # fwd_impl, seg, rot_bwd, flat_bwd, maxnreg_bwd, unroll, bc_f32. Forward variants are timed on the forward
+        # only, backward variants on the backward only (their states from a compatible forward); each is checked
+        # against the v2 forward / v3 backward.
         trusted = ScanConfig(16, 16, 2, 4, 16, 4, 2, 32, 0, 32)
         ref = scan_grads(trusted, sets[0])
         fwd_variants = [trusted, ScanConfig(1, 8, 1, 2, 8, 1, 3, 32, 1, 32)]
@@ -214,6 +227,8 @@ def main() -> int:
         ]  # fmt: skip
         if args.bwd_configs:
             bwd_variants = [trusted] + [ScanConfig(*(int(v) for v in c.split(","))) for c in args.bwd_configs]
+        if args.fwd_configs:
+            fwd_variants = [trusted] + [ScanConfig(*(int(v) for v in c.split(","))) for c in args.fwd_configs]
         for which, variants in (("fwd", fwd_variants), ("bwd", bwd_variants)):
             for cfg in variants:
                 try:
@@ -229,7 +244,8 @@ def main() -> int:
         # diagnostic: 2-, 1- and 4-channel backwards without their dB/dC atomics (dB/dC then wrong; not candidates)
         scan_mod._DIAG_SKIP_DBDC = True
         try:
-            for cfg in [] if args.bwd_configs else (bwd_variants[1], bwd_variants[2], bwd_variants[6]):
+            diag = bwd_variants[1 : 1 + args.diag] if args.bwd_configs else [bwd_variants[i] for i in (1, 2, 6)]
+            for cfg in diag:
                 _, b = bench_scan(cfg, sets, which="bwd")
                 sweep.append({"op": "diag_scan_bwd_no_dBdC", "config": vars(cfg), "ms": b})
                 print(f"scan bwd without dB/dC (diagnostic) {b:.3f} ms  {tuple(vars(cfg).values())}", flush=True)
@@ -253,7 +269,8 @@ def main() -> int:
         best_b = min((r for r in sweep if r["op"] == "scan_bwd"), key=lambda r: r["ms"], default=None)
         if best_f and best_b:
             f_, b_ = best_f["config"], best_b["config"]
-            scan_cfg = ScanConfig(**{**b_, **{k: f_[k] for k in ("block_d", "chunk", "num_warps", "fwd_impl", "seg")}})
+            fwd_fields = ("block_d", "chunk", "num_warps", "fwd_impl", "seg", "unroll")  # bc_f32: the backward's
+            scan_cfg = ScanConfig(**{**b_, **{k: f_[k] for k in fwd_fields}})
             if scan_cfg.fwd_impl == 1 and scan_cfg.chunk_bwd % scan_cfg.chunk:
                 scan_cfg = dataclasses.replace(scan_cfg, chunk=scan_cfg.chunk_bwd)
         convs = [r for r in sweep if r["op"] == "conv"]

@@ -202,7 +202,7 @@ def test_tensor_parallel_keeps_the_lm_head_whole():
 @pytest.mark.parametrize(
     "name, shape_args, layout, batch, seq, compiled, prec, measured",
     [  # bench/results/scaling_nvidia-h200_*.json (torch 2.11, 2026-11-22): allocator peaks of rank 0; mb16 and
-        # fp32-residual: transformer_nvidia-h200_in_process.json; mamba-compiled: mamba_train_nvidia-h200.json
+        # fp32-residual: transformer_nvidia-h200_in_process.json; mamba-compiled: mamba_train_nvidia-h200.json (47.4)
         ("t-1-g32", ("transformer", "1.1b"), Layout(micro_batch=4), 32, 2048, True, AMP, 29.30),
         ("v-tiny-1", ("transformer", "tiny"), Layout(micro_batch=16), 16, 256, False, AMP, 0.436),
         ("v-125m-1", ("transformer", "125m"), Layout(micro_batch=16), 64, 1024, True, AMP, 7.54),

@@ -38,6 +38,20 @@ CFG_V4_ALT = ScanConfig(
     block_d=2, chunk=4, num_warps=1, block_d_bwd=4, chunk_bwd=8, num_warps_bwd=2, seg_bwd=2, seg=2, bwd_impl=3,
     rot_bwd=1, flat_bwd=1,
 )  # fmt: skip
+# v5 backward (bwd_impl 4): 4-step segments, so every other segment starts between two saved states; 4 segments per
+# chunk (2 saved states) with 2-channel blocks, and 2 segments per chunk with 1-channel blocks. CFG_V5 also unrolls the
+# forward's state loop by 2 and converts B/C on the host (bc_f32)
+CFG_V5 = ScanConfig(
+    block_d=2, chunk=4, num_warps=1, block_d_bwd=2, chunk_bwd=8, num_warps_bwd=1, seg_bwd=4, seg=2, bwd_impl=4,
+    unroll=2, bc_f32=1,
+)  # fmt: skip
+CFG_V5_ALT = ScanConfig(
+    block_d=2, chunk=4, num_warps=1, block_d_bwd=1, chunk_bwd=8, num_warps_bwd=1, seg_bwd=2, seg=2, bwd_impl=4
+)
+# v5 with 4-channel blocks on 2 warps: B/C loaded as full tiles, dB/dC summed across warps
+CFG_V5_WARPS = ScanConfig(
+    block_d=2, chunk=4, num_warps=1, block_d_bwd=4, chunk_bwd=8, num_warps_bwd=2, seg_bwd=4, seg=2, bwd_impl=4
+)
 CFG_V1 = ScanConfig(
     block_d=2, chunk=8, num_warps=1, block_d_bwd=2, chunk_bwd=4, num_warps_bwd=1, bwd_impl=0, fwd_impl=0
 )
@@ -96,7 +110,11 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize("cfg", [CFG, CFG_V4, CFG_V4_ALT, CFG_V1], ids=["bwd3", "bwd4", "bwd4alt", "bwd1"])
+@pytest.mark.parametrize(
+    "cfg",
+    [CFG, CFG_V4, CFG_V4_ALT, CFG_V5, CFG_V5_ALT, CFG_V5_WARPS, CFG_V1],
+    ids=["bwd3", "bwd4", "bwd4alt", "bwd5", "bwd5alt", "bwd5warps", "bwd1"],
+)
 @pytest.mark.parametrize("batch,dim,seqlen,dstate,ngroups,has_z,has_d,has_bias,softplus", CASES)
 def test_matches_reference(batch, dim, seqlen, dstate, ngroups, has_z, has_d, has_bias, softplus, cfg):
     vals = make_inputs(batch, dim, seqlen, dstate, ngroups, has_z, has_d, has_bias)
@@ -109,7 +127,7 @@ def test_single_saved_state_per_chunk_and_4d_groups_of_one():
     assert_match(*run_both(vals, True, cfg=CFG_SAME))
 
 
-@pytest.mark.parametrize("cfg", [CFG, CFG_V4, CFG_V1], ids=["bwd3", "bwd4", "bwd1"])
+@pytest.mark.parametrize("cfg", [CFG, CFG_V4, CFG_V5, CFG_V1], ids=["bwd3", "bwd4", "bwd5", "bwd1"])
 def test_extreme_decay_underflows_without_nan(cfg):
     # delta*A down to about -1e4: exp underflows to exactly 0; the state then forgets the past completely
     vals = make_inputs(1, 3, 12, 4, None, True, True, False, dt_scale=1.0)
@@ -123,18 +141,31 @@ def test_extreme_decay_underflows_without_nan(cfg):
     assert_match(ours, ref, res, res_ref, tol=1e-7)
 
 
-def test_float32_and_bfloat16_inputs_keep_dtype():
+@pytest.mark.parametrize("cfg", [CFG, CFG_V5], ids=["bwd3", "bwd5"])
+def test_float32_and_bfloat16_inputs_keep_dtype(cfg):
     vals = make_inputs(1, 3, 9, 4, None, True, True, True)
     for dtype, tol in ((torch.float32, 1e-4), (torch.bfloat16, 2e-2)):
         cast = {k: None if v is None else v.to(dtype if k in ("u", "delta", "z", "B", "C") else torch.float32)
                 for k, v in vals.items()}  # fmt: skip
-        out, last = selective_scan_triton(**cast, delta_softplus=True, return_last_state=True, config=CFG)
+        leaves = {k: None if v is None else v.clone().requires_grad_() for k, v in cast.items()}
+        out, last = selective_scan_triton(**leaves, delta_softplus=True, return_last_state=True, config=cfg)
         assert out.dtype == dtype and last.dtype == torch.float32
-        ref = selective_scan_ref(**{k: None if v is None else v.double() for k, v in cast.items()}, delta_softplus=True)
+        ref_in = {k: None if v is None else v.double().requires_grad_() for k, v in cast.items()}
+        ref = selective_scan_ref(**ref_in, delta_softplus=True)
         torch.testing.assert_close(out.double(), ref, rtol=tol, atol=tol)
+        grad = torch.randn(out.shape, generator=torch.Generator().manual_seed(3), dtype=F64)
+        out.backward(grad.to(dtype))
+        ref.backward(grad)
+        for k, v in leaves.items():  # gradients keep their input's dtype (B/C too with bc_f32)
+            if v is not None:
+                assert v.grad.dtype == v.dtype, k
+                g_ref = ref_in[k].grad
+                torch.testing.assert_close(v.grad.double(), g_ref, rtol=tol, atol=tol * g_ref.abs().max().item())
 
 
-@pytest.mark.parametrize("cfg", [CFG, CFG_V4, CFG_V4_ALT, CFG_V1], ids=["bwd3", "bwd4", "bwd4alt", "bwd1"])
+@pytest.mark.parametrize(
+    "cfg", [CFG, CFG_V4, CFG_V4_ALT, CFG_V5, CFG_V1], ids=["bwd3", "bwd4", "bwd4alt", "bwd5", "bwd1"]
+)
 def test_deterministic_mode_is_bitwise_reproducible_and_matches_atomics(cfg):
     vals = make_inputs(2, 6, 11, 4, 2, True, True, True, seed=5)
     runs = [run_both(vals, True, cfg=cfg, deterministic=True)[0] for _ in range(2)]

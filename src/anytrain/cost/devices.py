@@ -53,8 +53,8 @@ class Device:
     host_layer_us: float = 0.0  # eager host time per block per micro-batch; 0 = eager_ops_per_block × host_op_us
     host_layer_us_compiled: float = 450.0  # host time per compiled block per micro-batch (assumed)
     host_step_us: float = 2000.0  # per optimizer step: optimizer, clipping, the guard's all-reduce (assumed)
-    scan_ns: float = 0.079  # Mamba scan fwd+bwd per (token, inner channel), S=16: H200 kernel profile (253.8 ms
-    # for 16384 tokens x 48 layers x 4096 channels, bench/results/mamba_train_nvidia-h200.json)
+    scan_ns: float = 0.062  # Mamba scan fwd+bwd per (token, inner channel), S=16: H200 kernel profile (199.3 ms
+    # for 16384 tokens x 48 layers x 4096 channels with the v5 backward, bench/results/mamba_train_nvidia-h200.json)
     hbm_efficiency: float = 0.85  # achieved fraction of HBM bandwidth by fused elementwise kernels (H200 copy: 87%)
     optimizer_bytes_per_param: float = 80.0  # clipping + fused AdamW, in HBM-equivalent bytes per parameter
     # (H200 kernel profile: 18.4 ms AdamW + 3.7 ms clipping for 1.1B parameters)

@@ -11,8 +11,12 @@ Forward, two kernels (``ScanConfig.fwd_impl``); state math is fp32 (fp64 for fp6
 Saved for backward: the inputs and the state every chunk_bwd steps, (batch, dim, dstate, nsub) fp32 (unit stride over
 nsub); entry k is the state after step (k + 1) chunk_bwd - 1, the last one the final state (``last_state``).
 
-Backward, three kernels (``ScanConfig.bwd_impl``), all recomputing the states from the saved ones:
-  3: ``_ss_bwd_kernel_v4`` (default). The forward v3's layout with 8-step segments split into registers: explicit
+Backward, four kernels (``ScanConfig.bwd_impl``), all recomputing the states from the saved ones:
+  4: ``_ss_bwd_kernel_v5`` (default, ``selective_scan_bwd_v5.py``). v4's algorithm with 4-step segments (two per
+     saved state; the odd ones start from the even neighbour's end state), lane-reversed so that the adjoint's
+     cross-lane scan runs forward, and loads/stores/atomics whose layouts need no conversion on any Triton version:
+     2 channels per one-warp program at about v4's 1-channel register count.
+  3: ``_ss_bwd_kernel_v4``. The forward v3's layout with 8-step segments split into registers: explicit
      sequential forward rescan and adjoint per segment (no shifted delta, one exp per element), one cross-lane scan
      of segment maps; 1-2 channels per one-warp program.
   2: ``_ss_bwd_kernel_v3``: (step, channel, segment) tiles, in-thread ``associative_scan``s (a reverse one for the
@@ -49,6 +53,7 @@ from anytrain.kernels.selective_scan_bwd import (
     _ss_bwd_kernel_v3,
     _ss_bwd_kernel_v4,
 )
+from anytrain.kernels.selective_scan_bwd_v5 import _ss_bwd_kernel_v5
 from anytrain.kernels.selective_scan_fwd import _ss_fwd_kernel_v3
 
 
@@ -60,6 +65,8 @@ class ScanConfig:
     thread, ``seg`` segments on lanes); needs chunk_bwd % chunk == 0 and (chunk * seg) % chunk_bwd == 0. Layouts are
     conversion-free when ``chunk`` steps are one 16-byte vector (8 for bf16) and ``seg`` x ``num_warps`` = lanes.
     fwd_impl 0 (v2): tiles of ``chunk`` steps x next_pow2(dstate) states x ``block_d`` channels.
+    bwd_impl 4 (v5): ``block_d_bwd`` channels (``block_d_bwd / num_warps_bwd`` per warp) x ``seg_bwd`` segments x 4
+    steps (needs chunk_bwd == 8 and an even seg_bwd);
     bwd_impl 3 (v4): ``block_d_bwd`` channels x ``seg_bwd`` segments x 8 steps (needs chunk_bwd == 8);
     bwd_impl 2 (v3): ``chunk_bwd`` steps per thread x ``seg_bwd`` segments x ``block_d_bwd`` channels;
     bwd_impl 0 (v1): ``chunk_bwd`` steps x states x ``block_d_bwd`` channels (needs chunk % chunk_bwd == 0 with v2).
@@ -72,23 +79,26 @@ class ScanConfig:
     block_d_bwd: int = 2
     chunk_bwd: int = 8
     num_warps_bwd: int = 1
-    bwd_impl: int = 3  # 3: _ss_bwd_kernel_v4; 2: _ss_bwd_kernel_v3; 0: _ss_bwd_kernel_v1 (lane-parallel scans)
+    bwd_impl: int = 3  # 4: _ss_bwd_kernel_v5; 3: _ss_bwd_kernel_v4; 2: _ss_bwd_kernel_v3; 0: _ss_bwd_kernel_v1
     seg_bwd: int = 32  # bwd_impl 2/3: segments of chunk_bwd steps per backward chunk (one per lane)
     fwd_impl: int = 1  # 1: _ss_fwd_kernel_v3 (state loop, segments on lanes); 0: _ss_fwd_kernel (v2)
     seg: int = 32  # fwd_impl 1: segments of chunk steps per forward chunk (one per lane)
     rot_bwd: int = 0  # bwd_impl 3: 1 = each program starts its state loop at its block index (spreads the atomics)
     flat_bwd: int = 0  # bwd_impl 3: 1 = dB/dC atomics on (chunk,) tiles in the coalesced layout (values cross lanes)
     maxnreg_bwd: int = 0  # CUDA only: register cap per thread for the backward kernel (0: the compiler's choice)
+    unroll: int = 1  # fwd_impl 1: state-loop unroll factor (independent states interleaved by the compiler)
+    bc_f32: int = 0  # 1 = B and C converted to the accumulation dtype once on the host (no per-state conversion)
 
 
 # Per-vendor defaults. CUDA: fastest of bench/mamba_kernels.py --sweep on an H200 (bench/results/, Triton 3.6):
-# forward 1 channel per one-warp program, backward 2 with flat dB/dC atomics. ROCm: not run (untuned; 64 segments
-# fill a 64-wide wavefront).
+# forward 1 channel per one-warp program; backward v5, 2 channels per one-warp program capped at 168 registers
+# (12 warps per SM; 2.08 ms against 2.30 for v4 with flat atomics). ROCm: not run (untuned; 64 segments fill a 64-wide
+# wavefront; v5 compiles to 206 VGPRs for gfx942 against v4's 291).
 _VENDOR_CONFIGS = {
-    hardware.CUDA: ScanConfig(1, 8, 1, block_d_bwd=2, chunk_bwd=8, num_warps_bwd=1, bwd_impl=3, seg=32, flat_bwd=1),
-    hardware.ROCM: ScanConfig(
-        1, 8, 1, block_d_bwd=2, chunk_bwd=8, num_warps_bwd=1, bwd_impl=3, seg_bwd=64, seg=64, flat_bwd=1
+    hardware.CUDA: ScanConfig(
+        1, 8, 1, block_d_bwd=2, chunk_bwd=8, num_warps_bwd=1, bwd_impl=4, seg=32, maxnreg_bwd=168
     ),
+    hardware.ROCM: ScanConfig(1, 8, 1, block_d_bwd=2, chunk_bwd=8, num_warps_bwd=1, bwd_impl=4, seg_bwd=64, seg=64),
     hardware.CPU: ScanConfig(4, 8, 1, block_d_bwd=4, chunk_bwd=8, num_warps_bwd=1, bwd_impl=3, seg_bwd=4, seg=4),
 }
 _MAX_PARTIALS = 1 << 26  # deterministic mode: largest dB (or dC) partial buffer, in elements, for bwd_impl 3
@@ -213,6 +223,8 @@ def _fwd(
     ngroups, dstate = Bg.shape[1], A.shape[1]
     dpg = dim // ngroups
     acc = _acc_dtype(u, delta, A, Bg, Cg)
+    if cfg.bc_f32:
+        Bg, Cg = Bg.to(acc), Cg.to(acc)  # (batch, G, N, L): small next to the (batch, dim, L) inputs
     nsub = triton.cdiv(seqlen, cfg.chunk_bwd)
     if out is None:
         out = torch.empty((batch, dim, seqlen), device=u.device, dtype=u.dtype)
@@ -244,7 +256,8 @@ def _fwd(
     if cfg.fwd_impl == 1:
         _ss_fwd_kernel_v3[grid](
             *ptrs, dpg, seqlen, nsub, *strides, states.stride(2), states.stride(3),
-            DSTATE=dstate, BLOCK_D=cfg.block_d, SUB=cfg.chunk, SEG=cfg.seg, SAVE=cfg.chunk_bwd // cfg.chunk, **flags,
+            DSTATE=dstate, BLOCK_D=cfg.block_d, SUB=cfg.chunk, SEG=cfg.seg, SAVE=cfg.chunk_bwd // cfg.chunk,
+            UNROLL=cfg.unroll, **flags,
         )  # fmt: skip
         return out, states
     _ss_fwd_kernel[grid](
@@ -260,10 +273,12 @@ def _bwd(dout, u, delta, A, Bg, Cg, D, z, delta_bias, states, softplus: bool, cf
     ngroups, dstate = Bg.shape[1], A.shape[1]
     dpg = dim // ngroups
     acc = _acc_dtype(u, delta, A, Bg, Cg)
+    if cfg.bc_f32:
+        Bg, Cg = Bg.to(acc), Cg.to(acc)
     nchunks = states.shape[3]  # the forward saved the state every cfg.chunk_bwd steps
     chunk = cfg.chunk_bwd
     nblk = triton.cdiv(dpg, cfg.block_d_bwd)
-    if deterministic and cfg.bwd_impl == 3 and nblk * batch * ngroups * dstate * seqlen > _MAX_PARTIALS:
+    if deterministic and cfg.bwd_impl in (3, 4) and nblk * batch * ngroups * dstate * seqlen > _MAX_PARTIALS:
         # per-block dB/dC partials of 1-channel blocks would take dim x the size of dB: use the v3 kernel's
         # 4-channel blocks (the forward saved the state every chunk_bwd = 8 steps, which v3 reads as well)
         cfg = dataclasses.replace(cfg, bwd_impl=2, block_d_bwd=max(cfg.block_d_bwd, 4), num_warps_bwd=4)
@@ -301,10 +316,14 @@ def _bwd(dout, u, delta, A, Bg, Cg, D, z, delta_bias, states, softplus: bool, cf
             dB.stride(0), dB.stride(1), dB.stride(2), dB.stride(3), *extra_strides, **meta, **common,
         )  # fmt: skip
 
-    if cfg.bwd_impl in (2, 3):  # v4 (3) / v3 (2): per-chunk dA partials (batch, nchunks, dim, N)
-        dA = torch.empty((batch, triton.cdiv(seqlen, chunk * cfg.seg_bwd), dim, dstate), device=u.device, dtype=acc)
+    if cfg.bwd_impl in (2, 3, 4):  # v5 (4) / v4 (3) / v3 (2): per-chunk dA partials (batch, nchunks, dim, N)
+        sub = 4 if cfg.bwd_impl == 4 else chunk  # steps per segment (v5: half the saved-state interval)
+        dA = torch.empty((batch, triton.cdiv(seqlen, sub * cfg.seg_bwd), dim, dstate), device=u.device, dtype=acc)
         q = torch.empty((batch, dim, 2, dstate), device=u.device, dtype=acc)  # adjoint carry scratch
-        if cfg.bwd_impl == 3:
+        if cfg.bwd_impl == 4:
+            launch(_ss_bwd_kernel_v5, dA, q, extra_strides=(states.stride(2), states.stride(3), 1), SEG=cfg.seg_bwd,
+                   DBDC=not _DIAG_SKIP_DBDC, BC_TILE=cfg.num_warps_bwd > 1)  # fmt: skip
+        elif cfg.bwd_impl == 3:
             launch(_ss_bwd_kernel_v4, dA, q, extra_strides=(states.stride(2), states.stride(3)), SUB=chunk,
                    SEG=cfg.seg_bwd, DBDC=not _DIAG_SKIP_DBDC, ROT=bool(cfg.rot_bwd),
                    FLAT=bool(cfg.flat_bwd), BC_TILE=cfg.num_warps_bwd > 1)  # fmt: skip
@@ -372,8 +391,10 @@ def selective_scan_triton(
         raise ValueError(
             f"ScanConfig: fwd_impl 1 needs chunk_bwd % chunk == 0 and (chunk * seg) % chunk_bwd == 0: {cfg}"
         )
-    if cfg.bwd_impl == 3 and cfg.chunk_bwd != 8:
-        raise ValueError(f"ScanConfig: bwd_impl 3 needs chunk_bwd == 8, got {cfg.chunk_bwd}")
+    if cfg.bwd_impl in (3, 4) and cfg.chunk_bwd != 8:
+        raise ValueError(f"ScanConfig: bwd_impl {cfg.bwd_impl} needs chunk_bwd == 8, got {cfg.chunk_bwd}")
+    if cfg.bwd_impl == 4 and cfg.seg_bwd < 2:
+        raise ValueError(f"ScanConfig: bwd_impl 4 needs seg_bwd >= 2, got {cfg.seg_bwd}")
     if cfg.fwd_impl == 0 and cfg.bwd_impl != 2 and cfg.chunk % cfg.chunk_bwd != 0:
         raise ValueError(f"ScanConfig: bwd_impl {cfg.bwd_impl} needs chunk ({cfg.chunk}) % chunk_bwd == 0")
     batch, dim, seqlen = u.shape

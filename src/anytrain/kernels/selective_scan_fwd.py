@@ -29,7 +29,9 @@ def _ss_fwd_kernel_v3(
     s_ub, s_ud, s_tb, s_td, s_ad, s_an, s_bb, s_bg, s_bn, s_cb, s_cg, s_cn, s_zb, s_zd, s_ob, s_od, s_sn, s_sk,
     DSTATE: tl.constexpr, BLOCK_D: tl.constexpr, SUB: tl.constexpr, SEG: tl.constexpr, SAVE: tl.constexpr,
     ACC: tl.constexpr, HAS_D: tl.constexpr, HAS_Z: tl.constexpr, HAS_BIAS: tl.constexpr, SOFTPLUS: tl.constexpr,
+    UNROLL: tl.constexpr = 1,
 ):  # fmt: skip
+    # UNROLL: the state loop's unroll factor (two states' serial chains interleaved by the compiler at UNROLL 2).
     # states: (batch, dim, N, nsub) (s_sn, s_sk: strides of N and nsub; s_sk is 1 but not specialised, so the state
     # stores are not vectorised across segments); entry k is the state after step (k + 1) * SUB * SAVE - 1 (the last
     # entry: the final state).
@@ -93,7 +95,7 @@ def _ss_fwd_kernel_v3(
         h_nx = tl.load(st_rows + (kc - 1) * s_sk, mask=mc, other=0.0)
         B_nx = tl.load(B_base + t2, mask=mt1, other=0.0)
         C_nx = tl.load(C_base + t2, mask=mt1, other=0.0)
-        for n in range(0, DSTATE):
+        for n in tl.range(0, DSTATE, loop_unroll_factor=UNROLL):
             A2 = A_nx.to(ACC)[:, None, None] * LOG2E
             hc = h_nx[:, None]  # the state before the chunk
             B_n = tl.reshape(B_nx, (1, SEG, SUB)).to(ACC)
