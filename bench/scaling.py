@@ -84,6 +84,7 @@ def default_cases(max_gpus: int) -> list[Case]:
     cost-model validation's small runs, then 4 GPUs (issue #8)."""
     t, m = "transformer", "mamba"
     gathered = ["--parallel.reshard_during_accumulation", "false"]
+    group2, group4 = (["--parallel.fsdp_group_blocks", str(k)] for k in (2, 4))
     profiled = ["--profile.start_step", "4", "--profile.steps", "1"]
     cases = [
         Case("t-1-g32", t, 1, "single", 32, studies=("strong",)),
@@ -110,6 +111,14 @@ def default_cases(max_gpus: int) -> list[Case]:
         Case("m-fsdp-2-g16", m, 2, "fsdp", 16, studies=("weak",)),
         Case("m-fsdpg-2-g32", m, 2, "fsdp", 32, studies=("strong",), extra=gathered),
         Case("m-fsdpg-2-g16", m, 2, "fsdp", 16, studies=("weak",), extra=gathered),
+        # gathered FSDP with 4 Mamba blocks (2 Transformer blocks) per FSDP unit: fewer, larger collectives and fewer
+        # per-unit hooks (parallel.fsdp_group_blocks)
+        Case("m-fsdpgg-2-g32", m, 2, "fsdp", 32, studies=("strong",), extra=gathered + group4),
+        Case("m-fsdpgg-2-g16", m, 2, "fsdp", 16, studies=("weak",), extra=gathered + group4),
+        Case("t-fsdpgg-2-g16", t, 2, "fsdp", 16, studies=("weak",), extra=gathered + group2),
+        # one profiled step per rank of Mamba's weak-scaling pair (gathered FSDP on 2 GPUs, the 1-GPU reference)
+        Case("pm-fsdpg-2-g16", m, 2, "fsdp", 16, extra=gathered + profiled),
+        Case("pm-1-g8", m, 1, "single", 8, extra=profiled),
         Case("m-ddp-2-g32", m, 2, "ddp", 32, studies=("layout",)),
         Case("m-pp2-2-g32", m, 2, "pp", 32, pp=2, studies=("layout",), extra=["--model.args.tie_embeddings", "false"]),
         Case("t-zero2-2-g32", t, 2, "zero2", 32, studies=("layout",)),

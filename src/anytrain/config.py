@@ -117,6 +117,9 @@ class ParallelConfig:
     (``anytrain plan`` shows the ranking); the choice is written into the resolved config.yaml."""
     reshard_after_forward: bool = True
     """FSDP only: free gathered parameters after forward (ZeRO-3); False keeps them until backward (ZeRO-2)."""
+    fsdp_group_blocks: int = 1
+    """FSDP only: consecutive blocks sharded as one FSDP unit (``fully_shard`` on the group): one all-gather and one
+    reduce-scatter per group instead of per block, and fewer per-unit hooks on the host; a larger gathered unit."""
     reshard_during_accumulation: bool = True
     """FSDP only: False keeps parameters gathered from the first micro-batch's forward to the last micro-batch's
     backward of each step (one all-gather + one reduce-scatter per step; costs the compute-dtype parameters unsharded
@@ -358,6 +361,11 @@ def validate(cfg: RunConfig) -> None:
 def check_fsdp_only_options(parallel: ParallelConfig, strategy: str) -> None:
     """Refuse FSDP-only settings with a DDP-family strategy (called at load with the configured strategy and again
     by ``parallelize`` with the resolved one, which catches ``auto`` choosing DDP)."""
+    if parallel.fsdp_group_blocks < 1:
+        raise ConfigError(f"parallel.fsdp_group_blocks: expected >= 1, got {parallel.fsdp_group_blocks}")
+    if parallel.fsdp_group_blocks > 1 and strategy in ("ddp", "zero1"):
+        raise ConfigError(f"parallel.fsdp_group_blocks applies to FSDP only, but the strategy is {strategy}; set "
+                          "--parallel.strategy fsdp or --parallel.fsdp_group_blocks 1")  # fmt: skip
     if not parallel.reshard_during_accumulation and strategy in ("ddp", "zero1"):
         raise ConfigError(f"parallel.reshard_during_accumulation: false applies to FSDP only, but the strategy is "
                           f"{strategy}; set --parallel.strategy fsdp or --parallel.reshard_during_accumulation "

@@ -1,5 +1,7 @@
 """FSDP2 with ``parallel.reshard_during_accumulation: false`` on 2 gloo processes: same losses as the default, one
 all-gather per FSDP module per step, parameters sharded again after every step and the configured resharding back.
+With ``parallel.fsdp_group_blocks: 2`` as well, the debug model's two blocks are one FSDP unit: one all-gather for
+them (plus the root's) per step, and the same losses.
 
 The test launches this file under torchrun; each rank trains the debug transformer twice (default, then with the
 option off) in one process group and writes what it saw to ``<out>/rank<r>.json``."""
@@ -26,7 +28,7 @@ def _sharded(model) -> list[bool]:
     return [isinstance(p, DTensor) and all(isinstance(pl, Shard) for pl in p.placements) for p in model.parameters()]
 
 
-def _train(config: Path, run_dir: Path, reshard_during_accumulation: bool) -> dict:
+def _train(config: Path, run_dir: Path, reshard_during_accumulation: bool, group_blocks: int = 1) -> dict:
     """STEPS optimizer steps; per micro-batch the all-gathers issued and whether all parameters were sharded after it;
     then which parameters a no-grad forward leaves gathered (the configured reshard_after_forward)."""
     import torch
@@ -37,7 +39,8 @@ def _train(config: Path, run_dir: Path, reshard_during_accumulation: bool) -> di
     from anytrain.train.trainer import Trainer
 
     flag = str(reshard_during_accumulation).lower()
-    trainer = Trainer(load_config(config, ["--parallel.reshard_during_accumulation", flag]), run_dir=str(run_dir))
+    overrides = ["--parallel.reshard_during_accumulation", flag, "--parallel.fsdp_group_blocks", str(group_blocks)]
+    trainer = Trainer(load_config(config, overrides), run_dir=str(run_dir))
     assert trainer.strategy == "fsdp" and trainer.plan.grad_accum == GRAD_ACCUM
     gathers, micro_batches = [0], []
     all_gather_single, forward_backward = dist.all_gather_single, trainer.forward_backward
@@ -70,15 +73,17 @@ def _train(config: Path, run_dir: Path, reshard_during_accumulation: bool) -> di
     trainer.evaluate()  # reshards what the forward kept
     trainer.close()
     fsdp_modules = sum(1 for m in trainer.model.modules() if hasattr(m, "set_reshard_after_backward"))
+    n_blocks = len(trainer.model.blocks())
     return {"losses": losses, "grad_norms": grad_norms, "gathers_per_step": gathers_per_step,
             "micro_batches": micro_batches, "after_eval_forward": after_eval_forward,
-            "fsdp_modules": fsdp_modules}  # fmt: skip
+            "fsdp_modules": fsdp_modules, "n_blocks": n_blocks}  # fmt: skip
 
 
 def _worker(config: Path, out: Path) -> None:
     import torch.distributed as dist
 
-    runs = {name: _train(config, out / name, flag) for name, flag in (("default", True), ("gathered", False))}
+    cases = (("default", True, 1), ("gathered", False, 1), ("grouped", False, 2))
+    runs = {name: _train(config, out / name, flag, group) for name, flag, group in cases}
     (out / f"rank{dist.get_rank()}.json").write_text(json.dumps(runs))
     dist.barrier()
     dist.destroy_process_group()
@@ -140,3 +145,13 @@ def test_parameters_sharded_after_each_step_and_resharding_restored(ranks):
 
 if __name__ == "__main__":  # one torchrun rank (see ``ranks``)
     _worker(Path(sys.argv[1]), Path(sys.argv[2]))
+
+
+def test_grouped_blocks_gather_once_per_group_with_the_same_losses(ranks):
+    for rank in ranks:
+        default, grouped = rank["default"], rank["grouped"]
+        assert grouped["n_blocks"] == 2
+        assert grouped["gathers_per_step"] == [2] * STEPS  # the 2-block unit and the root
+        np.testing.assert_allclose(grouped["losses"], default["losses"], rtol=0, atol=1e-5)
+        for mb in grouped["micro_batches"]:
+            assert mb["all_sharded"] == mb["sync"]

@@ -40,6 +40,12 @@ def test_int_accepted_for_float_field(tmp_path):
             ["--parallel.reshard_during_accumulation", "false"],
             "parallel.reshard_during_accumulation: false applies to FSDP only, but the strategy is ddp",
         ),
+        (
+            "parallel: {strategy: ddp}\n",
+            ["--parallel.fsdp_group_blocks", "2"],
+            "parallel.fsdp_group_blocks applies to FSDP only, but the strategy is ddp",
+        ),
+        ("", ["--parallel.fsdp_group_blocks", "0"], "parallel.fsdp_group_blocks: expected >= 1, got 0"),
     ],
 )
 def test_config_errors_name_the_field(tmp_path, text, overrides, message):

@@ -142,18 +142,22 @@ _RESHARD_ATTR = "_anytrain_reshard_after_forward"
 
 
 def apply_fsdp(model: nn.Module, dims: ParallelDims, device: torch.device, mp_dtype: torch.dtype | None,
-               reshard: bool) -> nn.Module:  # fmt: skip
-    """FSDP2: shard each block, then the root (embeddings, final norm, head); bf16 params with fp32 reduction.
-    On a 2D (dp_replicate, dp_shard) mesh this is HSDP: sharded inside a group, replicated across groups."""
+               reshard: bool, group_blocks: int = 1) -> nn.Module:  # fmt: skip
+    """FSDP2: shard each block (or each group of ``group_blocks`` consecutive blocks, one unit for communication),
+    then the root (embeddings, final norm, head); bf16 params with fp32 reduction. On a 2D (dp_replicate, dp_shard)
+    mesh this is HSDP: sharded inside a group, replicated across groups."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     mesh = _dp_mesh(dims, device)
     mp = MixedPrecisionPolicy(param_dtype=mp_dtype, reduce_dtype=torch.float32) if mp_dtype else MixedPrecisionPolicy()
     blocks = model.blocks()
-    for i, block in enumerate(blocks):
-        # The last block's params are needed again right away by backward: keeping them saves one all-gather.
-        fully_shard(block, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard and i < len(blocks) - 1)
-        setattr(block, _RESHARD_ATTR, reshard and i < len(blocks) - 1)
+    groups = [blocks[i : i + group_blocks] for i in range(0, len(blocks), group_blocks)]
+    for i, group in enumerate(groups):
+        # The last unit's params are needed again right away by backward: keeping them saves one all-gather.
+        keep = reshard and i < len(groups) - 1
+        fully_shard(group if len(group) > 1 else group[0], mesh=mesh, mp_policy=mp, reshard_after_forward=keep)
+        for block in group:
+            setattr(block, _RESHARD_ATTR, keep)
     fully_shard(model, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard)
     setattr(model, _RESHARD_ATTR, reshard)
     return model
@@ -177,7 +181,9 @@ def parallelize(model: nn.Module, cfg: RunConfig, dims: ParallelDims, device: to
         apply_compile(model)
     if strategy == "fsdp":
         mp_dtype = compute_dtype if compute_dtype != torch.float32 else None
-        model = apply_fsdp(model, dims, device, mp_dtype, cfg.parallel.reshard_after_forward)
+        model = apply_fsdp(
+            model, dims, device, mp_dtype, cfg.parallel.reshard_after_forward, cfg.parallel.fsdp_group_blocks
+        )
     elif strategy in ("ddp", "zero1"):  # zero1: replicated parameters and gradients; optim.py shards the state
         from torch.nn.parallel import DistributedDataParallel as DDP
 
