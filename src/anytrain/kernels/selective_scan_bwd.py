@@ -31,6 +31,33 @@ def _sigmoid(x):
 
 
 @triton.jit
+def _program_block(dpg, BLOCK_D: tl.constexpr):
+    """The (channel block, group, batch) program of the scan kernels' grid: (pid_blk, g, b, dim, offs_dl, mask_d,
+    offs_d) with offs_dl the block's channels inside the group, offs_d the same channels in the model."""
+    pid_blk = tl.program_id(0)
+    g = tl.program_id(1)
+    b = tl.program_id(2).to(tl.int64)
+    offs_dl = pid_blk * BLOCK_D + tl.arange(0, BLOCK_D)
+    return pid_blk, g, b, dpg * tl.num_programs(1), offs_dl, offs_dl < dpg, g * dpg + offs_dl
+
+
+@triton.jit
+def _row_bases(
+    b, rows, u_ptr, dt_ptr, z_ptr, dout_ptr, du_ptr, ddt_ptr, dz_ptr, s_ub, s_ud, s_tb, s_td, s_zb, s_zd, s_gb, s_gd
+):  # fmt: skip
+    """Pointers to this batch's ``rows`` (channel ids, any shape) of u, delta, z, dout and of du, ddelta, dz (which
+    share the strides of u, delta and z)."""
+    u_base = u_ptr + b * s_ub + rows * s_ud
+    dt_base = dt_ptr + b * s_tb + rows * s_td
+    z_base = z_ptr + b * s_zb + rows * s_zd
+    go_base = dout_ptr + b * s_gb + rows * s_gd
+    du_base = du_ptr + b * s_ub + rows * s_ud
+    ddt_base = ddt_ptr + b * s_tb + rows * s_td
+    dz_base = dz_ptr + b * s_zb + rows * s_zd
+    return u_base, dt_base, z_base, go_base, du_base, ddt_base, dz_base
+
+
+@triton.jit
 def _ld2(ptrs, mask, BLOCK_D: tl.constexpr, SEG: tl.constexpr, SUB: tl.constexpr, ACC: tl.constexpr):
     # (BLOCK_D, SEG * SUB) load -> (BLOCK_D, SEG, SUB) tile (free when a thread's 16-byte vector is one segment)
     return tl.reshape(tl.load(ptrs, mask=mask, other=0.0), (BLOCK_D, SEG, SUB)).to(ACC)
@@ -216,14 +243,8 @@ def _ss_bwd_kernel_v3(
     #  - dB/dC sum over the block's channels across warps (shared memory), not lanes.
     # dA: (batch, nchunks, dim, N) per-chunk partials; dD, dbias: (batch, dim); dB/dC: (batch, G, K, N, L).
     CHUNK = SUB * SEG
-    pid_blk = tl.program_id(0)
-    g = tl.program_id(1)
-    b = tl.program_id(2).to(tl.int64)
-    dim = dpg * tl.num_programs(1)
+    pid_blk, g, b, dim, offs_dl, mask_d, offs_d = _program_block(dpg, BLOCK_D)
     nchunks = tl.cdiv(seqlen, CHUNK)
-    offs_dl = pid_blk * BLOCK_D + tl.arange(0, BLOCK_D)
-    mask_d = offs_dl < dpg
-    offs_d = g * dpg + offs_dl
     md3 = mask_d[None, :, None]
     offs_r = tl.arange(0, SUB)[:, None, None]
     offs_s = tl.arange(0, SEG)
@@ -233,13 +254,9 @@ def _ss_bwd_kernel_v3(
     if HAS_BIAS:
         bias = tl.load(bias_ptr + offs_d, mask=mask_d, other=0.0).to(ACC)[None, :, None]
     rows = offs_d[None, :, None]
-    u_base = u_ptr + b * s_ub + rows * s_ud  # (1, BLOCK_D, 1)
-    dt_base = dt_ptr + b * s_tb + rows * s_td
-    z_base = z_ptr + b * s_zb + rows * s_zd
-    go_base = dout_ptr + b * s_gb + rows * s_gd
-    du_base = du_ptr + b * s_ub + rows * s_ud
-    ddt_base = ddt_ptr + b * s_tb + rows * s_td
-    dz_base = dz_ptr + b * s_zb + rows * s_zd
+    u_base, dt_base, z_base, go_base, du_base, ddt_base, dz_base = _row_bases(
+        b, rows, u_ptr, dt_ptr, z_ptr, dout_ptr, du_ptr, ddt_ptr, dz_ptr, s_ub, s_ud, s_tb, s_td, s_zb, s_zd, s_gb, s_gd
+    )  # (1, BLOCK_D, 1)
     B_base = B_ptr + b * s_bb + g * s_bg
     C_base = C_ptr + b * s_cb + g * s_cg
     r_base = b * s_rb + g * s_rg
@@ -382,14 +399,8 @@ def _ss_bwd_kernel_v4(
     # vectorised). dA: (batch, nchunks, dim, N) per-chunk partials; dD, dbias: (batch, dim); dB/dC: (batch, G, K, N, L).
     tl.static_assert(SUB == 8, "bwd_impl 3 needs chunk_bwd == 8")
     CHUNK: tl.constexpr = SUB * SEG
-    pid_blk = tl.program_id(0)
-    g = tl.program_id(1)
-    b = tl.program_id(2).to(tl.int64)
-    dim = dpg * tl.num_programs(1)
+    pid_blk, g, b, dim, offs_dl, mask_d, offs_d = _program_block(dpg, BLOCK_D)
     nchunks = tl.cdiv(seqlen, CHUNK)
-    offs_dl = pid_blk * BLOCK_D + tl.arange(0, BLOCK_D)
-    mask_d = offs_dl < dpg
-    offs_d = g * dpg + offs_dl
     md3 = mask_d[:, None, None]
     offs_s = tl.arange(0, SEG)[None, :, None]
     offs_r = tl.arange(0, SUB)[None, None, :]
@@ -401,13 +412,9 @@ def _ss_bwd_kernel_v4(
         Dv = tl.load(D_ptr + offs_d, mask=mask_d, other=0.0).to(ACC)[:, None, None]
     if HAS_BIAS:
         bias = tl.load(bias_ptr + offs_d, mask=mask_d, other=0.0).to(ACC)[:, None, None]
-    u_base = u_ptr + b * s_ub + rows * s_ud
-    dt_base = dt_ptr + b * s_tb + rows * s_td
-    z_base = z_ptr + b * s_zb + rows * s_zd
-    go_base = dout_ptr + b * s_gb + rows * s_gd
-    du_base = du_ptr + b * s_ub + rows * s_ud
-    ddt_base = ddt_ptr + b * s_tb + rows * s_td
-    dz_base = dz_ptr + b * s_zb + rows * s_zd
+    u_base, dt_base, z_base, go_base, du_base, ddt_base, dz_base = _row_bases(
+        b, rows, u_ptr, dt_ptr, z_ptr, dout_ptr, du_ptr, ddt_ptr, dz_ptr, s_ub, s_ud, s_tb, s_td, s_zb, s_zd, s_gb, s_gd
+    )
     B_base = B_ptr + b * s_bb + g * s_bg  # B and C: (1, CHUNK) loads, broadcast over the block's channels
     C_base = C_ptr + b * s_cb + g * s_cg
     r_base = dB_ptr + b * s_rb + g * s_rg

@@ -25,7 +25,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from anytrain.kernels.selective_scan_bwd import LOG2E, _combine, _sigmoid, _softplus
+from anytrain.kernels.selective_scan_bwd import LOG2E, _combine, _program_block, _row_bases, _sigmoid, _softplus
 
 
 @triton.jit
@@ -68,17 +68,15 @@ def _ss_bwd_kernel_v5(
     tl.static_assert(SEG % 2 == 0, "bwd_impl 4 needs an even seg_bwd")
     SUB: tl.constexpr = 4
     CHUNK: tl.constexpr = SUB * SEG
-    pid_blk = tl.program_id(0)
-    g = tl.program_id(1)
-    b = tl.program_id(2).to(tl.int64)
-    dim = dpg * tl.num_programs(1)
+    pid_blk, g, b, dim, offs_dl, mask_d, offs_d = _program_block(dpg, BLOCK_D)
     nchunks = tl.cdiv(seqlen, CHUNK)
-    offs_dl = pid_blk * BLOCK_D + tl.arange(0, BLOCK_D)
-    mask_d = offs_dl < dpg
-    offs_d = g * dpg + offs_dl
     md3 = mask_d[:, None, None]
     jj = tl.arange(0, CHUNK)
-    tl2 = ((SEG - 1 - jj // SUB) * (SUB * one) + jj % SUB)[None, :]  # (1, CHUNK) step in the chunk, lane-reversed
+    # (CHUNK,) step in the chunk, lane-reversed, built directly (contiguity through a reshape is lost in some Triton
+    # versions) with runs of SUB contiguous steps: the loads' vectors, and lane p's 4-wide fp32 dB/dC atomic covering
+    # its segment's 16 bytes (the warp's 512 contiguous bytes)
+    tf0 = (SEG - 1 - jj // SUB) * (SUB * one) + jj % SUB
+    tl2 = tf0[None, :]  # (1, CHUNK)
     tloc = tl.reshape(tl2, (1, SEG, SUB))
     offs_p = tl.arange(0, SEG)[None, :]  # (1, SEG) lane p = time segment SEG - 1 - p
     rows = offs_d[:, None]
@@ -86,13 +84,9 @@ def _ss_bwd_kernel_v5(
         Dv = tl.load(D_ptr + offs_d, mask=mask_d, other=0.0).to(ACC)[:, None, None]
     if HAS_BIAS:
         bias = tl.load(bias_ptr + offs_d, mask=mask_d, other=0.0).to(ACC)[:, None, None]
-    u_base = u_ptr + b * s_ub + rows * s_ud
-    dt_base = dt_ptr + b * s_tb + rows * s_td
-    z_base = z_ptr + b * s_zb + rows * s_zd
-    go_base = dout_ptr + b * s_gb + rows * s_gd
-    du_base = du_ptr + b * s_ub + rows * s_ud
-    ddt_base = ddt_ptr + b * s_tb + rows * s_td
-    dz_base = dz_ptr + b * s_zb + rows * s_zd
+    u_base, dt_base, z_base, go_base, du_base, ddt_base, dz_base = _row_bases(
+        b, rows, u_ptr, dt_ptr, z_ptr, dout_ptr, du_ptr, ddt_ptr, dz_ptr, s_ub, s_ud, s_tb, s_td, s_zb, s_zd, s_gb, s_gd
+    )
     B_base = B_ptr + b * s_bb + g * s_bg  # B and C: (1, CHUNK) loads, broadcast over the block's channels
     C_base = C_ptr + b * s_cb + g * s_cg
     r_base = dB_ptr + b * s_rb + g * s_rg
@@ -115,9 +109,6 @@ def _ss_bwd_kernel_v5(
     first_lane = i_m & (i_seg == SEG - 1)  # (BLOCK_D * SEG,) one lane per channel (lane 0)
     last = i_m & (i_seg == 0)  # (BLOCK_D * SEG,) the lane of the chunk's first segment
     seg_t = SEG - 1 - offs_p  # (1, SEG) time segment of each lane
-    # dB/dC: (CHUNK,) offsets with runs of 4 contiguous steps built directly (contiguity through a reshape is lost in
-    # some Triton versions): lane p's 4-wide fp32 atomic covers its segment's 16 bytes, the warp's 512 contiguous bytes
-    tf0 = (SEG - 1 - jj // SUB) * (SUB * one) + jj % SUB
     odd = (seg_t % 2) == 1  # segments that start between two saved states
     up = tl.minimum(offs_p + 1, SEG - 1) + 0 * rows  # gather index: the lane of the previous time segment
     down = tl.maximum(offs_p - 1, 0) + 0 * rows  # gather index: the lane of the next time segment
@@ -144,6 +135,7 @@ def _ss_bwd_kernel_v5(
         y = tl.zeros((BLOCK_D, SEG, SUB), dtype=ACC)
         sgb = tl.zeros((BLOCK_D, SEG, SUB), dtype=ACC)  # sum_n g B
         sahm = tl.zeros((BLOCK_D, SEG, SUB), dtype=ACC)  # sum_n A hm (A in log2 units)
+        q_in = q_flat + ((c + 1) % 2) * DSTATE  # double-buffered carry: the later chunk's, and this chunk's
         q_out = q_flat + (c % 2) * DSTATE
         k = c * (SEG // 2) + i_seg // 2 - 1  # (BLOCK_D * SEG,) the saved state before each pair of segments
         mk = i_m & (k >= 0) & (k < nsub)  # pairs past seqlen: no saved state (h0 = 0)
@@ -162,7 +154,7 @@ def _ss_bwd_kernel_v5(
         B_nx = tl.load(B_base + tb, mask=mt1, other=0.0)
         C_nx = tl.load(C_base + tb, mask=mt1, other=0.0)
         h_nx = tl.load(st_k, mask=mk, other=0.0)
-        q_nx = tl.load(q_flat + ((c + 1) % 2) * DSTATE, mask=mq, other=0.0)
+        q_nx = tl.load(q_in, mask=mq, other=0.0)
         for n in range(0, DSTATE):
             A2 = tl.reshape(A_nx, (BLOCK_D, SEG)).to(ACC)[:, :, None] * LOG2E
             B_n = tl.reshape(B_nx, (BLOCK_D if BC_TILE else 1, SEG, SUB)).to(ACC)
@@ -174,7 +166,7 @@ def _ss_bwd_kernel_v5(
             B_nx = tl.load(B_base + n1 * s_bn + tb, mask=mt1, other=0.0)
             C_nx = tl.load(C_base + n1 * s_cn + tb, mask=mt1, other=0.0)
             h_nx = tl.load(st_k + n1 * s_sn, mask=mk, other=0.0)
-            q_nx = tl.load(q_flat + ((c + 1) % 2) * DSTATE + n1, mask=mq, other=0.0)
+            q_nx = tl.load(q_in + n1, mask=mq, other=0.0)
             a = tl.exp2(dt * A2)
             bu = dtu * B_n
             a0, a1, a2, a3 = _split4(a, BLOCK_D, SEG)

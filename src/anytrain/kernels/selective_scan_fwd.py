@@ -19,7 +19,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from anytrain.kernels.selective_scan_bwd import LOG2E, _combine, _ld2, _sigmoid, _softplus
+from anytrain.kernels.selective_scan_bwd import LOG2E, _combine, _ld2, _program_block, _sigmoid, _softplus
 
 
 @triton.jit(do_not_specialize=["s_sk"])
@@ -37,14 +37,8 @@ def _ss_fwd_kernel_v3(
     # entry: the final state).
     CHUNK: tl.constexpr = SUB * SEG
     KPC: tl.constexpr = SEG // SAVE  # saved states per chunk
-    pid_blk = tl.program_id(0)
-    g = tl.program_id(1)
-    b = tl.program_id(2).to(tl.int64)
-    dim = dpg * tl.num_programs(1)
+    pid_blk, g, b, dim, offs_dl, mask_d, offs_d = _program_block(dpg, BLOCK_D)
     nchunks = tl.cdiv(seqlen, CHUNK)
-    offs_dl = pid_blk * BLOCK_D + tl.arange(0, BLOCK_D)
-    mask_d = offs_dl < dpg
-    offs_d = g * dpg + offs_dl
     md3 = mask_d[:, None, None]
     offs_s = tl.arange(0, SEG)[None, :, None]
     tloc = offs_s * SUB + tl.arange(0, SUB)[None, None, :]  # (1, SEG, SUB) step inside the chunk
