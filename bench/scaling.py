@@ -123,6 +123,9 @@ def default_cases(max_gpus: int) -> list[Case]:
         Case("m-pp2-2-g32", m, 2, "pp", 32, pp=2, studies=("layout",), extra=["--model.args.tie_embeddings", "false"]),
         Case("t-zero2-2-g32", t, 2, "zero2", 32, studies=("layout",)),
         Case("t-zero1-2-g32", t, 2, "zero1", 32, studies=("layout",)),
+        # 4 GPUs (issue #8), the recommended layouts first: gathered FSDP for both models, then the plain layouts
+        Case("t-fsdpg-4-g32", t, 4, "fsdp", 32, studies=("strong", "weak"), extra=gathered),
+        Case("m-fsdpg-4-g32", m, 4, "fsdp", 32, studies=("strong", "weak"), extra=gathered),
         Case("t-fsdp-4-g32", t, 4, "fsdp", 32, studies=("strong", "weak", "layout")),
         Case("t-zero2-4-g32", t, 4, "zero2", 32, studies=("strong", "layout")),
         Case("hf-ddp-4-g32", t, 4, "hf-ddp", 32, studies=("weak",)),
@@ -131,6 +134,10 @@ def default_cases(max_gpus: int) -> list[Case]:
         Case("t-pp4-4-g32", t, 4, "pp", 32, pp=4, studies=("layout",)),
         Case("m-fsdp-4-g32", m, 4, "fsdp", 32, studies=("strong", "weak", "layout")),
         Case("t-tp2-fsdp2-4-g32", t, 4, "tp", 32, tp=2, studies=("layout",)),
+        Case("t-zero1-4-g32", t, 4, "zero1", 32, studies=("strong", "layout")),
+        Case("t-ddp-4-g32", t, 4, "ddp", 32, studies=("strong", "layout")),
+        Case("m-ddp-4-g32", m, 4, "ddp", 32, studies=("strong", "layout")),
+        Case("m-pp4-4-g32", m, 4, "pp", 32, pp=4, studies=("layout",), extra=["--model.args.tie_embeddings", "false"]),
     ]
     return [c for c in cases if c.gpus <= max_gpus]
 
@@ -221,6 +228,11 @@ def collect(job: Job, timed_out: bool) -> dict:
     if profiles:
         row["profile"] = [json.loads(p.read_text()) for p in profiles]
     return row
+
+
+def tag_suffix(tag: str) -> str:
+    """``--tag 4gpu`` -> ``_4gpu`` (a tag that already starts with ``_`` or ``-`` is kept as given)."""
+    return tag if not tag or tag[0] in "_-" else f"_{tag}"
 
 
 def run_cases(cases: list[Case], args: argparse.Namespace, n_gpus: int) -> list[dict]:
@@ -661,7 +673,7 @@ def merge_main(args: argparse.Namespace) -> None:
         print(f"note: {note}")
     device = payload["device"] if isinstance(payload["device"], str) else "mixed"
     slug = re.sub(r"[^a-z0-9]+", "-", device.lower()).strip("-")
-    path = Path(args.out) / f"scaling_{slug}{args.tag}.json"
+    path = Path(args.out) / f"scaling_{slug}{tag_suffix(args.tag)}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(payload, indent=1, default=str))
     print(f"\nwrote {path}")
@@ -733,7 +745,7 @@ def main() -> None:
     add_predictions(rows, "h200" if "H200" in env.get("device", "") else "h100", n_gpus)
     print_table(rows)
     slug = re.sub(r"[^a-z0-9]+", "-", env.get("device", "unknown").lower()).strip("-")
-    path = Path(args.out) / f"scaling_{slug}{args.tag}.json"
+    path = Path(args.out) / f"scaling_{slug}{tag_suffix(args.tag)}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
     payload = {"date": time.strftime("%Y-%m-%d"), "device": env.get("device"), "gpus_on_host": n_gpus,
                "versions": env, "settings": {"steps": args.steps, "log_interval": args.log_interval,
