@@ -557,6 +557,24 @@ LAYOUT_STYLE = {"fsdp": ("FSDP", "tab:blue", "o"), "zero2": ("ZeRO-2", "tab:oran
                 "pp": ("PP", "tab:pink", "X")}  # fmt: skip
 
 
+def row_variant(row: dict) -> str:
+    """The label suffix of a row's option variant: FSDP kept gathered through accumulation, blocks per FSDP unit;
+    profiled rows (``--profile.*``) are not plotted."""
+    extra = " ".join(row.get("extra", []))
+    out = " gathered" if "reshard_during_accumulation false" in extra else ""
+    group = re.search(r"fsdp_group_blocks (\d+)", extra)
+    return out + (f", {group.group(1)} blocks/unit" if group else "") + (" profiled" if "--profile." in extra else "")
+
+
+def variant_styles(rows: list[dict]) -> list:
+    """(layout, variant) -> (name, color, marker) for every layout in LAYOUT_STYLE and each variant present."""
+    out = []
+    for layout, style in LAYOUT_STYLE.items():
+        variants = sorted({row_variant(r) for r in rows if r["layout"] == layout} | {""})
+        out += [((layout, v), style) for v in variants if "profiled" not in v]
+    return out
+
+
 def plot_series(rows: list[dict], model: str) -> list[dict]:
     """Lines for one model's panel: per layout, the 1-GPU run at the study's global batch then the layout's rows at
     that batch (labelled with strong efficiency); FSDP and HF + DDP also at a fixed per-GPU batch (weak efficiency)."""
@@ -564,14 +582,16 @@ def plot_series(rows: list[dict], model: str) -> list[dict]:
     singles = {r["global_batch"]: r for r in rows if r["gpus"] == 1 and r["layout"] == "single"}
     strong_gbs = max(singles, default=None)
     series = []
-    for layout, (name, color, marker) in LAYOUT_STYLE.items():
-        mine = sorted((r for r in rows if r["layout"] == layout and r["gpus"] > 1), key=lambda r: r["gpus"])
+    for (layout, variant), (name, color, marker) in variant_styles(rows):
+        mine = sorted((r for r in rows if r["layout"] == layout and row_variant(r) == variant and r["gpus"] > 1),
+                      key=lambda r: r["gpus"])  # fmt: skip
+        name = f"{name}{variant}"
         strong = [r for r in mine if r["global_batch"] == strong_gbs]
         if strong:
             untied = any("tie_embeddings" in " ".join(r.get("extra", [])) for r in strong)
             series.append({"label": f"{name}{' (untied emb.)' if untied else ''}, {strong_gbs} seq global",
                            "rows": [singles[strong_gbs], *strong], "eff": "strong", "color": color,
-                           "marker": marker, "style": "-"})  # fmt: skip
+                           "marker": marker, "style": "-" if not variant else "-."})  # fmt: skip
         weak_batches = {r["global_batch"] // r["gpus"] for r in mine if r["global_batch"] != strong_gbs}
         for b in sorted(weak_batches & set(singles)):
             weak = [r for r in mine if r["dp"] == r["gpus"] and r["global_batch"] == b * r["gpus"]]

@@ -121,3 +121,16 @@ def test_validation_calibrates_on_one_run_and_predicts_the_rest():
     assert not small["calibration_run"] and small["allocated_gib"] > 0
     with pytest.raises(SystemExit, match="calibration run"):
         cost_model_validation.predict([_row(cases["v-125m-1"], 1.0, 1.0)], "h200", 4, "t-1-g32")
+
+
+def test_plot_series_keeps_option_variants_apart_and_drops_profiled_rows():
+    cases = {c.name: c for c in scaling.default_cases(4)}
+    rows = [_row(cases[n], tps, 20.0) for n, tps in (("t-1-g32", 1000.0), ("t-fsdp-4-g32", 850.0),
+                                                     ("t-fsdpg-4-g32", 930.0), ("t-fsdp-2-g32", 900.0),
+                                                     ("t-fsdpg-2-g32", 970.0), ("p-fsdp-2-g16", 500.0))]  # fmt: skip
+    scaling.add_efficiencies(rows)
+    series = {s["label"]: [r["name"] for r in s["rows"]] for s in scaling.plot_series(rows, "transformer")}
+    assert series["FSDP, 32 seq global"] == ["t-1-g32", "t-fsdp-2-g32", "t-fsdp-4-g32"]
+    assert series["FSDP gathered, 32 seq global"] == ["t-1-g32", "t-fsdpg-2-g32", "t-fsdpg-4-g32"]
+    assert not any("p-fsdp-2-g16" in names for names in series.values())
+    assert scaling.tag_suffix("4gpu") == "_4gpu" and scaling.tag_suffix("_x") == "_x" and scaling.tag_suffix("") == ""
