@@ -146,7 +146,8 @@ def default_cases(max_gpus: int) -> list[Case]:
 # Launching
 
 
-def anytrain_command(case: Case, run_dir: Path, data: str, steps: int, log_interval: int) -> list[str]:
+def anytrain_command(case: Case, run_dir: Path, data: str, steps: int, log_interval: int,
+                     extra: tuple[str, ...] = ()) -> list[str]:  # fmt: skip
     strategy = {"single": "auto", "fsdp": "fsdp", "hsdp": "fsdp", "ddp": "ddp", "tp": "fsdp", "pp": "fsdp",
                 "zero2": "fsdp", "zero1": "zero1"}[case.layout]  # fmt: skip
     overrides = {
@@ -161,7 +162,7 @@ def anytrain_command(case: Case, run_dir: Path, data: str, steps: int, log_inter
     args = [a for k, v in overrides.items() for a in (f"--{k}", str(v))]
     recipe = case.recipe or RECIPES[case.model]
     return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={case.gpus}",
-            "-m", "anytrain", "train", recipe, "--run-dir", str(run_dir), *args, *case.extra]  # fmt: skip
+            "-m", "anytrain", "train", recipe, "--run-dir", str(run_dir), *args, *case.extra, *extra]  # fmt: skip
 
 
 def hf_command(case: Case, out_json: Path, steps: int, warmup: int) -> list[str]:
@@ -187,7 +188,8 @@ def start_job(case: Case, gpus: list[int], work: Path, args: argparse.Namespace)
     if case.layout == "hf-ddp":
         cmd = hf_command(case, job_dir / "hf.json", args.steps - args.log_interval, args.log_interval)
     else:
-        cmd = anytrain_command(case, job_dir / "run", args.data, args.steps, args.log_interval)
+        cmd = anytrain_command(case, job_dir / "run", args.data, args.steps, args.log_interval,
+                               tuple(args.train_args.split()))  # fmt: skip
     env = dict(os.environ, CUDA_VISIBLE_DEVICES=",".join(map(str, gpus)), PYTHONUNBUFFERED="1",
                PYTHONPATH=str(ROOT / "src") + os.pathsep + os.environ.get("PYTHONPATH", ""))  # fmt: skip
     log = job_dir / "log.txt"
@@ -219,6 +221,9 @@ def collect(job: Job, timed_out: bool) -> dict:
         "tokens_per_s_per_gpu": summary["tokens_per_s_per_device"],
         "mfu": summary["mfu"],
         "peak_mem_gib": summary["peak_mem_gib"],
+        # every log window's rate (the first holds compilation): shows whether a slow row was slow throughout or hit
+        # by one stall
+        "window_tokens_per_s": summary.get("window_tokens_per_s"),
         "params": summary["params"],
         "flops_per_token": summary["flops_per_token"],
         "strategy": summary["strategy"],
@@ -730,6 +735,8 @@ def main() -> None:
         help="merge results files (oldest first; a later row replaces an earlier one of the same case "
         "unless it failed), recompute the analysis, write scaling_<device><tag>.json in --out",
     )
+    parser.add_argument("--train-args", default="", help="overrides appended to every anytrain row, e.g. "
+                        "'--train.gc_interval 0' (A/B runs of a trainer option; record it with --tag)")
     parser.add_argument("--note", action="append", default=[], help="with --merge: a note to record in the file")
     # worker mode (internal)
     parser.add_argument("--hf-worker", action="store_true", help=argparse.SUPPRESS)
@@ -769,7 +776,8 @@ def main() -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     payload = {"date": time.strftime("%Y-%m-%d"), "device": env.get("device"), "gpus_on_host": n_gpus,
                "versions": env, "settings": {"steps": args.steps, "log_interval": args.log_interval,
-                                             "concurrent": not args.serial}, "rows": rows}  # fmt: skip
+                                             "concurrent": not args.serial, "train_args": args.train_args},
+               "rows": rows}  # fmt: skip
     path.write_text(json.dumps(payload, indent=1, default=str))
     print(f"\nwrote {path}")
 

@@ -90,6 +90,10 @@ class TrainConfig:
     """Stop before the optimizer step when the loss or gradient norm is not finite (one host sync per step)."""
     log_sample_ids: bool = False
     """Write the global sample ids each rank consumed to samples_rank<r>.jsonl (for data-order audits)."""
+    gc_interval: int = 50
+    """Python's automatic garbage collection is off during training and a young-generation collection runs every
+    this many steps on every rank at once (torchtitan's gc_freq): an automatic collection pauses one rank at a random
+    moment and its peers wait for it in the next collective. 0 = leave Python's automatic collection on."""
 
 
 @dataclass
@@ -342,6 +346,7 @@ def validate(cfg: RunConfig) -> None:
     _positive(t.eval_batches, "train.eval_batches", allow_zero=True)
     _positive(t.grad_clip, "train.grad_clip", allow_zero=True)
     _positive(t.spike_factor, "train.spike_factor", allow_zero=True)
+    _positive(t.gc_interval, "train.gc_interval", allow_zero=True)
     _positive(cfg.checkpoint.interval_minutes, "checkpoint.interval_minutes", allow_zero=True)
     _positive(t.weight_decay, "train.weight_decay", allow_zero=True)
     if not 0.0 <= t.min_lr_ratio <= 1.0:

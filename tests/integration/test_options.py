@@ -45,3 +45,39 @@ def test_profiling_two_steps_keeps_the_losses_and_writes_the_summary(baseline, s
     np.testing.assert_allclose(profiled, baseline, rtol=0, atol=1e-6)
     summary = json.loads((run / "profile" / "rank0.json").read_text())
     assert summary["steps"] == [1, 2] and summary["top"] and summary["wall_ms"] > 0
+
+
+def test_gc_is_off_while_training_and_collected_every_interval(small_data, tmp_path, monkeypatch):
+    import gc
+    from pathlib import Path
+
+    from anytrain.config import load_config
+    from anytrain.train.trainer import Trainer
+
+    recipe = Path(__file__).resolve().parents[2] / "configs" / "tiny.yaml"
+    cfg = load_config(recipe, ["--model.flavour", "debug", "--data.path", str(small_data), "--data.seq_len", "32",
+                               "--train.global_batch", "4", "--train.steps", "5", "--train.log_interval", "1",
+                               "--train.eval_batches", "0", "--train.dtype", "fp32", "--train.gc_interval", "2",
+                               "--checkpoint.save_final", "false"])  # fmt: skip
+    cfg.device = "cpu"
+    trainer = Trainer(cfg, run_dir=str(tmp_path / "run"))
+    collected, enabled = [], []
+    real_collect, real_step = gc.collect, trainer.train_step
+    monkeypatch.setattr(gc, "collect", lambda generation=2: collected.append(generation) or real_collect(generation))
+    monkeypatch.setattr(trainer, "train_step", lambda step: enabled.append(gc.isenabled()) or real_step(step))
+    assert gc.isenabled()
+    try:
+        summary = trainer.train()
+    finally:
+        trainer.close()
+    assert enabled == [False] * 5 and gc.isenabled()  # off for every step, back on afterwards
+    assert collected.count(1) == 3  # young generation: once at the start, then before steps 2 and 4 (0-based)
+    assert len(summary["window_tokens_per_s"]) == 5  # one rate per log window, for the benches' spread
+
+
+def test_gc_interval_must_not_be_negative():
+    from anytrain.config import load_config
+    from anytrain.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="train.gc_interval"):
+        load_config(None, ["--train.gc_interval", "-1"])

@@ -7,6 +7,7 @@ Host/device synchronisation happens only on log and eval steps, and once per ste
 from __future__ import annotations
 
 import contextlib
+import gc
 import inspect
 import json
 import math
@@ -378,8 +379,14 @@ class Trainer:
         p = self.cfg.profile
         profiler = StepProfiler(p.start_step, p.steps, self.run_dir / "profile", self.info.rank, self.device, p.trace)
         first_step = step
+        gc_was_enabled = gc.isenabled()
+        if cfg.gc_interval > 0:
+            gc.disable()
+            gc.collect(1)
         try:
             while step < end:
+                if cfg.gc_interval > 0 and step > first_step and step % cfg.gc_interval == 0:
+                    gc.collect(1)
                 profiler.before_step(step - first_step)
                 loss, grad_norm, status = self.train_step(step)
                 profiled = profiler.after_step(step - first_step)
@@ -410,6 +417,8 @@ class Trainer:
                 if status.stop:
                     self._stop_preempted(step)
         finally:
+            if gc_was_enabled:
+                gc.enable()
             self.guard.uninstall()
             self.checkpointer.wait()
         return self._finish(first_val, last_val, rates)
@@ -491,6 +500,7 @@ class Trainer:
             "final_val_loss": last_val,
             "tokens_per_s": tokens_per_s,
             "tokens_per_s_per_device": per_device,
+            "window_tokens_per_s": rates,
             "mfu": mfu(self.flops_per_token, per_device, self.peak_flops),
             "peak_mem_gib": hardware.peak_memory_gib(self.device),
             "energy": self._energy_metrics(),
