@@ -736,7 +736,7 @@ def main() -> None:
         "unless it failed), recompute the analysis, write scaling_<device><tag>.json in --out",
     )
     parser.add_argument("--train-args", default="", help="overrides appended to every anytrain row, e.g. "
-                        "'--train.gc_interval 0' (A/B runs of a trainer option; record it with --tag)")
+                        "'--train.gc_interval 0' (A/B runs of a trainer option; record it with --tag)")  # fmt: skip
     parser.add_argument("--note", action="append", default=[], help="with --merge: a note to record in the file")
     # worker mode (internal)
     parser.add_argument("--hf-worker", action="store_true", help=argparse.SUPPRESS)

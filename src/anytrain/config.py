@@ -90,6 +90,15 @@ class TrainConfig:
     """Stop before the optimizer step when the loss or gradient norm is not finite (one host sync per step)."""
     log_sample_ids: bool = False
     """Write the global sample ids each rank consumed to samples_rank<r>.jsonl (for data-order audits)."""
+    lagged_checks: bool = True
+    """Agree on the per-step checks (non-finite gradients, preemption signal, timed checkpoint) one step late, so the
+    host never waits for the device: the flags are reduced and copied to the host asynchronously, a non-finite step's
+    update is skipped on the device (fused AdamW's found_inf) and the run stops at the next step (or log/save point)
+    with the state before it, exactly as the synchronous check would. Needs the fused optimizer and spike_factor 0;
+    otherwise (or false) the checks synchronise the host with the device every step."""
+    optimizer_impl: Literal["auto", "fused", "foreach"] = "auto"
+    """AdamW kernel: fused (one kernel per parameter group; CUDA, ROCm and, from torch 2.4, CPU), foreach, or auto =
+    fused on GPUs and foreach on CPU. Tensor parallelism always updates per tensor (mixed meshes)."""
     gc_interval: int = 50
     """Python's automatic garbage collection is off during training and a young-generation collection runs every
     this many steps on every rank at once (torchtitan's gc_freq): an automatic collection pauses one rank at a random

@@ -167,10 +167,10 @@ def _worker_pid(parent: int, rank: int) -> int:
     raise AssertionError("worker not found")
 
 
-@pytest.mark.parametrize("nproc", [1, 2])
-def test_sigterm_saves_the_current_step_and_resume_is_exact(tmp_path, small_data, nproc):
+@pytest.mark.parametrize("nproc,impl", [(1, "auto"), (2, "auto"), (2, "fused")])  # fused: lagged checks
+def test_sigterm_saves_the_current_step_and_resume_is_exact(tmp_path, small_data, nproc, impl):
     # many slow-ish steps so the signal lands mid-run; the schedule is fixed by train.steps
-    config = write_config(tmp_path, small_data, steps=100_000, interval=0, log_sample_ids=False)
+    config = write_config(tmp_path, small_data, steps=100_000, interval=0, log_sample_ids=False, optimizer_impl=impl)
     run = tmp_path / "preempted"
     proc = subprocess.Popen([*command(nproc), "train", str(config), "--run-dir", str(run)], cwd=ROOT,
                             env=cli_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
@@ -226,3 +226,46 @@ def test_auto_resume_continues_a_requeued_run(tmp_path, small_data):
     proc = train(config, run, 1, "--checkpoint.auto_resume", "true")
     assert "resumed from" in proc.stderr
     assert sorted(step_losses(run)) == list(range(1, 9))
+
+
+def train_state(checkpoint: Path, tmp: Path) -> dict:
+    out = tmp / f"{checkpoint.parent.parent.name}-{checkpoint.name}-state.pt"
+    dcp_to_torch_save(checkpoint, out)
+    return torch.load(out, weights_only=False)["train"]
+
+
+def assert_same_state(a, b, where: str = "") -> None:
+    if isinstance(a, dict):
+        assert a.keys() == b.keys(), where
+        for key in a:
+            assert_same_state(a[key], b[key], f"{where}.{key}")
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b), where
+        for i, (x, y) in enumerate(zip(a, b, strict=True)):
+            assert_same_state(x, y, f"{where}[{i}]")
+    elif isinstance(a, torch.Tensor):
+        assert torch.equal(a, b), where
+    elif not where.endswith(("wall_s", "time", "elapsed")):
+        assert a == b, where
+
+
+@pytest.mark.parametrize("nan_step", [7, 5])  # 7: read at the next step; 5: read at the step-5 checkpoint
+def test_lagged_checks_stop_a_nan_step_with_the_state_before_it(tmp_path, small_data, nan_step):
+    """train.lagged_checks with the fused AdamW (on CPU here): the NaN step's verdict is read one step later (or at
+    the next save), its update was skipped through found_inf, and the run stops with the same checkpoint, optimizer
+    state, LR schedule and progress as a run that simply stopped before that step."""
+    config = write_config(tmp_path, small_data, steps=12, interval=5, log_sample_ids=False)
+    flags = ("--train.optimizer_impl", "fused", "--train.log_interval", "10")
+    good = nan_step - 1
+    ref = tmp_path / "ref"
+    train(config, ref, 2, *flags, "--train.stop_at_step", str(good))
+    assert json.loads((ref / "summary.json").read_text())["step_checks"] == "lagged"
+    run = tmp_path / "nan"
+    proc = train(config, run, 2, *flags, expect_ok=False, ANYTRAIN_TEST_NAN_AT_STEP=str(nan_step),
+                 ANYTRAIN_TEST_NAN_RANK="1")  # fmt: skip
+    assert proc.returncode != 0
+    assert proc.stderr.count(f"step {nan_step}: non-finite loss or gradient norm") == 2
+    saved = sorted(p.name for p in (run / "checkpoints").iterdir() if (p / "COMMITTED").is_file())
+    assert saved == sorted({f"step_{good:08d}"} | ({"step_00000005"} if good >= 5 else set()))  # none after it
+    assert_same_state(train_state(run / f"checkpoints/step_{good:08d}", tmp_path),
+                      train_state(ref / f"checkpoints/step_{good:08d}", tmp_path))  # fmt: skip

@@ -21,3 +21,17 @@ def test_bf16_training_on_gpu(tmp_path, small_data):
     assert summary["mfu"] is not None and 0 < summary["mfu"] < 1
     assert summary["final_val_loss"] < summary["first_val_loss"]
     assert summary["peak_mem_gib"] > 0
+    assert summary["step_checks"] == "lagged"  # fused AdamW on the GPU: the per-step checks never block the host
+
+
+def test_lagged_nan_check_on_gpu_keeps_the_state_before_the_bad_step(tmp_path, small_data):
+    """The lagged path's device side (pinned copies, the event, found_inf in the fused CUDA/ROCm kernel): a NaN at
+    step 6 is read at step 7, and the run stops with step 5's checkpoint, finite, and nothing after it."""
+    run_dir = tmp_path / "nan"
+    proc = run_cli("train", "configs/tiny.yaml", "--model.flavour", "debug", "--data.path", str(small_data),
+                   "--data.seq_len", "64", "--train.steps", "12", "--train.log_interval", "10", "--train.eval_batches",
+                   "0", "--checkpoint.interval", "0", "--run-dir", str(run_dir), "--device", "gpu", gpu=True,
+                   ANYTRAIN_TEST_NAN_AT_STEP="6")  # fmt: skip
+    assert proc.returncode != 0 and "step 6: non-finite loss or gradient norm" in proc.stderr, proc.stderr[-3000:]
+    saved = sorted(p.name for p in (run_dir / "checkpoints").iterdir())
+    assert saved == ["step_00000005"]

@@ -27,6 +27,13 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
     return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
 
 
+def use_fused(cfg: TrainConfig, device: torch.device) -> bool:
+    """train.optimizer_impl resolved: the fused AdamW kernel or not (auto: on GPUs)."""
+    if cfg.optimizer_impl == "auto":
+        return hardware.fused_adamw_available(device)
+    return cfg.optimizer_impl == "fused"
+
+
 def build_optimizer(model: nn.Module, cfg: TrainConfig, device: torch.device,
                     per_tensor: bool = False) -> torch.optim.Optimizer:  # fmt: skip
     """AdamW; the fused kernel on GPU (CUDA and ROCm), the foreach implementation elsewhere.
@@ -34,7 +41,7 @@ def build_optimizer(model: nn.Module, cfg: TrainConfig, device: torch.device,
     ``per_tensor``: plain per-parameter updates, for models whose parameters mix DTensors of different meshes
     with plain tensors (tensor parallelism here), which the fused/foreach kernels cannot batch together.
     """
-    fused = hardware.fused_adamw_available(device) and not per_tensor
+    fused = use_fused(cfg, device) and not per_tensor
     return torch.optim.AdamW(
         param_groups(model, cfg.weight_decay),
         lr=cfg.lr,
@@ -117,7 +124,7 @@ class Zero1AdamW(torch.optim.AdamW):
         groups = [
             {**g, "params": [shard_of[id(p)] for p in g["params"]]} for g in param_groups(model, cfg.weight_decay)
         ]
-        fused = hardware.fused_adamw_available(device)
+        fused = use_fused(cfg, device)
         super().__init__(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, fused=fused or None,
                          foreach=None if fused else True)  # fmt: skip
         self._build_gather_layout()

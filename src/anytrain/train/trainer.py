@@ -124,6 +124,8 @@ class Trainer:
         self.flops_per_token = self.accounting_model.flops_per_token(seq_len)
         self.peak_flops = hardware.peak_flops(self.device)
         self.guard = StepGuard(cfg, self.device, self.info.is_main, self.info.world_size, self.loss_ranks)
+        fused = all(g.get("fused") for g in self.optimizer.param_groups)  # found_inf: the fused kernel's skip
+        self.guard.lagged = cfg.train.lagged_checks and fused and not cfg.train.spike_factor
         # Power of this rank's device (NVML / AMD SMI); rank 0 scales it to the job. Absent on CPU: values are null.
         self.energy = EnergyMeter(self.device.index or 0) if hardware.is_gpu(self.device) else None
         self._sample_log = self._open_sample_log() if cfg.train.log_sample_ids else None
@@ -280,6 +282,8 @@ class Trainer:
                 sl = slice(i * micro, (i + 1) * micro)
                 loss += self.forward_backward(inputs[sl], targets[sl], sync=i == self.plan.grad_accum - 1, step=step)
         grad_norm = self._clip_gradients()
+        if self.guard.uses_lag():
+            return self._lagged_update(step, loss, grad_norm)
         status = self.guard.check(step, loss, grad_norm)
         if not (status.nonfinite or status.skip):
             self.optimizer.step()
@@ -287,6 +291,26 @@ class Trainer:
             self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         return loss, grad_norm, status
+
+    def _lagged_update(self, step: int, loss: torch.Tensor, grad_norm: torch.Tensor):
+        """train.lagged_checks: read the previous step's agreed flags (done on the device by now), then launch this
+        step's agreement and its update, which the fused optimizer skips on the device when the gradients are not
+        finite. A previous non-finite step ends here: its update was skipped, this step's gradients are dropped, and
+        its status (``.step`` = step - 1) makes the loop rewind one step and stop. The previous step's stop and
+        checkpoint flags are acted on after this step."""
+        previous = self.guard.resolve()
+        if previous is not None and previous.nonfinite:
+            self.optimizer.zero_grad(set_to_none=True)
+            return loss, grad_norm, previous
+        self.optimizer.found_inf = self.guard.launch(step, loss, grad_norm)
+        try:
+            self.optimizer.step()
+        finally:
+            del self.optimizer.found_inf
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        status = previous or StepStatus(step=step)
+        return loss, grad_norm, StepStatus(stop=status.stop, checkpoint_due=status.checkpoint_due, step=step)
 
     def pipeline_forward_backward(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """The schedule runs every micro-batch of this rank's batch through the stages (forward and backward): the
@@ -394,13 +418,20 @@ class Trainer:
                     self.log.print(format_summary(profiled, f"profile of step {step + 1}, rank {self.info.rank}"))
                 self.checkpointer.poll()
                 if status.nonfinite:
-                    self._stop_nonfinite(step, grad_norm)
+                    self._stop_nonfinite(status.step, grad_norm if status.grad_norm is None else status.grad_norm)
                 step += 1
                 self.progress["step"] = step
                 self.progress["tokens_seen"] += self.tokens_per_step
                 window_loss += loss
                 window_steps += 1
                 meter.add(self.tokens_per_step)
+                if self.guard.uses_lag() and self._sync_point(step, end, status):
+                    late = self.guard.resolve()  # this step's own flags, before anything is logged or saved
+                    if late is not None and late.nonfinite:
+                        self._stop_nonfinite(late.step, late.grad_norm)
+                    if late is not None:
+                        status.stop = status.stop or late.stop
+                        status.checkpoint_due = status.checkpoint_due or late.checkpoint_due
                 if step % cfg.log_interval == 0 or step == end:
                     rates.append(self._log_train(step, window_loss / window_steps, grad_norm, meter))
                     window_loss.zero_()
@@ -427,13 +458,37 @@ class Trainer:
         self.checkpointer.save(step, self.state, asynchronous=self.cfg.checkpoint.async_save and not final)
         self.guard.saved()
 
-    def _stop_nonfinite(self, step: int, grad_norm: torch.Tensor) -> None:
+    def _sync_point(self, step: int, end: int, status: StepStatus) -> bool:
+        """Whether the loop synchronises after ``step`` steps anyway (log, eval, checkpoint, end): the lagged checks
+        are read there, so that nothing is logged or saved before the step's verdict."""
+        cfg = self.cfg.train
+        eval_due = cfg.eval_batches and cfg.eval_interval and step % cfg.eval_interval == 0
+        return bool(step % cfg.log_interval == 0 or step == end or eval_due or self._checkpoint_due(step)
+                    or status.checkpoint_due or status.stop)  # fmt: skip
+
+    def _rewind_to(self, step: int) -> None:
+        """Lagged checks found step ``step`` (0-based) non-finite after the loop had counted it: put the progress and
+        the LR schedule back to ``step`` steps (the weights and the optimizer's step count never moved: found_inf)."""
+        n = self.progress["step"] - step
+        if n <= 0:
+            return
+        self.progress["step"] = step
+        self.progress["tokens_seen"] -= n * self.tokens_per_step
+        sched = self.scheduler
+        sched.last_epoch -= n
+        sched._step_count -= n
+        for group, base, factor in zip(self.optimizer.param_groups, sched.base_lrs, sched.lr_lambdas, strict=True):
+            group["lr"] = base * factor(sched.last_epoch)
+        sched._last_lr = [group["lr"] for group in self.optimizer.param_groups]
+
+    def _stop_nonfinite(self, step: int, grad_norm: torch.Tensor | float) -> None:
         """Every rank got the same verdict: keep the last good state (weights after the previous step), then stop."""
+        self._rewind_to(step)
         saved = ""
         if step > 0 and not self.checkpointer.has(step):
             self._save(step, final=True)
             saved = f"; the state before it is saved as {self.checkpointer.path_for(step)}"
-        raise TrainingError(f"step {step + 1}: non-finite loss or gradient norm ({grad_norm.item()}) on at least one "
+        raise TrainingError(f"step {step + 1}: non-finite loss or gradient norm ({float(grad_norm)}) on at least one "
                             f"rank; stopped before the optimizer step{saved}")  # fmt: skip
 
     def _stop_preempted(self, step: int) -> None:
@@ -506,6 +561,7 @@ class Trainer:
             "energy": self._energy_metrics(),
             "world_size": self.info.world_size,
             "strategy": self.strategy,
+            "step_checks": "lagged" if self.guard.uses_lag() else "every step",
             "dtype": str(self.dtype).replace("torch.", ""),
             "params": self.accounting_model.num_params(),
             "params_non_embedding": self.accounting_model.num_params(exclude_embedding=True),
