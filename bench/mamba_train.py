@@ -123,6 +123,7 @@ def trainer_step_fn(case: Case, device: torch.device, batches: RandomBatches) ->
     trainer.dtype = trainer_module.compute_dtype(cfg, device)
     trainer._build_model()
     trainer.guard = StepGuard(cfg, device, True, 1, getattr(trainer, "loss_ranks", None))
+    trainer.guard.lagged = trainer_module.lagged_checks_apply(cfg, trainer.optimizer)  # as Trainer.__init__ does
     trainer.train_source, trainer._sample_log = batches, None
     model = trainer.raw_model
 

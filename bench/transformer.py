@@ -193,6 +193,7 @@ def anytrain_step_fn(case: Case, device: torch.device, batches: RandomBatches, c
     with model_switches(case):
         trainer._build_model()
     trainer.guard = StepGuard(cfg, device, True, 1)
+    trainer.guard.lagged = trainer_module.lagged_checks_apply(cfg, trainer.optimizer)  # as Trainer.__init__ does
     trainer.train_source, trainer._sample_log = batches, None
     model = trainer.raw_model
     info = {"params": model.num_params(), "flops_per_token": model.flops_per_token(case.seq)}

@@ -5,7 +5,8 @@
 #   lagged   the default: the agreement is read one step late (train.lagged_checks)
 #   gc-auto  --train.gc_interval 0: Python's automatic GC (the behaviour before train.gc_interval)
 # Usage (GPU host, repo root, data/ carried): bash bench/device/weak_ab.sh [seconds budget, default 420] [rounds...]
-# where a round is variant:tag:t|tm (t = the Transformer pair only, tm = both models).
+# where a round is variant:tag:t|tm (t = the Transformer pair only, tm = both models). STEPS and LOG (environment)
+# set the steps per row and the log interval (default 16 and 4; the recipes log every 10 steps).
 set -uo pipefail
 export PYTHONPATH=src PYTHONUNBUFFERED=1
 OUT=${OUT:-bench/results}
@@ -26,6 +27,7 @@ for round in $rounds; do
   [ "$models" = tm ] && rows="t-1-g8 m-1-g8 t-fsdpg-2-g16 m-fsdpg-2-g16"
   echo "== $tag ($variant: $args) at $(( $(date +%s) - start ))s"
   # shellcheck disable=SC2086
-  python3 bench/scaling.py --only $rows --steps 16 --log-interval 4 --job-timeout-s 150 --out "$OUT" --tag "ab_$tag" \
+  python3 bench/scaling.py --only $rows --steps "${STEPS:-16}" --log-interval "${LOG:-4}" --job-timeout-s 150 \
+    --out "$OUT" --tag "ab_$tag" \
     --train-args "$args" 2>&1 | grep -E "^(t|m)-|done|error" | grep -v "^\[.*start"
 done

@@ -249,13 +249,14 @@ def assert_same_state(a, b, where: str = "") -> None:
         assert a == b, where
 
 
-@pytest.mark.parametrize("nan_step", [7, 5])  # 7: read at the next step; 5: read at the step-5 checkpoint
-def test_lagged_checks_stop_a_nan_step_with_the_state_before_it(tmp_path, small_data, nan_step):
+@pytest.mark.parametrize("nan_step,strategy", [(7, "ddp"), (5, "ddp"), (7, "fsdp"), (7, "zero1")])
+def test_lagged_checks_stop_a_nan_step_with_the_state_before_it(tmp_path, small_data, nan_step, strategy):
     """train.lagged_checks with the fused AdamW (on CPU here): the NaN step's verdict is read one step later (or at
     the next save), its update was skipped through found_inf, and the run stops with the same checkpoint, optimizer
     state, LR schedule and progress as a run that simply stopped before that step."""
     config = write_config(tmp_path, small_data, steps=12, interval=5, log_sample_ids=False)
-    flags = ("--train.optimizer_impl", "fused", "--train.log_interval", "10")
+    # nan_step 7: read at the next step; 5: read at the step-5 checkpoint (a sync point)
+    flags = ("--train.optimizer_impl", "fused", "--train.log_interval", "10", "--parallel.strategy", strategy)
     good = nan_step - 1
     ref = tmp_path / "ref"
     train(config, ref, 2, *flags, "--train.stop_at_step", str(good))

@@ -124,8 +124,7 @@ class Trainer:
         self.flops_per_token = self.accounting_model.flops_per_token(seq_len)
         self.peak_flops = hardware.peak_flops(self.device)
         self.guard = StepGuard(cfg, self.device, self.info.is_main, self.info.world_size, self.loss_ranks)
-        fused = all(g.get("fused") for g in self.optimizer.param_groups)  # found_inf: the fused kernel's skip
-        self.guard.lagged = cfg.train.lagged_checks and fused and not cfg.train.spike_factor
+        self.guard.lagged = lagged_checks_apply(cfg, self.optimizer)
         # Power of this rank's device (NVML / AMD SMI); rank 0 scales it to the job. Absent on CPU: values are null.
         self.energy = EnergyMeter(self.device.index or 0) if hardware.is_gpu(self.device) else None
         self._sample_log = self._open_sample_log() if cfg.train.log_sample_ids else None
@@ -580,6 +579,13 @@ class Trainer:
         self.log.close()
         if self._sample_log is not None:
             self._sample_log.close()
+
+
+def lagged_checks_apply(cfg: RunConfig, optimizer: torch.optim.Optimizer) -> bool:
+    """train.lagged_checks takes effect with the fused AdamW (its found_inf skips a non-finite update on the device)
+    and without the spike guard (which needs the step's loss on the host before the update)."""
+    fused = all(group.get("fused") for group in optimizer.param_groups)
+    return bool(cfg.train.lagged_checks and fused and not cfg.train.spike_factor)
 
 
 def run_training(cfg: RunConfig, run_dir: str | None = None, resume: bool = False, overwrite: bool = False) -> dict:
