@@ -87,15 +87,18 @@ class TrainConfig:
     spike_factor: float = 0.0
     """Skip the optimizer step when the step loss exceeds this multiple of the running mean loss; 0 = off."""
     check_finite: bool = True
-    """Stop before the optimizer step when the loss or gradient norm is not finite (one host sync per step)."""
+    """Stop before the optimizer step when the loss or gradient norm is not finite (read one step late with
+    ``lagged_checks``, else one host sync per step)."""
     log_sample_ids: bool = False
     """Write the global sample ids each rank consumed to samples_rank<r>.jsonl (for data-order audits)."""
     lagged_checks: bool = True
     """Agree on the per-step checks (non-finite gradients, preemption signal, timed checkpoint) one step late, so the
     host never waits for the device: the flags are reduced and copied to the host asynchronously, a non-finite step's
     update is skipped on the device (fused AdamW's found_inf) and the run stops at the next step (or log/save point)
-    with the state before it, exactly as the synchronous check would. Needs the fused optimizer and spike_factor 0;
-    otherwise (or false) the checks synchronise the host with the device every step."""
+    with the same checkpoint as the synchronous check would save. A preemption signal or timed checkpoint is acted
+    on one step later than with the synchronous check (a SIGTERM during step s saves step s + 2, not s + 1). Needs
+    the fused optimizer and spike_factor 0; otherwise (or false) the checks synchronise the host with the device
+    every step."""
     optimizer_impl: Literal["auto", "fused", "foreach"] = "auto"
     """AdamW kernel: fused (one kernel per parameter group; CUDA, ROCm and, from torch 2.4, CPU), foreach, or auto =
     fused on GPUs and foreach on CPU. Tensor parallelism always updates per tensor (mixed meshes)."""

@@ -249,14 +249,17 @@ def assert_same_state(a, b, where: str = "") -> None:
         assert a == b, where
 
 
-@pytest.mark.parametrize("nan_step,strategy", [(7, "ddp"), (5, "ddp"), (7, "fsdp"), (7, "zero1")])
-def test_lagged_checks_stop_a_nan_step_with_the_state_before_it(tmp_path, small_data, nan_step, strategy):
+@pytest.mark.parametrize("nan_step,strategy,async_save", [(7, "ddp", False), (5, "ddp", False), (7, "fsdp", False),
+                                                          (7, "zero1", False), (6, "ddp", True)])  # fmt: skip
+def test_lagged_checks_stop_a_nan_step_with_the_state_before_it(tmp_path, small_data, nan_step, strategy, async_save):
     """train.lagged_checks with the fused AdamW (on CPU here): the NaN step's verdict is read one step later (or at
     the next save), its update was skipped through found_inf, and the run stops with the same checkpoint, optimizer
     state, LR schedule and progress as a run that simply stopped before that step."""
     config = write_config(tmp_path, small_data, steps=12, interval=5, log_sample_ids=False)
-    # nan_step 7: read at the next step; 5: read at the step-5 checkpoint (a sync point)
-    flags = ("--train.optimizer_impl", "fused", "--train.log_interval", "10", "--parallel.strategy", strategy)
+    # nan_step 7: read at the next step; 5: read at the step-5 checkpoint (a sync point); 6 with async saves: the stop
+    # wants step 5, whose background save may still be in flight (it is finished and kept, not rewritten)
+    flags = ("--train.optimizer_impl", "fused", "--train.log_interval", "10", "--parallel.strategy", strategy,
+             "--checkpoint.async_save", str(async_save).lower())  # fmt: skip
     good = nan_step - 1
     ref = tmp_path / "ref"
     train(config, ref, 2, *flags, "--train.stop_at_step", str(good))
@@ -270,3 +273,18 @@ def test_lagged_checks_stop_a_nan_step_with_the_state_before_it(tmp_path, small_
     assert saved == sorted({f"step_{good:08d}"} | ({"step_00000005"} if good >= 5 else set()))  # none after it
     assert_same_state(train_state(run / f"checkpoints/step_{good:08d}", tmp_path),
                       train_state(ref / f"checkpoints/step_{good:08d}", tmp_path))  # fmt: skip
+
+
+def test_resume_keeps_the_optimizer_kernel_of_this_run(tmp_path, small_data):
+    """The param groups' fused/foreach choice comes from this run's config and machine, not from the checkpoint: a
+    fused (lagged-checks) checkpoint resumes with foreach (checks every step), and a 2-process DDP checkpoint of the
+    fused kernel resumes under tensor parallelism (per-tensor updates)."""
+    config = write_config(tmp_path, small_data, steps=8, interval=2, log_sample_ids=False)
+    run = tmp_path / "impl"
+    train(config, run, 2, "--train.optimizer_impl", "fused", "--train.stop_at_step", "2")
+    assert json.loads((run / "summary.json").read_text())["step_checks"] == "lagged"
+    train(config, run, 2, "--resume", "--train.optimizer_impl", "foreach", "--train.stop_at_step", "4")
+    assert json.loads((run / "summary.json").read_text())["step_checks"] == "every step"
+    train(config, run, 2, "--resume", "--train.optimizer_impl", "fused", "--train.stop_at_step", "6")
+    train(config, run, 2, "--resume", "--parallel.tp", "2", "--train.stop_at_step", "8")
+    assert max(step_losses(run)) == 8

@@ -27,6 +27,7 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.checkpoint.stateful import Stateful
 
 from anytrain.parallel import barrier
+from anytrain.train.optim import IMPLEMENTATION_KEYS
 
 COMMIT_MARKER = "COMMITTED"
 PREFIX = "step_"
@@ -66,7 +67,12 @@ class TrainState(Stateful):
         if hasattr(self.optimizer, "load_checkpoint_state"):
             self.optimizer.load_checkpoint_state(state["optim"])
         else:
+            # the param groups' kernel choice (fused / foreach, from train.optimizer_impl and this machine) stays the
+            # one built here: a checkpoint from a GPU run must not make a CPU or tensor-parallel resume use its kernel
+            kept = [{k: g[k] for k in IMPLEMENTATION_KEYS if k in g} for g in self.optimizer.param_groups]
             set_optimizer_state_dict(self.model, self.optimizer, state["optim"], options=self.OPTIONS)
+            for group, keys in zip(self.optimizer.param_groups, kept, strict=True):
+                group.update(keys)
         self.scheduler.load_state_dict(state["scheduler"])
         self.progress.clear()
         self.progress.update(state["progress"])
@@ -116,6 +122,9 @@ class Checkpointer:
         and commit in the background (at most one save in flight: a new save first waits for the previous one)."""
         self.wait()
         path = self.path_for(step)
+        barrier()  # a commit that rank 0's wait() just wrote is visible to every rank before they look
+        if self.has(step):  # never rewrite a committed checkpoint (e.g. a stop right after an async save of it)
+            return path
         if self.is_main:
             if path.exists():  # a torn save of the same step from a crashed attempt
                 shutil.rmtree(path)

@@ -484,7 +484,7 @@ class Trainer:
         """Every rank got the same verdict: keep the last good state (weights after the previous step), then stop."""
         self._rewind_to(step)
         saved = ""
-        if step > 0 and not self.checkpointer.has(step):
+        if step > 0:  # Checkpointer.save finishes a save in flight first and keeps a committed one as it is
             self._save(step, final=True)
             saved = f"; the state before it is saved as {self.checkpointer.path_for(step)}"
         raise TrainingError(f"step {step + 1}: non-finite loss or gradient norm ({float(grad_norm)}) on at least one "
