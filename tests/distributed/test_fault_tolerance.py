@@ -249,16 +249,17 @@ def assert_same_state(a, b, where: str = "") -> None:
         assert a == b, where
 
 
-@pytest.mark.parametrize("nan_step,strategy,async_save", [(7, "ddp", False), (5, "ddp", False), (7, "fsdp", False),
-                                                          (7, "zero1", False), (6, "ddp", True)])  # fmt: skip
-def test_lagged_checks_stop_a_nan_step_with_the_state_before_it(tmp_path, small_data, nan_step, strategy, async_save):
+@pytest.mark.parametrize("nan_step,layout,async_save", [(7, "ddp", False), (5, "ddp", False), (7, "fsdp", False),
+                                                        (7, "zero1", False), (6, "ddp", True), (7, "pp", False)])  # fmt: skip
+def test_lagged_checks_stop_a_nan_step_with_the_state_before_it(tmp_path, small_data, nan_step, layout, async_save):
     """train.lagged_checks with the fused AdamW (on CPU here): the NaN step's verdict is read one step later (or at
     the next save), its update was skipped through found_inf, and the run stops with the same checkpoint, optimizer
     state, LR schedule and progress as a run that simply stopped before that step."""
     config = write_config(tmp_path, small_data, steps=12, interval=5, log_sample_ids=False)
     # nan_step 7: read at the next step; 5: read at the step-5 checkpoint (a sync point); 6 with async saves: the stop
     # wants step 5, whose background save may still be in flight (it is finished and kept, not rewritten)
-    flags = ("--train.optimizer_impl", "fused", "--train.log_interval", "10", "--parallel.strategy", strategy,
+    parallel = ("--parallel.pp", "2") if layout == "pp" else ("--parallel.strategy", layout)
+    flags = ("--train.optimizer_impl", "fused", "--train.log_interval", "10", *parallel,
              "--checkpoint.async_save", str(async_save).lower())  # fmt: skip
     good = nan_step - 1
     ref = tmp_path / "ref"

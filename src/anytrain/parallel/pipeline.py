@@ -144,6 +144,7 @@ def build_stage_parts(build, stages: list[int], n_stages: int, device: torch.dev
     the meta device and only the stage's parameters are allocated. Others (Mamba) draw from the global generator in
     order, so the whole model is initialised on ``device`` first and then cut (the full model is held briefly).
     """
+    torch.manual_seed(seed)  # the global generator's state is the same in every run (it is checkpointed: rng_cpu)
     with torch.device("meta"):
         full = build()
     if "seed" in inspect.signature(full.init_weights).parameters:
