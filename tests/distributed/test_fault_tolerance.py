@@ -249,8 +249,11 @@ def assert_same_state(a, b, where: str = "") -> None:
         assert a == b, where
 
 
-@pytest.mark.parametrize("nan_step,layout,async_save", [(7, "ddp", False), (5, "ddp", False), (7, "fsdp", False),
-                                                        (7, "zero1", False), (6, "ddp", True), (7, "pp", False)])  # fmt: skip
+LAGGED_CASES = [(7, "ddp", False), (5, "ddp", False), (7, "fsdp", False), (7, "zero1", False), (6, "ddp", True),
+                (7, "pp", False)]  # fmt: skip
+
+
+@pytest.mark.parametrize("nan_step,layout,async_save", LAGGED_CASES)
 def test_lagged_checks_stop_a_nan_step_with_the_state_before_it(tmp_path, small_data, nan_step, layout, async_save):
     """train.lagged_checks with the fused AdamW (on CPU here): the NaN step's verdict is read one step later (or at
     the next save), its update was skipped through found_inf, and the run stops with the same checkpoint, optimizer
