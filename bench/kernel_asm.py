@@ -5,6 +5,7 @@ compiled for the target with the arguments' real specialisation (dtypes, 16-byte
 resource use is read back from the binary (``cuobjdump``; on ROCm targets from the AMDGCN metadata).
 
     PYTHONPATH=src python3 bench/kernel_asm.py [--target cuda:90] [--scan-config 1,8,1,2,8,1,3,32,1,32,0] [--dump DIR]
+    PYTHONPATH=src python3 bench/kernel_asm.py --conv-config 2,1024,4,1,1024,4,1024,0 --conv-config ...,1024,3
 """
 
 from __future__ import annotations
@@ -22,9 +23,11 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource, make_backend
 from triton.runtime.jit import create_function_from_signature
 
+from anytrain.kernels.causal_conv1d import ConvConfig
 from anytrain.kernels.selective_scan import ScanConfig
 
 scan_mod = importlib.import_module("anytrain.kernels.selective_scan")
+conv_mod = importlib.import_module("anytrain.kernels.causal_conv1d")
 
 BATCH, SEQLEN, DIM, DSTATE = 2, 4096, 5376, 16
 
@@ -71,6 +74,24 @@ def scan_launches(cfg: ScanConfig):
     return sink
 
 
+def conv_launches(cfg: ConvConfig):
+    """The forward and backward launches of the causal conv1d at the benchmark shape (bf16, width 4, bias, SiLU)."""
+    sink: list = []
+    names = [n for n in dir(conv_mod) if n.startswith("_conv_") and n.endswith("_kernel")]
+    saved = {n: getattr(conv_mod, n) for n in names}
+    try:
+        for n in names:
+            setattr(conv_mod, n, _Recorder(saved[n], sink))
+        x = torch.empty(BATCH, DIM, SEQLEN, dtype=torch.bfloat16)
+        w, bias = torch.empty(DIM, 4), torch.empty(DIM)
+        conv_mod._fwd(x, w, bias, True, cfg)
+        conv_mod._bwd(x, w, bias, x.clone(), True, cfg)
+    finally:
+        for n, v in saved.items():
+            setattr(conv_mod, n, v)
+    return sink
+
+
 def resources(kernel, target: GPUTarget, dump: Path | None) -> dict:
     asm = kernel.asm
     name = kernel.metadata.name
@@ -90,6 +111,9 @@ def resources(kernel, target: GPUTarget, dump: Path | None) -> dict:
         out["shfl"] = len(re.findall(r"\bshfl\.sync", ptx))
         out["red/atom"] = len(re.findall(r"\b(?:red|atom)\.global", ptx))
         out["bar.sync"] = len(re.findall(r"\bbar\.sync|barrier\.sync", ptx))
+        out["cp.async"] = len(re.findall(r"\bcp\.async\.c", ptx))  # pipelined (asynchronous) global loads
+        vector = (r"ld\.global[.\w]*\.v4", r"ld\.global[.\w]*\.v2", r"ld\.global(?![.\w]*\.v[24])")
+        out["ld.global.v4/v2/1"] = "/".join(str(len(re.findall(p, ptx))) for p in vector)
         tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
         cubin = Path("/tmp") / f"{name}.cubin"
         cubin.write_bytes(asm["cubin"])
@@ -110,15 +134,17 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--target", default="cuda:90", help="cuda:<sm> (e.g. cuda:90) or hip:<arch> (e.g. hip:gfx942)")
     ap.add_argument("--scan-config", action="append", default=[], help="ScanConfig fields, comma-separated")
+    ap.add_argument("--conv-config", action="append", default=[], help="ConvConfig fields, comma-separated")
     ap.add_argument("--dump", default=None, help="write each kernel's ttir/ttgir/ptx/... here")
     args = ap.parse_args()
     backend, arch = args.target.split(":")
     target = GPUTarget(backend, int(arch) if backend == "cuda" else arch, 32 if backend == "cuda" else 64)
-    cfgs = [ScanConfig(*(int(v) for v in c.split(","))) for c in args.scan_config] or [ScanConfig()]
-    for cfg in cfgs:
+    cfgs = [ScanConfig(*(int(v) for v in c.split(","))) for c in args.scan_config]
+    cfgs += [ConvConfig(*(int(v) for v in c.split(","))) for c in args.conv_config]
+    for cfg in cfgs or [ScanConfig()]:
         print(f"{cfg}")
-        for fn, a, kw in scan_launches(cfg):
-            if cfg.maxnreg_bwd and "bwd" in fn.__name__ and backend == "cuda":
+        for fn, a, kw in scan_launches(cfg) if isinstance(cfg, ScanConfig) else conv_launches(cfg):
+            if getattr(cfg, "maxnreg_bwd", 0) and "bwd" in fn.__name__ and backend == "cuda":
                 kw = {**kw, "maxnreg": cfg.maxnreg_bwd}  # the launcher sets it on CUDA devices only
             k = compile_launch(fn, a, kw, target)
             r = resources(k, target, Path(args.dump) if args.dump else None)

@@ -255,6 +255,10 @@ def main() -> int:
             ConvConfig(4, 256, 4, 4, 256, 4), ConvConfig(8, 256, 4, 8, 256, 4), ConvConfig(4, 512, 4, 4, 512, 4),
             ConvConfig(8, 512, 8, 8, 512, 8), ConvConfig(16, 256, 8, 16, 256, 8), ConvConfig(2, 1024, 4, 2, 1024, 4),
             ConvConfig(16, 128, 4, 16, 128, 4), ConvConfig(4, 1024, 8, 4, 1024, 8),
+            # the default tiles with the backward's (batch, time block) loop software-pipelined: cp.async loads of
+            # the next 1-2 iterations (offline Triton 3.6 sm_90: 30 / 45 cp.async, 10 / 20 KB shared, 63 / 64 regs)
+            ConvConfig(2, 1024, 4, 1, 1024, 4, 1024, 2), ConvConfig(2, 1024, 4, 1, 1024, 4, 1024, 3),
+            ConvConfig(2, 1024, 4, 2, 512, 4, 1024, 3), ConvConfig(2, 1024, 4, 1, 512, 4, 1024, 4),
         ]  # fmt: skip
         for cfg in [] if args.no_conv_sweep else conv_variants:
             try:

@@ -22,6 +22,9 @@ CFG = ConvConfig(block_d=2, block_t=8, num_warps=1, block_d_bwd=2, block_t_bwd=8
 # backward with one program per channel block looping over every (batch, time block): no partials
 CFG_ONE_SPLIT = ConvConfig(block_d=2, block_t=8, num_warps=1, block_d_bwd=2, block_t_bwd=8, num_warps_bwd=1,
                            min_programs_bwd=1)  # fmt: skip
+# the same with the backward loop software-pipelined (tl.range num_stages; compiled GPUs only change the schedule)
+CFG_PIPELINED = ConvConfig(block_d=2, block_t=8, num_warps=1, block_d_bwd=2, block_t_bwd=8, num_warps_bwd=1,
+                           min_programs_bwd=1, stages_bwd=3)  # fmt: skip
 
 
 @pytest.mark.parametrize(
@@ -29,7 +32,7 @@ CFG_ONE_SPLIT = ConvConfig(block_d=2, block_t=8, num_warps=1, block_d_bwd=2, blo
     [(2, 1, True, "silu"), (3, 7, False, None), (4, 19, True, "silu"), (4, 1, False, None), (2, 9, False, "silu"),
      (3, 16, True, "silu"), (4, 8, True, None)],
 )  # fmt: skip
-@pytest.mark.parametrize("cfg", [CFG, CFG_ONE_SPLIT], ids=["splits", "one-split"])
+@pytest.mark.parametrize("cfg", [CFG, CFG_ONE_SPLIT, CFG_PIPELINED], ids=["splits", "one-split", "pipelined"])
 def test_matches_reference(width, seqlen, has_bias, act, cfg):
     g = torch.Generator().manual_seed(width * 100 + seqlen)
     dim = 5  # not a multiple of block_d

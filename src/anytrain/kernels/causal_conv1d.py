@@ -39,6 +39,9 @@ class ConvConfig:
     num_warps_bwd: int = 4
     min_programs_bwd: int = 1024
     """Backward: split the (batch, time) loop over more programs only when dim / block_d_bwd gives fewer."""
+    stages_bwd: int = 0
+    """Backward: software-pipeline depth of the (batch, time block) loop (``tl.range(num_stages=...)``; 0 = the
+    compiler's default): > 1 asks Triton to issue later iterations' x / dout loads while the current one computes."""
 
 
 _VENDOR_CONFIGS = {  # CUDA: fastest GPU time of the H200 sweep (bench/results/mamba_train_nvidia-h200_conv_sweep.json)
@@ -49,8 +52,8 @@ _VENDOR_CONFIGS = {  # CUDA: fastest GPU time of the H200 sweep (bench/results/m
 
 
 def default_config() -> ConvConfig:
-    """Per-vendor tiles; env ANYTRAIN_CONV_CONFIG="block_d,block_t,warps,block_d_bwd,block_t_bwd,warps_bwd" with an
-    optional 7th value, min_programs_bwd."""
+    """Per-vendor tiles; env ANYTRAIN_CONV_CONFIG="block_d,block_t,warps,block_d_bwd,block_t_bwd,warps_bwd" with
+    optional 7th and 8th values, min_programs_bwd and stages_bwd."""
     env = os.environ.get("ANYTRAIN_CONV_CONFIG")
     if env:
         return ConvConfig(*(int(v) for v in env.split(",")))
@@ -165,7 +168,7 @@ def _conv_bwd_kernel(
     x_ptr, w_ptr, bias_ptr, dout_ptr, dx_ptr, dw_ptr, db_ptr, dim, seqlen, n_tblocks, n_iters, iters_per_program,
     s_xb, s_xd, s_gb, s_gd, s_db, s_dd, s_wd, s_ww,
     BLOCK_D: tl.constexpr, BLOCK_T: tl.constexpr, PADW: tl.constexpr, HAS_BIAS: tl.constexpr, SILU: tl.constexpr,
-    ACC: tl.constexpr, EVEN: tl.constexpr,
+    ACC: tl.constexpr, EVEN: tl.constexpr, STAGES: tl.constexpr = None,
 ):  # fmt: skip
     # Program (channel block, split s) walks iterations [s * iters_per_program, (s + 1) * iters_per_program) of the
     # flattened (batch, time block) space; dweight/dbias accumulate elementwise in registers and are reduced and
@@ -187,7 +190,7 @@ def _conv_bwd_kernel(
     acc3 = tl.zeros((BLOCK_D, BLOCK_T // 4), dtype=ACC)
     accb = tl.zeros((BLOCK_D, BLOCK_T // 4), dtype=ACC)
     it0 = pid_s * iters_per_program
-    for it in range(it0, tl.minimum(it0 + iters_per_program, n_iters)):
+    for it in tl.range(it0, tl.minimum(it0 + iters_per_program, n_iters), num_stages=STAGES):
         b = (it // n_tblocks).to(tl.int64)
         j = (it % n_tblocks) * (BLOCK_T // 4) + tl.arange(0, BLOCK_T // 4)
         x_rows = x_ptr + b * s_xb + offs_d * s_xd
@@ -296,7 +299,7 @@ def _bwd(
         x.stride(0), x.stride(1), dout.stride(0), dout.stride(1), dx.stride(0), dx.stride(1),
         weight.stride(0), weight.stride(1),
         BLOCK_D=cfg.block_d_bwd, BLOCK_T=cfg.block_t_bwd, PADW=_TAPS - width, HAS_BIAS=bias is not None,
-        SILU=silu, ACC=acc, EVEN=seqlen % 4 == 0,
+        SILU=silu, ACC=acc, EVEN=seqlen % 4 == 0, STAGES=cfg.stages_bwd or None,
         num_warps=cfg.num_warps_bwd,
     )  # fmt: skip
     dweight = dw[0] if splits == 1 else dw.sum(0)
