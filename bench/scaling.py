@@ -138,6 +138,18 @@ def default_cases(max_gpus: int) -> list[Case]:
         Case("t-ddp-4-g32", t, 4, "ddp", 32, studies=("strong", "layout")),
         Case("m-ddp-4-g32", m, 4, "ddp", 32, studies=("strong", "layout")),
         Case("m-pp4-4-g32", m, 4, "pp", 32, pp=4, studies=("layout",), extra=["--model.args.tie_embeddings", "false"]),
+        # 8 GPUs (issue #8; needs an 8-GPU host): the goal row (FSDP strong at the recipe's global batch of 32, one
+        # micro-batch per GPU), the weak rows at 8 sequences per GPU (global 64, vs t-1-g8 / m-1-g8 / hf-ddp-1-g8),
+        # the plain layouts and HSDP 2x4
+        Case("t-fsdp-8-g32", t, 8, "fsdp", 32, studies=("strong", "layout")),
+        Case("t-fsdpg-8-g64", t, 8, "fsdp", 64, studies=("weak",), extra=gathered),
+        Case("hf-ddp-8-g64", t, 8, "hf-ddp", 64, studies=("weak",)),
+        Case("t-ddp-8-g32", t, 8, "ddp", 32, studies=("strong", "layout")),
+        Case("t-zero1-8-g32", t, 8, "zero1", 32, studies=("strong", "layout")),
+        Case("t-hsdp2x4-8-g32", t, 8, "hsdp", 32, dp_replicate=2, studies=("strong", "layout")),
+        Case("m-ddp-8-g32", m, 8, "ddp", 32, studies=("strong", "layout")),
+        Case("m-fsdpg-8-g64", m, 8, "fsdp", 64, studies=("weak",), extra=gathered),
+        Case("m-fsdp-8-g32", m, 8, "fsdp", 32, studies=("strong", "layout")),
     ]
     return [c for c in cases if c.gpus <= max_gpus]
 

@@ -134,3 +134,18 @@ def test_plot_series_keeps_option_variants_apart_and_drops_profiled_rows():
     assert series["FSDP gathered, 32 seq global"] == ["t-1-g32", "t-fsdpg-2-g32", "t-fsdpg-4-g32"]
     assert not any("p-fsdp-2-g16" in names for names in series.values())
     assert scaling.tag_suffix("4gpu") == "_4gpu" and scaling.tag_suffix("_x") == "_x" and scaling.tag_suffix("") == ""
+
+
+def test_eight_gpu_cases_exist_and_pair_with_one_gpu_baselines():
+    cases = {c.name: c for c in scaling.default_cases(8)}
+    assert not any(c.gpus == 8 for c in scaling.default_cases(4))
+    assert cases["t-fsdp-8-g32"].accum == 1  # the goal row: one micro-batch of 4 per GPU
+    assert cases["t-fsdpg-8-g64"].accum == 2 and cases["t-hsdp2x4-8-g32"].dp_replicate == 2
+    rows = [_row(cases[n], tps, 20.0) for n, tps in (("t-1-g32", 1000.0), ("t-1-g8", 950.0), ("hf-ddp-1-g8", 600.0),
+                                                     ("t-fsdp-8-g32", 900.0), ("t-fsdpg-8-g64", 920.0),
+                                                     ("hf-ddp-8-g64", 560.0))]  # fmt: skip
+    scaling.add_efficiencies(rows)
+    by = {r["name"]: r for r in rows}
+    assert by["t-fsdp-8-g32"]["strong_ref"] == "t-1-g32" and by["t-fsdp-8-g32"]["strong_efficiency"] == 0.9
+    assert by["t-fsdpg-8-g64"]["weak_ref"] == "t-1-g8" and by["hf-ddp-8-g64"]["weak_ref"] == "hf-ddp-1-g8"
+    assert by["t-fsdpg-8-g64"]["vs_hf_ddp_ref"] == "hf-ddp-8-g64"
