@@ -4,6 +4,7 @@
 #   sync     --train.lagged_checks false: the per-step agreement blocks the host every step (the old behaviour)
 #   lagged   the default: the agreement is read one step late (train.lagged_checks)
 #   gc-auto  --train.gc_interval 0: Python's automatic GC (the behaviour before train.gc_interval)
+#   pinned   --parallel.cpu_affinity cores: each rank bound to its own physical cores
 # Usage (GPU host, repo root, data/ carried): bash bench/device/weak_ab.sh [seconds budget, default 420] [rounds...]
 # where a round is variant:tag:t|tm (t = the Transformer pair only, tm = both models). STEPS and LOG (environment)
 # set the steps per row and the log interval (default 16 and 4; the recipes log every 10 steps).
@@ -21,6 +22,7 @@ for round in $rounds; do
     sync) args="--train.lagged_checks false" ;;
     lagged) args="" ;;
     gc-auto) args="--train.gc_interval 0" ;;
+    pinned) args="--parallel.cpu_affinity cores" ;;
     *) echo "unknown variant $variant"; exit 2 ;;
   esac
   rows="t-1-g8 t-fsdpg-2-g16"

@@ -133,6 +133,10 @@ class ParallelConfig:
     (``anytrain plan`` shows the ranking); the choice is written into the resolved config.yaml."""
     reshard_after_forward: bool = True
     """FSDP only: free gathered parameters after forward (ZeRO-3); False keeps them until backward (ZeRO-2)."""
+    cpu_affinity: Literal["none", "cores"] = "none"
+    """cores: each process of a host is bound (all its threads, before the process group starts) to its own equal
+    share of the host's physical cores (with their SMT siblings), so that two ranks never share a core. For hosts
+    with one NUMA node or without numactl; on multi-socket hosts prefer ``torchrun --numa-binding``."""
     fsdp_group_blocks: int = 1
     """FSDP only: consecutive blocks sharded as one FSDP unit (``fully_shard`` on the group): one all-gather and one
     reduce-scatter per group instead of per block, and fewer per-unit hooks on the host; a larger gathered unit."""

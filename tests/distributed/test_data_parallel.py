@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -105,3 +106,19 @@ def test_checkpoint_written_by_every_strategy(runs):
         assert (summary["strategy"], summary["world_size"]) == expected
         final = run_dir / "checkpoints" / f"step_{STEPS:08d}"
         assert (final / "COMMITTED").is_file() and (final / ".metadata").is_file()
+
+
+def test_cpu_affinity_cores_binds_ranks_apart_and_keeps_the_losses(runs, tmp_path, small_data):
+    from anytrain.parallel import core_share, physical_cores
+
+    config = write_config(tmp_path, small_data)
+    run = tmp_path / "pinned"
+    pinned = train(config, run, 2, "--parallel.strategy", "ddp", "--parallel.cpu_affinity", "cores")
+    base = runs["ddp"][1]
+    assert [r["loss"] for r in pinned if r["kind"] == "train"] == [r["loss"] for r in base if r["kind"] == "train"]
+    cpus = json.loads((run / "summary.json").read_text())["cpu_affinity"]
+    expected = [core_share(physical_cores(os.sched_getaffinity(0)), r, 2) for r in range(2)]
+    if expected[0] is None:  # one physical core: nothing to split, affinity left as it was
+        assert cpus[0] == cpus[1]
+    else:
+        assert cpus == expected and not set(cpus[0]) & set(cpus[1])

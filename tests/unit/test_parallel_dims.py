@@ -100,3 +100,20 @@ def test_reshard_during_accumulation_needs_fsdp(strategy):
     resolved = "ddp" if strategy == "auto" else strategy
     with pytest.raises(ConfigError, match=f"parallel.reshard_during_accumulation: .* the strategy is {resolved}; set"):
         parallelize(torch.nn.Module(), cfg, dims(2), torch.device("cpu"), torch.float32)
+
+
+def test_cpu_affinity_shares_whole_physical_cores(tmp_path):
+    from anytrain.parallel import core_share, physical_cores
+
+    # 4 physical cores with 2 SMT siblings each (CPUs c and c + 4), as Linux numbers them
+    for cpu in range(8):
+        topo = tmp_path / f"cpu{cpu}" / "topology"
+        topo.mkdir(parents=True)
+        (topo / "physical_package_id").write_text("0\n")
+        (topo / "core_id").write_text(f"{cpu % 4}\n")
+    cores = physical_cores(set(range(8)), str(tmp_path))
+    assert cores == [[0, 4], [1, 5], [2, 6], [3, 7]]
+    assert [core_share(cores, r, 2) for r in range(2)] == [[0, 1, 4, 5], [2, 3, 6, 7]]
+    assert [core_share(cores, r, 3) for r in range(3)] == [[0, 4], [1, 5], [2, 6]]  # one core left over
+    assert core_share(cores, 0, 5) is None  # fewer cores than processes: leave the affinity alone
+    assert physical_cores({0, 1}, str(tmp_path / "missing")) == [[0], [1]]  # no topology: a CPU per core

@@ -59,10 +59,61 @@ def launch_env() -> DistInfo:
     return DistInfo()
 
 
-def init_distributed(device_request: str = "auto", timeout_s: int = 600) -> tuple[DistInfo, torch.device]:
-    """Initialise the default process group if launched with several processes; pick this rank's device."""
+def local_world_size() -> int:
+    """Processes of this job on this host, from the launcher's environment (1 when it does not say)."""
+    for key in ("LOCAL_WORLD_SIZE", "SLURM_NTASKS_PER_NODE", "OMPI_COMM_WORLD_LOCAL_SIZE", "MPI_LOCALNRANKS"):
+        value = os.environ.get(key, "")
+        if value.isdigit():
+            return int(value)
+    return 1
+
+
+def physical_cores(cpus: set[int], sysfs: str = "/sys/devices/system/cpu") -> list[list[int]]:
+    """``cpus`` grouped by physical core (package, core id; SMT siblings together), cores ordered by lowest CPU."""
+    groups: dict[tuple, list[int]] = {}
+    for cpu in sorted(cpus):
+        topo = f"{sysfs}/cpu{cpu}/topology"
+        try:
+            with open(f"{topo}/physical_package_id") as f_pkg, open(f"{topo}/core_id") as f_core:
+                key = (int(f_pkg.read()), int(f_core.read()))
+        except (OSError, ValueError):
+            key = (-1, cpu)  # no topology: every CPU its own core
+        groups.setdefault(key, []).append(cpu)
+    return sorted(groups.values(), key=min)
+
+
+def core_share(cores: list[list[int]], local_rank: int, local_world: int) -> list[int] | None:
+    """Local rank ``local_rank``'s CPUs: the ``local_rank``-th of ``local_world`` equal runs of whole cores (the
+    remainder unused), or None when there are fewer cores than processes."""
+    per = len(cores) // max(local_world, 1)
+    if per == 0:
+        return None
+    return sorted(c for core in cores[local_rank * per : (local_rank + 1) * per] for c in core)
+
+
+def bind_to_cores(local_rank: int, local_world: int, sysfs: str = "/sys/devices/system/cpu") -> list[int] | None:
+    """Bind every thread of this process to local rank ``local_rank``'s share of the allowed physical cores
+    (``parallel.cpu_affinity: cores``). Returns the CPUs, or None (nothing changed) when there are fewer physical
+    cores than local processes or the OS has no affinity API."""
+    if not hasattr(os, "sched_setaffinity"):
+        return None
+    mine = core_share(physical_cores(os.sched_getaffinity(0), sysfs), local_rank, local_world)
+    if mine is None:
+        return None
+    for tid in os.listdir("/proc/self/task") if os.path.isdir("/proc/self/task") else ["0"]:
+        with contextlib.suppress(OSError):  # a thread that ended meanwhile
+            os.sched_setaffinity(int(tid), mine)
+    return mine
+
+
+def init_distributed(device_request: str = "auto", timeout_s: int = 600,
+                     cpu_affinity: str = "none") -> tuple[DistInfo, torch.device]:  # fmt: skip
+    """Initialise the default process group if launched with several processes; pick this rank's device. With
+    ``cpu_affinity="cores"`` the process is bound to its cores first, so the communication threads inherit it."""
     hardware.apply_env_defaults()
     info = launch_env()
+    if cpu_affinity == "cores":
+        bind_to_cores(info.local_rank, local_world_size())
     device = hardware.resolve_device(device_request, info.local_rank)
     if info.is_distributed and not dist.is_initialized():
         kwargs = {"device_id": device} if hardware.is_gpu(device) else {}

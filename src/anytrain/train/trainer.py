@@ -11,6 +11,7 @@ import gc
 import inspect
 import json
 import math
+import os
 import shutil
 import time
 from datetime import datetime
@@ -91,7 +92,8 @@ class Trainer:
     def __init__(self, cfg: RunConfig, run_dir: str | None = None, resume: bool = False,
                  overwrite: bool = False) -> None:  # fmt: skip
         self.cfg = cfg
-        self.info, self.device = init_distributed(cfg.device)
+        self.info, self.device = init_distributed(cfg.device, cpu_affinity=cfg.parallel.cpu_affinity)
+        self._affinity_per_rank = self._gather_affinity() if cfg.parallel.cpu_affinity == "cores" else None
         if cfg.parallel.auto:
             self._apply_auto_layout()
         self.dims = ParallelDims.from_config(cfg.parallel, self.info.world_size)
@@ -457,6 +459,15 @@ class Trainer:
         self.checkpointer.save(step, self.state, asynchronous=self.cfg.checkpoint.async_save and not final)
         self.guard.saved()
 
+    def _gather_affinity(self) -> list:
+        """Every rank's CPUs after ``parallel.cpu_affinity: cores`` (for summary.json)."""
+        mine = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None
+        if not dist.is_initialized():
+            return [mine]
+        out: list = [None] * dist.get_world_size()
+        dist.all_gather_object(out, mine)
+        return out
+
     def _sync_point(self, step: int, end: int, status: StepStatus) -> bool:
         """Whether the loop synchronises after ``step`` steps anyway (log, eval, checkpoint, end): the lagged checks
         are read there, so that nothing is logged or saved before the step's verdict."""
@@ -561,6 +572,7 @@ class Trainer:
             "world_size": self.info.world_size,
             "strategy": self.strategy,
             "step_checks": "lagged" if self.guard.uses_lag() else "every step",
+            "cpu_affinity": self._affinity_per_rank,
             "dtype": str(self.dtype).replace("torch.", ""),
             "params": self.accounting_model.num_params(),
             "params_non_embedding": self.accounting_model.num_params(exclude_embedding=True),
