@@ -78,10 +78,15 @@ def consumed(run_dir: Path, world: int) -> list[int]:
     return [i for s in steps for rank in range(world) for i in per_rank[rank][s]]
 
 
-def weights(checkpoint: Path, tmp: Path) -> dict[str, torch.Tensor]:
+def train_state(checkpoint: Path, tmp: Path) -> dict:
+    """A DCP checkpoint's whole train state (model, optimizer, scheduler, progress, RNG) as plain tensors."""
     out = tmp / f"{checkpoint.parent.parent.name}-{checkpoint.name}.pt"
     dcp_to_torch_save(checkpoint, out)
-    return torch.load(out, weights_only=False)["train"]["model"]
+    return torch.load(out, weights_only=False)["train"]
+
+
+def weights(checkpoint: Path, tmp: Path) -> dict[str, torch.Tensor]:
+    return train_state(checkpoint, tmp)["model"]
 
 
 def assert_same_weights(a: dict, b: dict, atol: float = 0.0) -> None:
@@ -226,12 +231,6 @@ def test_auto_resume_continues_a_requeued_run(tmp_path, small_data):
     proc = train(config, run, 1, "--checkpoint.auto_resume", "true")
     assert "resumed from" in proc.stderr
     assert sorted(step_losses(run)) == list(range(1, 9))
-
-
-def train_state(checkpoint: Path, tmp: Path) -> dict:
-    out = tmp / f"{checkpoint.parent.parent.name}-{checkpoint.name}-state.pt"
-    dcp_to_torch_save(checkpoint, out)
-    return torch.load(out, weights_only=False)["train"]
 
 
 def assert_same_state(a, b, where: str = "") -> None:

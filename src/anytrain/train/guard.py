@@ -102,19 +102,34 @@ class StepGuard:
 
     # the per-step agreement -----------------------------------------------------------------------------------------
 
+    def _reduced_flags(self, loss: torch.Tensor, grad_norm: torch.Tensor) -> torch.Tensor:
+        """[non-finite, signal, checkpoint due, loss, gradient norm] summed over the ranks, on the device; no host
+        sync (the host flags travel through pinned memory on GPUs)."""
+        gpu = hardware.is_gpu(self.device)
+        host = torch.tensor([float(self.signal is not None), float(self._time_due())])
+        host = host.pin_memory().to(self.device, non_blocking=True) if gpu else host.to(self.device)
+        grad_norm = grad_norm.detach().float().reshape(1)
+        if self.cfg.train.check_finite:
+            nonfinite = (~torch.isfinite(grad_norm)).float()
+        else:
+            nonfinite = torch.zeros(1, device=self.device)
+        norm = grad_norm / self.world_size  # the same on every rank: sums to itself
+        vec = torch.cat([nonfinite, host, loss.detach().float().reshape(1), norm])
+        if self.world_size > 1:
+            dist.all_reduce(vec)
+        return vec
+
+    def _status(self, values: list[float], step: int) -> StepStatus:
+        nonfinite_count, stop_count, due_count, loss_sum, norm = values
+        return StepStatus(nonfinite_count > 0, stop_count > 0, due_count > 0, loss=loss_sum / self.loss_ranks,
+                          step=step, grad_norm=norm)  # fmt: skip
+
     def check(self, step: int, loss: torch.Tensor, grad_norm: torch.Tensor) -> StepStatus:
         """Flags for step ``step`` (0-based), agreed by all ranks. ``loss`` is this rank's step loss (device)."""
         train = self.cfg.train
-        host = [float(self.signal is not None), float(self._time_due())]
         if not (train.check_finite or train.spike_factor or self.world_size > 1):
-            return StepStatus(stop=host[0] > 0, checkpoint_due=host[1] > 0, step=step)
-        nonfinite = (~torch.isfinite(grad_norm)).float().reshape(1) if train.check_finite else grad_norm.new_zeros(1)
-        vec = torch.cat([nonfinite.float(), torch.tensor(host, device=self.device), loss.detach().float().reshape(1)])
-        if self.world_size > 1:
-            dist.all_reduce(vec)
-        nonfinite_count, stop_count, due_count, loss_sum = vec.tolist()
-        status = StepStatus(nonfinite_count > 0, stop_count > 0, due_count > 0, loss=loss_sum / self.loss_ranks,
-                            step=step)  # fmt: skip
+            return StepStatus(stop=self.signal is not None, checkpoint_due=self._time_due(), step=step)
+        status = self._status(self._reduced_flags(loss, grad_norm).tolist(), step)
         status.skip = not status.nonfinite and self._is_spike(status.loss)
         return status
 
@@ -127,16 +142,7 @@ class StepGuard:
         no host sync. Returns found_inf, a 0-dim float32 device tensor that is 1 when some rank's gradient norm is
         not finite, for the fused optimizer to skip the update on."""
         gpu = hardware.is_gpu(self.device)
-        host = torch.tensor([float(self.signal is not None), float(self._time_due())])
-        if self.cfg.train.check_finite:
-            nonfinite = (~torch.isfinite(grad_norm.detach())).float().reshape(1)
-        else:
-            nonfinite = torch.zeros(1, device=self.device)
-        host = host.pin_memory().to(self.device, non_blocking=True) if gpu else host.to(self.device)
-        norm = grad_norm.detach().float().reshape(1) / self.world_size  # the same on every rank: sums to itself
-        vec = torch.cat([nonfinite, host, loss.detach().float().reshape(1), norm])
-        if self.world_size > 1:
-            dist.all_reduce(vec)
+        vec = self._reduced_flags(loss, grad_norm)
         out = torch.empty(vec.shape, dtype=vec.dtype, pin_memory=gpu)
         out.copy_(vec, non_blocking=gpu)
         event = None
@@ -155,9 +161,7 @@ class StepGuard:
         self._pending = None
         if event is not None:
             event.synchronize()
-        nonfinite_count, stop_count, due_count, loss_sum, norm = out.tolist()
-        return StepStatus(nonfinite_count > 0, stop_count > 0, due_count > 0, loss=loss_sum / self.loss_ranks,
-                          step=step, grad_norm=norm)  # fmt: skip
+        return self._status(out.tolist(), step)
 
     def _is_spike(self, loss: float) -> bool:
         """Loss above spike_factor × the running mean of accepted losses (after 10 accepted steps)."""

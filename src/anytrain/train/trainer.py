@@ -419,7 +419,7 @@ class Trainer:
                     self.log.print(format_summary(profiled, f"profile of step {step + 1}, rank {self.info.rank}"))
                 self.checkpointer.poll()
                 if status.nonfinite:
-                    self._stop_nonfinite(status.step, grad_norm if status.grad_norm is None else status.grad_norm)
+                    self._stop_nonfinite(status.step, status.grad_norm)
                 step += 1
                 self.progress["step"] = step
                 self.progress["tokens_seen"] += self.tokens_per_step
@@ -491,14 +491,14 @@ class Trainer:
             group["lr"] = base * factor(sched.last_epoch)
         sched._last_lr = [group["lr"] for group in self.optimizer.param_groups]
 
-    def _stop_nonfinite(self, step: int, grad_norm: torch.Tensor | float) -> None:
+    def _stop_nonfinite(self, step: int, grad_norm: float) -> None:
         """Every rank got the same verdict: keep the last good state (weights after the previous step), then stop."""
         self._rewind_to(step)
         saved = ""
         if step > 0:  # Checkpointer.save finishes a save in flight first and keeps a committed one as it is
             self._save(step, final=True)
             saved = f"; the state before it is saved as {self.checkpointer.path_for(step)}"
-        raise TrainingError(f"step {step + 1}: non-finite loss or gradient norm ({float(grad_norm)}) on at least one "
+        raise TrainingError(f"step {step + 1}: non-finite loss or gradient norm ({grad_norm}) on at least one "
                             f"rank; stopped before the optimizer step{saved}")  # fmt: skip
 
     def _stop_preempted(self, step: int) -> None:
