@@ -42,6 +42,33 @@ def _program_block(dpg, BLOCK_D: tl.constexpr):
 
 
 @triton.jit
+def _bc_bases(b, g, pid_blk, B_ptr, C_ptr, dB_ptr, dC_ptr, s_bb, s_bg, s_cb, s_cg, s_rb, s_rg, s_rk,
+              ATOMIC: tl.constexpr):  # fmt: skip
+    """This (batch, group)'s B and C (loaded as (1, CHUNK) rows, broadcast over the block's channels) and its dB and
+    dC outputs: the shared sums (ATOMIC) or this program's own partial slice (deterministic mode)."""
+    B_base = B_ptr + b * s_bb + g * s_bg
+    C_base = C_ptr + b * s_cb + g * s_cg
+    r_base = dB_ptr + b * s_rb + g * s_rg
+    rc_base = dC_ptr + b * s_rb + g * s_rg
+    if not ATOMIC:
+        r_base += pid_blk * s_rk
+        rc_base += pid_blk * s_rk
+    return B_base, C_base, r_base, rc_base
+
+
+@triton.jit
+def _dbdc_out(r_base, rc_base, row, t, dB, dC, mask, ATOMIC: tl.constexpr):
+    """Add a state's dB / dC sums (state offset ``row``, steps ``t``) to the outputs (relaxed atomics), or store them
+    into this program's partials."""
+    if ATOMIC:
+        tl.atomic_add(r_base + row + t, dB, mask=mask, sem="relaxed")
+        tl.atomic_add(rc_base + row + t, dC, mask=mask, sem="relaxed")
+    else:
+        tl.store(r_base + row + t, dB, mask=mask)
+        tl.store(rc_base + row + t, dC, mask=mask)
+
+
+@triton.jit
 def _row_bases(
     b, rows, u_ptr, dt_ptr, z_ptr, dout_ptr, du_ptr, ddt_ptr, dz_ptr, s_ub, s_ud, s_tb, s_td, s_zb, s_zd, s_gb, s_gd
 ):  # fmt: skip
@@ -415,13 +442,8 @@ def _ss_bwd_kernel_v4(
     u_base, dt_base, z_base, go_base, du_base, ddt_base, dz_base = _row_bases(
         b, rows, u_ptr, dt_ptr, z_ptr, dout_ptr, du_ptr, ddt_ptr, dz_ptr, s_ub, s_ud, s_tb, s_td, s_zb, s_zd, s_gb, s_gd
     )
-    B_base = B_ptr + b * s_bb + g * s_bg  # B and C: (1, CHUNK) loads, broadcast over the block's channels
-    C_base = C_ptr + b * s_cb + g * s_cg
-    r_base = dB_ptr + b * s_rb + g * s_rg
-    rc_base = dC_ptr + b * s_rb + g * s_rg
-    if not ATOMIC:
-        r_base += pid_blk * s_rk
-        rc_base += pid_blk * s_rk
+    B_base, C_base, r_base, rc_base = _bc_bases(b, g, pid_blk, B_ptr, C_ptr, dB_ptr, dC_ptr, s_bb, s_bg, s_cb, s_cg,
+                                                s_rb, s_rg, s_rk, ATOMIC)  # fmt: skip
     A_rows = A_ptr + offs_d * s_ad
     st_rows = state_ptr + ((b * dim + offs_d) * (DSTATE * s_sn))[:, None]  # (BLOCK_D, 1)
     q_rows = q_ptr + (b * dim + offs_d) * (2 * DSTATE)
@@ -542,12 +564,7 @@ def _ss_bwd_kernel_v4(
             elif FLAT:
                 dBf = tl.reshape(tl.sum(gs * dtu, axis=0), (CHUNK,))
                 dCf = tl.reshape(tl.sum(hs * dy, axis=0), (CHUNK,))
-                if ATOMIC:
-                    tl.atomic_add(r_base + n * s_rn + tf, dBf, mask=mf, sem="relaxed")
-                    tl.atomic_add(rc_base + n * s_rn + tf, dCf, mask=mf, sem="relaxed")
-                else:
-                    tl.store(r_base + n * s_rn + tf, dBf, mask=mf)
-                    tl.store(rc_base + n * s_rn + tf, dCf, mask=mf)
+                _dbdc_out(r_base, rc_base, n * s_rn, tf, dBf, dCf, mf, ATOMIC)
             elif ATOMIC:
                 tl.atomic_add(r_base + n * s_rn + tn, dB_lo, mask=mt, sem="relaxed")
                 tl.atomic_add(r_base + n * s_rn + tn + 4, dB_hi, mask=mt4, sem="relaxed")

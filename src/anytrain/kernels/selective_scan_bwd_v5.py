@@ -25,7 +25,16 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from anytrain.kernels.selective_scan_bwd import LOG2E, _combine, _program_block, _row_bases, _sigmoid, _softplus
+from anytrain.kernels.selective_scan_bwd import (
+    LOG2E,
+    _bc_bases,
+    _combine,
+    _dbdc_out,
+    _program_block,
+    _row_bases,
+    _sigmoid,
+    _softplus,
+)
 
 
 @triton.jit
@@ -87,13 +96,8 @@ def _ss_bwd_kernel_v5(
     u_base, dt_base, z_base, go_base, du_base, ddt_base, dz_base = _row_bases(
         b, rows, u_ptr, dt_ptr, z_ptr, dout_ptr, du_ptr, ddt_ptr, dz_ptr, s_ub, s_ud, s_tb, s_td, s_zb, s_zd, s_gb, s_gd
     )
-    B_base = B_ptr + b * s_bb + g * s_bg  # B and C: (1, CHUNK) loads, broadcast over the block's channels
-    C_base = C_ptr + b * s_cb + g * s_cg
-    r_base = dB_ptr + b * s_rb + g * s_rg
-    rc_base = dC_ptr + b * s_rb + g * s_rg
-    if not ATOMIC:
-        r_base += pid_blk * s_rk
-        rc_base += pid_blk * s_rk
+    B_base, C_base, r_base, rc_base = _bc_bases(b, g, pid_blk, B_ptr, C_ptr, dB_ptr, dC_ptr, s_bb, s_bg, s_cb, s_cg,
+                                                s_rb, s_rg, s_rk, ATOMIC)  # fmt: skip
     # (BLOCK_D, SEG) tiles that are loaded or stored per state go through flat (BLOCK_D * SEG,) pointers: a 1-D
     # tensor without contiguity has one layout in every Triton version (element i on lane i % 32), and its reshape is
     # the compute layout (channel in registers, segment on lanes); a 2-D pointer would tie its two dimensions, which
@@ -205,12 +209,7 @@ def _ss_bwd_kernel_v5(
             if DBDC:  # sums over this block's channels; (SEG, 4) is already the 4-wide atomics' layout
                 dBf = tl.reshape(tl.sum(gs * dtu, axis=0), (CHUNK,))
                 dCf = tl.reshape(tl.sum(hs * dy, axis=0), (CHUNK,))
-                if ATOMIC:
-                    tl.atomic_add(r_base + n * s_rn + tf, dBf, mask=mf, sem="relaxed")
-                    tl.atomic_add(rc_base + n * s_rn + tf, dCf, mask=mf, sem="relaxed")
-                else:
-                    tl.store(r_base + n * s_rn + tf, dBf, mask=mf)
-                    tl.store(rc_base + n * s_rn + tf, dCf, mask=mf)
+                _dbdc_out(r_base, rc_base, n * s_rn, tf, dBf, dCf, mf, ATOMIC)
         u = _ld4(u_base + t2, m2, BLOCK_D, SEG, ACC)  # reloaded (L1/L2) instead of kept through the state loop
         du = dt * sgb
         ddt = u * sgb + sahm / LOG2E
