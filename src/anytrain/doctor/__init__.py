@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 from anytrain import hardware
-from anytrain.parallel import init_distributed, shutdown
+from anytrain.parallel import gather_object, init_distributed, shutdown
 
 
 def _time(fn, device: torch.device, repeats: int) -> float:
@@ -74,9 +74,7 @@ def run_doctor(out: str | None = None, max_mib: int = 1024, repeats: int = 5) ->
         report = {"hardware": hardware.summary(device), "rank_devices": None}
         report["ceilings"] = device_ceilings(device)
         if info.is_distributed:
-            names = [None] * info.world_size
-            dist.all_gather_object(names, hardware.device_name(device))
-            report["rank_devices"] = names
+            report["rank_devices"] = gather_object(hardware.device_name(device))
             sizes, mib = [], 1
             while mib <= max(1, max_mib):  # 1 MiB, 2 MiB, ... up to max_mib
                 sizes.append(mib * 2**20)

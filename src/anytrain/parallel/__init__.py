@@ -140,6 +140,15 @@ def broadcast_object(obj, src: int = 0):
     return box[0]
 
 
+def gather_object(obj) -> list:
+    """Every rank's Python object, in rank order, on every rank (``[obj]`` when single-process)."""
+    if not dist.is_initialized():
+        return [obj]
+    out: list = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj)
+    return out
+
+
 def all_reduce_mean(tensor: torch.Tensor) -> torch.Tensor:
     if dist.is_initialized():
         tensor = tensor.clone()

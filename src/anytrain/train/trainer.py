@@ -33,6 +33,7 @@ from anytrain.parallel import (
     all_reduce_mean,
     broadcast_object,
     dp_mesh_1d,
+    gather_object,
     gradient_sync,
     init_distributed,
     parallelize,
@@ -461,12 +462,7 @@ class Trainer:
 
     def _gather_affinity(self) -> list:
         """Every rank's CPUs after ``parallel.cpu_affinity: cores`` (for summary.json)."""
-        mine = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None
-        if not dist.is_initialized():
-            return [mine]
-        out: list = [None] * dist.get_world_size()
-        dist.all_gather_object(out, mine)
-        return out
+        return gather_object(sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None)
 
     def _sync_point(self, step: int, end: int, status: StepStatus) -> bool:
         """Whether the loop synchronises after ``step`` steps anyway (log, eval, checkpoint, end): the lagged checks
