@@ -108,7 +108,19 @@ def scan_grads(cfg: ScanConfig, s):
     return [out.detach()] + [leaves[k].grad for k in ("u", "delta", "A", "B", "C", "D", "z", "delta_bias")]
 
 
+def bench_conv_launch(cfg: ConvConfig, xs) -> tuple[float, float]:
+    """(fwd ms, bwd ms) of the kernel launchers alone (``_fwd`` / ``_bwd``, as the scan is timed): no autograd
+    engine, so the GPU time whenever the launch is shorter than the kernel."""
+    fwds, bwds = [], []
+    for x, w, b in xs:
+        g = torch.randn_like(x)
+        fwds.append(lambda x=x, w=w, b=b: conv_mod._fwd(x, w, b, True, cfg))
+        bwds.append(lambda x=x, w=w, b=b, g=g: conv_mod._bwd(x, w, b, g, True, cfg))
+    return median_ms(rotating(fwds)), median_ms(rotating(bwds))
+
+
 def bench_conv(cfg: ConvConfig, xs) -> tuple[float, float]:
+    """(fwd ms, bwd ms) through the public op and ``torch.autograd.grad`` (what a model's step pays per call)."""
     fwds, bwds = [], []
     with torch.no_grad():
         for x, w, b in xs:
@@ -161,6 +173,7 @@ def main() -> int:
     ap.add_argument("--out", default=str(Path(__file__).resolve().parent / "results"))
     ap.add_argument("--sweep", action="store_true", help="also time alternative tile configs")
     ap.add_argument("--no-conv-sweep", action="store_true", help="with --sweep: scan configs only")
+    ap.add_argument("--no-scan-sweep", action="store_true", help="with --sweep: conv configs only")
     ap.add_argument(
         "--bwd-configs",
         nargs="+",
@@ -229,6 +242,8 @@ def main() -> int:
             bwd_variants = [trusted] + [ScanConfig(*(int(v) for v in c.split(","))) for c in args.bwd_configs]
         if args.fwd_configs:
             fwd_variants = [trusted] + [ScanConfig(*(int(v) for v in c.split(","))) for c in args.fwd_configs]
+        if args.no_scan_sweep:
+            fwd_variants, bwd_variants = [], []
         for which, variants in (("fwd", fwd_variants), ("bwd", bwd_variants)):
             for cfg in variants:
                 try:
@@ -244,7 +259,10 @@ def main() -> int:
         # diagnostic: 2-, 1- and 4-channel backwards without their dB/dC atomics (dB/dC then wrong; not candidates)
         scan_mod._DIAG_SKIP_DBDC = True
         try:
-            diag = bwd_variants[1 : 1 + args.diag] if args.bwd_configs else [bwd_variants[i] for i in (1, 2, 6)]
+            if args.no_scan_sweep:
+                diag = []
+            else:
+                diag = bwd_variants[1 : 1 + args.diag] if args.bwd_configs else [bwd_variants[i] for i in (1, 2, 6)]
             for cfg in diag:
                 _, b = bench_scan(cfg, sets, which="bwd")
                 sweep.append({"op": "diag_scan_bwd_no_dBdC", "config": vars(cfg), "ms": b})
@@ -252,6 +270,7 @@ def main() -> int:
         finally:
             scan_mod._DIAG_SKIP_DBDC = False
         conv_variants = [
+            ConvConfig(),  # the default, timed in the same sweep
             ConvConfig(4, 256, 4, 4, 256, 4), ConvConfig(8, 256, 4, 8, 256, 4), ConvConfig(4, 512, 4, 4, 512, 4),
             ConvConfig(8, 512, 8, 8, 512, 8), ConvConfig(16, 256, 8, 16, 256, 8), ConvConfig(2, 1024, 4, 2, 1024, 4),
             ConvConfig(16, 128, 4, 16, 128, 4), ConvConfig(4, 1024, 8, 4, 1024, 8),
@@ -259,15 +278,20 @@ def main() -> int:
             # the next 1-2 iterations (offline Triton 3.6 sm_90: 30 / 45 cp.async, 10 / 20 KB shared, 63 / 64 regs)
             ConvConfig(2, 1024, 4, 1, 1024, 4, 1024, 2), ConvConfig(2, 1024, 4, 1, 1024, 4, 1024, 3),
             ConvConfig(2, 1024, 4, 2, 512, 4, 1024, 3), ConvConfig(2, 1024, 4, 1, 512, 4, 1024, 4),
+            ConvConfig(2, 1024, 4, 1, 1024, 8, 1024, 3), ConvConfig(2, 1024, 4, 1, 2048, 8, 1024, 2),
+            ConvConfig(2, 1024, 4, 1, 512, 2, 1024, 3), ConvConfig(2, 1024, 4, 1, 1024, 4, 2048, 3),
+            ConvConfig(2, 1024, 4, 1, 1024, 4, 512, 3),
         ]  # fmt: skip
         for cfg in [] if args.no_conv_sweep else conv_variants:
             try:
                 f, b = bench_conv(cfg, xs)
+                fl, bl = bench_conv_launch(cfg, xs)
             except Exception as e:
                 print(f"conv {cfg}: failed {type(e).__name__}: {str(e)[:200]}")
                 continue
-            sweep.append({"op": "conv", "config": vars(cfg), "fwd_ms": f, "bwd_ms": b, "ms": f + b})
-            print(f"conv {cfg}: fwd {f:.4f} ms bwd {b:.4f} ms", flush=True)
+            sweep.append({"op": "conv", "config": vars(cfg), "fwd_ms": f, "bwd_ms": b, "ms": f + b,
+                          "fwd_launch_ms": fl, "bwd_launch_ms": bl})  # fmt: skip
+            print(f"conv {cfg}: fwd {f:.4f} ms bwd {b:.4f} ms; launchers alone fwd {fl:.4f} bwd {bl:.4f}", flush=True)
     if sweep:  # use the fastest swept configs (scan: the fastest forward's tiles with the fastest backward's)
         best_f = min((r for r in sweep if r["op"] == "scan_fwd"), key=lambda r: r["ms"], default=None)
         best_b = min((r for r in sweep if r["op"] == "scan_bwd"), key=lambda r: r["ms"], default=None)
@@ -279,7 +303,8 @@ def main() -> int:
                 scan_cfg = dataclasses.replace(scan_cfg, chunk=scan_cfg.chunk_bwd)
         convs = [r for r in sweep if r["op"] == "conv"]
         if convs:
-            conv_cfg = ConvConfig(**min(convs, key=lambda r: r["ms"])["config"])
+            # by the launchers' times (GPU time; the autograd path adds the same host overhead to every config)
+            conv_cfg = ConvConfig(**min(convs, key=lambda r: r["fwd_launch_ms"] + r["bwd_launch_ms"])["config"])
         env = (
             f"export ANYTRAIN_SCAN_CONFIG={','.join(str(v) for v in vars(scan_cfg).values())}\n"
             f"export ANYTRAIN_CONV_CONFIG={','.join(str(v) for v in vars(conv_cfg).values())}\n"
@@ -290,6 +315,7 @@ def main() -> int:
     f, b = bench_scan(scan_cfg, sets)
     _, bd = bench_scan(scan_cfg, sets, deterministic=True)
     cf, cb = bench_conv(conv_cfg, xs)
+    cfl, cbl = bench_conv_launch(conv_cfg, xs)
     tf, tb = bench_torch_conv(xs)
     red = 256
     ef, eb = bench_eager_scan(red)
@@ -299,6 +325,8 @@ def main() -> int:
     results["scan_bwd_deterministic"] = {"ms": bd}
     results["conv_fwd"] = {"ms": cf, "baseline": "torch conv1d+silu", "baseline_ms": tf}
     results["conv_bwd"] = {"ms": cb, "baseline": "torch conv1d+silu", "baseline_ms": tb}
+    for k, ms in (("conv_fwd", cfl), ("conv_bwd", cbl)):  # the launcher alone, timed like the scan rows
+        results[k]["launch_ms"] = ms
     for k in ("scan_fwd", "scan_bwd", "conv_fwd", "conv_bwd"):
         r = results[k]
         r.update(
@@ -313,6 +341,7 @@ def main() -> int:
             f"{r['baseline_ms']:>13.3f}  {r['baseline']}"
         )
     print(f"scan_bwd deterministic: {bd:.4f} ms")
+    print(f"conv launchers alone (no autograd, as the scan rows): fwd {cfl:.4f} ms, bwd {cbl:.4f} ms")
     record = {
         "device": name,
         "torch": torch.__version__,

@@ -66,6 +66,7 @@ class Case:
     stack: str  # "anytrain" | "hf"
     label: str
     compile: bool = False  # anytrain: per-block torch.compile (train.compile)
+    graphs: bool = False  # anytrain: micro-steps replayed from a CUDA graph (train.cuda_graphs)
     warmup: int = 2
     steps: int = 10
 
@@ -73,14 +74,19 @@ class Case:
 def default_cases() -> list[Case]:
     """In run order (the slow HF row last, so a time budget drops it first)."""
     return [
-        Case("130m", "130m", 1024, 8, 64, "anytrain", "anytrain recipe (configs/mamba-130m.yaml)"),
+        # configs/mamba-130m.yaml: micro-steps replayed from a CUDA graph, blocks compiled (host-bound otherwise)
+        Case("130m", "130m", 1024, 8, 64, "anytrain", "anytrain recipe (mamba-130m.yaml)", compile=True, graphs=True),
+        Case("130m-graphs", "130m", 1024, 8, 64, "anytrain", "anytrain 130m, CUDA graphs, no compile", graphs=True),
+        Case("130m-eager", "130m", 1024, 8, 64, "anytrain", "anytrain 130m, eager (the recipe before graphs)"),
         # configs/mamba-1.4b.yaml's shape and micro-batch with global batch 8 instead of 32 (2 micro-batches per step,
         # not 8), so that 10 timed steps fit a short GPU lease; the optimizer step (~5% of such a step on an H200) is
         # then amortised over 4x fewer tokens than in the recipe, which "1.4b-recipe" runs as configured.
         Case("1.4b", "1.4b", 2048, 4, 8, "anytrain", "anytrain recipe shape (mamba-1.4b.yaml)"),
         Case("1.4b-recipe", "1.4b", 2048, 4, 32, "anytrain", "recipe (mamba-1.4b.yaml)", compile=True, steps=5),
         Case("1.4b-mb8", "1.4b", 2048, 8, 16, "anytrain", "anytrain micro-batch 8"),
+        Case("1.4b-mb8c", "1.4b", 2048, 8, 32, "anytrain", "micro-batch 8 + compile", compile=True, steps=5),
         Case("1.4b-compile", "1.4b", 2048, 4, 8, "anytrain", "anytrain + per-block torch.compile", compile=True),
+        Case("1.4b-graphs", "1.4b", 2048, 4, 8, "anytrain", "+ compile + CUDA graphs", compile=True, graphs=True),
         Case("130m-compile", "130m", 1024, 8, 64, "anytrain", "anytrain + per-block torch.compile", compile=True),
         Case("hf-130m", "130m", 1024, 8, 8, "hf", "HF MambaForCausalLM (slow path)", warmup=1, steps=2),
     ]
@@ -103,6 +109,7 @@ def run_config(case: Case, device: torch.device) -> RunConfig:
     cfg.data.seq_len = case.seq
     cfg.train.global_batch, cfg.train.micro_batch = case.global_batch, case.micro
     cfg.train.compile = case.compile
+    cfg.train.cuda_graphs = case.graphs
     cfg.train.dtype = "bf16" if hardware.is_gpu(device) else "fp32"
     cfg.train.lr, cfg.train.warmup_steps, cfg.train.steps = 1e-3, 100, 1000
     return cfg
@@ -125,6 +132,7 @@ def trainer_step_fn(case: Case, device: torch.device, batches: RandomBatches) ->
     trainer.guard = StepGuard(cfg, device, True, 1, getattr(trainer, "loss_ranks", None))
     trainer.guard.lagged = trainer_module.lagged_checks_apply(cfg, trainer.optimizer)  # as Trainer.__init__ does
     trainer.train_source, trainer._sample_log = batches, None
+    trainer._setup_cuda_graphs()  # train.cuda_graphs (rows "...-graphs")
     model = trainer.raw_model
 
     def step(i: int) -> None:
@@ -230,7 +238,8 @@ def measure(step: Callable[[int], None], device: torch.device, warmup: int, step
             step(warmup + i)
             step_s.append(time.perf_counter() - t)
     return {"seconds": sum(step_s), "step_s": step_s, "warmup_s": warmup_s,
-            "peak_mem_gib": hardware.peak_memory_gib(device)}  # fmt: skip
+            "peak_mem_gib": hardware.peak_memory_gib(device),
+            "peak_reserved_gib": hardware.peak_memory_gib(device, reserved=True)}  # fmt: skip
 
 
 def flops_per_token(flavour: str, seq: int) -> tuple[float, int]:
@@ -259,6 +268,8 @@ def run_case(case: Case, device: torch.device, profile: bool = False) -> dict:
                 step, _, holder = direct_step_fn(case, device, batches)
                 row["driver"] = "direct (build_model + parallelize + build_optimizer)"
         row.update(measure(step, device, case.warmup, case.steps))
+        if case.graphs:  # the graph's activations sit in its private pool, which the allocated peak leaves out
+            row["peak_mem_gib"], row["peak_mem_kind"] = row["peak_reserved_gib"], "reserved"
         row["tokens_per_s"] = case.steps * row["tokens_per_step"] / row["seconds"]
         if profile and hardware.is_gpu(device):
             index = case.warmup + case.steps

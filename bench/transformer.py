@@ -79,6 +79,7 @@ def default_cases(ablations: bool = False) -> list[Case]:
     cases = [
         Case(g16, "1.1b", 2048, 16, 32, "anytrain", label="anytrain recipe (configs/1.1b.yaml)", profile=True),
         Case(g16, "1.1b", 2048, 16, 32, "hf-compile", label="HF + torch.compile, mb 16"),
+        Case(g16, "1.1b", 2048, 16, 32, "anytrain", label="anytrain + CUDA graphs", options={"train.cuda_graphs": 1}),
         Case(g8, **mb8, stack="anytrain", label="anytrain micro-batch 8"),
         Case(g, **big, stack="hf-eager", label="HF eager"),
         Case(g, **big, stack="hf-compile", label="HF + torch.compile"),
@@ -180,6 +181,9 @@ def anytrain_step_fn(case: Case, device: torch.device, batches: RandomBatches, c
     cfg.train.compile, cfg.train.check_finite = compile_blocks, case.check_finite
     cfg.train.attention_backend = case.attention
     cfg.train.lr, cfg.train.warmup_steps, cfg.train.steps = 4e-4, 100, 1000
+    for key, value in case.options.items():  # train.X overrides (model.args.X went into the ModelConfig above)
+        if key.startswith("train."):
+            setattr(cfg.train, key.removeprefix("train."), value)
     trainer = object.__new__(Trainer)
     trainer.cfg, trainer.info, trainer.device = cfg, DistInfo(), device
     trainer.dp_rank, trainer.dp_world = 0, 1
@@ -195,6 +199,8 @@ def anytrain_step_fn(case: Case, device: torch.device, batches: RandomBatches, c
     trainer.guard = StepGuard(cfg, device, True, 1)
     trainer.guard.lagged = trainer_module.lagged_checks_apply(cfg, trainer.optimizer)  # as Trainer.__init__ does
     trainer.train_source, trainer._sample_log = batches, None
+    if hasattr(trainer, "_setup_cuda_graphs"):
+        trainer._setup_cuda_graphs()
     model = trainer.raw_model
     info = {"params": model.num_params(), "flops_per_token": model.flops_per_token(case.seq)}
 
@@ -255,8 +261,13 @@ def measure(step: Callable[[int], None], device: torch.device, warmup: int, step
     for i in range(steps):
         step(warmup + i)
     hardware.synchronize(device)
-    return {"seconds": time.perf_counter() - t0, "warmup_s": warmup_s, "peak_mem_gib": hardware.peak_memory_gib(device),
-            "warmup_peak_mem_gib": warm_peak}  # fmt: skip
+    return {
+        "seconds": time.perf_counter() - t0,
+        "warmup_s": warmup_s,
+        "peak_mem_gib": hardware.peak_memory_gib(device),
+        "warmup_peak_mem_gib": warm_peak,
+        "peak_reserved_gib": hardware.peak_memory_gib(device, reserved=True),
+    }
 
 
 def run_case(case: Case, device: torch.device, args: argparse.Namespace) -> dict:
@@ -272,6 +283,8 @@ def run_case(case: Case, device: torch.device, args: argparse.Namespace) -> dict
                 step, info, holder = hf_step_fn(case, device, batches)
             row.update(info)
             row.update(measure(step, device, args.warmup, args.steps))
+            if case.options.get("train.cuda_graphs"):  # activations in the graph's pool: not in the allocated peak
+                row["peak_mem_gib"], row["peak_mem_kind"] = row["peak_reserved_gib"], "reserved"
             row["tokens_per_s"] = args.steps * row["tokens_per_step"] / row["seconds"]
             if case.profile and args.profile:
                 wall = row["seconds"] / args.steps

@@ -6,8 +6,8 @@
 #   gc-auto  --train.gc_interval 0: Python's automatic GC (the behaviour before train.gc_interval)
 #   pinned   --parallel.cpu_affinity cores: each rank bound to its own physical cores
 # Usage (GPU host, repo root, data/ carried): bash bench/device/weak_ab.sh [seconds budget, default 420] [rounds...]
-# where a round is variant:tag:t|tm (t = the Transformer pair only, tm = both models). STEPS and LOG (environment)
-# set the steps per row and the log interval (default 16 and 4; the recipes log every 10 steps).
+# where a round is variant:tag:t|m|tm (t = the Transformer pair only, m = the Mamba pair, tm = both). STEPS and LOG
+# (environment) set the steps per row and the log interval (default 16 and 4; the recipes log every 10 steps).
 set -uo pipefail
 export PYTHONPATH=src PYTHONUNBUFFERED=1
 OUT=${OUT:-bench/results}
@@ -27,6 +27,7 @@ for round in $rounds; do
   esac
   rows="t-1-g8 t-fsdpg-2-g16"
   [ "$models" = tm ] && rows="t-1-g8 m-1-g8 t-fsdpg-2-g16 m-fsdpg-2-g16"
+  [ "$models" = m ] && rows="m-1-g8 m-fsdpg-2-g16"
   echo "== $tag ($variant: $args) at $(( $(date +%s) - start ))s"
   # shellcheck disable=SC2086
   python3 bench/scaling.py --only $rows --steps "${STEPS:-16}" --log-interval "${LOG:-4}" --job-timeout-s 150 \

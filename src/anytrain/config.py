@@ -102,6 +102,11 @@ class TrainConfig:
     optimizer_impl: Literal["auto", "fused", "foreach"] = "auto"
     """AdamW kernel: fused (one kernel per parameter group; CUDA, ROCm and, from torch 2.4, CPU), foreach, or auto =
     fused on GPUs and foreach on CPU. Tensor parallelism always updates per tensor (mixed meshes)."""
+    cuda_graphs: bool = False
+    """Capture one micro-batch's forward + backward as a CUDA/HIP graph on the first step and replay it for every
+    micro-batch (train/cuda_graph.py): removes the host's launch overhead where the host, not the GPU, sets the pace
+    (small models such as mamba-130m). One GPU process only (no DDP/FSDP/TP/PP) with a fixed micro-batch shape; other
+    runs, and CPU runs of the same config, train eagerly and say so. Gradients then stay allocated between steps."""
     gc_interval: int = 50
     """Python's automatic garbage collection is off during training and a young-generation collection runs every
     this many steps on every rank at once (torchtitan's gc_freq): an automatic collection pauses one rank at a random

@@ -148,10 +148,16 @@ def reset_peak_memory(device: torch.device) -> None:
         torch.cuda.reset_peak_memory_stats(device)
 
 
-def peak_memory_gib(device: torch.device) -> float:
-    """Peak bytes held by the caching allocator since the last reset, in GiB (0.0 on CPU: not tracked)."""
+def peak_memory_gib(device: torch.device, reserved: bool = False) -> float:
+    """Peak bytes held by the caching allocator since the last reset, in GiB (0.0 on CPU: not tracked).
+
+    ``reserved``: the peak of the memory the allocator reserved instead of the tensors allocated in it. Use it for
+    CUDA-graph replays measured after a reset that followed the capture: the graph's activations live in its private
+    pool, whose blocks count as free (not allocated) between replays, so that allocated peak leaves them out (a peak
+    that spans the capture, as a training run's does, includes them)."""
     if is_gpu(device):
-        return torch.cuda.max_memory_allocated(device) / 2**30
+        peak = torch.cuda.max_memory_reserved if reserved else torch.cuda.max_memory_allocated
+        return peak(device) / 2**30
     return 0.0
 
 

@@ -81,3 +81,25 @@ def test_gc_interval_must_not_be_negative():
 
     with pytest.raises(ConfigError, match="train.gc_interval"):
         load_config(None, ["--train.gc_interval", "-1"])
+
+
+def test_cuda_graphs_on_cpu_train_eagerly_and_say_so(small_data, tmp_path, capsys):
+    """The same recipe with train.cuda_graphs runs on a CPU: eager micro-steps, a line saying why, no replays."""
+    from pathlib import Path
+
+    from anytrain.config import load_config
+    from anytrain.train.trainer import Trainer
+
+    recipe = Path(__file__).resolve().parents[2] / "configs" / "tiny.yaml"
+    cfg = load_config(recipe, ["--model.flavour", "debug", "--data.path", str(small_data), "--data.seq_len", "32",
+                               "--train.global_batch", "4", "--train.micro_batch", "2", "--train.steps", "3",
+                               "--train.eval_batches", "0", "--train.dtype", "fp32", "--train.cuda_graphs", "true",
+                               "--checkpoint.save_final", "false"])  # fmt: skip
+    cfg.device = "cpu"
+    trainer = Trainer(cfg, run_dir=str(tmp_path / "run"))
+    try:
+        summary = trainer.train()
+    finally:
+        trainer.close()
+    assert trainer._graphed is None and summary["cuda_graph_replays"] is None and summary["steps"] == 3
+    assert "train.cuda_graphs: eager micro-steps (no graphs on cpu (GPU only))" in capsys.readouterr().err

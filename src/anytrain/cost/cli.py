@@ -202,7 +202,8 @@ def plan_command(
     bad = [s for s in strategy or [] if s not in STRATEGIES]
     if bad:
         raise ConfigError(f"--strategy: unknown {bad[0]!r}; choose from {', '.join(STRATEGIES)}")
-    wl = Workload(seq_len, batch, tokens=tokens or 0.0, compiled=compiled)
+    graphs = bool(cfg and cfg.train.cuda_graphs)  # a recipe with train.cuda_graphs: one device replays graphs
+    wl = Workload(seq_len, batch, tokens=tokens or 0.0, compiled=compiled, cuda_graphs=graphs)
     result = plan(
         shape,
         device,

@@ -53,6 +53,7 @@ class Device:
     host_layer_us: float = 0.0  # eager host time per block per micro-batch; 0 = eager_ops_per_block × host_op_us
     host_layer_us_compiled: float = 450.0  # host time per compiled block per micro-batch (assumed)
     host_step_us: float = 2000.0  # per optimizer step: optimizer, clipping, the guard's all-reduce (assumed)
+    host_graph_us: float = 60.0  # per micro-batch replayed from a CUDA graph: two input copies + one launch (assumed)
     scan_ns: float = 0.062  # Mamba scan fwd+bwd per (token, inner channel), S=16: H200 kernel profile (199.3 ms
     # for 16384 tokens x 48 layers x 4096 channels with the v5 backward, bench/results/mamba_train_nvidia-h200.json)
     hbm_efficiency: float = 0.85  # achieved fraction of HBM bandwidth by fused elementwise kernels (H200 copy: 87%)

@@ -322,8 +322,12 @@ def host_seconds(shape: ModelShape | MambaShape, layout: Layout, wl: Workload, d
     Eager blocks: ``shape.eager_ops_per_block`` ATen ops (139 per Llama block, forward + backward) × ``host_op_us``
     (the host's cost of one eager op with autocast and autograd; fitted on the tiny run, which is host-bound);
     compiled blocks: ``host_layer_us_compiled`` per block (a few graph launches). Outside the blocks
-    ``HEAD_EAGER_OPS`` ops per micro-batch; per step ``host_step_us`` (optimizer, clipping, the guard's check)."""
+    ``HEAD_EAGER_OPS`` ops per micro-batch; per step ``host_step_us`` (optimizer, clipping, the guard's check).
+    ``wl.cuda_graphs`` on one device (the trainer captures only single-process runs): ``host_graph_us`` per
+    micro-batch (copy the ids in, launch the graph) instead of the blocks' and head's launches."""
     m = max(1, wl.global_batch // (layout.dp * layout.micro_batch))
+    if wl.cuda_graphs and layout.world == 1:
+        return (m * device.host_graph_us + device.host_step_us) * 1e-6
     if wl.compiled:
         block_us = device.host_layer_us_compiled
     else:

@@ -256,6 +256,7 @@ class Workload:
     global_batch: int  # sequences per optimizer step
     tokens: float = 0.0  # training tokens; 0 = 20·Ψ (Chinchilla)
     compiled: bool = True  # torch.compile'd blocks save fewer activations (see activation_bytes_per_token)
+    cuda_graphs: bool = False  # train.cuda_graphs: one process replays each micro-batch from a graph (host_seconds)
     overlap: float = 0.8  # fraction of the overlap window in which data-parallel traffic hides
     fragmentation: float = 0.05
     overhead_gib: float = 1.0  # CUDA/HIP context, NCCL buffers: outside the allocator (not in its peak)

@@ -48,6 +48,7 @@ from anytrain.parallel.pipeline import (
     rank_stages,
     step_accepts_return_outputs,
 )
+from anytrain.train import cuda_graph
 from anytrain.train.checkpoint import Checkpointer, TrainState
 from anytrain.train.energy import EnergyMeter, energy_metrics
 from anytrain.train.guard import Preempted, StepGuard, StepStatus
@@ -128,6 +129,7 @@ class Trainer:
         self.peak_flops = hardware.peak_flops(self.device)
         self.guard = StepGuard(cfg, self.device, self.info.is_main, self.info.world_size, self.loss_ranks)
         self.guard.lagged = lagged_checks_apply(cfg, self.optimizer)
+        self._setup_cuda_graphs()
         # Power of this rank's device (NVML / AMD SMI); rank 0 scales it to the job. Absent on CPU: values are null.
         self.energy = EnergyMeter(self.device.index or 0) if hardware.is_gpu(self.device) else None
         self._sample_log = self._open_sample_log() if cfg.train.log_sample_ids else None
@@ -239,6 +241,27 @@ class Trainer:
         self.model = merge_parts(self.pp_parts)
         self.raw_model = self.accounting_model
 
+    def _setup_cuda_graphs(self) -> None:
+        """train.cuda_graphs: capture the micro-step where that is sound (train/cuda_graph.py), else say why."""
+        self._graphed = None
+        if not self.cfg.train.cuda_graphs:
+            return
+        reason = cuda_graph.applicability(self.device, self.info.world_size, self.pp_schedule is not None,
+                                          bool(self.guard.test_nan_step))  # fmt: skip
+        if reason:
+            if self.info.is_main and hasattr(self, "log"):
+                self.log.print(f"train.cuda_graphs: eager micro-steps ({reason})")
+            return
+        self._graphed = cuda_graph.GraphedMicroStep(lambda x, y: self.forward_backward(x, y, sync=True),
+                                                    list(self.model.parameters()))  # fmt: skip
+
+    def _zero_grad(self) -> None:
+        """Drop the step's gradients: freed (set to None), or zeroed in place when a captured graph writes to them."""
+        if getattr(self, "_graphed", None) is not None and self._graphed.graph is not None:
+            self._graphed.zero_grads()
+        else:
+            self.optimizer.zero_grad(set_to_none=True)
+
     def _resume(self) -> None:
         latest = self.checkpointer.latest()
         if latest is None:
@@ -280,9 +303,14 @@ class Trainer:
         else:
             micro = self.plan.micro_batch
             loss = torch.zeros((), device=self.device)
+            graphed = getattr(self, "_graphed", None)
             for i in range(self.plan.grad_accum):
                 sl = slice(i * micro, (i + 1) * micro)
-                loss += self.forward_backward(inputs[sl], targets[sl], sync=i == self.plan.grad_accum - 1, step=step)
+                if graphed is not None:
+                    loss += graphed(inputs[sl], targets[sl])
+                else:
+                    last = i == self.plan.grad_accum - 1
+                    loss += self.forward_backward(inputs[sl], targets[sl], sync=last, step=step)
         grad_norm = self._clip_gradients()
         if self.guard.uses_lag():
             return self._lagged_update(step, loss, grad_norm)
@@ -291,7 +319,7 @@ class Trainer:
             self.optimizer.step()
         if not status.nonfinite:
             self.scheduler.step()
-        self.optimizer.zero_grad(set_to_none=True)
+        self._zero_grad()
         return loss, grad_norm, status
 
     def _lagged_update(self, step: int, loss: torch.Tensor, grad_norm: torch.Tensor):
@@ -302,7 +330,7 @@ class Trainer:
         checkpoint flags are acted on after this step."""
         previous = self.guard.resolve()
         if previous is not None and previous.nonfinite:
-            self.optimizer.zero_grad(set_to_none=True)
+            self._zero_grad()
             return loss, grad_norm, previous
         self.optimizer.found_inf = self.guard.launch(step, loss, grad_norm)
         try:
@@ -310,7 +338,7 @@ class Trainer:
         finally:
             del self.optimizer.found_inf
         self.scheduler.step()
-        self.optimizer.zero_grad(set_to_none=True)
+        self._zero_grad()
         status = previous or StepStatus(step=step)
         return loss, grad_norm, StepStatus(stop=status.stop, checkpoint_due=status.checkpoint_due, step=step)
 
@@ -564,10 +592,12 @@ class Trainer:
             "window_tokens_per_s": rates,
             "mfu": mfu(self.flops_per_token, per_device, self.peak_flops),
             "peak_mem_gib": hardware.peak_memory_gib(self.device),
+            "peak_reserved_gib": hardware.peak_memory_gib(self.device, reserved=True),
             "energy": self._energy_metrics(),
             "world_size": self.info.world_size,
             "strategy": self.strategy,
             "step_checks": "lagged" if self.guard.uses_lag() else "every step",
+            "cuda_graph_replays": self._graphed.replays if self._graphed is not None else None,
             "cpu_affinity": self._affinity_per_rank,
             "dtype": str(self.dtype).replace("torch.", ""),
             "params": self.accounting_model.num_params(),

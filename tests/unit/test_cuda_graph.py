@@ -1,0 +1,34 @@
+"""train.cuda_graphs pieces that run without a GPU: where capture applies, and the in-place gradient zeroing the
+captured accumulation relies on (the replay itself: tests/gpu/test_cuda_graph_gpu.py)."""
+
+import torch
+
+from anytrain.train.cuda_graph import GraphedMicroStep, applicability
+
+
+def test_applicability_names_why_a_run_stays_eager():
+    gpu = torch.device("cuda", 0)
+    assert applicability(gpu, 1, False, False) is None
+    assert "GPU only" in applicability(torch.device("cpu"), 1, False, False)
+    assert "multi-process" in applicability(gpu, 2, False, False)
+    assert "multi-process" in applicability(gpu, 1, True, False)
+    assert "ANYTRAIN_TEST_NAN_AT_STEP" in applicability(gpu, 1, False, True)
+
+
+def test_zero_grads_keeps_the_captured_tensors():
+    """The graph writes to the gradient tensors it saw at capture: zeroing must keep them (in place) and put them back
+    where other code dropped or replaced a parameter's .grad."""
+    params = [torch.nn.Parameter(torch.ones(3)), torch.nn.Parameter(torch.ones(2)), torch.nn.Parameter(torch.ones(1))]
+    params[2].requires_grad_(False)
+    step = GraphedMicroStep(lambda x, y: x.sum(), params)
+    assert len(step.params) == 2  # frozen parameters get no gradient buffer
+    step.zero_grads()  # before capture: nothing to keep
+    for p in step.params:
+        p.grad = torch.full_like(p, 5.0)
+    step.grads = [p.grad for p in step.params]
+    kept = list(step.grads)
+    step.params[0].grad = None
+    step.params[1].grad = torch.zeros(2)
+    step.zero_grads()
+    for p, g in zip(step.params, kept, strict=True):
+        assert p.grad is g and torch.equal(g, torch.zeros_like(g))
