@@ -50,3 +50,19 @@ def test_fused_mixer_matches_unfused_at_130m_width(dtype):
         scale = ref.abs().max().clamp_min(1e-6)  # weight gradients sum B·T terms: compare relative to their size
         err = ((got.float() - ref.float()).abs() / scale).max().item()
         assert err < max(rtol, atol / scale.item()) * 5, f"{name}: max error {err:.3e} of max |ref| {scale:.3e}"
+
+
+def test_weight_gradients_come_out_of_the_gemm_in_fp32():
+    """Under bf16 autocast the fused op's weight-gradient GEMMs write fp32 directly (``mm`` with ``out_dtype``): the
+    overload ran (no fallback) and the gradients match an fp32 product of the same bf16 operands closer than a
+    bf16-rounded one would."""
+    torch.manual_seed(0)
+    a = torch.randn(768, 8192, device="cuda").bfloat16()
+    b = torch.randn(8192, 512, device="cuda").bfloat16()
+    exact = a.double() @ b.double()
+    wide = mamba_inner._grad_mm(a, b, torch.float32)
+    assert wide.dtype == torch.float32 and mamba_inner._wide_mm_ok, "mm(out_dtype=float32) fell back"
+    rounded = (a @ b).float()
+    assert (wide.double() - exact).abs().max() < 0.5 * (rounded.double() - exact).abs().max()
+    out = torch.empty(768, 512, device="cuda")
+    assert mamba_inner._grad_mm(a, b, torch.float32, out=out) is out and torch.equal(out, wide)

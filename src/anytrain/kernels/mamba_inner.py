@@ -18,7 +18,8 @@ and delta are recomputed in backward (mamba-ssm's checkpoint_lvl=1). No (B, E, T
 dx and dz stay two buffers and d(in_proj) / dh are split GEMMs; dt/dB/dC land in one preallocated dx_dbl.
 
 GEMMs run in h's dtype (the autocast dtype under ``torch.autocast``: h is cast, the weights are cast inside); A_log, D
-and dt_proj.bias in fp32 (fp64 for fp64 tests), the conv weights as given (the kernel accumulates in fp32).
+and dt_proj.bias in fp32 (fp64 for fp64 tests), the conv weights as given (the kernel accumulates in fp32). The four
+weight-gradient GEMMs write the parameters' fp32 directly on GPUs (``_grad_mm``: no bf16 rounding, no copy kernel).
 
 Two entry points share ``_forward`` / ``_backward``: eagerly a plain ``torch.autograd.Function`` (least host
 overhead), under ``torch.compile`` the custom ops ``anytrain::mamba_inner_fwd`` / ``_bwd`` (``torch.library``,
@@ -61,6 +62,27 @@ def set_mamba_inner(flag: bool) -> None:
 def at_least_fp32(t: Tensor) -> Tensor:
     """fp32, or fp64 for fp64 tensors (the scan parameters A_log, D, delta bias)."""
     return t if t.dtype == torch.float64 else t.float()
+
+
+_wide_mm_ok = True  # cleared if this build/device cannot run mm with out_dtype (then: product, then a cast)
+
+
+def _grad_mm(a: Tensor, b: Tensor, dtype: torch.dtype, out: Tensor | None = None) -> Tensor:
+    """``a @ b`` as a weight gradient in ``dtype`` (the parameter's). For bf16/fp16 operands on a GPU and an fp32
+    parameter, cuBLAS/hipBLASLt writes the fp32 result directly (``mm`` with ``out_dtype``, torch >= 2.8): no rounding
+    of the gradient to bf16 and no copy kernel back to fp32. Elsewhere, or if that overload is unavailable: the product
+    in the operands' dtype, cast (the autocast behaviour)."""
+    global _wide_mm_ok
+    if _wide_mm_ok and a.is_cuda and dtype == torch.float32 and a.dtype in (torch.bfloat16, torch.float16):
+        try:
+            if out is None:
+                return torch.mm(a, b, out_dtype=dtype)
+            return torch.mm(a, b, out_dtype=dtype, out=out)
+        except (RuntimeError, TypeError, NotImplementedError):
+            _wide_mm_ok = False
+    if out is None:
+        return (a @ b).to(dtype)
+    return torch.mm(a, b, out=out) if a.dtype == out.dtype else out.copy_(a @ b)
 
 
 def _cdiv(a, b):
@@ -123,7 +145,7 @@ def _backward(dout, h, w_in, conv_w, conv_b, w_x, w_dt, dt_bias, A_log, D, w_out
     delta = w_dt_c @ x_dbl[:R]  # recomputed (E, N)
     u, dlt, z, Bg, Cg, A = _scan_inputs(xz, x_dbl, conv_out, delta, A_log, batch, R)
     dy = w_out_c.t() @ dout2.t()  # (E, N)
-    dw_out = dout2.t() @ y.t()  # (D, E)
+    dw_out = _grad_mm(dout2.t(), y.t(), w_out.dtype)  # (D, E)
     du, ddelta, dz, dB, dC, dA, dD, dbias = scan_mod._bwd(
         _bct(dy, batch), u, dlt, A, Bg, Cg, at_least_fp32(D), z, at_least_fp32(dt_bias), states, True,
         scan_mod.default_config(), deterministic,
@@ -134,15 +156,15 @@ def _backward(dout, h, w_in, conv_w, conv_b, w_x, w_dt, dt_bias, A_log, D, w_out
     S = A_log.shape[1]
     _bct(dx_dbl[R : R + S], batch).copy_(dB.squeeze(1))
     _bct(dx_dbl[R + S :], batch).copy_(dC.squeeze(1))
-    dw_dt = ddelta2 @ x_dbl[:R].t()  # (E, R)
-    dw_x = dx_dbl @ conv_out.t()  # (R + 2S, E)
+    dw_dt = _grad_mm(ddelta2, x_dbl[:R].t(), w_dt.dtype)  # (E, R)
+    dw_x = _grad_mm(dx_dbl, conv_out.t(), w_x.dtype)  # (R + 2S, E)
     du2.addmm_(w_x_c.t(), dx_dbl)  # + the x_proj path: d conv_out (E, N)
     # dx in x's (T, B·T, 1) layout (empty_like); dconv_w, dconv_b in conv_w's and conv_b's dtypes
     dx, dconv_w, dconv_b = conv_mod._bwd(x, conv_w2, conv_b, _bct(du2, batch), True, conv_mod.default_config())
     dx2 = _flat(dx)  # (E, N)
-    dw_in = torch.empty_like(w_in_c)  # (2E, D): the x and z halves as two GEMMs (no dxz cat)
-    torch.mm(dx2, h2, out=dw_in[:E])
-    torch.mm(dz2, h2, out=dw_in[E:])
+    dw_in = torch.empty_like(w_in)  # (2E, D) in w_in's dtype: the x and z halves as two GEMMs (no dxz cat)
+    _grad_mm(dx2, h2, w_in.dtype, out=dw_in[:E])
+    _grad_mm(dz2, h2, w_in.dtype, out=dw_in[E:])
     dh = (dx2.t() @ w_in_c[:E]).addmm_(dz2.t(), w_in_c[E:])  # (N, D)
     return (
         dh.view(h.shape), dw_in.to(w_in.dtype), dconv_w.view(conv_w.shape), dconv_b,
