@@ -47,8 +47,9 @@ def test_profiling_two_steps_keeps_the_losses_and_writes_the_summary(baseline, s
     assert summary["steps"] == [1, 2] and summary["top"] and summary["wall_ms"] > 0
 
 
-def test_gc_is_off_while_training_and_collected_every_interval(small_data, tmp_path, monkeypatch):
-    import gc
+def _cpu_trainer(small_data, run_dir, *overrides: str):
+    """An in-process Trainer on the tiny recipe (debug model, seq 32, global batch 4, fp32, CPU, no eval, no final
+    save), with ``overrides`` on top."""
     from pathlib import Path
 
     from anytrain.config import load_config
@@ -56,11 +57,17 @@ def test_gc_is_off_while_training_and_collected_every_interval(small_data, tmp_p
 
     recipe = Path(__file__).resolve().parents[2] / "configs" / "tiny.yaml"
     cfg = load_config(recipe, ["--model.flavour", "debug", "--data.path", str(small_data), "--data.seq_len", "32",
-                               "--train.global_batch", "4", "--train.steps", "5", "--train.log_interval", "1",
-                               "--train.eval_batches", "0", "--train.dtype", "fp32", "--train.gc_interval", "2",
-                               "--checkpoint.save_final", "false"])  # fmt: skip
+                               "--train.global_batch", "4", "--train.eval_batches", "0", "--train.dtype", "fp32",
+                               "--checkpoint.save_final", "false", *overrides])  # fmt: skip
     cfg.device = "cpu"
-    trainer = Trainer(cfg, run_dir=str(tmp_path / "run"))
+    return Trainer(cfg, run_dir=str(run_dir))
+
+
+def test_gc_is_off_while_training_and_collected_every_interval(small_data, tmp_path, monkeypatch):
+    import gc
+
+    trainer = _cpu_trainer(small_data, tmp_path / "run", "--train.steps", "5", "--train.log_interval", "1",
+                           "--train.gc_interval", "2")  # fmt: skip
     collected, enabled = [], []
     real_collect, real_step = gc.collect, trainer.train_step
     monkeypatch.setattr(gc, "collect", lambda generation=2: collected.append(generation) or real_collect(generation))
@@ -85,18 +92,8 @@ def test_gc_interval_must_not_be_negative():
 
 def test_cuda_graphs_on_cpu_train_eagerly_and_say_so(small_data, tmp_path, capsys):
     """The same recipe with train.cuda_graphs runs on a CPU: eager micro-steps, a line saying why, no replays."""
-    from pathlib import Path
-
-    from anytrain.config import load_config
-    from anytrain.train.trainer import Trainer
-
-    recipe = Path(__file__).resolve().parents[2] / "configs" / "tiny.yaml"
-    cfg = load_config(recipe, ["--model.flavour", "debug", "--data.path", str(small_data), "--data.seq_len", "32",
-                               "--train.global_batch", "4", "--train.micro_batch", "2", "--train.steps", "3",
-                               "--train.eval_batches", "0", "--train.dtype", "fp32", "--train.cuda_graphs", "true",
-                               "--checkpoint.save_final", "false"])  # fmt: skip
-    cfg.device = "cpu"
-    trainer = Trainer(cfg, run_dir=str(tmp_path / "run"))
+    trainer = _cpu_trainer(small_data, tmp_path / "run", "--train.micro_batch", "2", "--train.steps", "3",
+                           "--train.cuda_graphs", "true")  # fmt: skip
     try:
         summary = trainer.train()
     finally:
