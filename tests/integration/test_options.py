@@ -39,6 +39,46 @@ def test_compiled_blocks_give_the_same_losses(baseline, small_data, tmp_path):
     np.testing.assert_allclose(compiled, baseline, rtol=0, atol=1e-4)
 
 
+def test_whole_model_compile_gives_the_same_losses(baseline, small_data, tmp_path):
+    compiled = train(small_data, tmp_path / "compiled_model", "--train.compile", "true", "--train.compile_scope",
+                     "model")  # fmt: skip
+    np.testing.assert_allclose(compiled, baseline, rtol=0, atol=1e-4)
+
+
+def test_whole_model_compile_refuses_data_parallelism(small_data, tmp_path):
+    # checked before any process group is needed: a clear error naming the field and the fix
+    import torch
+
+    from anytrain.config import load_config
+    from anytrain.errors import ConfigError
+    from anytrain.models import build_model
+    from anytrain.parallel import ParallelDims, parallelize
+
+    cfg = load_config(None, ["--model.flavour", "debug", "--train.compile", "true", "--train.compile_scope", "model"])
+    dims = ParallelDims.from_config(cfg.parallel, world_size=2)
+    with pytest.raises(ConfigError, match="train.compile_scope"):
+        parallelize(build_model(cfg.model), cfg, dims, torch.device("cpu"), torch.float32)
+    # one process: the body is wrapped by torch.compile, the blocks are not compiled one by one
+    model, _ = parallelize(build_model(cfg.model), cfg, ParallelDims.from_config(cfg.parallel, world_size=1),
+                           torch.device("cpu"), torch.float32)  # fmt: skip
+    assert hasattr(model.forward_hidden, "_torchdynamo_orig_callable")
+    assert all(getattr(b, "_compiled_call_impl", None) is None for b in model.blocks())
+    # auto: the whole body in one process, per-block compile under data parallelism (no error)
+    cfg.train.compile_scope = "auto"
+    model, _ = parallelize(build_model(cfg.model), cfg, ParallelDims.from_config(cfg.parallel, world_size=1),
+                           torch.device("cpu"), torch.float32)  # fmt: skip
+    assert hasattr(model.forward_hidden, "_torchdynamo_orig_callable")
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "zero1", "fsdp", "none"])
+def test_auto_compile_scope_is_per_block_under_parallelism(strategy):
+    from anytrain.parallel import resolve_compile_scope
+
+    assert resolve_compile_scope("auto", strategy) == "blocks"
+    assert resolve_compile_scope("auto", "single") == "model"
+    assert resolve_compile_scope("blocks", strategy) == "blocks"
+
+
 def test_profiling_two_steps_keeps_the_losses_and_writes_the_summary(baseline, small_data, tmp_path):
     run = tmp_path / "prof"
     profiled = train(small_data, run, "--profile.steps", "2", "--profile.start_step", "1")

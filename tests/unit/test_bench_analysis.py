@@ -149,3 +149,37 @@ def test_eight_gpu_cases_exist_and_pair_with_one_gpu_baselines():
     assert by["t-fsdp-8-g32"]["strong_ref"] == "t-1-g32" and by["t-fsdp-8-g32"]["strong_efficiency"] == 0.9
     assert by["t-fsdpg-8-g64"]["weak_ref"] == "t-1-g8" and by["hf-ddp-8-g64"]["weak_ref"] == "hf-ddp-1-g8"
     assert by["t-fsdpg-8-g64"]["vs_hf_ddp_ref"] == "hf-ddp-8-g64"
+
+
+@pytest.mark.parametrize("row,config", [("1.4b-recipe", "mamba-1.4b.yaml"), ("130m", "mamba-130m.yaml")])
+def test_mamba_bench_recipe_rows_match_their_configs(row, config):
+    # bench/mamba_train.py's recipe rows say they run configs/<config> as configured: keep them in step with the file
+    import mamba_train
+
+    from anytrain.config import load_config
+
+    case = {c.name: c for c in mamba_train.default_cases()}[row]
+    cfg = load_config(BENCH.parent / "configs" / config)
+    assert (case.flavour, case.seq, case.micro, case.global_batch) == (
+        cfg.model.flavour,
+        cfg.data.seq_len,
+        cfg.train.micro_batch,
+        cfg.train.global_batch,
+    )
+    assert (case.compile, case.graphs) == (cfg.train.compile, cfg.train.cuda_graphs)
+
+
+def test_transformer_bench_recipe_row_matches_its_config():
+    import transformer as transformer_bench
+
+    from anytrain.config import load_config
+
+    case = next(c for c in transformer_bench.default_cases() if c.label.startswith("anytrain recipe"))
+    cfg = load_config(BENCH.parent / "configs" / "1.1b.yaml")
+    assert (case.flavour, case.seq, case.micro, case.global_batch) == (
+        cfg.model.flavour,
+        cfg.data.seq_len,
+        cfg.train.micro_batch,
+        cfg.train.global_batch,
+    )
+    assert case.options.get("train.compile_scope", "blocks") == cfg.train.compile_scope and cfg.train.compile

@@ -52,6 +52,17 @@ CFG_V5_ALT = ScanConfig(
 CFG_V5_WARPS = ScanConfig(
     block_d=2, chunk=4, num_warps=1, block_d_bwd=4, chunk_bwd=8, num_warps_bwd=2, seg_bwd=4, seg=2, bwd_impl=4
 )
+# the load-scheduling options: forward with A and the chunk carry in lanes (pf 1), backward
+# v5 with late state/carry loads, the next chunk's inputs loaded before the epilogue, A and the adjoint carry in lanes
+# (pf_bwd 7); lanes need dstate <= seg, so 16 segments (64-step chunks); CFG_PF_NOLANES: the same without lanes
+CFG_PF = ScanConfig(
+    block_d=2, chunk=4, num_warps=1, block_d_bwd=2, chunk_bwd=8, num_warps_bwd=1, seg_bwd=16, seg=16, bwd_impl=4,
+    pf=1, pf_bwd=7,
+)  # fmt: skip
+CFG_PF_NOLANES = ScanConfig(
+    block_d=2, chunk=4, num_warps=1, block_d_bwd=2, chunk_bwd=8, num_warps_bwd=1, seg_bwd=4, seg=2, bwd_impl=4,
+    pf=0, pf_bwd=3,
+)  # fmt: skip
 CFG_V1 = ScanConfig(
     block_d=2, chunk=8, num_warps=1, block_d_bwd=2, chunk_bwd=4, num_warps_bwd=1, bwd_impl=0, fwd_impl=0
 )
@@ -112,13 +123,21 @@ CASES = [
 
 @pytest.mark.parametrize(
     "cfg",
-    [CFG, CFG_V4, CFG_V4_ALT, CFG_V5, CFG_V5_ALT, CFG_V5_WARPS, CFG_V1],
-    ids=["bwd3", "bwd4", "bwd4alt", "bwd5", "bwd5alt", "bwd5warps", "bwd1"],
+    [CFG, CFG_V4, CFG_V4_ALT, CFG_V5, CFG_V5_ALT, CFG_V5_WARPS, CFG_PF, CFG_PF_NOLANES, CFG_V1],
+    ids=["bwd3", "bwd4", "bwd4alt", "bwd5", "bwd5alt", "bwd5warps", "pf", "pf_nolanes", "bwd1"],
 )
 @pytest.mark.parametrize("batch,dim,seqlen,dstate,ngroups,has_z,has_d,has_bias,softplus", CASES)
 def test_matches_reference(batch, dim, seqlen, dstate, ngroups, has_z, has_d, has_bias, softplus, cfg):
     vals = make_inputs(batch, dim, seqlen, dstate, ngroups, has_z, has_d, has_bias)
     assert_match(*run_both(vals, softplus, cfg=cfg))
+
+
+@pytest.mark.parametrize("dstate", [16, 4])
+def test_lanes_carry_across_chunks(dstate):
+    # CFG_PF's 64-step chunks: seqlen 150 crosses two chunk boundaries in both directions, so the carries held in
+    # lanes (forward state, backward adjoint) are handed from chunk to chunk for every state
+    vals = make_inputs(1, 3, 150, dstate, None, True, True, True)
+    assert_match(*run_both(vals, True, cfg=CFG_PF))
 
 
 def test_single_saved_state_per_chunk_and_4d_groups_of_one():

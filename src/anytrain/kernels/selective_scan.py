@@ -88,15 +88,19 @@ class ScanConfig:
     maxnreg_bwd: int = 0  # CUDA only: register cap per thread for the backward kernel (0: the compiler's choice)
     unroll: int = 1  # fwd_impl 1: state-loop unroll factor (independent states interleaved by the compiler)
     bc_f32: int = 0  # 1 = B and C converted to the accumulation dtype once on the host (no per-state conversion)
+    pf: int = 0  # fwd_impl 1: 1 = A and the chunk carry held in lanes (needs dstate <= seg)
+    pf_bwd: int = 0  # bwd_impl 4 bits: 1 = saved-state/carry loads after their last use, 2 = next chunk's inputs
+    # loaded before this chunk's epilogue, 4 = A and the adjoint carry held in lanes (needs dstate <= seg_bwd)
 
 
 # Per-vendor defaults. CUDA: fastest of bench/mamba_kernels.py --sweep on an H200 (bench/results/, Triton 3.6):
 # forward 1 channel per one-warp program; backward v5, 2 channels per one-warp program capped at 168 registers
-# (12 warps per SM; 2.08 ms against 2.30 for v4 with flat atomics). ROCm: not run (untuned; 64 segments fill a 64-wide
-# wavefront; v5 compiles to 206 VGPRs for gfx942 against v4's 291).
+# (12 warps per SM; 2.08 ms against 2.30 for v4 with flat atomics), with the next chunk's inputs loaded before the
+# epilogue and A / the adjoint carry in lanes (pf_bwd 7: 2.05 against 2.12 ms in one H200 call; 1.87 ms on an H100).
+# ROCm: not run (untuned; 64 segments fill a 64-wide wavefront; v5 compiles to 206 VGPRs for gfx942 against v4's 291).
 _VENDOR_CONFIGS = {
     hardware.CUDA: ScanConfig(
-        1, 8, 1, block_d_bwd=2, chunk_bwd=8, num_warps_bwd=1, bwd_impl=4, seg=32, maxnreg_bwd=168
+        1, 8, 1, block_d_bwd=2, chunk_bwd=8, num_warps_bwd=1, bwd_impl=4, seg=32, maxnreg_bwd=168, pf_bwd=7
     ),
     hardware.ROCM: ScanConfig(1, 8, 1, block_d_bwd=2, chunk_bwd=8, num_warps_bwd=1, bwd_impl=4, seg_bwd=64, seg=64),
     hardware.CPU: ScanConfig(4, 8, 1, block_d_bwd=4, chunk_bwd=8, num_warps_bwd=1, bwd_impl=3, seg_bwd=4, seg=4),
@@ -257,7 +261,7 @@ def _fwd(
         _ss_fwd_kernel_v3[grid](
             *ptrs, dpg, seqlen, nsub, *strides, states.stride(2), states.stride(3),
             DSTATE=dstate, BLOCK_D=cfg.block_d, SUB=cfg.chunk, SEG=cfg.seg, SAVE=cfg.chunk_bwd // cfg.chunk,
-            UNROLL=cfg.unroll, **flags,
+            UNROLL=cfg.unroll, LANES=bool(cfg.pf & 1) and dstate <= cfg.seg, **flags,
         )  # fmt: skip
         return out, states
     _ss_fwd_kernel[grid](
@@ -322,7 +326,8 @@ def _bwd(dout, u, delta, A, Bg, Cg, D, z, delta_bias, states, softplus: bool, cf
         q = torch.empty((batch, dim, 2, dstate), device=u.device, dtype=acc)  # adjoint carry scratch
         if cfg.bwd_impl == 4:
             launch(_ss_bwd_kernel_v5, dA, q, extra_strides=(states.stride(2), states.stride(3), 1), SEG=cfg.seg_bwd,
-                   DBDC=not _DIAG_SKIP_DBDC, BC_TILE=cfg.num_warps_bwd > 1)  # fmt: skip
+                   DBDC=not _DIAG_SKIP_DBDC, BC_TILE=cfg.num_warps_bwd > 1, LATE=bool(cfg.pf_bwd & 1),
+                   PIPE=bool(cfg.pf_bwd & 2), LANES=bool(cfg.pf_bwd & 4) and dstate <= cfg.seg_bwd)  # fmt: skip
         elif cfg.bwd_impl == 3:
             launch(_ss_bwd_kernel_v4, dA, q, extra_strides=(states.stride(2), states.stride(3)), SUB=chunk,
                    SEG=cfg.seg_bwd, DBDC=not _DIAG_SKIP_DBDC, ROT=bool(cfg.rot_bwd),

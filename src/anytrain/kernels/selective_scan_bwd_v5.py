@@ -66,7 +66,8 @@ def _ss_bwd_kernel_v5(
     s_rb, s_rg, s_rk, s_rn, s_sn, s_sk, one,
     DSTATE: tl.constexpr, BLOCK_D: tl.constexpr, SEG: tl.constexpr, ACC: tl.constexpr,
     HAS_D: tl.constexpr, HAS_Z: tl.constexpr, HAS_BIAS: tl.constexpr, SOFTPLUS: tl.constexpr, ATOMIC: tl.constexpr,
-    DBDC: tl.constexpr = True, BC_TILE: tl.constexpr = False,
+    DBDC: tl.constexpr = True, BC_TILE: tl.constexpr = False, LATE: tl.constexpr = False, PIPE: tl.constexpr = False,
+    LANES: tl.constexpr = False,
 ):  # fmt: skip
     # Arguments and outputs as _ss_bwd_kernel_v4, plus ``one`` (= 1, see the module docstring). The saved states are
     # every 8 steps: entry k is the state after step 8 (k + 1) - 1. dA: (batch, nchunks, dim, N) per-chunk partials
@@ -74,6 +75,11 @@ def _ss_bwd_kernel_v5(
     # Several warps (num_warps_bwd > 1) take BLOCK_D / num_warps channels each (the loads' layout puts channels on
     # warps); their dB/dC tiles are summed across warps (shared memory) before the atomics, and B/C are then loaded as
     # full (BLOCK_D, CHUNK) tiles (BC_TILE: zero channel stride, L1 hits) so that they need no layout conversion.
+    # LATE: the per-state loads of the saved state and the adjoint carry are issued after the current values' last use
+    # (a prefetch into a register still in use costs a register copy that waits for the load). PIPE: the next chunk's
+    # delta, dout, z and u are loaded before this chunk's epilogue (one memory latency per chunk instead of two).
+    # LANES (needs DSTATE <= SEG): A and the adjoint carry between chunks are held in lanes (lane n: state n) and
+    # broadcast with ``tl.gather``, instead of per-state loads and the scratch ``q`` (no barrier).
     tl.static_assert(SEG % 2 == 0, "bwd_impl 4 needs an even seg_bwd")
     SUB: tl.constexpr = 4
     CHUNK: tl.constexpr = SUB * SEG
@@ -118,24 +124,48 @@ def _ss_bwd_kernel_v5(
     down = tl.maximum(offs_p - 1, 0) + 0 * rows  # gather index: the lane of the next time segment
     dD_acc = tl.zeros((BLOCK_D,), dtype=ACC)
     dbias_acc = tl.zeros((BLOCK_D,), dtype=ACC)
+    if LANES:
+        lane2 = offs_p + 0 * rows  # (BLOCK_D, SEG) lane index
+        lane_f = ii % SEG
+        A_l = tl.load(A_flat + (lane_f % DSTATE) * s_an, mask=i_m & (lane_f < DSTATE), other=0.0)
+        A_l = tl.reshape(A_l, (BLOCK_D, SEG)).to(ACC) * LOG2E
+        q_l = tl.zeros((BLOCK_D, SEG), dtype=ACC)  # lane n: state n's carry from the later chunk
+    if PIPE:  # the first (last in time) chunk's inputs
+        t2p = (nchunks - 1) * CHUNK + tl2
+        m2p = mask_d[:, None] & (t2p < seqlen)
+        r_dt = tl.load(dt_base + t2p, mask=m2p, other=0.0)
+        r_go = tl.load(go_base + t2p, mask=m2p, other=0.0)
+        if HAS_Z:
+            r_z = tl.load(z_base + t2p, mask=m2p, other=0.0)
+        r_u = tl.load(u_base + t2p, mask=m2p, other=0.0)
     for cc in range(0, nchunks):
         c = nchunks - 1 - cc
-        tl.debug_barrier()  # the previous chunk's q stores (one thread each) before this chunk's loads (all threads)
+        if not LANES:
+            tl.debug_barrier()  # the previous chunk's q stores (one thread each) before this chunk's loads (all)
         t = c * CHUNK + tloc
         m3 = md3 & (t < seqlen)
         t2 = c * CHUNK + tl2
         m2 = mask_d[:, None] & (t2 < seqlen)
-        dt = _ld4(dt_base + t2, m2, BLOCK_D, SEG, ACC)
+        if PIPE:
+            dt = tl.reshape(r_dt, (BLOCK_D, SEG, 4)).to(ACC)
+            dy = tl.reshape(r_go, (BLOCK_D, SEG, 4)).to(ACC)
+            if HAS_Z:
+                zz = tl.reshape(r_z, (BLOCK_D, SEG, 4)).to(ACC)
+            uu = tl.reshape(r_u, (BLOCK_D, SEG, 4)).to(ACC)
+        else:
+            dt = _ld4(dt_base + t2, m2, BLOCK_D, SEG, ACC)
+            dy = _ld4(go_base + t2, m2, BLOCK_D, SEG, ACC)
+            if HAS_Z:
+                zz = _ld4(z_base + t2, m2, BLOCK_D, SEG, ACC)
+            uu = _ld4(u_base + t2, m2, BLOCK_D, SEG, ACC)
         if HAS_BIAS:
             dt += bias
         if SOFTPLUS:
             dt = _softplus(dt)
         dt = tl.where(m3, dt, 0.0)
-        dy = _ld4(go_base + t2, m2, BLOCK_D, SEG, ACC)
         if HAS_Z:
-            zz = _ld4(z_base + t2, m2, BLOCK_D, SEG, ACC)
             dy = dy * zz * _sigmoid(zz)
-        dtu = dt * _ld4(u_base + t2, m2, BLOCK_D, SEG, ACC)
+        dtu = dt * uu
         y = tl.zeros((BLOCK_D, SEG, SUB), dtype=ACC)
         sgb = tl.zeros((BLOCK_D, SEG, SUB), dtype=ACC)  # sum_n g B
         sahm = tl.zeros((BLOCK_D, SEG, SUB), dtype=ACC)  # sum_n A hm (A in log2 units)
@@ -154,23 +184,31 @@ def _ss_bwd_kernel_v5(
         tf = c * CHUNK + tf0
         mf = tf < seqlen
         # per-state loads are issued one state ahead (loop-carried), so their latency overlaps a state's compute
-        A_nx = tl.load(A_flat, mask=i_m, other=0.0)
+        if not LANES:
+            A_nx = tl.load(A_flat, mask=i_m, other=0.0)
+            q_nx = tl.load(q_in, mask=mq, other=0.0)
         B_nx = tl.load(B_base + tb, mask=mt1, other=0.0)
         C_nx = tl.load(C_base + tb, mask=mt1, other=0.0)
         h_nx = tl.load(st_k, mask=mk, other=0.0)
-        q_nx = tl.load(q_in, mask=mq, other=0.0)
         for n in range(0, DSTATE):
-            A2 = tl.reshape(A_nx, (BLOCK_D, SEG)).to(ACC)[:, :, None] * LOG2E
+            if LANES:
+                A2 = tl.gather(A_l, n + 0 * lane2, axis=1)[:, :, None]
+                q = tl.gather(q_l, n + 0 * lane2, axis=1)  # x_0 of the next chunk's first segment
+            else:
+                A2 = tl.reshape(A_nx, (BLOCK_D, SEG)).to(ACC)[:, :, None] * LOG2E
+                q = tl.reshape(q_nx, (BLOCK_D, SEG))  # x_0 of the next chunk's first segment
             B_n = tl.reshape(B_nx, (BLOCK_D if BC_TILE else 1, SEG, SUB)).to(ACC)
             C_n = tl.reshape(C_nx, (BLOCK_D if BC_TILE else 1, SEG, SUB)).to(ACC)
             hp = tl.reshape(h_nx, (BLOCK_D, SEG))  # the saved state before each pair of segments
-            q = tl.reshape(q_nx, (BLOCK_D, SEG))  # x_0 of the next chunk's first segment
             n1 = (n + 1) % DSTATE  # (the last state prefetches the first one again, unused)
-            A_nx = tl.load(A_flat + n1 * s_an, mask=i_m, other=0.0)
+            if not LANES:
+                A_nx = tl.load(A_flat + n1 * s_an, mask=i_m, other=0.0)
             B_nx = tl.load(B_base + n1 * s_bn + tb, mask=mt1, other=0.0)
             C_nx = tl.load(C_base + n1 * s_cn + tb, mask=mt1, other=0.0)
-            h_nx = tl.load(st_k + n1 * s_sn, mask=mk, other=0.0)
-            q_nx = tl.load(q_in + n1, mask=mq, other=0.0)
+            if not LATE:
+                h_nx = tl.load(st_k + n1 * s_sn, mask=mk, other=0.0)
+                if not LANES:
+                    q_nx = tl.load(q_in + n1, mask=mq, other=0.0)
             a = tl.exp2(dt * A2)
             bu = dtu * B_n
             a0, a1, a2, a3 = _split4(a, BLOCK_D, SEG)
@@ -179,6 +217,8 @@ def _ss_bwd_kernel_v5(
             # start states: even segments from the saved state, odd ones from the even neighbour's end state
             e = a3 * (a2 * (a1 * (a0 * hp + b0) + b1) + b2) + b3
             h = tl.where(odd, tl.gather(e, up, axis=1), hp)
+            if LATE:
+                h_nx = tl.load(st_k + n1 * s_sn, mask=mk, other=0.0)
             h0 = a0 * h + b0
             h1 = a1 * h0 + b1
             h2 = a2 * h1 + b2
@@ -193,8 +233,13 @@ def _ss_bwd_kernel_v5(
             sg = tl.where(offs_p == 0, sg + sa * q, sg)
             _, xf = tl.associative_scan((sa, sg), axis=1, combine_fn=_combine)  # xf: x_0 of each segment
             # the carry for the previous chunk: x_0 of its first segment
-            tl.store(q_out + n, tl.reshape(xf, (BLOCK_D * SEG,)), mask=last)
+            if LANES:
+                q_l = tl.where(lane2 == n, tl.gather(xf, SEG - 1 + 0 * lane2, axis=1), q_l)
+            else:
+                tl.store(q_out + n, tl.reshape(xf, (BLOCK_D * SEG,)), mask=last)
             x = tl.where(offs_p == 0, q, tl.gather(xf, down, axis=1))
+            if LATE and not LANES:
+                q_nx = tl.load(q_in + n1, mask=mq, other=0.0)
             g3 = w3 + x
             g2 = w2 + a3 * g3
             g1 = w1 + a2 * g2
@@ -210,6 +255,14 @@ def _ss_bwd_kernel_v5(
                 dBf = tl.reshape(tl.sum(gs * dtu, axis=0), (CHUNK,))
                 dCf = tl.reshape(tl.sum(hs * dy, axis=0), (CHUNK,))
                 _dbdc_out(r_base, rc_base, n * s_rn, tf, dBf, dCf, mf, ATOMIC)
+        if PIPE:  # the next chunk's inputs (none past the first chunk), issued before this chunk's reloads
+            t2n = (c - 1) * CHUNK + tl2
+            m2n = mask_d[:, None] & (t2n < seqlen) & (t2n >= 0)
+            r_dt = tl.load(dt_base + t2n, mask=m2n, other=0.0)
+            r_go = tl.load(go_base + t2n, mask=m2n, other=0.0)
+            if HAS_Z:
+                r_z = tl.load(z_base + t2n, mask=m2n, other=0.0)
+            r_u = tl.load(u_base + t2n, mask=m2n, other=0.0)
         u = _ld4(u_base + t2, m2, BLOCK_D, SEG, ACC)  # reloaded (L1/L2) instead of kept through the state loop
         du = dt * sgb
         ddt = u * sgb + sahm / LOG2E

@@ -29,9 +29,13 @@ def _ss_fwd_kernel_v3(
     s_ub, s_ud, s_tb, s_td, s_ad, s_an, s_bb, s_bg, s_bn, s_cb, s_cg, s_cn, s_zb, s_zd, s_ob, s_od, s_sn, s_sk,
     DSTATE: tl.constexpr, BLOCK_D: tl.constexpr, SUB: tl.constexpr, SEG: tl.constexpr, SAVE: tl.constexpr,
     ACC: tl.constexpr, HAS_D: tl.constexpr, HAS_Z: tl.constexpr, HAS_BIAS: tl.constexpr, SOFTPLUS: tl.constexpr,
-    UNROLL: tl.constexpr = 1,
+    UNROLL: tl.constexpr = 1, LANES: tl.constexpr = False,
 ):  # fmt: skip
     # UNROLL: the state loop's unroll factor (two states' serial chains interleaved by the compiler at UNROLL 2).
+    # LANES (needs DSTATE <= SEG): A and the carry between chunks are held in lanes (lane n: state n) and broadcast
+    # with ``tl.gather`` per state, instead of a per-state load of A and of the carry (re-read from the saved states
+    # after a barrier). Measured equal to the default on an H200 (0.688 against 0.686 ms); loading B/C two states
+    # ahead was slower (0.787: register copies at the loop end), see docs/kernels.md "Scan pass 7".
     # states: (batch, dim, N, nsub) (s_sn, s_sk: strides of N and nsub; s_sk is 1 but not specialised, so the state
     # stores are not vectorised across segments); entry k is the state after step (k + 1) * SUB * SAVE - 1 (the last
     # entry: the final state).
@@ -63,8 +67,14 @@ def _ss_fwd_kernel_v3(
     ks = (offs_s2 + 1) // SAVE - 1
     save = mask_d[:, None] & ((offs_s2 + 1) % SAVE == 0)
     prev = tl.maximum(offs_s2 - 1, 0) + zero  # gather index: the segment one lane down
+    if LANES:
+        lane_n = offs_s2 + zero  # (BLOCK_D, SEG) lane index
+        A_l = tl.load(A_rows[:, None] + (offs_s2 % DSTATE) * s_an, mask=mask_d[:, None] & (offs_s2 < DSTATE), other=0.0)
+        A_l = A_l.to(ACC) * LOG2E
+        carry = tl.zeros((BLOCK_D, SEG), dtype=ACC)  # lane n: the state n before the chunk
     for c in range(0, nchunks):
-        tl.debug_barrier()  # the previous chunk's end states (stored by one lane each) before this chunk reads them
+        if not LANES:
+            tl.debug_barrier()  # the previous chunk's end states (stored by one lane each) before this chunk reads them
         t = c * CHUNK + tloc
         m3 = md3 & (t < seqlen)
         t2 = c * CHUNK + tl2
@@ -85,18 +95,24 @@ def _ss_fwd_kernel_v3(
         mc = mask_d & (offs_dl * 0 + kc > 0)
         mt1 = t2 < seqlen  # (1, CHUNK)
         # per-state loads are issued one state ahead (loop-carried), so their latency overlaps a state's compute
-        A_nx = tl.load(A_rows, mask=mask_d, other=0.0)
-        h_nx = tl.load(st_rows + (kc - 1) * s_sk, mask=mc, other=0.0)
+        if not LANES:
+            A_nx = tl.load(A_rows, mask=mask_d, other=0.0)
+            h_nx = tl.load(st_rows + (kc - 1) * s_sk, mask=mc, other=0.0)
         B_nx = tl.load(B_base + t2, mask=mt1, other=0.0)
         C_nx = tl.load(C_base + t2, mask=mt1, other=0.0)
         for n in tl.range(0, DSTATE, loop_unroll_factor=UNROLL):
-            A2 = A_nx.to(ACC)[:, None, None] * LOG2E
-            hc = h_nx[:, None]  # the state before the chunk
+            if LANES:
+                A2 = tl.gather(A_l, n + 0 * lane_n, axis=1)[:, :, None]  # (BLOCK_D, SEG, 1): A[d, n] in every lane
+                hc = tl.gather(carry, n + 0 * lane_n, axis=1)  # (BLOCK_D, SEG): the state before the chunk
+            else:
+                A2 = A_nx.to(ACC)[:, None, None] * LOG2E
+                hc = h_nx[:, None]  # the state before the chunk
             B_n = tl.reshape(B_nx, (1, SEG, SUB)).to(ACC)
             C_n = tl.reshape(C_nx, (1, SEG, SUB)).to(ACC)
             n1 = (n + 1) % DSTATE  # (the last state prefetches state 0 again, unused)
-            A_nx = tl.load(A_rows + n1 * s_an, mask=mask_d, other=0.0)
-            h_nx = tl.load(st_rows + n1 * s_sn + (kc - 1) * s_sk, mask=mc, other=0.0)
+            if not LANES:
+                A_nx = tl.load(A_rows + n1 * s_an, mask=mask_d, other=0.0)
+                h_nx = tl.load(st_rows + n1 * s_sn + (kc - 1) * s_sk, mask=mc, other=0.0)
             B_nx = tl.load(B_base + n1 * s_bn + t2, mask=mt1, other=0.0)
             C_nx = tl.load(C_base + n1 * s_cn + t2, mask=mt1, other=0.0)
             a = tl.exp2(dt * A2)
@@ -110,6 +126,8 @@ def _ss_fwd_kernel_v3(
             h0 = tl.where(offs_s2 == 0, hc, tl.gather(e, prev, axis=1))  # state at the start of each segment
             y += (pa * h0[:, :, None] + pb) * C_n
             tl.store(st_tile + n * s_sn + (kc + ks) * s_sk, e, mask=msave)
+            if LANES:  # the chunk's end state (the last lane's e) becomes lane n's carry
+                carry = tl.where(lane_n == n, tl.gather(e, SEG - 1 + 0 * lane_n, axis=1), carry)
         if HAS_Z:
             zz = _ld2(z_base + t2, m2, BLOCK_D, SEG, SUB, ACC)
             y = y * zz * _sigmoid(zz)

@@ -184,8 +184,26 @@ def apply_activation_checkpointing(model: nn.Module) -> None:
                 parent.register_module(name, checkpoint_wrapper(child, preserve_rng_state=False))
 
 
-def apply_compile(model: nn.Module) -> None:
-    """Compile each block separately: same-shaped blocks share one compiled graph and compile fast."""
+def resolve_compile_scope(scope: str, strategy: str) -> str:
+    """train.compile_scope for a run with this strategy: auto = the whole model in a one-process run, else blocks."""
+    if scope == "auto":
+        return "model" if strategy == "single" else "blocks"
+    if scope == "model" and strategy != "single":
+        raise ConfigError("train.compile_scope: 'model' needs a one-process run; use --train.compile_scope blocks "
+                          "(or auto)")  # fmt: skip
+    return scope
+
+
+def apply_compile(model: nn.Module, scope: str = "blocks") -> None:
+    """Compile each block separately (same-shaped blocks share one compiled graph and compile fast), or with scope
+    "model" the model's whole body (embedding, blocks, final norm: ``forward_hidden`` / ``backbone``) as one graph;
+    the loss stays outside (the chunked linear + cross-entropy runs its own kernels)."""
+    if scope == "model":
+        if hasattr(model, "backbone"):  # Mamba: embeddings, layers, final norm
+            model.backbone.compile(fullgraph=False)
+        else:  # Transformer
+            model.forward_hidden = torch.compile(model.forward_hidden, fullgraph=False)
+        return
     for block in model.blocks():
         block.compile(fullgraph=False)
 
@@ -238,7 +256,7 @@ def parallelize(model: nn.Module, cfg: RunConfig, dims: ParallelDims, device: to
     if cfg.train.activation_checkpointing == "full":
         apply_activation_checkpointing(model)
     if cfg.train.compile:
-        apply_compile(model)
+        apply_compile(model, resolve_compile_scope(cfg.train.compile_scope, strategy))
     if strategy == "fsdp":
         mp_dtype = compute_dtype if compute_dtype != torch.float32 else None
         model = apply_fsdp(

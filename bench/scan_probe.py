@@ -1,0 +1,122 @@
+"""Probe the Triton scan / conv kernels at the benchmark shape: one launch of each for a profiler, and timings
+against the channel count (how the time depends on the number of program waves).
+
+    PYTHONPATH=src python3 bench/scan_probe.py once          # 2 warm-up calls, then one call of each kernel
+    ncu --clock-control none --kernel-name regex:'_ss_|_conv_' --launch-skip 6 --launch-count 4 \
+        python3 bench/scan_probe.py once                      # what bench/device/scan_ncu.sh runs
+    PYTHONPATH=src python3 bench/scan_probe.py waves [--dims 4752,5376,6336]
+
+``waves`` prints, per dim, the forward and backward launch times (``do_bench`` medians) and the number of program
+waves each kernel needs at the occupancy its registers allow (given by ``--regs``), so a time that steps
+with whole waves shows up as a constant time per wave.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import math
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from mamba_kernels import BATCH, DSTATE, SEQLEN, WIDTH, median_ms, scan_inputs  # noqa: E402
+
+scan_mod = importlib.import_module("anytrain.kernels.selective_scan")
+conv_mod = importlib.import_module("anytrain.kernels.causal_conv1d")
+
+
+def _scan_calls(s, cfg):
+    Bg, Cg = scan_mod._as_groups(s["B"]), scan_mod._as_groups(s["C"])
+    args = (s["u"], s["delta"], s["A"], Bg, Cg, s["D"], s["z"], s["delta_bias"], True)
+    _, states = scan_mod._fwd(*args, cfg)
+    dout = torch.randn_like(s["u"])
+    return (lambda: scan_mod._fwd(*args, cfg)), (lambda: scan_mod._bwd(dout, *args[:8], states, True, cfg, False))
+
+
+def _conv_calls(dim: int):
+    x = torch.randn(BATCH, dim, SEQLEN, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(dim, WIDTH, device="cuda")
+    bias = torch.randn(dim, device="cuda")
+    dout = torch.randn_like(x)
+    cfg = conv_mod.default_config()
+    fwd = lambda: conv_mod._fwd(x, w, bias, True, cfg)  # noqa: E731
+    bwd = lambda: conv_mod._bwd(x, w, bias, dout, True, cfg)  # noqa: E731
+    return fwd, bwd
+
+
+def once(dim: int) -> None:
+    cfg = scan_mod.default_config()
+    sf, sb = _scan_calls(scan_inputs(dim), cfg)
+    cf, cb = _conv_calls(dim)
+    for _ in range(2):  # compile + warm (launches 0-5 of the filtered kernels)
+        sf(), sb(), cf(), cb()
+    torch.cuda.synchronize()
+    sf(), sb(), cf(), cb()  # the profiled launches
+    torch.cuda.synchronize()
+    print(f"once: dim {dim}, scan config {cfg}")
+
+
+def _slots_per_sm(kernel_regs: int, warps: int) -> int:
+    props = torch.cuda.get_device_properties(0)
+    regs_per_sm = getattr(props, "regs_per_multiprocessor", 65536)
+    warp_regs = math.ceil(kernel_regs * 32 / 256) * 256  # allocation unit: 256 registers per warp
+    by_regs = regs_per_sm // (warp_regs * warps)
+    by_warps = (props.max_threads_per_multi_processor // 32) // warps
+    return max(1, min(by_regs, by_warps, 32))
+
+
+def waves(dims: list[int], regs: dict, out: Path | None) -> None:
+    cfg = scan_mod.default_config()
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    rows = []
+    for dim in dims:
+        sf, sb = _scan_calls(scan_inputs(dim), cfg)
+        fwd_ms, bwd_ms = median_ms(sf), median_ms(sb)
+        row = {"dim": dim, "fwd_ms": fwd_ms, "bwd_ms": bwd_ms, "regs": regs}
+        for name, key, per_prog, warps in (
+            ("_ss_fwd_kernel_v3", "fwd", cfg.block_d, cfg.num_warps),
+            ("_ss_bwd_kernel_v5", "bwd", cfg.block_d_bwd, cfg.num_warps_bwd),
+        ):
+            programs = BATCH * math.ceil(dim / per_prog)
+            slots = _slots_per_sm(regs[name], warps) * sms
+            row[f"{key}_waves"] = programs / slots
+            row[f"{key}_ms_per_wave"] = row[f"{key}_ms"] / math.ceil(programs / slots)
+        rows.append(row)
+        print(json.dumps(row))
+    print(f"{'dim':>6} {'fwd ms':>8} {'waves':>6} {'bwd ms':>8} {'waves':>6}")
+    for r in rows:
+        print(f"{r['dim']:>6} {r['fwd_ms']:>8.3f} {r.get('fwd_waves', float('nan')):>6.2f} "
+              f"{r['bwd_ms']:>8.3f} {r.get('bwd_waves', float('nan')):>6.2f}")  # fmt: skip
+    if out:
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "scan_waves.json").write_text(json.dumps({"device": torch.cuda.get_device_name(0), "rows": rows}))
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("mode", choices=("once", "waves"))
+    ap.add_argument("--dim", type=int, default=5376)
+    ap.add_argument("--dims", default="4752,5376,6336")
+    ap.add_argument("--out", default=None)
+    ap.add_argument(
+        "--regs",
+        default="72,168",
+        help="registers per thread of the forward, backward kernel (from an offline compile, bench/kernel_asm.py)",
+    )
+    a = ap.parse_args()
+    assert DSTATE == 16
+    if a.mode == "once":
+        once(a.dim)
+    else:
+        rf, rb = (int(v) for v in a.regs.split(","))
+        regs = {"_ss_fwd_kernel_v3": rf, "_ss_bwd_kernel_v5": rb}
+        waves([int(d) for d in a.dims.split(",")], regs, Path(a.out) if a.out else None)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
