@@ -67,6 +67,7 @@ class Case:
     label: str
     compile: bool = False  # anytrain: per-block torch.compile (train.compile)
     graphs: bool = False  # anytrain: micro-steps replayed from a CUDA graph (train.cuda_graphs)
+    scope: str = "blocks"  # anytrain with compile: train.compile_scope (blocks | model | auto)
     warmup: int = 2
     steps: int = 10
 
@@ -74,8 +75,8 @@ class Case:
 def default_cases() -> list[Case]:
     """In run order (the slow HF row last, so a time budget drops it first)."""
     return [
-        # configs/mamba-130m.yaml: micro-steps replayed from a CUDA graph, blocks compiled (host-bound otherwise)
-        Case("130m", "130m", 1024, 8, 64, "anytrain", "anytrain recipe (mamba-130m.yaml)", compile=True, graphs=True),
+        # configs/mamba-130m.yaml: micro-steps replayed from a CUDA graph (host-bound otherwise), the model compiled
+        Case("130m", "130m", 1024, 8, 64, "anytrain", "anytrain recipe (mamba-130m.yaml)", True, True, "auto"),
         Case("130m-graphs", "130m", 1024, 8, 64, "anytrain", "anytrain 130m, CUDA graphs, no compile", graphs=True),
         Case("130m-eager", "130m", 1024, 8, 64, "anytrain", "anytrain 130m, eager (the recipe before graphs)"),
         # mamba-1.4b at micro-batch 4 with global batch 8 instead of 32 (2 micro-batches per step, not 8), so that 10
@@ -86,6 +87,8 @@ def default_cases() -> list[Case]:
         Case("1.4b-recipe", "1.4b", 2048, 8, 32, "anytrain", "recipe (mamba-1.4b.yaml)", compile=True, steps=5),
         Case("1.4b-mb4c", "1.4b", 2048, 4, 32, "anytrain", "recipe at micro-batch 4", compile=True, steps=5),
         Case("1.4b-mb8", "1.4b", 2048, 8, 16, "anytrain", "anytrain micro-batch 8"),
+        Case("1.4b-model", "1.4b", 2048, 8, 32, "anytrain", "recipe, whole-model compile", True, False, "model", 2, 5),
+        Case("130m-blocks", "130m", 1024, 8, 64, "anytrain", "130m recipe, per-block compile", True, True, "blocks"),
         Case("1.4b-compile", "1.4b", 2048, 4, 8, "anytrain", "anytrain + per-block torch.compile", compile=True),
         Case("1.4b-graphs", "1.4b", 2048, 4, 8, "anytrain", "+ compile + CUDA graphs", compile=True, graphs=True),
         Case("130m-compile", "130m", 1024, 8, 64, "anytrain", "anytrain + per-block torch.compile", compile=True),
@@ -109,7 +112,7 @@ def run_config(case: Case, device: torch.device) -> RunConfig:
     cfg.model = ModelConfig(arch="mamba", flavour=case.flavour)
     cfg.data.seq_len = case.seq
     cfg.train.global_batch, cfg.train.micro_batch = case.global_batch, case.micro
-    cfg.train.compile = case.compile
+    cfg.train.compile, cfg.train.compile_scope = case.compile, case.scope
     cfg.train.cuda_graphs = case.graphs
     cfg.train.dtype = "bf16" if hardware.is_gpu(device) else "fp32"
     cfg.train.lr, cfg.train.warmup_steps, cfg.train.steps = 1e-3, 100, 1000

@@ -45,6 +45,20 @@ def test_whole_model_compile_gives_the_same_losses(baseline, small_data, tmp_pat
     np.testing.assert_allclose(compiled, baseline, rtol=0, atol=1e-4)
 
 
+def test_whole_model_compile_of_mamba_gives_the_same_losses(small_data, tmp_path):
+    def mamba(run_dir, *extra):
+        proc = run_cli("train", "configs/tiny-mamba.yaml", "--data.path", str(small_data), "--data.seq_len", "16",
+                       "--train.global_batch", "2", "--train.steps", "3", "--train.log_interval", "1",
+                       "--train.eval_batches", "0", "--train.dtype", "fp32", "--run-dir", str(run_dir),
+                       "--model.args.n_layers", "2", "--checkpoint.save_final", "false", *extra)  # fmt: skip
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        return losses(run_dir)
+
+    eager = mamba(tmp_path / "eager")
+    compiled = mamba(tmp_path / "compiled", "--train.compile", "true", "--train.compile_scope", "model")
+    np.testing.assert_allclose(compiled, eager, rtol=0, atol=1e-4)
+
+
 def test_whole_model_compile_refuses_data_parallelism(small_data, tmp_path):
     # checked before any process group is needed: a clear error naming the field and the fix
     import torch
@@ -62,6 +76,11 @@ def test_whole_model_compile_refuses_data_parallelism(small_data, tmp_path):
     model, _ = parallelize(build_model(cfg.model), cfg, ParallelDims.from_config(cfg.parallel, world_size=1),
                            torch.device("cpu"), torch.float32)  # fmt: skip
     assert hasattr(model.forward_hidden, "_torchdynamo_orig_callable")
+    mcfg = load_config(None, ["--model.arch", "mamba", "--model.flavour", "tiny-mamba", "--train.compile", "true",
+                              "--train.compile_scope", "model"])  # fmt: skip
+    mamba, _ = parallelize(build_model(mcfg.model), mcfg, ParallelDims.from_config(mcfg.parallel, world_size=1),
+                           torch.device("cpu"), torch.float32)  # fmt: skip
+    assert mamba.backbone._compiled_call_impl is not None  # Mamba: the backbone module is the compiled body
     assert all(getattr(b, "_compiled_call_impl", None) is None for b in model.blocks())
     # auto: the whole body in one process, per-block compile under data parallelism (no error)
     cfg.train.compile_scope = "auto"

@@ -167,6 +167,7 @@ def test_mamba_bench_recipe_rows_match_their_configs(row, config):
         cfg.train.global_batch,
     )
     assert (case.compile, case.graphs) == (cfg.train.compile, cfg.train.cuda_graphs)
+    assert case.scope == cfg.train.compile_scope
 
 
 def test_transformer_bench_recipe_row_matches_its_config():
