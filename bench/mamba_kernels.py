@@ -270,7 +270,7 @@ def main() -> int:
         finally:
             scan_mod._DIAG_SKIP_DBDC = False
         conv_variants = [
-            ConvConfig(),  # the default, timed in the same sweep
+            ConvConfig(),  # runs of 4 in the backward: the default before the seventh session
             ConvConfig(4, 256, 4, 4, 256, 4), ConvConfig(8, 256, 4, 8, 256, 4), ConvConfig(4, 512, 4, 4, 512, 4),
             ConvConfig(8, 512, 8, 8, 512, 8), ConvConfig(16, 256, 8, 16, 256, 8), ConvConfig(2, 1024, 4, 2, 1024, 4),
             ConvConfig(16, 128, 4, 16, 128, 4), ConvConfig(4, 1024, 8, 4, 1024, 8),
@@ -281,6 +281,12 @@ def main() -> int:
             ConvConfig(2, 1024, 4, 1, 1024, 8, 1024, 3), ConvConfig(2, 1024, 4, 1, 2048, 8, 1024, 2),
             ConvConfig(2, 1024, 4, 1, 512, 2, 1024, 3), ConvConfig(2, 1024, 4, 1, 1024, 4, 2048, 3),
             ConvConfig(2, 1024, 4, 1, 1024, 4, 512, 3),
+            # runs of 8 timesteps per thread in the backward (slots_bwd 8; offline Triton 3.6 sm_90: 417 instead of
+            # 512 instructions per 8 outputs at the default tiles, 48 registers)
+            ConvConfig(2, 1024, 4, 1, 1024, 4, 1024, 0, 8), ConvConfig(2, 1024, 4, 1, 2048, 4, 1024, 0, 8),
+            ConvConfig(2, 1024, 4, 2, 1024, 4, 1024, 0, 8), ConvConfig(2, 1024, 4, 1, 1024, 2, 1024, 0, 8),
+            ConvConfig(2, 1024, 4, 1, 512, 2, 1024, 0, 8), ConvConfig(2, 1024, 4, 1, 2048, 8, 1024, 0, 8),
+            ConvConfig(2, 1024, 4, 1, 1024, 4, 2048, 0, 8), ConvConfig(2, 1024, 4, 2, 512, 2, 1024, 0, 8),
         ]  # fmt: skip
         for cfg in [] if args.no_conv_sweep else conv_variants:
             try:

@@ -26,13 +26,23 @@ CFG_ONE_SPLIT = ConvConfig(block_d=2, block_t=8, num_warps=1, block_d_bwd=2, blo
 CFG_PIPELINED = ConvConfig(block_d=2, block_t=8, num_warps=1, block_d_bwd=2, block_t_bwd=8, num_warps_bwd=1,
                            min_programs_bwd=1, stages_bwd=3)  # fmt: skip
 
+# runs of 8 timesteps per thread in the backward (slots_bwd 8): 2 runs per time block with splits, 1 without
+CFG_EIGHT = ConvConfig(block_d=2, block_t=8, num_warps=1, block_d_bwd=2, block_t_bwd=16, num_warps_bwd=1,
+                       slots_bwd=8)  # fmt: skip
+CFG_EIGHT_ONE = ConvConfig(block_d=2, block_t=8, num_warps=1, block_d_bwd=2, block_t_bwd=8, num_warps_bwd=1,
+                           min_programs_bwd=1, slots_bwd=8)  # fmt: skip
+
 
 @pytest.mark.parametrize(
     "width,seqlen,has_bias,act",
     [(2, 1, True, "silu"), (3, 7, False, None), (4, 19, True, "silu"), (4, 1, False, None), (2, 9, False, "silu"),
      (3, 16, True, "silu"), (4, 8, True, None)],
 )  # fmt: skip
-@pytest.mark.parametrize("cfg", [CFG, CFG_ONE_SPLIT, CFG_PIPELINED], ids=["splits", "one-split", "pipelined"])
+@pytest.mark.parametrize(
+    "cfg",
+    [CFG, CFG_ONE_SPLIT, CFG_PIPELINED, CFG_EIGHT, CFG_EIGHT_ONE],
+    ids=["splits", "one-split", "pipelined", "eight", "eight-one-split"],
+)
 def test_matches_reference(width, seqlen, has_bias, act, cfg):
     g = torch.Generator().manual_seed(width * 100 + seqlen)
     dim = 5  # not a multiple of block_d
@@ -69,6 +79,8 @@ def test_rejects_bad_arguments():
         causal_conv1d_triton(x, w, activation="relu")
     with pytest.raises(ValueError, match="width"):
         causal_conv1d_triton(x, torch.randn(2, 5))
+    with pytest.raises(ValueError, match="slots_bwd"):
+        causal_conv1d_triton(x, w, config=ConvConfig(slots_bwd=2))
 
 
 def test_backward_split_count():

@@ -42,10 +42,14 @@ class ConvConfig:
     stages_bwd: int = 0
     """Backward: software-pipeline depth of the (batch, time block) loop (``tl.range(num_stages=...)``; 0 = the
     compiler's default): > 1 asks Triton to issue later iterations' x / dout loads while the current one computes."""
+    slots_bwd: int = 4
+    """Backward: consecutive timesteps per thread (4 or 8). Each thread recomputes the activation derivative of the
+    3 timesteps after its run (the next run's first 3), so 8 does 11 instead of 14 of them per 8 outputs and loads
+    28 instead of 40 values."""
 
 
-_VENDOR_CONFIGS = {  # CUDA: fastest GPU time of the H200 sweep (bench/results/mamba_train_nvidia-h200_conv_sweep.json)
-    hardware.CUDA: ConvConfig(),
+_VENDOR_CONFIGS = {  # CUDA: fastest GPU time of the H200 sweeps (bench/results/mamba_kernels_nvidia-h200_conv8.json)
+    hardware.CUDA: ConvConfig(slots_bwd=8),  # backward 0.102 ms against 0.120 with runs of 4 (launchers alone)
     hardware.ROCM: ConvConfig(block_d_bwd=2),  # not run; 64-wide wavefronts: 8+ elements per lane either way
     hardware.CPU: ConvConfig(block_d=2, block_t=8, num_warps=1, block_d_bwd=2, block_t_bwd=8, num_warps_bwd=1),
 }
@@ -53,7 +57,7 @@ _VENDOR_CONFIGS = {  # CUDA: fastest GPU time of the H200 sweep (bench/results/m
 
 def default_config() -> ConvConfig:
     """Per-vendor tiles; env ANYTRAIN_CONV_CONFIG="block_d,block_t,warps,block_d_bwd,block_t_bwd,warps_bwd" with
-    optional 7th and 8th values, min_programs_bwd and stages_bwd."""
+    optional 7th-9th values, min_programs_bwd, stages_bwd and slots_bwd."""
     env = os.environ.get("ANYTRAIN_CONV_CONFIG")
     if env:
         return ConvConfig(*(int(v) for v in env.split(",")))
@@ -239,6 +243,118 @@ def _conv_bwd_kernel(
         tl.store(db_ptr + row, tl.sum(accb, axis=1), mask=mask_d)
 
 
+@triton.jit
+def _halves8(v):
+    # (BLOCK_D, J, 8) -> slots 0-3 and slots 4-7 as (BLOCK_D, J, 4) each (in-thread)
+    lo, hi = tl.split(tl.permute(tl.reshape(v, (v.shape[0], v.shape[1], 2, 4)), (0, 1, 3, 2)))
+    return lo, hi
+
+
+@triton.jit
+def _load8(rows, j, mask_d, seqlen, ACC: tl.constexpr, EVEN: tl.constexpr):
+    # x[rows, 8j + 0..7] as (BLOCK_D, J, 8), zero outside [0, seqlen); EVEN (seqlen % 8 == 0): one aligned vector
+    tt = 8 * j[:, None] + tl.arange(0, 8)[None, :]  # (J, 8)
+    if EVEN:
+        m = mask_d[:, None, None] & ((8 * j < seqlen)[:, None] & (tl.arange(0, 8) < 8)[None, :])[None, :, :]
+    else:
+        m = mask_d[:, None, None] & (tt < seqlen)[None, :, :]
+    return tl.load(rows[:, None, None] + tt[None, :, :], mask=m, other=0.0).to(ACC)
+
+
+@triton.jit
+def _conv_bwd8_kernel(
+    x_ptr, w_ptr, bias_ptr, dout_ptr, dx_ptr, dw_ptr, db_ptr, dim, seqlen, n_tblocks, n_iters, iters_per_program,
+    s_xb, s_xd, s_gb, s_gd, s_db, s_dd, s_wd, s_ww,
+    BLOCK_D: tl.constexpr, BLOCK_T: tl.constexpr, PADW: tl.constexpr, HAS_BIAS: tl.constexpr, SILU: tl.constexpr,
+    ACC: tl.constexpr, EVEN: tl.constexpr, STAGES: tl.constexpr = None,
+):  # fmt: skip
+    # _conv_bwd_kernel with runs of 8 timesteps per thread (ConvConfig.slots_bwd = 8): time is tiled as (BLOCK_T // 8
+    # runs, 8 slots), each run split into halves of 4 slots for the shared helpers; the 3 timesteps before a run come
+    # from the previous aligned block of 4 and the 3 after it from the next one. EVEN: seqlen % 8 == 0.
+    pid_d = tl.program_id(0)
+    pid_s = tl.program_id(1)
+    offs_d = pid_d * BLOCK_D + tl.arange(0, BLOCK_D)
+    mask_d = offs_d < dim
+    w0, w1, w2, w3 = _load_taps(w_ptr, offs_d, mask_d, s_wd, s_ww, PADW, ACC)
+    if HAS_BIAS:
+        bias = tl.load(bias_ptr + offs_d, mask=mask_d, other=0.0).to(ACC)[:, None]
+    else:
+        bias = tl.zeros((BLOCK_D, 1), dtype=ACC)
+    acc0 = tl.zeros((BLOCK_D, BLOCK_T // 8), dtype=ACC)
+    acc1 = tl.zeros((BLOCK_D, BLOCK_T // 8), dtype=ACC)
+    acc2 = tl.zeros((BLOCK_D, BLOCK_T // 8), dtype=ACC)
+    acc3 = tl.zeros((BLOCK_D, BLOCK_T // 8), dtype=ACC)
+    accb = tl.zeros((BLOCK_D, BLOCK_T // 8), dtype=ACC)
+    it0 = pid_s * iters_per_program
+    for it in tl.range(it0, tl.minimum(it0 + iters_per_program, n_iters), num_stages=STAGES):
+        b = (it // n_tblocks).to(tl.int64)
+        j = (it % n_tblocks) * (BLOCK_T // 8) + tl.arange(0, BLOCK_T // 8)  # runs of 8
+        x_rows = x_ptr + b * s_xb + offs_d * s_xd
+        g_rows = dout_ptr + b * s_gb + offs_d * s_gd
+        _, p1, p2, p3 = _split4(_load4(x_rows, 2 * j - 1, mask_d, seqlen, ACC, EVEN))
+        xl, xh = _halves8(_load8(x_rows, j, mask_d, seqlen, ACC, EVEN))
+        x0, x1, x2, x3 = _split4(xl)
+        x4, x5, x6, x7 = _split4(xh)
+        n0, n1, n2, _ = _split4(_load4(x_rows, 2 * j + 2, mask_d, seqlen, ACC, EVEN))
+        gl, gh = _halves8(_load8(g_rows, j, mask_d, seqlen, ACC, EVEN))
+        g0, g1, g2, g3 = _split4(gl)
+        g4, g5, g6, g7 = _split4(gh)
+        f0, f1, f2, _ = _split4(_load4(g_rows, 2 * j + 2, mask_d, seqlen, ACC, EVEN))
+        c0, c1, c2, c3 = _conv4(w0, w1, w2, w3, bias, p1, p2, p3, x0, x1, x2, x3)
+        c4, c5, c6, c7 = _conv4(w0, w1, w2, w3, bias, x1, x2, x3, x4, x5, x6, x7)
+        e0 = _dsilu(g0, c0, SILU)
+        e1 = _dsilu(g1, c1, SILU)
+        e2 = _dsilu(g2, c2, SILU)
+        e3 = _dsilu(g3, c3, SILU)
+        e4 = _dsilu(g4, c4, SILU)
+        e5 = _dsilu(g5, c5, SILU)
+        e6 = _dsilu(g6, c6, SILU)
+        e7 = _dsilu(g7, c7, SILU)
+        # the next run's slots 0-2 (zero beyond seqlen because dout is loaded as zero there)
+        e8 = _dsilu(f0, bias + w0 * x5 + w1 * x6 + w2 * x7 + w3 * n0, SILU)
+        e9 = _dsilu(f1, bias + w0 * x6 + w1 * x7 + w2 * n0 + w3 * n1, SILU)
+        e10 = _dsilu(f2, bias + w0 * x7 + w1 * n0 + w2 * n1 + w3 * n2, SILU)
+        dxl = _join4(
+            w3 * e0 + w2 * e1 + w1 * e2 + w0 * e3,
+            w3 * e1 + w2 * e2 + w1 * e3 + w0 * e4,
+            w3 * e2 + w2 * e3 + w1 * e4 + w0 * e5,
+            w3 * e3 + w2 * e4 + w1 * e5 + w0 * e6,
+        )
+        dxh = _join4(
+            w3 * e4 + w2 * e5 + w1 * e6 + w0 * e7,
+            w3 * e5 + w2 * e6 + w1 * e7 + w0 * e8,
+            w3 * e6 + w2 * e7 + w1 * e8 + w0 * e9,
+            w3 * e7 + w2 * e8 + w1 * e9 + w0 * e10,
+        )
+        dx = tl.reshape(tl.permute(tl.join(dxl, dxh), (0, 1, 3, 2)), (BLOCK_D, BLOCK_T // 8, 8))
+        tt = 8 * j[:, None] + tl.arange(0, 8)[None, :]
+        if EVEN:
+            mt = mask_d[:, None, None] & ((8 * j < seqlen)[:, None] & (tl.arange(0, 8) < 8)[None, :])[None, :, :]
+        else:
+            mt = mask_d[:, None, None] & (tt < seqlen)[None, :, :]
+        dx_rows = dx_ptr + b * s_db + offs_d * s_dd
+        tl.store(dx_rows[:, None, None] + tt[None, :, :], dx.to(dx_ptr.dtype.element_ty), mask=mt)
+        # e0..e7 are zero outside [0, seqlen), so these sums only see real timesteps
+        k0, k1, k2, k3 = _conv4(e0, e1, e2, e3, 0.0, p1, p2, p3, x0, x1, x2, x3)
+        h0, h1, h2, h3 = _conv4(e4, e5, e6, e7, 0.0, x1, x2, x3, x4, x5, x6, x7)
+        acc0 += k0 + h0
+        acc1 += k1 + h1
+        acc2 += k2 + h2
+        acc3 += k3 + h3
+        accb += (e0 + e1 + e2 + e3) + (e4 + e5 + e6 + e7)
+    row = pid_s * dim + offs_d  # (BLOCK_D,) row of the (n_splits, dim, ...) outputs
+    width = 4 - PADW
+    if PADW <= 0:
+        tl.store(dw_ptr + row * width + (0 - PADW), tl.sum(acc0, axis=1), mask=mask_d)
+    if PADW <= 1:
+        tl.store(dw_ptr + row * width + (1 - PADW), tl.sum(acc1, axis=1), mask=mask_d)
+    if PADW <= 2:
+        tl.store(dw_ptr + row * width + (2 - PADW), tl.sum(acc2, axis=1), mask=mask_d)
+    tl.store(dw_ptr + row * width + (3 - PADW), tl.sum(acc3, axis=1), mask=mask_d)
+    if HAS_BIAS:
+        tl.store(db_ptr + row, tl.sum(accb, axis=1), mask=mask_d)
+
+
 def _unit_last(x: Tensor) -> Tensor:
     return x if x.stride(-1) == 1 else x.contiguous()
 
@@ -293,13 +409,14 @@ def _bwd(
     dw = torch.empty((splits, dim, width), device=x.device, dtype=acc_t)
     db = torch.empty((splits, dim), device=x.device, dtype=acc_t) if bias is not None else dw
     grid = (triton.cdiv(dim, cfg.block_d_bwd), splits)
-    _conv_bwd_kernel[grid](
+    eight = cfg.slots_bwd == 8
+    (_conv_bwd8_kernel if eight else _conv_bwd_kernel)[grid](
         x, weight, bias if bias is not None else weight, dout, dx, dw, db, dim, seqlen, n_tblocks,
         batch * n_tblocks, per,
         x.stride(0), x.stride(1), dout.stride(0), dout.stride(1), dx.stride(0), dx.stride(1),
         weight.stride(0), weight.stride(1),
         BLOCK_D=cfg.block_d_bwd, BLOCK_T=cfg.block_t_bwd, PADW=_TAPS - width, HAS_BIAS=bias is not None,
-        SILU=silu, ACC=acc, EVEN=seqlen % 4 == 0, STAGES=cfg.stages_bwd or None,
+        SILU=silu, ACC=acc, EVEN=seqlen % (8 if eight else 4) == 0, STAGES=cfg.stages_bwd or None,
         num_warps=cfg.num_warps_bwd,
     )  # fmt: skip
     dweight = dw[0] if splits == 1 else dw.sum(0)
@@ -338,9 +455,12 @@ def causal_conv1d_triton(
         raise ValueError(f"causal_conv1d: bad shapes x {tuple(x.shape)} weight {tuple(weight.shape)}")
     if not 2 <= weight.shape[1] <= _TAPS:
         raise ValueError(f"causal_conv1d: width must be 2..{_TAPS}, got {weight.shape[1]}")
-    for cfg_t in (config or default_config()).block_t, (config or default_config()).block_t_bwd:
+    cfg = config or default_config()
+    for cfg_t in cfg.block_t, cfg.block_t_bwd:
         if cfg_t < 4 or cfg_t & (cfg_t - 1):
             raise ValueError(f"ConvConfig: block_t must be a power of 2 >= 4, got {cfg_t}")
+    if cfg.slots_bwd not in (4, 8) or cfg.block_t_bwd < cfg.slots_bwd:
+        raise ValueError(f"ConvConfig: slots_bwd must be 4 or 8 and at most block_t_bwd, got {cfg.slots_bwd}")
     x = _unit_last(x)
     bias = None if bias is None else bias.contiguous()
     return _CausalConv1dFn.apply(x, weight, bias, activation == "silu", config or default_config())
