@@ -65,7 +65,7 @@ class Case:
     global_batch: int
     stack: str  # "anytrain" | "hf"
     label: str
-    compile: bool = False  # anytrain: per-block torch.compile (train.compile)
+    compile: bool = False  # anytrain: torch.compile (train.compile; per block unless scope says otherwise)
     graphs: bool = False  # anytrain: micro-steps replayed from a CUDA graph (train.cuda_graphs)
     scope: str = "blocks"  # anytrain with compile: train.compile_scope (blocks | model | auto)
     warmup: int = 2

@@ -2,7 +2,7 @@
 against the channel count (how the time depends on the number of program waves).
 
     PYTHONPATH=src python3 bench/scan_probe.py once          # 2 warm-up calls, then one call of each kernel
-    ncu --clock-control none --kernel-name regex:'_ss_|_conv_' --launch-skip 6 --launch-count 4 \
+    ncu --clock-control none --kernel-name regex:'_ss_|_conv_' --launch-skip 9 --launch-count 4 \
         python3 bench/scan_probe.py once                      # what bench/device/scan_ncu.sh runs
     PYTHONPATH=src python3 bench/scan_probe.py waves [--dims 4752,5376,6336]
 
@@ -52,7 +52,7 @@ def once(dim: int) -> None:
     cfg = scan_mod.default_config()
     sf, sb = _scan_calls(scan_inputs(dim), cfg)
     cf, cb = _conv_calls(dim)
-    for _ in range(2):  # compile + warm (launches 0-5 of the filtered kernels)
+    for _ in range(2):  # compile + warm (with the forward above: launches 0-8 of the filtered kernels)
         sf(), sb(), cf(), cb()
     torch.cuda.synchronize()
     sf(), sb(), cf(), cb()  # the profiled launches

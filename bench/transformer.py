@@ -11,7 +11,7 @@ bytes over the timed steps (the previous row is garbage-collected and the peak c
 ``warmup_peak_mem_gib`` covers the compile step).
 
 The anytrain rows run the product's own code: ``Trainer._build_model`` (meta-device build, init, ``parallelize`` =
-per-block compile, ``build_optimizer``, autocast) and ``Trainer.train_step`` (micro-batch loop, clipping, the per-step
+``train.compile``, ``build_optimizer``, autocast) and ``Trainer.train_step`` (micro-batch loop, clipping, the per-step
 ``StepGuard`` agreement, optimizer and scheduler) on a Trainer whose data source yields the random batches.
 
 MFU = (6·N_non-embedding + 12·L·d·T) × tokens/s / peak (989 TFLOP/s on H100/H200), the same formula for every row.
@@ -90,7 +90,16 @@ def default_cases(ablations: bool = False) -> list[Case]:
             options={"train.compile_scope": "auto"},
         ),  # fmt: skip
         Case(g16, "1.1b", 2048, 16, 32, "hf-compile", label="HF + torch.compile, mb 16"),
-        Case(g16, "1.1b", 2048, 16, 32, "anytrain", label="anytrain + CUDA graphs", options={"train.cuda_graphs": 1}),
+        Case(
+            g16,
+            "1.1b",
+            2048,
+            16,
+            32,
+            "anytrain",
+            label="anytrain + CUDA graphs",
+            options={"train.cuda_graphs": 1, "train.compile_scope": "auto"},
+        ),  # fmt: skip
         Case(
             g16,
             "1.1b",

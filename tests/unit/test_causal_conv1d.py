@@ -36,7 +36,7 @@ CFG_EIGHT_ONE = ConvConfig(block_d=2, block_t=8, num_warps=1, block_d_bwd=2, blo
 @pytest.mark.parametrize(
     "width,seqlen,has_bias,act",
     [(2, 1, True, "silu"), (3, 7, False, None), (4, 19, True, "silu"), (4, 1, False, None), (2, 9, False, "silu"),
-     (3, 16, True, "silu"), (4, 8, True, None)],
+     (3, 16, True, "silu"), (4, 8, True, None), (4, 12, True, "silu")],
 )  # fmt: skip
 @pytest.mark.parametrize(
     "cfg",

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import sys
 
@@ -133,11 +134,12 @@ def test_matches_reference(batch, dim, seqlen, dstate, ngroups, has_z, has_d, ha
 
 
 @pytest.mark.parametrize("dstate", [16, 4])
-def test_lanes_carry_across_chunks(dstate):
+@pytest.mark.parametrize("pf_bwd", [7, 4], ids=["all", "lanes-only"])
+def test_lanes_carry_across_chunks(dstate, pf_bwd):
     # CFG_PF's 64-step chunks: seqlen 150 crosses two chunk boundaries in both directions, so the carries held in
     # lanes (forward state, backward adjoint) are handed from chunk to chunk for every state
     vals = make_inputs(1, 3, 150, dstate, None, True, True, True)
-    assert_match(*run_both(vals, True, cfg=CFG_PF))
+    assert_match(*run_both(vals, True, cfg=dataclasses.replace(CFG_PF, pf_bwd=pf_bwd)))
 
 
 def test_single_saved_state_per_chunk_and_4d_groups_of_one():

@@ -47,6 +47,11 @@ class ConvConfig:
     3 timesteps after its run (the next run's first 3), so 8 does 11 instead of 14 of them per 8 outputs and loads
     28 instead of 40 values."""
 
+    def __post_init__(self) -> None:  # every path (the public op, the fused mixer, ANYTRAIN_CONV_CONFIG) builds one
+        if self.slots_bwd not in (4, 8) or self.block_t_bwd < self.slots_bwd:
+            raise ValueError(f"ConvConfig: slots_bwd must be 4 or 8 and at most block_t_bwd ({self.block_t_bwd}), "
+                             f"got {self.slots_bwd}")  # fmt: skip
+
 
 _VENDOR_CONFIGS = {  # CUDA: fastest GPU time of the H200 sweeps (bench/results/mamba_kernels_nvidia-h200_conv8.json)
     hardware.CUDA: ConvConfig(slots_bwd=8),  # backward 0.102 ms against 0.120 with runs of 4 (launchers alone)
@@ -459,8 +464,6 @@ def causal_conv1d_triton(
     for cfg_t in cfg.block_t, cfg.block_t_bwd:
         if cfg_t < 4 or cfg_t & (cfg_t - 1):
             raise ValueError(f"ConvConfig: block_t must be a power of 2 >= 4, got {cfg_t}")
-    if cfg.slots_bwd not in (4, 8) or cfg.block_t_bwd < cfg.slots_bwd:
-        raise ValueError(f"ConvConfig: slots_bwd must be 4 or 8 and at most block_t_bwd, got {cfg.slots_bwd}")
     x = _unit_last(x)
     bias = None if bias is None else bias.contiguous()
     return _CausalConv1dFn.apply(x, weight, bias, activation == "silu", config or default_config())

@@ -81,6 +81,7 @@ def _ss_bwd_kernel_v5(
     # LANES (needs DSTATE <= SEG): A and the adjoint carry between chunks are held in lanes (lane n: state n) and
     # broadcast with ``tl.gather``, instead of per-state loads and the scratch ``q`` (no barrier).
     tl.static_assert(SEG % 2 == 0, "bwd_impl 4 needs an even seg_bwd")
+    tl.static_assert(not LANES or DSTATE <= SEG, "LANES needs dstate <= seg_bwd (one lane per state)")
     SUB: tl.constexpr = 4
     CHUNK: tl.constexpr = SUB * SEG
     pid_blk, g, b, dim, offs_dl, mask_d, offs_d = _program_block(dpg, BLOCK_D)

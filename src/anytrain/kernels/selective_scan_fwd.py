@@ -41,6 +41,7 @@ def _ss_fwd_kernel_v3(
     # entry: the final state).
     CHUNK: tl.constexpr = SUB * SEG
     KPC: tl.constexpr = SEG // SAVE  # saved states per chunk
+    tl.static_assert(not LANES or DSTATE <= SEG, "LANES needs dstate <= seg (one lane per state)")
     pid_blk, g, b, dim, offs_dl, mask_d, offs_d = _program_block(dpg, BLOCK_D)
     nchunks = tl.cdiv(seqlen, CHUNK)
     md3 = mask_d[:, None, None]
