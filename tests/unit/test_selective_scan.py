@@ -184,6 +184,24 @@ def test_float32_and_bfloat16_inputs_keep_dtype(cfg):
                 torch.testing.assert_close(v.grad.double(), g_ref, rtol=tol, atol=tol * g_ref.abs().max().item())
 
 
+@pytest.mark.parametrize("seqlen", [128, 150, 149])
+def test_forward_bf16_pairs_and_unmasked_loads_are_bitwise_the_plain_loads(seqlen):
+    # pf 4 (no time mask when seqlen fills whole 64-step chunks) and 2 (with 4: bf16 B/C read as int32 pairs, when
+    # strides and seqlen are even) only change how B/C reach registers: out and the saved states must be bitwise equal
+    from anytrain.kernels import selective_scan as scan_mod
+
+    vals = make_inputs(1, 2, seqlen, 16, None, True, True, True)
+    bf = {k: None if v is None else v.to(torch.bfloat16 if k in ("u", "delta", "z", "B", "C") else torch.float32)
+          for k, v in vals.items()}  # fmt: skip
+    Bg, Cg = scan_mod._as_groups(bf["B"]), scan_mod._as_groups(bf["C"])
+    assert scan_mod._bf16_pairs(Bg, Cg) == (seqlen % 2 == 0)
+    args = (bf["u"], bf["delta"], bf["A"], Bg, Cg, bf["D"], bf["z"], bf["delta_bias"], True)
+    plain = scan_mod._fwd(*args, dataclasses.replace(CFG_PF, pf=1))
+    for pf in (3, 5, 7):
+        got = scan_mod._fwd(*args, dataclasses.replace(CFG_PF, pf=pf))
+        assert torch.equal(got[0], plain[0]) and torch.equal(got[1], plain[1]), pf
+
+
 @pytest.mark.parametrize(
     "cfg", [CFG, CFG_V4, CFG_V4_ALT, CFG_V5, CFG_V1], ids=["bwd3", "bwd4", "bwd4alt", "bwd5", "bwd1"]
 )

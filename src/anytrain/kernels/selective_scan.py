@@ -88,7 +88,9 @@ class ScanConfig:
     maxnreg_bwd: int = 0  # CUDA only: register cap per thread for the backward kernel (0: the compiler's choice)
     unroll: int = 1  # fwd_impl 1: state-loop unroll factor (independent states interleaved by the compiler)
     bc_f32: int = 0  # 1 = B and C converted to the accumulation dtype once on the host (no per-state conversion)
-    pf: int = 0  # fwd_impl 1: 1 = A and the chunk carry held in lanes (needs dstate <= seg)
+    pf: int = 0  # fwd_impl 1 bits: 1 = A and the chunk carry held in lanes (needs dstate <= seg), 4 = no time mask on
+    # the per-state B/C loads when seqlen fills whole chunks, 2 = with 4, bf16 B/C loaded as int32 pairs (when their
+    # strides allow; masked pair loads are split by the compiler, so 2 applies only where 4 does)
     pf_bwd: int = 0  # bwd_impl 4 bits: 1 = saved-state/carry loads after their last use, 2 = next chunk's inputs
     # loaded before this chunk's epilogue, 4 = A and the adjoint carry held in lanes (needs dstate <= seg_bwd)
 
@@ -97,10 +99,11 @@ class ScanConfig:
 # forward 1 channel per one-warp program; backward v5, 2 channels per one-warp program capped at 168 registers
 # (12 warps per SM; 2.08 ms against 2.30 for v4 with flat atomics), with the next chunk's inputs loaded before the
 # epilogue and A / the adjoint carry in lanes (pf_bwd 7: 2.05 against 2.12 ms in one H200 call; 1.87 ms on an H100).
+# Forward: unmasked B/C loads for whole chunks, bf16 B/C read as int32 pairs (pf 6: 0.655 against 0.685 ms, H200).
 # ROCm: not run (untuned; 64 segments fill a 64-wide wavefront; v5 compiles to 206 VGPRs for gfx942 against v4's 291).
 _VENDOR_CONFIGS = {
     hardware.CUDA: ScanConfig(
-        1, 8, 1, block_d_bwd=2, chunk_bwd=8, num_warps_bwd=1, bwd_impl=4, seg=32, maxnreg_bwd=168, pf_bwd=7
+        1, 8, 1, block_d_bwd=2, chunk_bwd=8, num_warps_bwd=1, bwd_impl=4, seg=32, maxnreg_bwd=168, pf=6, pf_bwd=7
     ),
     hardware.ROCM: ScanConfig(1, 8, 1, block_d_bwd=2, chunk_bwd=8, num_warps_bwd=1, bwd_impl=4, seg_bwd=64, seg=64),
     hardware.CPU: ScanConfig(4, 8, 1, block_d_bwd=4, chunk_bwd=8, num_warps_bwd=1, bwd_impl=3, seg_bwd=4, seg=4),
@@ -212,6 +215,15 @@ def _acc_dtype(*tensors: Tensor | None) -> torch.dtype:
 _TL_DTYPE = {torch.float32: tl.float32, torch.float64: tl.float64}
 
 
+def _bf16_pairs(*xs: Tensor) -> bool:
+    """bf16 tensors whose every row starts on a 4-byte boundary with an even length: readable as int32 pairs."""
+    return all(
+        x.dtype == torch.bfloat16 and x.data_ptr() % 4 == 0 and x.shape[-1] % 2 == 0
+        and all(s % 2 == 0 for s in x.stride()[:-1])
+        for x in xs
+    )  # fmt: skip
+
+
 def _as_groups(x: Tensor) -> Tensor:
     """(batch, N, L) -> (batch, 1, N, L) view; (batch, G, N, L) unchanged. Unit stride along L."""
     return _unit_last(x.unsqueeze(1) if x.dim() == 3 else x)
@@ -258,10 +270,12 @@ def _fwd(
         SOFTPLUS=softplus, num_warps=cfg.num_warps,
     )  # fmt: skip
     if cfg.fwd_impl == 1:
+        even = bool(cfg.pf & 4) and seqlen % (cfg.chunk * cfg.seg) == 0  # whole chunks: unmasked B/C loads
         _ss_fwd_kernel_v3[grid](
             *ptrs, dpg, seqlen, nsub, *strides, states.stride(2), states.stride(3),
             DSTATE=dstate, BLOCK_D=cfg.block_d, SUB=cfg.chunk, SEG=cfg.seg, SAVE=cfg.chunk_bwd // cfg.chunk,
-            UNROLL=cfg.unroll, LANES=bool(cfg.pf & 1) and dstate <= cfg.seg, **flags,
+            UNROLL=cfg.unroll, LANES=bool(cfg.pf & 1) and dstate <= cfg.seg,
+            BC_BITS=bool(cfg.pf & 2) and even and _bf16_pairs(Bg, Cg), EVEN=even, **flags,
         )  # fmt: skip
         return out, states
     _ss_fwd_kernel[grid](

@@ -22,6 +22,23 @@ import triton.language as tl
 from anytrain.kernels.selective_scan_bwd import LOG2E, _combine, _ld2, _program_block, _sigmoid, _softplus
 
 
+@triton.jit
+def _ld_bc(ptrs, mask, EVEN: tl.constexpr):
+    if EVEN:  # whole chunks: every step of the tile is inside the sequence
+        return tl.load(ptrs)
+    return tl.load(ptrs, mask=mask, other=0)
+
+
+@triton.jit
+def _widen_bf16_pairs(x, SEG: tl.constexpr, SUB: tl.constexpr):
+    # (1, SEG * SUB // 2) int32, each the bf16 steps 2i (low half) and 2i + 1 (high half) -> (1, SEG, SUB) fp32: a bf16
+    # is the top half of the fp32 with the same value
+    x = tl.reshape(x, (1, SEG, SUB // 2))
+    lo = (x << 16).to(tl.float32, bitcast=True)
+    hi = (x & -65536).to(tl.float32, bitcast=True)
+    return tl.reshape(tl.join(lo, hi), (1, SEG, SUB))
+
+
 @triton.jit(do_not_specialize=["s_sk"])
 def _ss_fwd_kernel_v3(
     u_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, D_ptr, z_ptr, bias_ptr, out_ptr, state_ptr,
@@ -29,8 +46,11 @@ def _ss_fwd_kernel_v3(
     s_ub, s_ud, s_tb, s_td, s_ad, s_an, s_bb, s_bg, s_bn, s_cb, s_cg, s_cn, s_zb, s_zd, s_ob, s_od, s_sn, s_sk,
     DSTATE: tl.constexpr, BLOCK_D: tl.constexpr, SUB: tl.constexpr, SEG: tl.constexpr, SAVE: tl.constexpr,
     ACC: tl.constexpr, HAS_D: tl.constexpr, HAS_Z: tl.constexpr, HAS_BIAS: tl.constexpr, SOFTPLUS: tl.constexpr,
-    UNROLL: tl.constexpr = 1, LANES: tl.constexpr = False,
+    UNROLL: tl.constexpr = 1, LANES: tl.constexpr = False, BC_BITS: tl.constexpr = False, EVEN: tl.constexpr = False,
 ):  # fmt: skip
+    # BC_BITS (bf16 B/C, even strides and seqlen; set with EVEN only): B and C are loaded as int32 pairs and widened
+    # to fp32 with one shift or mask per value (the bf16 -> fp32 conversion costs 1.5 instructions per value
+    # otherwise). EVEN (seqlen a multiple of the chunk): the per-state B/C loads need no time mask.
     # UNROLL: the state loop's unroll factor (two states' serial chains interleaved by the compiler at UNROLL 2).
     # LANES (needs DSTATE <= SEG): A and the carry between chunks are held in lanes (lane n: state n) and broadcast
     # with ``tl.gather`` per state, instead of a per-state load of A and of the carry (re-read from the saved states
@@ -95,12 +115,24 @@ def _ss_fwd_kernel_v3(
         msave = save & (kc + ks < nsub)
         mc = mask_d & (offs_dl * 0 + kc > 0)
         mt1 = t2 < seqlen  # (1, CHUNK)
+        if BC_BITS:  # pairs of steps: (1, CHUNK // 2) int32 offsets from the bf16 rows' (even) start
+            th = tl.arange(0, CHUNK // 2)[None, :]
+            mt1 = 2 * (c * (CHUNK // 2) + th) < seqlen
+            B_rows = B_base.to(tl.pointer_type(tl.int32)) + c * (CHUNK // 2) + th
+            C_rows = C_base.to(tl.pointer_type(tl.int32)) + c * (CHUNK // 2) + th
+            s_bn2 = s_bn // 2
+            s_cn2 = s_cn // 2
+        else:
+            B_rows = B_base + t2
+            C_rows = C_base + t2
+            s_bn2 = s_bn
+            s_cn2 = s_cn
         # per-state loads are issued one state ahead (loop-carried), so their latency overlaps a state's compute
         if not LANES:
             A_nx = tl.load(A_rows, mask=mask_d, other=0.0)
             h_nx = tl.load(st_rows + (kc - 1) * s_sk, mask=mc, other=0.0)
-        B_nx = tl.load(B_base + t2, mask=mt1, other=0.0)
-        C_nx = tl.load(C_base + t2, mask=mt1, other=0.0)
+        B_nx = _ld_bc(B_rows, mt1, EVEN)
+        C_nx = _ld_bc(C_rows, mt1, EVEN)
         for n in tl.range(0, DSTATE, loop_unroll_factor=UNROLL):
             if LANES:
                 A2 = tl.gather(A_l, n + 0 * lane_n, axis=1)[:, :, None]  # (BLOCK_D, SEG, 1): A[d, n] in every lane
@@ -108,14 +140,18 @@ def _ss_fwd_kernel_v3(
             else:
                 A2 = A_nx.to(ACC)[:, None, None] * LOG2E
                 hc = h_nx[:, None]  # the state before the chunk
-            B_n = tl.reshape(B_nx, (1, SEG, SUB)).to(ACC)
-            C_n = tl.reshape(C_nx, (1, SEG, SUB)).to(ACC)
+            if BC_BITS:
+                B_n = _widen_bf16_pairs(B_nx, SEG, SUB)
+                C_n = _widen_bf16_pairs(C_nx, SEG, SUB)
+            else:
+                B_n = tl.reshape(B_nx, (1, SEG, SUB)).to(ACC)
+                C_n = tl.reshape(C_nx, (1, SEG, SUB)).to(ACC)
             n1 = (n + 1) % DSTATE  # (the last state prefetches state 0 again, unused)
             if not LANES:
                 A_nx = tl.load(A_rows + n1 * s_an, mask=mask_d, other=0.0)
                 h_nx = tl.load(st_rows + n1 * s_sn + (kc - 1) * s_sk, mask=mc, other=0.0)
-            B_nx = tl.load(B_base + n1 * s_bn + t2, mask=mt1, other=0.0)
-            C_nx = tl.load(C_base + n1 * s_cn + t2, mask=mt1, other=0.0)
+            B_nx = _ld_bc(B_rows + n1 * s_bn2, mt1, EVEN)
+            C_nx = _ld_bc(C_rows + n1 * s_cn2, mt1, EVEN)
             a = tl.exp2(dt * A2)
             pa, pb = tl.associative_scan((a, dtu * B_n), axis=2, combine_fn=_combine)  # in-thread, from h = 0
             # segment aggregates, (BLOCK_D, SEG): 2-D (not keep_dims) so that no register dimension is broadcast,
