@@ -24,9 +24,11 @@ from anytrain.kernels.selective_scan_bwd import LOG2E, _combine, _ld2, _program_
 
 @triton.jit
 def _ld_bc(ptrs, mask, EVEN: tl.constexpr):
-    if EVEN:  # whole chunks: every step of the tile is inside the sequence
-        return tl.load(ptrs)
-    return tl.load(ptrs, mask=mask, other=0)
+    if EVEN:  # whole chunks: every step of the tile is inside the sequence (if/else: the other branch is not built)
+        x = tl.load(ptrs)
+    else:
+        x = tl.load(ptrs, mask=mask, other=0)
+    return x
 
 
 @triton.jit
