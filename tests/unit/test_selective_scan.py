@@ -196,10 +196,42 @@ def test_forward_bf16_pairs_and_unmasked_loads_are_bitwise_the_plain_loads(seqle
     Bg, Cg = scan_mod._as_groups(bf["B"]), scan_mod._as_groups(bf["C"])
     assert scan_mod._bf16_pairs(Bg, Cg) == (seqlen % 2 == 0)
     args = (bf["u"], bf["delta"], bf["A"], Bg, Cg, bf["D"], bf["z"], bf["delta_bias"], True)
-    plain = scan_mod._fwd(*args, dataclasses.replace(CFG_PF, pf=1))
-    for pf in (3, 5, 7):
-        got = scan_mod._fwd(*args, dataclasses.replace(CFG_PF, pf=pf))
-        assert torch.equal(got[0], plain[0]) and torch.equal(got[1], plain[1]), pf
+    flags = []
+    kernel = scan_mod._ss_fwd_kernel_v3
+
+    class Recorder:  # the launcher's kernel[grid](...) call, recording which load path it chose
+        def __getitem__(self, grid):
+            def launch(*a, **kw):
+                flags.append((kw["BC_BITS"], kw["EVEN"]))
+                return kernel[grid](*a, **kw)
+
+            return launch
+
+    scan_mod._ss_fwd_kernel_v3 = Recorder()
+    try:
+        plain = scan_mod._fwd(*args, dataclasses.replace(CFG_PF, pf=0))
+        for pf in (1, 5, 6, 7):
+            got = scan_mod._fwd(*args, dataclasses.replace(CFG_PF, pf=pf))
+            assert torch.equal(got[0], plain[0]) and torch.equal(got[1], plain[1]), pf
+    finally:
+        scan_mod._ss_fwd_kernel_v3 = kernel
+    even = seqlen % 64 == 0  # CFG_PF: 4-step segments x 16 = 64-step chunks
+    assert flags == [(False, False), (False, False), (False, even), (even, even), (even, even)]
+
+
+def test_forward_int32_pairs_need_an_even_chunk():
+    # one step per thread (chunk 1) cannot hold a pair: the launcher keeps the plain loads
+    from anytrain.kernels import selective_scan as scan_mod
+
+    vals = make_inputs(1, 2, 32, 4, None, True, True, True)
+    bf = {k: None if v is None else v.to(torch.bfloat16 if k in ("u", "delta", "z", "B", "C") else torch.float32)
+          for k, v in vals.items()}  # fmt: skip
+    args = (bf["u"], bf["delta"], bf["A"], scan_mod._as_groups(bf["B"]), scan_mod._as_groups(bf["C"]), bf["D"],
+            bf["z"], bf["delta_bias"], True)  # fmt: skip
+    cfg = ScanConfig(block_d=1, chunk=1, num_warps=1, block_d_bwd=2, chunk_bwd=8, seg=16, seg_bwd=4, bwd_impl=4)
+    plain = scan_mod._fwd(*args, cfg)
+    got = scan_mod._fwd(*args, dataclasses.replace(cfg, pf=6))
+    assert torch.equal(got[0], plain[0]) and torch.equal(got[1], plain[1])
 
 
 @pytest.mark.parametrize(

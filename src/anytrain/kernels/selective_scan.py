@@ -275,7 +275,7 @@ def _fwd(
             *ptrs, dpg, seqlen, nsub, *strides, states.stride(2), states.stride(3),
             DSTATE=dstate, BLOCK_D=cfg.block_d, SUB=cfg.chunk, SEG=cfg.seg, SAVE=cfg.chunk_bwd // cfg.chunk,
             UNROLL=cfg.unroll, LANES=bool(cfg.pf & 1) and dstate <= cfg.seg,
-            BC_BITS=bool(cfg.pf & 2) and even and _bf16_pairs(Bg, Cg), EVEN=even, **flags,
+            BC_BITS=bool(cfg.pf & 2) and even and cfg.chunk % 2 == 0 and _bf16_pairs(Bg, Cg), EVEN=even, **flags,
         )  # fmt: skip
         return out, states
     _ss_fwd_kernel[grid](

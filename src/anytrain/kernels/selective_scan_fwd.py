@@ -64,6 +64,7 @@ def _ss_fwd_kernel_v3(
     CHUNK: tl.constexpr = SUB * SEG
     KPC: tl.constexpr = SEG // SAVE  # saved states per chunk
     tl.static_assert(not LANES or DSTATE <= SEG, "LANES needs dstate <= seg (one lane per state)")
+    tl.static_assert(not BC_BITS or (EVEN and SUB % 2 == 0), "BC_BITS needs EVEN and an even chunk")
     pid_blk, g, b, dim, offs_dl, mask_d, offs_d = _program_block(dpg, BLOCK_D)
     nchunks = tl.cdiv(seqlen, CHUNK)
     md3 = mask_d[:, None, None]
