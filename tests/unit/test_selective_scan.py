@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import os
 import sys
 
@@ -188,7 +189,7 @@ def test_float32_and_bfloat16_inputs_keep_dtype(cfg):
 def test_forward_bf16_pairs_and_unmasked_loads_are_bitwise_the_plain_loads(seqlen):
     # pf 4 (no time mask when seqlen fills whole 64-step chunks) and 2 (with 4: bf16 B/C read as int32 pairs, when
     # strides and seqlen are even) only change how B/C reach registers: out and the saved states must be bitwise equal
-    from anytrain.kernels import selective_scan as scan_mod
+    scan_mod = importlib.import_module("anytrain.kernels.selective_scan")  # the package attribute is the public op
 
     vals = make_inputs(1, 2, seqlen, 16, None, True, True, True)
     bf = {k: None if v is None else v.to(torch.bfloat16 if k in ("u", "delta", "z", "B", "C") else torch.float32)
@@ -221,7 +222,7 @@ def test_forward_bf16_pairs_and_unmasked_loads_are_bitwise_the_plain_loads(seqle
 
 def test_forward_int32_pairs_need_an_even_chunk():
     # one step per thread (chunk 1) cannot hold a pair: the launcher keeps the plain loads
-    from anytrain.kernels import selective_scan as scan_mod
+    scan_mod = importlib.import_module("anytrain.kernels.selective_scan")  # the package attribute is the public op
 
     vals = make_inputs(1, 2, 32, 4, None, True, True, True)
     bf = {k: None if v is None else v.to(torch.bfloat16 if k in ("u", "delta", "z", "B", "C") else torch.float32)
