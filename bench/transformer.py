@@ -74,46 +74,21 @@ def default_cases(ablations: bool = False) -> list[Case]:
     are in docs/benchmarks.md) run only with ``ablations``."""
     big = dict(flavour="1.1b", seq=2048, micro=4, global_batch=32)  # micro-batch 4: the anchors' HF setup
     mb8 = dict(flavour="1.1b", seq=2048, micro=8, global_batch=32)  # configs/1.1b.yaml before it went to 16
+    mb16 = dict(flavour="1.1b", seq=2048, micro=16, global_batch=32)  # configs/1.1b.yaml
+    mb32 = dict(flavour="1.1b", seq=2048, micro=32, global_batch=32)  # no gradient accumulation (H200-sized memory)
     g, g8, g16, g32 = "1.1b-2048", "1.1b-2048-mb8", "1.1b-2048-mb16", "1.1b-2048-mb32"
+    auto = {"train.compile_scope": "auto"}  # the recipe's: the whole body as one graph in a one-process run
     whole = {"train.compile_scope": "model"}  # the whole body as one compiled graph instead of per-block
+    blocks = {"train.compile_scope": "blocks"}  # each block compiled on its own
     fp32_residual = {"model.args.residual_in_fp32": True}
     cases = [
-        Case(
-            g16,
-            "1.1b",
-            2048,
-            16,
-            32,
-            "anytrain",
-            label="anytrain recipe (configs/1.1b.yaml)",
-            profile=True,
-            options={"train.compile_scope": "auto"},
-        ),  # fmt: skip
-        Case(g16, "1.1b", 2048, 16, 32, "hf-compile", label="HF + torch.compile, mb 16"),
-        Case(
-            g16,
-            "1.1b",
-            2048,
-            16,
-            32,
-            "anytrain",
-            label="anytrain + CUDA graphs",
-            options={"train.cuda_graphs": 1, "train.compile_scope": "auto"},
-        ),  # fmt: skip
-        Case(
-            g16,
-            "1.1b",
-            2048,
-            16,
-            32,
-            "anytrain",
-            label="anytrain, per-block compile (the recipe before)",
-            options={"train.compile_scope": "blocks"},
-        ),  # fmt: skip
-        # no gradient accumulation: the whole global batch in one micro-batch (H200-sized memory)
-        Case(g32, "1.1b", 2048, 32, 32, "anytrain", label="anytrain micro-batch 32"),
-        Case(g32, "1.1b", 2048, 32, 32, "anytrain", label="anytrain mb 32, whole-model compile", options=whole),
-        Case(g32, "1.1b", 2048, 32, 32, "hf-compile", label="HF + torch.compile, mb 32"),
+        Case(g16, **mb16, stack="anytrain", label="anytrain recipe (configs/1.1b.yaml)", profile=True, options=auto),
+        Case(g16, **mb16, stack="hf-compile", label="HF + torch.compile, mb 16"),
+        Case(g16, **mb16, stack="anytrain", label="anytrain + CUDA graphs", options={**auto, "train.cuda_graphs": 1}),
+        Case(g16, **mb16, stack="anytrain", label="anytrain, per-block compile (the recipe before)", options=blocks),
+        Case(g32, **mb32, stack="anytrain", label="anytrain micro-batch 32"),
+        Case(g32, **mb32, stack="anytrain", label="anytrain mb 32, whole-model compile", options=whole),
+        Case(g32, **mb32, stack="hf-compile", label="HF + torch.compile, mb 32"),
         Case(g8, **mb8, stack="anytrain", label="anytrain micro-batch 8"),
         Case(g, **big, stack="hf-eager", label="HF eager"),
         Case(g, **big, stack="hf-compile", label="HF + torch.compile"),

@@ -132,12 +132,38 @@ def _load_taps(w_ptr, offs_d, mask_d, s_wd, s_ww, PADW: tl.constexpr, ACC: tl.co
 
 
 @triton.jit
-def _time_mask(j, mask_d, seqlen, EVEN: tl.constexpr):
-    # (BLOCK_D, J, 4) store mask for the block-of-4 indices j
-    tt = 4 * j[:, None] + tl.arange(0, 4)[None, :]
+def _time_mask(j, mask_d, seqlen, EVEN: tl.constexpr, N: tl.constexpr = 4):
+    # (BLOCK_D, J, N) mask for the run indices j >= 0 (runs of N slots); EVEN (seqlen % N == 0): one mask per run
+    tt = N * j[:, None] + tl.arange(0, N)[None, :]
     if EVEN:
-        return mask_d[:, None, None] & ((4 * j < seqlen)[:, None] & (tl.arange(0, 4) < 4)[None, :])[None, :, :]
+        return mask_d[:, None, None] & ((N * j < seqlen)[:, None] & (tl.arange(0, N) < N)[None, :])[None, :, :]
     return mask_d[:, None, None] & (tt < seqlen)[None, :, :]
+
+
+@triton.jit
+def _bias_col(bias_ptr, offs_d, mask_d, HAS_BIAS: tl.constexpr, BLOCK_D: tl.constexpr, ACC: tl.constexpr):
+    # the bias as a (BLOCK_D, 1) column, zeros without one
+    if HAS_BIAS:
+        bias = tl.load(bias_ptr + offs_d, mask=mask_d, other=0.0).to(ACC)[:, None]
+    else:
+        bias = tl.zeros((BLOCK_D, 1), dtype=ACC)
+    return bias
+
+
+@triton.jit
+def _store_dw_db(dw_ptr, db_ptr, row, mask_d, acc0, acc1, acc2, acc3, accb, PADW: tl.constexpr,
+                 HAS_BIAS: tl.constexpr):  # fmt: skip
+    # the backward's per-thread tap / bias sums, reduced over time and written to row ``row`` of dw (., width) / db
+    width = 4 - PADW
+    if PADW <= 0:
+        tl.store(dw_ptr + row * width + (0 - PADW), tl.sum(acc0, axis=1), mask=mask_d)
+    if PADW <= 1:
+        tl.store(dw_ptr + row * width + (1 - PADW), tl.sum(acc1, axis=1), mask=mask_d)
+    if PADW <= 2:
+        tl.store(dw_ptr + row * width + (2 - PADW), tl.sum(acc2, axis=1), mask=mask_d)
+    tl.store(dw_ptr + row * width + (3 - PADW), tl.sum(acc3, axis=1), mask=mask_d)
+    if HAS_BIAS:
+        tl.store(db_ptr + row, tl.sum(accb, axis=1), mask=mask_d)
 
 
 @triton.jit
@@ -156,10 +182,7 @@ def _conv_fwd_kernel(
     j = pid_t * (BLOCK_T // 4) + tl.arange(0, BLOCK_T // 4)
     x_rows = x_ptr + b * s_xb + offs_d * s_xd
     w0, w1, w2, w3 = _load_taps(w_ptr, offs_d, mask_d, s_wd, s_ww, PADW, ACC)
-    if HAS_BIAS:
-        bias = tl.load(bias_ptr + offs_d, mask=mask_d, other=0.0).to(ACC)[:, None]
-    else:
-        bias = tl.zeros((BLOCK_D, 1), dtype=ACC)
+    bias = _bias_col(bias_ptr, offs_d, mask_d, HAS_BIAS, BLOCK_D, ACC)
     x0, x1, x2, x3 = _split4(_load4(x_rows, j, mask_d, seqlen, ACC, EVEN))
     _, p1, p2, p3 = _split4(_load4(x_rows, j - 1, mask_d, seqlen, ACC, EVEN))
     o0, o1, o2, o3 = _conv4(w0, w1, w2, w3, bias, p1, p2, p3, x0, x1, x2, x3)
@@ -189,10 +212,7 @@ def _conv_bwd_kernel(
     offs_d = pid_d * BLOCK_D + tl.arange(0, BLOCK_D)
     mask_d = offs_d < dim
     w0, w1, w2, w3 = _load_taps(w_ptr, offs_d, mask_d, s_wd, s_ww, PADW, ACC)
-    if HAS_BIAS:
-        bias = tl.load(bias_ptr + offs_d, mask=mask_d, other=0.0).to(ACC)[:, None]
-    else:
-        bias = tl.zeros((BLOCK_D, 1), dtype=ACC)
+    bias = _bias_col(bias_ptr, offs_d, mask_d, HAS_BIAS, BLOCK_D, ACC)
     acc0 = tl.zeros((BLOCK_D, BLOCK_T // 4), dtype=ACC)
     acc1 = tl.zeros((BLOCK_D, BLOCK_T // 4), dtype=ACC)
     acc2 = tl.zeros((BLOCK_D, BLOCK_T // 4), dtype=ACC)
@@ -236,16 +256,7 @@ def _conv_bwd_kernel(
         acc3 += k3
         accb += e0 + e1 + e2 + e3
     row = pid_s * dim + offs_d  # (BLOCK_D,) row of the (n_splits, dim, ...) outputs
-    width = 4 - PADW
-    if PADW <= 0:
-        tl.store(dw_ptr + row * width + (0 - PADW), tl.sum(acc0, axis=1), mask=mask_d)
-    if PADW <= 1:
-        tl.store(dw_ptr + row * width + (1 - PADW), tl.sum(acc1, axis=1), mask=mask_d)
-    if PADW <= 2:
-        tl.store(dw_ptr + row * width + (2 - PADW), tl.sum(acc2, axis=1), mask=mask_d)
-    tl.store(dw_ptr + row * width + (3 - PADW), tl.sum(acc3, axis=1), mask=mask_d)
-    if HAS_BIAS:
-        tl.store(db_ptr + row, tl.sum(accb, axis=1), mask=mask_d)
+    _store_dw_db(dw_ptr, db_ptr, row, mask_d, acc0, acc1, acc2, acc3, accb, PADW, HAS_BIAS)
 
 
 @triton.jit
@@ -257,13 +268,9 @@ def _halves8(v):
 
 @triton.jit
 def _load8(rows, j, mask_d, seqlen, ACC: tl.constexpr, EVEN: tl.constexpr):
-    # x[rows, 8j + 0..7] as (BLOCK_D, J, 8), zero outside [0, seqlen); EVEN (seqlen % 8 == 0): one aligned vector
+    # x[rows, 8j + 0..7] as (BLOCK_D, J, 8) for j >= 0, zero past seqlen; EVEN (seqlen % 8 == 0): one aligned vector
     tt = 8 * j[:, None] + tl.arange(0, 8)[None, :]  # (J, 8)
-    if EVEN:
-        m = mask_d[:, None, None] & ((8 * j < seqlen)[:, None] & (tl.arange(0, 8) < 8)[None, :])[None, :, :]
-    else:
-        m = mask_d[:, None, None] & (tt < seqlen)[None, :, :]
-    return tl.load(rows[:, None, None] + tt[None, :, :], mask=m, other=0.0).to(ACC)
+    return tl.load(rows[:, None, None] + tt[None, :, :], mask=_time_mask(j, mask_d, seqlen, EVEN, 8), other=0.0).to(ACC)
 
 
 @triton.jit
@@ -281,10 +288,7 @@ def _conv_bwd8_kernel(
     offs_d = pid_d * BLOCK_D + tl.arange(0, BLOCK_D)
     mask_d = offs_d < dim
     w0, w1, w2, w3 = _load_taps(w_ptr, offs_d, mask_d, s_wd, s_ww, PADW, ACC)
-    if HAS_BIAS:
-        bias = tl.load(bias_ptr + offs_d, mask=mask_d, other=0.0).to(ACC)[:, None]
-    else:
-        bias = tl.zeros((BLOCK_D, 1), dtype=ACC)
+    bias = _bias_col(bias_ptr, offs_d, mask_d, HAS_BIAS, BLOCK_D, ACC)
     acc0 = tl.zeros((BLOCK_D, BLOCK_T // 8), dtype=ACC)
     acc1 = tl.zeros((BLOCK_D, BLOCK_T // 8), dtype=ACC)
     acc2 = tl.zeros((BLOCK_D, BLOCK_T // 8), dtype=ACC)
@@ -333,12 +337,9 @@ def _conv_bwd8_kernel(
         )
         dx = tl.reshape(tl.permute(tl.join(dxl, dxh), (0, 1, 3, 2)), (BLOCK_D, BLOCK_T // 8, 8))
         tt = 8 * j[:, None] + tl.arange(0, 8)[None, :]
-        if EVEN:
-            mt = mask_d[:, None, None] & ((8 * j < seqlen)[:, None] & (tl.arange(0, 8) < 8)[None, :])[None, :, :]
-        else:
-            mt = mask_d[:, None, None] & (tt < seqlen)[None, :, :]
         dx_rows = dx_ptr + b * s_db + offs_d * s_dd
-        tl.store(dx_rows[:, None, None] + tt[None, :, :], dx.to(dx_ptr.dtype.element_ty), mask=mt)
+        tl.store(dx_rows[:, None, None] + tt[None, :, :], dx.to(dx_ptr.dtype.element_ty),
+                 mask=_time_mask(j, mask_d, seqlen, EVEN, 8))  # fmt: skip
         # e0..e7 are zero outside [0, seqlen), so these sums only see real timesteps
         k0, k1, k2, k3 = _conv4(e0, e1, e2, e3, 0.0, p1, p2, p3, x0, x1, x2, x3)
         h0, h1, h2, h3 = _conv4(e4, e5, e6, e7, 0.0, x1, x2, x3, x4, x5, x6, x7)
@@ -348,16 +349,7 @@ def _conv_bwd8_kernel(
         acc3 += k3 + h3
         accb += (e0 + e1 + e2 + e3) + (e4 + e5 + e6 + e7)
     row = pid_s * dim + offs_d  # (BLOCK_D,) row of the (n_splits, dim, ...) outputs
-    width = 4 - PADW
-    if PADW <= 0:
-        tl.store(dw_ptr + row * width + (0 - PADW), tl.sum(acc0, axis=1), mask=mask_d)
-    if PADW <= 1:
-        tl.store(dw_ptr + row * width + (1 - PADW), tl.sum(acc1, axis=1), mask=mask_d)
-    if PADW <= 2:
-        tl.store(dw_ptr + row * width + (2 - PADW), tl.sum(acc2, axis=1), mask=mask_d)
-    tl.store(dw_ptr + row * width + (3 - PADW), tl.sum(acc3, axis=1), mask=mask_d)
-    if HAS_BIAS:
-        tl.store(db_ptr + row, tl.sum(accb, axis=1), mask=mask_d)
+    _store_dw_db(dw_ptr, db_ptr, row, mask_d, acc0, acc1, acc2, acc3, accb, PADW, HAS_BIAS)
 
 
 def _unit_last(x: Tensor) -> Tensor:
