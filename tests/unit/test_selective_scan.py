@@ -65,6 +65,22 @@ CFG_PF_NOLANES = ScanConfig(
     block_d=2, chunk=4, num_warps=1, block_d_bwd=2, chunk_bwd=8, num_warps_bwd=1, seg_bwd=4, seg=2, bwd_impl=4,
     pf=0, pf_bwd=3,
 )  # fmt: skip
+# v6 backward (bwd_impl 5): 8-step segments, one channel per thread; 2-channel blocks take the pair reduce-scatter of
+# dB/dC (CFG_V6: 2 segments per chunk; CFG_V6_LANES: 16 segments, the next chunk's inputs loaded early and A / the
+# adjoint carry in lanes, the CUDA default's options), other block sizes the plain channel sum (CFG_V6_ONE, CFG_V6_FOUR)
+CFG_V6 = ScanConfig(
+    block_d=2, chunk=4, num_warps=1, block_d_bwd=2, chunk_bwd=8, num_warps_bwd=1, seg_bwd=2, seg=2, bwd_impl=5
+)
+CFG_V6_LANES = ScanConfig(
+    block_d=2, chunk=4, num_warps=1, block_d_bwd=2, chunk_bwd=8, num_warps_bwd=1, seg_bwd=16, seg=16, bwd_impl=5,
+    pf=1, pf_bwd=6,
+)  # fmt: skip
+CFG_V6_ONE = ScanConfig(
+    block_d=2, chunk=4, num_warps=1, block_d_bwd=1, chunk_bwd=8, num_warps_bwd=1, seg_bwd=4, seg=2, bwd_impl=5, pf_bwd=2
+)
+CFG_V6_FOUR = ScanConfig(
+    block_d=2, chunk=4, num_warps=1, block_d_bwd=4, chunk_bwd=8, num_warps_bwd=1, seg_bwd=2, seg=2, bwd_impl=5
+)
 CFG_V1 = ScanConfig(
     block_d=2, chunk=8, num_warps=1, block_d_bwd=2, chunk_bwd=4, num_warps_bwd=1, bwd_impl=0, fwd_impl=0
 )
@@ -125,9 +141,15 @@ CASES = [
 
 @pytest.mark.parametrize(
     "cfg",
-    [CFG, CFG_V4, CFG_V4_ALT, CFG_V5, CFG_V5_ALT, CFG_V5_WARPS, CFG_PF, CFG_PF_NOLANES, CFG_V1],
-    ids=["bwd3", "bwd4", "bwd4alt", "bwd5", "bwd5alt", "bwd5warps", "pf", "pf_nolanes", "bwd1"],
-)
+    [
+        CFG, CFG_V4, CFG_V4_ALT, CFG_V5, CFG_V5_ALT, CFG_V5_WARPS, CFG_PF, CFG_PF_NOLANES,
+        CFG_V6, CFG_V6_LANES, CFG_V6_ONE, CFG_V6_FOUR, CFG_V1,
+    ],
+    ids=[
+        "bwd3", "bwd4", "bwd4alt", "bwd5", "bwd5alt", "bwd5warps", "pf", "pf_nolanes",
+        "bwd6", "bwd6lanes", "bwd6one", "bwd6four", "bwd1",
+    ],
+)  # fmt: skip
 @pytest.mark.parametrize("batch,dim,seqlen,dstate,ngroups,has_z,has_d,has_bias,softplus", CASES)
 def test_matches_reference(batch, dim, seqlen, dstate, ngroups, has_z, has_d, has_bias, softplus, cfg):
     vals = make_inputs(batch, dim, seqlen, dstate, ngroups, has_z, has_d, has_bias)
@@ -143,13 +165,21 @@ def test_lanes_carry_across_chunks(dstate, pf_bwd):
     assert_match(*run_both(vals, True, cfg=dataclasses.replace(CFG_PF, pf_bwd=pf_bwd)))
 
 
+@pytest.mark.parametrize("seqlen", [256, 300])
+def test_v6_lanes_carry_across_chunks(seqlen):
+    # CFG_V6_LANES's 128-step backward chunks (16 segments of 8): the adjoint carry held in lanes crosses 1-2 chunk
+    # boundaries for every state, with a partial last chunk at 300
+    vals = make_inputs(1, 3, seqlen, 16, None, True, True, True)
+    assert_match(*run_both(vals, True, cfg=CFG_V6_LANES))
+
+
 def test_single_saved_state_per_chunk_and_4d_groups_of_one():
     # chunk == chunk_bwd (no sub-chunk states), B/C given as (batch, 1, dstate, L)
     vals = make_inputs(1, 4, 10, 4, 1, True, True, True)
     assert_match(*run_both(vals, True, cfg=CFG_SAME))
 
 
-@pytest.mark.parametrize("cfg", [CFG, CFG_V4, CFG_V5, CFG_V1], ids=["bwd3", "bwd4", "bwd5", "bwd1"])
+@pytest.mark.parametrize("cfg", [CFG, CFG_V4, CFG_V5, CFG_V6, CFG_V1], ids=["bwd3", "bwd4", "bwd5", "bwd6", "bwd1"])
 def test_extreme_decay_underflows_without_nan(cfg):
     # delta*A down to about -1e4: exp underflows to exactly 0; the state then forgets the past completely
     vals = make_inputs(1, 3, 12, 4, None, True, True, False, dt_scale=1.0)
@@ -163,7 +193,7 @@ def test_extreme_decay_underflows_without_nan(cfg):
     assert_match(ours, ref, res, res_ref, tol=1e-7)
 
 
-@pytest.mark.parametrize("cfg", [CFG, CFG_V5], ids=["bwd3", "bwd5"])
+@pytest.mark.parametrize("cfg", [CFG, CFG_V5, CFG_V6], ids=["bwd3", "bwd5", "bwd6"])
 def test_float32_and_bfloat16_inputs_keep_dtype(cfg):
     vals = make_inputs(1, 3, 9, 4, None, True, True, True)
     for dtype, tol in ((torch.float32, 1e-4), (torch.bfloat16, 2e-2)):
@@ -236,7 +266,9 @@ def test_forward_int32_pairs_need_an_even_chunk():
 
 
 @pytest.mark.parametrize(
-    "cfg", [CFG, CFG_V4, CFG_V4_ALT, CFG_V5, CFG_V1], ids=["bwd3", "bwd4", "bwd4alt", "bwd5", "bwd1"]
+    "cfg",
+    [CFG, CFG_V4, CFG_V4_ALT, CFG_V5, CFG_V6, CFG_V6_FOUR, CFG_V1],
+    ids=["bwd3", "bwd4", "bwd4alt", "bwd5", "bwd6", "bwd6four", "bwd1"],
 )
 def test_deterministic_mode_is_bitwise_reproducible_and_matches_atomics(cfg):
     vals = make_inputs(2, 6, 11, 4, 2, True, True, True, seed=5)
@@ -274,12 +306,27 @@ def test_rejects_bad_groups():
         selective_scan_triton(**vals, config=CFG)
 
 
-def test_deterministic_many_blocks_falls_back_to_v3_backward(monkeypatch):
-    # bwd_impl 3 with 1-channel blocks would need dim-many dB/dC partials at real sizes: above _MAX_PARTIALS elements
-    # the deterministic backward runs the v3 kernel (4-channel blocks) on the same saved states instead
-    monkeypatch.setattr(sys.modules["anytrain.kernels.selective_scan"], "_MAX_PARTIALS", 0)
+@pytest.mark.parametrize("cfg", [CFG_V4, CFG_V6_LANES], ids=["bwd4", "bwd6"])
+def test_deterministic_many_blocks_falls_back_to_v3_backward(monkeypatch, cfg):
+    # bwd_impl 3-5 with 1-2-channel blocks would need dim-many dB/dC partials at real sizes: above _MAX_PARTIALS
+    # elements the deterministic backward runs the v3 kernel (4-channel blocks, 32+ segments) on the same saved states
+    scan_mod = sys.modules["anytrain.kernels.selective_scan"]
+    monkeypatch.setattr(scan_mod, "_MAX_PARTIALS", 0)
+    seen = []
+    kernel = scan_mod._ss_bwd_kernel_v3
+
+    class Recorder:
+        def __getitem__(self, grid):
+            def launch(*a, **kw):
+                seen.append((kw["BLOCK_D"], kw["SEG"]))
+                return kernel[grid](*a, **kw)
+
+            return launch
+
+    monkeypatch.setattr(scan_mod, "_ss_bwd_kernel_v3", Recorder())
     vals = make_inputs(1, 5, 19, 4, None, True, True, True, seed=2)
-    assert_match(*run_both(vals, True, cfg=CFG_V4, deterministic=True))
+    assert_match(*run_both(vals, True, cfg=cfg, deterministic=True))
+    assert seen == [(4, 32)]
 
 
 @pytest.mark.parametrize("cfg", [CFG, CFG_V1], ids=["fwd_v3", "fwd_v2"])

@@ -11,8 +11,12 @@ Forward, two kernels (``ScanConfig.fwd_impl``); state math is fp32 (fp64 for fp6
 Saved for backward: the inputs and the state every chunk_bwd steps, (batch, dim, dstate, nsub) fp32 (unit stride over
 nsub); entry k is the state after step (k + 1) chunk_bwd - 1, the last one the final state (``last_state``).
 
-Backward, four kernels (``ScanConfig.bwd_impl``), all recomputing the states from the saved ones:
-  4: ``_ss_bwd_kernel_v5`` (default, ``selective_scan_bwd_v5.py``). v4's algorithm with 4-step segments (two per
+Backward, five kernels (``ScanConfig.bwd_impl``), all recomputing the states from the saved ones:
+  5: ``_ss_bwd_kernel_v6`` (default on CUDA, ``selective_scan_bwd_v6.py``). v5's algorithm with one channel per thread
+     and 8-step segments (one per saved state): the program's 2 channels sit on two 16-lane groups of a warp, so the
+     cross-lane scan and the dA sum take 4 rounds over 8 elements instead of 2 x 5; dB/dC are summed over the 2
+     channels by a reduce-scatter across the lane groups before one 4-wide atomic per lane.
+  4: ``_ss_bwd_kernel_v5`` (``selective_scan_bwd_v5.py``; ROCm default). v4's algorithm with 4-step segments (two per
      saved state; the odd ones start from the even neighbour's end state), lane-reversed so that the adjoint's
      cross-lane scan runs forward, and loads/stores/atomics whose layouts need no conversion on any Triton version:
      2 channels per one-warp program at about v4's 1-channel register count.
@@ -54,6 +58,7 @@ from anytrain.kernels.selective_scan_bwd import (
     _ss_bwd_kernel_v4,
 )
 from anytrain.kernels.selective_scan_bwd_v5 import _ss_bwd_kernel_v5
+from anytrain.kernels.selective_scan_bwd_v6 import _ss_bwd_kernel_v6
 from anytrain.kernels.selective_scan_fwd import _ss_fwd_kernel_v3
 
 
@@ -65,6 +70,8 @@ class ScanConfig:
     thread, ``seg`` segments on lanes); needs chunk_bwd % chunk == 0 and (chunk * seg) % chunk_bwd == 0. Layouts are
     conversion-free when ``chunk`` steps are one 16-byte vector (8 for bf16) and ``seg`` x ``num_warps`` = lanes.
     fwd_impl 0 (v2): tiles of ``chunk`` steps x next_pow2(dstate) states x ``block_d`` channels.
+    bwd_impl 5 (v6): ``block_d_bwd`` channels, each on ``seg_bwd`` lanes, x 8 steps per thread (needs chunk_bwd == 8;
+    conversion-free when block_d_bwd x seg_bwd = the lanes of one warp, 2 x 16 on CUDA);
     bwd_impl 4 (v5): ``block_d_bwd`` channels (``block_d_bwd / num_warps_bwd`` per warp) x ``seg_bwd`` segments x 4
     steps (needs chunk_bwd == 8 and an even seg_bwd);
     bwd_impl 3 (v4): ``block_d_bwd`` channels x ``seg_bwd`` segments x 8 steps (needs chunk_bwd == 8);
@@ -79,8 +86,8 @@ class ScanConfig:
     block_d_bwd: int = 2
     chunk_bwd: int = 8
     num_warps_bwd: int = 1
-    bwd_impl: int = 3  # 4: _ss_bwd_kernel_v5; 3: _ss_bwd_kernel_v4; 2: _ss_bwd_kernel_v3; 0: _ss_bwd_kernel_v1
-    seg_bwd: int = 32  # bwd_impl 2/3: segments of chunk_bwd steps per backward chunk (one per lane)
+    bwd_impl: int = 3  # 5: _ss_bwd_kernel_v6; 4: _v5; 3: _v4; 2: _v3; 0: _v1
+    seg_bwd: int = 32  # bwd_impl 2-5: segments per backward chunk and channel (one per lane)
     fwd_impl: int = 1  # 1: _ss_fwd_kernel_v3 (state loop, segments on lanes); 0: _ss_fwd_kernel (v2)
     seg: int = 32  # fwd_impl 1: segments of chunk steps per forward chunk (one per lane)
     rot_bwd: int = 0  # bwd_impl 3: 1 = each program starts its state loop at its block index (spreads the atomics)
@@ -93,18 +100,21 @@ class ScanConfig:
     # strides allow; masked pair loads are split by the compiler, so 2 applies only where 4 does)
     pf_bwd: int = 0  # bwd_impl 4 bits: 1 = saved-state/carry loads after their last use, 2 = next chunk's inputs
     # loaded before this chunk's epilogue, 4 = A and the adjoint carry held in lanes (needs dstate <= seg_bwd)
+    # (bwd_impl 5: bits 2 and 4)
 
 
 # Per-vendor defaults. CUDA: fastest of bench/mamba_kernels.py --sweep on an H200 (bench/results/, Triton 3.6):
-# forward 1 channel per one-warp program; backward v5, 2 channels per one-warp program capped at 168 registers
-# (12 warps per SM; 2.08 ms against 2.30 for v4 with flat atomics), with the next chunk's inputs loaded before the
-# epilogue and A / the adjoint carry in lanes (pf_bwd 7: 2.05 against 2.12 ms in one H200 call; 1.87 ms on an H100).
+# forward 1 channel per one-warp program; backward v6, 2 channels per one-warp program (16 lanes each) capped at 152
+# registers (13 warps per SM), the next chunk's inputs loaded before the epilogue and A / the adjoint carry in lanes
+# (pf_bwd 6): 1.905 / 1.920 ms against 1.972 / 1.992 for v5 (pf_bwd 7, 168 registers) in two H200 calls.
 # Forward: unmasked B/C loads for whole chunks, bf16 B/C read as int32 pairs (pf 6: 0.655 against 0.685 ms, H200).
 # ROCm: not run (untuned; 64 segments fill a 64-wide wavefront; v5 compiles to 206 VGPRs for gfx942 against v4's 291).
+_CUDA_CONFIG = ScanConfig(
+    1, 8, 1, block_d_bwd=2, chunk_bwd=8, num_warps_bwd=1, bwd_impl=5, seg_bwd=16, seg=32, maxnreg_bwd=152, pf=6,
+    pf_bwd=6,
+)  # fmt: skip
 _VENDOR_CONFIGS = {
-    hardware.CUDA: ScanConfig(
-        1, 8, 1, block_d_bwd=2, chunk_bwd=8, num_warps_bwd=1, bwd_impl=4, seg=32, maxnreg_bwd=168, pf=6, pf_bwd=7
-    ),
+    hardware.CUDA: _CUDA_CONFIG,
     hardware.ROCM: ScanConfig(1, 8, 1, block_d_bwd=2, chunk_bwd=8, num_warps_bwd=1, bwd_impl=4, seg_bwd=64, seg=64),
     hardware.CPU: ScanConfig(4, 8, 1, block_d_bwd=4, chunk_bwd=8, num_warps_bwd=1, bwd_impl=3, seg_bwd=4, seg=4),
 }
@@ -296,10 +306,15 @@ def _bwd(dout, u, delta, A, Bg, Cg, D, z, delta_bias, states, softplus: bool, cf
     nchunks = states.shape[3]  # the forward saved the state every cfg.chunk_bwd steps
     chunk = cfg.chunk_bwd
     nblk = triton.cdiv(dpg, cfg.block_d_bwd)
-    if deterministic and cfg.bwd_impl in (3, 4) and nblk * batch * ngroups * dstate * seqlen > _MAX_PARTIALS:
+    if deterministic and cfg.bwd_impl in (3, 4, 5) and nblk * batch * ngroups * dstate * seqlen > _MAX_PARTIALS:
         # per-block dB/dC partials of 1-channel blocks would take dim x the size of dB: use the v3 kernel's
         # 4-channel blocks (the forward saved the state every chunk_bwd = 8 steps, which v3 reads as well)
-        cfg = dataclasses.replace(cfg, bwd_impl=2, block_d_bwd=max(cfg.block_d_bwd, 4), num_warps_bwd=4)
+        # v3 tiles as measured for this fallback (4.86 ms at the bench shape on an H200): 32+ segments of 8 steps and,
+        # where the default caps registers, the cap of 168 (v6's 16 segments and 152 registers took v3 to 6.6 ms)
+        cfg = dataclasses.replace(
+            cfg, bwd_impl=2, block_d_bwd=max(cfg.block_d_bwd, 4), num_warps_bwd=4, seg_bwd=max(cfg.seg_bwd, 32),
+            maxnreg_bwd=168 if cfg.maxnreg_bwd else 0,
+        )  # fmt: skip
         nblk = triton.cdiv(dpg, cfg.block_d_bwd)
     atomic = not deterministic and nblk > 1
     du = torch.empty_like(u)
@@ -334,11 +349,15 @@ def _bwd(dout, u, delta, A, Bg, Cg, D, z, delta_bias, states, softplus: bool, cf
             dB.stride(0), dB.stride(1), dB.stride(2), dB.stride(3), *extra_strides, **meta, **common,
         )  # fmt: skip
 
-    if cfg.bwd_impl in (2, 3, 4):  # v5 (4) / v4 (3) / v3 (2): per-chunk dA partials (batch, nchunks, dim, N)
+    if cfg.bwd_impl in (2, 3, 4, 5):  # v6 / v5 / v4 / v3: per-chunk dA partials (batch, nchunks, dim, N)
         sub = 4 if cfg.bwd_impl == 4 else chunk  # steps per segment (v5: half the saved-state interval)
         dA = torch.empty((batch, triton.cdiv(seqlen, sub * cfg.seg_bwd), dim, dstate), device=u.device, dtype=acc)
         q = torch.empty((batch, dim, 2, dstate), device=u.device, dtype=acc)  # adjoint carry scratch
-        if cfg.bwd_impl == 4:
+        if cfg.bwd_impl == 5:
+            launch(_ss_bwd_kernel_v6, dA, q, extra_strides=(states.stride(2), states.stride(3), 1), SEG=cfg.seg_bwd,
+                   DBDC=not _DIAG_SKIP_DBDC, PIPE=bool(cfg.pf_bwd & 2),
+                   LANES=bool(cfg.pf_bwd & 4) and dstate <= cfg.seg_bwd)  # fmt: skip
+        elif cfg.bwd_impl == 4:
             launch(_ss_bwd_kernel_v5, dA, q, extra_strides=(states.stride(2), states.stride(3), 1), SEG=cfg.seg_bwd,
                    DBDC=not _DIAG_SKIP_DBDC, BC_TILE=cfg.num_warps_bwd > 1, LATE=bool(cfg.pf_bwd & 1),
                    PIPE=bool(cfg.pf_bwd & 2), LANES=bool(cfg.pf_bwd & 4) and dstate <= cfg.seg_bwd)  # fmt: skip
@@ -410,7 +429,7 @@ def selective_scan_triton(
         raise ValueError(
             f"ScanConfig: fwd_impl 1 needs chunk_bwd % chunk == 0 and (chunk * seg) % chunk_bwd == 0: {cfg}"
         )
-    if cfg.bwd_impl in (3, 4) and cfg.chunk_bwd != 8:
+    if cfg.bwd_impl in (3, 4, 5) and cfg.chunk_bwd != 8:
         raise ValueError(f"ScanConfig: bwd_impl {cfg.bwd_impl} needs chunk_bwd == 8, got {cfg.chunk_bwd}")
     if cfg.bwd_impl == 4 and cfg.seg_bwd < 2:
         raise ValueError(f"ScanConfig: bwd_impl 4 needs seg_bwd >= 2, got {cfg.seg_bwd}")

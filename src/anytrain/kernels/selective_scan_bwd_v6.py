@@ -1,0 +1,279 @@
+"""Backward kernel v6 of the Triton selective scan (``ScanConfig.bwd_impl=5``); see ``selective_scan.py``.
+
+v5 (``selective_scan_bwd_v5.py``) keeps 2 channels per thread and gives each lane 4 steps, so a 128-step chunk is a
+32-lane scan per channel and half the segments start between two saved states. Per state and per 8 elements that is
+two 5-round cross-lane scans, two 5-round dA sums and the odd/even rescan. v6 gives each thread ONE channel and 8
+steps (one saved-state interval, one 16-byte bf16 vector), and puts the program's channels on lane groups: with 2
+channels and 16 segments per channel, lanes 0-15 hold channel 0 and lanes 16-31 channel 1 (the coalesced layout of a
+(2, 128) bf16 load), so a chunk is still 128 steps and a thread still holds 8 elements, but:
+
+  - the cross-lane scan and the dA sum are 4 rounds over 8 elements instead of 2 x 5 rounds;
+  - every segment starts at a saved state (no odd/even rescan);
+  - the dB / dC sums over the 2 channels cross the lane groups: a reduce-scatter (each lane sends 4 of its 8 steps to
+    its partner in the other group, one ``tl.gather`` along the channel axis) leaves each lane 4 summed steps, whose
+    (channels, segments, 4) tile is the coalesced layout of one 4-wide fp32 vector atomic per lane (the addresses are
+    built for it, as in v5); other channel counts sum with ``tl.sum`` (correct, not tuned).
+
+The global loads go through (BLOCK_D, CHUNK) pointers with runs of 8 contiguous lane-reversed steps (``one`` a runtime
+1, as in v5): lane p of a channel holds time segment SEG - 1 - p, so the reverse-time adjoint is a forward scan.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from anytrain.kernels.selective_scan_bwd import (
+    LOG2E,
+    _bc_bases,
+    _combine,
+    _dbdc_out,
+    _join8,
+    _ld2,
+    _program_block,
+    _row_bases,
+    _sigmoid,
+    _softplus,
+    _split8,
+)
+
+
+@triton.jit
+def _swap(x, partner, BLOCK_D: tl.constexpr, SEG: tl.constexpr):
+    # the value of the partner lane in the other channel's lane group: a gather on the flat (BLOCK_D * SEG,) view,
+    # whose one dimension is the lanes (a gather along the channel axis of the 2-D tile costs two layout conversions)
+    return tl.reshape(tl.gather(tl.reshape(x, (BLOCK_D * SEG,)), partner, axis=0), (BLOCK_D, SEG))
+
+
+@triton.jit
+def _pair_sum4(r0, r1, r2, r3, r4, r5, r6, r7, partner, second, BLOCK_D: tl.constexpr, SEG: tl.constexpr):
+    # (2, SEG) per-step values of two channels -> (2 * SEG * 4,) sums over the channels: the lanes of channel 0 keep
+    # steps 0-3 and the lanes of channel 1 steps 4-7; each lane sends the other half to its partner
+    k0 = tl.where(second, r4, r0) + _swap(tl.where(second, r0, r4), partner, BLOCK_D, SEG)
+    k1 = tl.where(second, r5, r1) + _swap(tl.where(second, r1, r5), partner, BLOCK_D, SEG)
+    k2 = tl.where(second, r6, r2) + _swap(tl.where(second, r2, r6), partner, BLOCK_D, SEG)
+    k3 = tl.where(second, r7, r3) + _swap(tl.where(second, r3, r7), partner, BLOCK_D, SEG)
+    return tl.reshape(tl.join(tl.join(k0, k2), tl.join(k1, k3)), (BLOCK_D * SEG * 4,))
+
+
+@triton.jit(do_not_specialize=["s_sk", "one"])
+def _ss_bwd_kernel_v6(
+    u_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, D_ptr, z_ptr, bias_ptr, state_ptr, dout_ptr,
+    du_ptr, ddt_ptr, dz_ptr, dB_ptr, dC_ptr, dA_ptr, dD_ptr, dbias_ptr, q_ptr,
+    dpg, seqlen, nsub,
+    s_ub, s_ud, s_tb, s_td, s_ad, s_an, s_bb, s_bg, s_bn, s_cb, s_cg, s_cn, s_zb, s_zd, s_gb, s_gd,
+    s_rb, s_rg, s_rk, s_rn, s_sn, s_sk, one,
+    DSTATE: tl.constexpr, BLOCK_D: tl.constexpr, SEG: tl.constexpr, ACC: tl.constexpr,
+    HAS_D: tl.constexpr, HAS_Z: tl.constexpr, HAS_BIAS: tl.constexpr, SOFTPLUS: tl.constexpr, ATOMIC: tl.constexpr,
+    DBDC: tl.constexpr = True, PIPE: tl.constexpr = False, LANES: tl.constexpr = False,
+):  # fmt: skip
+    # Arguments and outputs as _ss_bwd_kernel_v5 (the saved states every 8 steps; dA: (batch, nchunks, dim, N)
+    # per-chunk partials, here with chunks of 8 * SEG steps). PIPE and LANES as in v5: the next chunk's inputs loaded
+    # before this chunk's epilogue; A and the adjoint carry held in lanes (lane n of each channel: state n).
+    tl.static_assert(not LANES or DSTATE <= SEG, "LANES needs dstate <= seg_bwd (one lane per state)")
+    SUB: tl.constexpr = 8
+    CHUNK: tl.constexpr = SUB * SEG
+    pid_blk, g, b, dim, offs_dl, mask_d, offs_d = _program_block(dpg, BLOCK_D)
+    nchunks = tl.cdiv(seqlen, CHUNK)
+    md3 = mask_d[:, None, None]
+    jj = tl.arange(0, CHUNK)
+    tf0 = (SEG - 1 - jj // SUB) * (SUB * one) + jj % SUB  # lane-reversed steps, runs of 8 (see v5)
+    tl2 = tf0[None, :]  # (1, CHUNK)
+    tloc = tl.reshape(tl2, (1, SEG, SUB))
+    offs_p = tl.arange(0, SEG)[None, :]  # (1, SEG) lane p = time segment SEG - 1 - p
+    rows = offs_d[:, None]
+    if HAS_D:
+        Dv = tl.load(D_ptr + offs_d, mask=mask_d, other=0.0).to(ACC)[:, None, None]
+    if HAS_BIAS:
+        bias = tl.load(bias_ptr + offs_d, mask=mask_d, other=0.0).to(ACC)[:, None, None]
+    u_base, dt_base, z_base, go_base, du_base, ddt_base, dz_base = _row_bases(
+        b, rows, u_ptr, dt_ptr, z_ptr, dout_ptr, du_ptr, ddt_ptr, dz_ptr, s_ub, s_ud, s_tb, s_td, s_zb, s_zd, s_gb, s_gd
+    )
+    B_base, C_base, r_base, rc_base = _bc_bases(b, g, pid_blk, B_ptr, C_ptr, dB_ptr, dC_ptr, s_bb, s_bg, s_cb, s_cg,
+                                                s_rb, s_rg, s_rk, ATOMIC)  # fmt: skip
+    # per-state (channel, segment) tiles through flat pointers (one layout in every Triton version, see v5)
+    ii = tl.arange(0, BLOCK_D * SEG)
+    i_d = pid_blk * BLOCK_D + ii // SEG
+    i_m = i_d < dpg
+    i_seg = SEG - 1 - ii % SEG  # time segment of each flat element
+    st_flat = state_ptr + (b * dim + g * dpg + i_d) * (DSTATE * s_sn)
+    q_flat = q_ptr + (b * dim + g * dpg + i_d) * (2 * DSTATE)
+    A_flat = A_ptr + (g * dpg + i_d) * s_ad
+    dA_flat = dA_ptr + (g * dpg + i_d) * DSTATE
+    first_lane = i_m & (i_seg == SEG - 1)  # one lane per channel
+    last = i_m & (i_seg == 0)  # the lane of the chunk's first segment
+    down = tl.maximum(offs_p - 1, 0) + 0 * rows  # gather index: the lane of the next time segment
+    PAIR: tl.constexpr = BLOCK_D == 2
+    if PAIR:  # dB/dC: channel 1's lanes keep steps 4-7 of the channel sum; flat element i -> its time in the chunk
+        second = (tl.arange(0, BLOCK_D)[:, None] + 0 * offs_p) == 1  # (2, SEG): the lanes of channel 1
+        partner = (ii + SEG) % (2 * SEG)  # (2 * SEG,) flat index of the partner lane
+        iq = tl.arange(0, BLOCK_D * SEG * 4)
+        tfr = (SEG - 1 - (iq // 4) % SEG) * (SUB * one) + (iq // (4 * SEG)) * (4 * one) + iq % 4
+    else:
+        tfr = tf0
+    dD_acc = tl.zeros((BLOCK_D,), dtype=ACC)
+    dbias_acc = tl.zeros((BLOCK_D,), dtype=ACC)
+    if LANES:
+        lane2 = offs_p + 0 * rows
+        lane_f = ii % SEG
+        A_l = tl.load(A_flat + (lane_f % DSTATE) * s_an, mask=i_m & (lane_f < DSTATE), other=0.0)
+        A_l = tl.reshape(A_l, (BLOCK_D, SEG)).to(ACC) * LOG2E
+        q_l = tl.zeros((BLOCK_D, SEG), dtype=ACC)  # lane n: state n's carry from the later chunk
+    if PIPE:
+        t2p = (nchunks - 1) * CHUNK + tl2
+        m2p = mask_d[:, None] & (t2p < seqlen)
+        r_dt = tl.load(dt_base + t2p, mask=m2p, other=0.0)
+        r_go = tl.load(go_base + t2p, mask=m2p, other=0.0)
+        if HAS_Z:
+            r_z = tl.load(z_base + t2p, mask=m2p, other=0.0)
+        r_u = tl.load(u_base + t2p, mask=m2p, other=0.0)
+    for cc in range(0, nchunks):
+        c = nchunks - 1 - cc
+        if not LANES:
+            tl.debug_barrier()  # the previous chunk's q stores before this chunk's loads
+        t = c * CHUNK + tloc
+        m3 = md3 & (t < seqlen)
+        t2 = c * CHUNK + tl2
+        m2 = mask_d[:, None] & (t2 < seqlen)
+        if PIPE:
+            dt = tl.reshape(r_dt, (BLOCK_D, SEG, SUB)).to(ACC)
+            dy = tl.reshape(r_go, (BLOCK_D, SEG, SUB)).to(ACC)
+            if HAS_Z:
+                zz = tl.reshape(r_z, (BLOCK_D, SEG, SUB)).to(ACC)
+            uu = tl.reshape(r_u, (BLOCK_D, SEG, SUB)).to(ACC)
+        else:
+            dt = _ld2(dt_base + t2, m2, BLOCK_D, SEG, SUB, ACC)
+            dy = _ld2(go_base + t2, m2, BLOCK_D, SEG, SUB, ACC)
+            if HAS_Z:
+                zz = _ld2(z_base + t2, m2, BLOCK_D, SEG, SUB, ACC)
+            uu = _ld2(u_base + t2, m2, BLOCK_D, SEG, SUB, ACC)
+        if HAS_BIAS:
+            dt += bias
+        if SOFTPLUS:
+            dt = _softplus(dt)
+        dt = tl.where(m3, dt, 0.0)
+        if HAS_Z:
+            dy = dy * zz * _sigmoid(zz)
+        dtu = dt * uu
+        if PAIR:
+            u0, u1, u2, u3, u4, u5, u6, u7 = _split8(dtu, BLOCK_D, SEG)
+            y0, y1, y2, y3, y4, y5, y6, y7 = _split8(dy, BLOCK_D, SEG)
+        y = tl.zeros((BLOCK_D, SEG, SUB), dtype=ACC)
+        sgb = tl.zeros((BLOCK_D, SEG, SUB), dtype=ACC)  # sum_n g B
+        sahm = tl.zeros((BLOCK_D, SEG, SUB), dtype=ACC)  # sum_n A hm (A in log2 units)
+        q_in = q_flat + ((c + 1) % 2) * DSTATE
+        q_out = q_flat + (c % 2) * DSTATE
+        k = c * SEG + i_seg - 1  # the saved state before each segment
+        mk = i_m & (k >= 0) & (k < nsub)
+        st_k = st_flat + k * s_sk
+        mq = i_m & (ii * 0 + c < nchunks - 1)
+        tb = t2 + 0 * rows  # B/C as (BLOCK_D, CHUNK) tiles (zero channel stride): the compute layout, no conversion
+        mt1 = (t2 < seqlen) & (rows >= 0)
+        tf = c * CHUNK + tfr
+        mf = tf < seqlen
+        if not LANES:
+            A_nx = tl.load(A_flat, mask=i_m, other=0.0)
+            q_nx = tl.load(q_in, mask=mq, other=0.0)
+        B_nx = tl.load(B_base + tb, mask=mt1, other=0.0)
+        C_nx = tl.load(C_base + tb, mask=mt1, other=0.0)
+        h_nx = tl.load(st_k, mask=mk, other=0.0)
+        for n in range(0, DSTATE):
+            if LANES:
+                A2 = tl.gather(A_l, n + 0 * lane2, axis=1)[:, :, None]
+                q = tl.gather(q_l, n + 0 * lane2, axis=1)
+            else:
+                A2 = tl.reshape(A_nx, (BLOCK_D, SEG)).to(ACC)[:, :, None] * LOG2E
+                q = tl.reshape(q_nx, (BLOCK_D, SEG))
+            B_n = tl.reshape(B_nx, (BLOCK_D, SEG, SUB)).to(ACC)
+            C_n = tl.reshape(C_nx, (BLOCK_D, SEG, SUB)).to(ACC)
+            hp = tl.reshape(h_nx, (BLOCK_D, SEG))  # the saved state at each segment's start
+            n1 = (n + 1) % DSTATE  # (the last state prefetches the first one again, unused)
+            if not LANES:
+                A_nx = tl.load(A_flat + n1 * s_an, mask=i_m, other=0.0)
+                q_nx = tl.load(q_in + n1, mask=mq, other=0.0)
+            B_nx = tl.load(B_base + n1 * s_bn + tb, mask=mt1, other=0.0)
+            C_nx = tl.load(C_base + n1 * s_cn + tb, mask=mt1, other=0.0)
+            h_nx = tl.load(st_k + n1 * s_sn, mask=mk, other=0.0)
+            a = tl.exp2(dt * A2)
+            bu = dtu * B_n
+            a0, a1, a2, a3, a4, a5, a6, a7 = _split8(a, BLOCK_D, SEG)
+            b0, b1, b2, b3, b4, b5, b6, b7 = _split8(bu, BLOCK_D, SEG)
+            w0, w1, w2, w3, w4, w5, w6, w7 = _split8(C_n * dy, BLOCK_D, SEG)
+            h0 = a0 * hp + b0
+            h1 = a1 * h0 + b1
+            h2 = a2 * h1 + b2
+            h3 = a3 * h2 + b3
+            h4 = a4 * h3 + b4
+            h5 = a5 * h4 + b5
+            h6 = a6 * h5 + b6
+            h7 = a7 * h6 + b7
+            hs = _join8(h0, h1, h2, h3, h4, h5, h6, h7, BLOCK_D, SEG)
+            y += hs * C_n
+            # adjoint g_r = w_r + x_{r+1}, x_r = a_r g_r; per segment x_0 = sa * (x entering at its end) + sg, the
+            # segments linked by one forward cross-lane scan (lanes run backwards in time), the carry q at lane 0
+            sg = a0 * (w0 + a1 * (w1 + a2 * (w2 + a3 * (w3 + a4 * (w4 + a5 * (w5 + a6 * (w6 + a7 * w7)))))))
+            sa = ((a0 * a1) * (a2 * a3)) * ((a4 * a5) * (a6 * a7))
+            sg = tl.where(offs_p == 0, sg + sa * q, sg)
+            _, xf = tl.associative_scan((sa, sg), axis=1, combine_fn=_combine)
+            if LANES:
+                q_l = tl.where(lane2 == n, tl.gather(xf, SEG - 1 + 0 * lane2, axis=1), q_l)
+            else:
+                tl.store(q_out + n, tl.reshape(xf, (BLOCK_D * SEG,)), mask=last)
+            x = tl.where(offs_p == 0, q, tl.gather(xf, down, axis=1))
+            g7 = w7 + x
+            g6 = w6 + a7 * g7
+            g5 = w5 + a6 * g6
+            g4 = w4 + a5 * g5
+            g3 = w3 + a4 * g4
+            g2 = w2 + a3 * g3
+            g1 = w1 + a2 * g2
+            g0 = w0 + a1 * g1
+            gs = _join8(g0, g1, g2, g3, g4, g5, g6, g7, BLOCK_D, SEG)
+            hm = gs * (hs - bu)  # g_t exp(delta_t A) h_{t-1}
+            sgb += gs * B_n
+            sahm += hm * A2
+            dA_n = tl.sum(tl.sum(hm * dt, axis=2), axis=1)  # (BLOCK_D,)
+            dA_t = tl.reshape(tl.broadcast_to(dA_n[:, None], (BLOCK_D, SEG)), (BLOCK_D * SEG,))
+            tl.store(dA_flat + (b * nchunks + c) * dim * DSTATE + n, dA_t, mask=first_lane)
+            if DBDC:
+                if PAIR:
+                    dBf = _pair_sum4(g0 * u0, g1 * u1, g2 * u2, g3 * u3, g4 * u4, g5 * u5, g6 * u6, g7 * u7,
+                                     partner, second, BLOCK_D, SEG)  # fmt: skip
+                    dCf = _pair_sum4(h0 * y0, h1 * y1, h2 * y2, h3 * y3, h4 * y4, h5 * y5, h6 * y6, h7 * y7,
+                                     partner, second, BLOCK_D, SEG)  # fmt: skip
+                else:
+                    dBf = tl.reshape(tl.sum(gs * dtu, axis=0), (CHUNK,))
+                    dCf = tl.reshape(tl.sum(hs * dy, axis=0), (CHUNK,))
+                _dbdc_out(r_base, rc_base, n * s_rn, tf, dBf, dCf, mf, ATOMIC)
+        if PIPE:  # the next chunk's inputs, issued before this chunk's reloads
+            t2n = (c - 1) * CHUNK + tl2
+            m2n = mask_d[:, None] & (t2n < seqlen) & (t2n >= 0)
+            r_dt = tl.load(dt_base + t2n, mask=m2n, other=0.0)
+            r_go = tl.load(go_base + t2n, mask=m2n, other=0.0)
+            if HAS_Z:
+                r_z = tl.load(z_base + t2n, mask=m2n, other=0.0)
+            r_u = tl.load(u_base + t2n, mask=m2n, other=0.0)
+        u = _ld2(u_base + t2, m2, BLOCK_D, SEG, SUB, ACC)  # reloaded (L1/L2) instead of kept through the state loop
+        du = dt * sgb
+        ddt = u * sgb + sahm / LOG2E
+        if HAS_D:
+            dD_acc += tl.sum(tl.sum(dy * u, axis=2), axis=1)
+            du += dy * Dv
+            y += u * Dv
+        if HAS_Z:
+            go = _ld2(go_base + t2, m2, BLOCK_D, SEG, SUB, ACC)
+            zz = _ld2(z_base + t2, m2, BLOCK_D, SEG, SUB, ACC)
+            sz = _sigmoid(zz)
+            dz = go * y * sz * (1.0 + zz * (1.0 - sz))
+            tl.store(dz_base + t2, tl.reshape(dz, (BLOCK_D, CHUNK)).to(dz_ptr.dtype.element_ty), mask=m2)
+        if SOFTPLUS:
+            dtr = _ld2(dt_base + t2, m2, BLOCK_D, SEG, SUB, ACC)
+            if HAS_BIAS:
+                dtr += bias
+            ddt = ddt * _sigmoid(dtr)
+        ddt = tl.where(m3, ddt, 0.0)
+        dbias_acc += tl.sum(tl.sum(ddt, axis=2), axis=1)
+        tl.store(du_base + t2, tl.reshape(du, (BLOCK_D, CHUNK)).to(du_ptr.dtype.element_ty), mask=m2)
+        tl.store(ddt_base + t2, tl.reshape(ddt, (BLOCK_D, CHUNK)).to(ddt_ptr.dtype.element_ty), mask=m2)
+    tl.store(dD_ptr + b * dim + offs_d, dD_acc, mask=mask_d)
+    tl.store(dbias_ptr + b * dim + offs_d, dbias_acc, mask=mask_d)
