@@ -91,6 +91,85 @@ def _ld2(ptrs, mask, BLOCK_D: tl.constexpr, SEG: tl.constexpr, SUB: tl.constexpr
 
 
 @triton.jit
+def _chan_params(D_ptr, bias_ptr, offs_d, mask_d, ACC: tl.constexpr, HAS_D: tl.constexpr, HAS_BIAS: tl.constexpr):
+    """D and delta_bias of the program's channels as (BLOCK_D, 1, 1) tiles (0.0 where the op has none)."""
+    Dv = 0.0
+    bias = 0.0
+    if HAS_D:
+        Dv = tl.load(D_ptr + offs_d, mask=mask_d, other=0.0).to(ACC)[:, None, None]
+    if HAS_BIAS:
+        bias = tl.load(bias_ptr + offs_d, mask=mask_d, other=0.0).to(ACC)[:, None, None]
+    return Dv, bias
+
+
+@triton.jit
+def _flat_rows(pid_blk, b, g, dpg, dim, state_ptr, q_ptr, A_ptr, dA_ptr, s_sn, s_ad,
+               DSTATE: tl.constexpr, BLOCK_D: tl.constexpr, SEG: tl.constexpr):  # fmt: skip
+    """The lane-segment backwards (v5, v6) load and store their per-state (channel, segment) tiles through flat
+    (BLOCK_D * SEG,) pointers: a 1-D tensor without contiguity has one layout in every Triton version (element i on
+    lane i % 32) and its reshape is the compute layout; a 2-D pointer would tie its two dimensions, which Triton
+    versions break differently (3.6: a conversion through shared memory per state). Returns the flat index, the
+    channel mask, each element's time segment (lanes run backwards in time), the rows of the saved states, of the
+    adjoint scratch, of A and of the dA partials, and the masks of lane 0 of each channel and of the lane holding
+    the chunk's first segment."""
+    ii = tl.arange(0, BLOCK_D * SEG)
+    i_d = pid_blk * BLOCK_D + ii // SEG  # channel (in the group) of each flat element
+    i_m = i_d < dpg
+    i_seg = SEG - 1 - ii % SEG
+    st_flat = state_ptr + (b * dim + g * dpg + i_d) * (DSTATE * s_sn)
+    q_flat = q_ptr + (b * dim + g * dpg + i_d) * (2 * DSTATE)
+    A_flat = A_ptr + (g * dpg + i_d) * s_ad
+    dA_flat = dA_ptr + (g * dpg + i_d) * DSTATE
+    return ii, i_m, i_seg, st_flat, q_flat, A_flat, dA_flat, i_m & (i_seg == SEG - 1), i_m & (i_seg == 0)
+
+
+@triton.jit
+def _chunk_inputs(dt_base, go_base, z_base, u_base, t2, mask, HAS_Z: tl.constexpr):
+    """A chunk's delta, dout, z (delta again when the op has no z) and u tiles as stored (the PIPE prefetch)."""
+    r_dt = tl.load(dt_base + t2, mask=mask, other=0.0)
+    r_go = tl.load(go_base + t2, mask=mask, other=0.0)
+    r_z = r_dt
+    if HAS_Z:
+        r_z = tl.load(z_base + t2, mask=mask, other=0.0)
+    r_u = tl.load(u_base + t2, mask=mask, other=0.0)
+    return r_dt, r_go, r_z, r_u
+
+
+@triton.jit
+def _chunk_epilogue(
+    dt, dy, y, sgb, sahm, t2, m2, m3, Dv, bias, u_base, go_base, z_base, dt_base, du_base, ddt_base, dz_base,
+    BLOCK_D: tl.constexpr, SEG: tl.constexpr, SUB: tl.constexpr, ACC: tl.constexpr,
+    HAS_D: tl.constexpr, HAS_Z: tl.constexpr, HAS_BIAS: tl.constexpr, SOFTPLUS: tl.constexpr,
+):  # fmt: skip
+    """The end of a chunk in the lane-segment backwards (v5, v6): du, ddelta and dz from the state loop's sums
+    (sgb = sum_n g B, sahm = sum_n A hm in log2 units, y), stored; returns the chunk's dD and ddelta_bias partials
+    (BLOCK_D,). u, dout, z and the raw delta are reloaded (L1/L2) instead of kept in registers through the loop."""
+    u = _ld2(u_base + t2, m2, BLOCK_D, SEG, SUB, ACC)
+    du = dt * sgb
+    ddt = u * sgb + sahm / LOG2E
+    dD = tl.zeros((BLOCK_D,), dtype=ACC)
+    if HAS_D:
+        dD = tl.sum(tl.sum(dy * u, axis=2), axis=1)
+        du += dy * Dv
+        y += u * Dv
+    if HAS_Z:
+        go = _ld2(go_base + t2, m2, BLOCK_D, SEG, SUB, ACC)
+        zz = _ld2(z_base + t2, m2, BLOCK_D, SEG, SUB, ACC)
+        sz = _sigmoid(zz)
+        dz = go * y * sz * (1.0 + zz * (1.0 - sz))
+        tl.store(dz_base + t2, tl.reshape(dz, (BLOCK_D, SEG * SUB)).to(dz_base.dtype.element_ty), mask=m2)
+    if SOFTPLUS:
+        dtr = _ld2(dt_base + t2, m2, BLOCK_D, SEG, SUB, ACC)  # raw delta, for softplus'
+        if HAS_BIAS:
+            dtr += bias
+        ddt = ddt * _sigmoid(dtr)
+    ddt = tl.where(m3, ddt, 0.0)
+    tl.store(du_base + t2, tl.reshape(du, (BLOCK_D, SEG * SUB)).to(du_base.dtype.element_ty), mask=m2)
+    tl.store(ddt_base + t2, tl.reshape(ddt, (BLOCK_D, SEG * SUB)).to(ddt_base.dtype.element_ty), mask=m2)
+    return dD, tl.sum(tl.sum(ddt, axis=2), axis=1)
+
+
+@triton.jit
 def _split8(x, BLOCK_D: tl.constexpr, SEG: tl.constexpr):
     # (BLOCK_D, SEG, 8) -> its 8 steps as (BLOCK_D, SEG) tensors (register renaming: the steps are in-thread)
     x_e, x_o = tl.split(tl.reshape(x, (BLOCK_D, SEG, 2, 2, 2)))  # step bit 0

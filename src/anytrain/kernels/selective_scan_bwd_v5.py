@@ -28,8 +28,12 @@ import triton.language as tl
 from anytrain.kernels.selective_scan_bwd import (
     LOG2E,
     _bc_bases,
+    _chan_params,
+    _chunk_epilogue,
+    _chunk_inputs,
     _combine,
     _dbdc_out,
+    _flat_rows,
     _program_block,
     _row_bases,
     _sigmoid,
@@ -96,29 +100,16 @@ def _ss_bwd_kernel_v5(
     tloc = tl.reshape(tl2, (1, SEG, SUB))
     offs_p = tl.arange(0, SEG)[None, :]  # (1, SEG) lane p = time segment SEG - 1 - p
     rows = offs_d[:, None]
-    if HAS_D:
-        Dv = tl.load(D_ptr + offs_d, mask=mask_d, other=0.0).to(ACC)[:, None, None]
-    if HAS_BIAS:
-        bias = tl.load(bias_ptr + offs_d, mask=mask_d, other=0.0).to(ACC)[:, None, None]
+    Dv, bias = _chan_params(D_ptr, bias_ptr, offs_d, mask_d, ACC, HAS_D, HAS_BIAS)
     u_base, dt_base, z_base, go_base, du_base, ddt_base, dz_base = _row_bases(
         b, rows, u_ptr, dt_ptr, z_ptr, dout_ptr, du_ptr, ddt_ptr, dz_ptr, s_ub, s_ud, s_tb, s_td, s_zb, s_zd, s_gb, s_gd
     )
     B_base, C_base, r_base, rc_base = _bc_bases(b, g, pid_blk, B_ptr, C_ptr, dB_ptr, dC_ptr, s_bb, s_bg, s_cb, s_cg,
                                                 s_rb, s_rg, s_rk, ATOMIC)  # fmt: skip
-    # (BLOCK_D, SEG) tiles that are loaded or stored per state go through flat (BLOCK_D * SEG,) pointers: a 1-D
-    # tensor without contiguity has one layout in every Triton version (element i on lane i % 32), and its reshape is
-    # the compute layout (channel in registers, segment on lanes); a 2-D pointer would tie its two dimensions, which
-    # Triton versions break differently (3.6: channels on lanes, then a conversion through shared memory per state)
-    ii = tl.arange(0, BLOCK_D * SEG)
-    i_d = pid_blk * BLOCK_D + ii // SEG  # channel (in the group) of each flat element
-    i_m = i_d < dpg
-    i_seg = SEG - 1 - ii % SEG  # time segment of each flat element
-    st_flat = state_ptr + (b * dim + g * dpg + i_d) * (DSTATE * s_sn)  # (BLOCK_D * SEG,)
-    q_flat = q_ptr + (b * dim + g * dpg + i_d) * (2 * DSTATE)
-    A_flat = A_ptr + (g * dpg + i_d) * s_ad
-    dA_flat = dA_ptr + (g * dpg + i_d) * DSTATE
-    first_lane = i_m & (i_seg == SEG - 1)  # (BLOCK_D * SEG,) one lane per channel (lane 0)
-    last = i_m & (i_seg == 0)  # (BLOCK_D * SEG,) the lane of the chunk's first segment
+    # per-state (channel, segment) tiles through flat pointers (see _flat_rows)
+    ii, i_m, i_seg, st_flat, q_flat, A_flat, dA_flat, first_lane, last = _flat_rows(
+        pid_blk, b, g, dpg, dim, state_ptr, q_ptr, A_ptr, dA_ptr, s_sn, s_ad, DSTATE, BLOCK_D, SEG
+    )
     seg_t = SEG - 1 - offs_p  # (1, SEG) time segment of each lane
     odd = (seg_t % 2) == 1  # segments that start between two saved states
     up = tl.minimum(offs_p + 1, SEG - 1) + 0 * rows  # gather index: the lane of the previous time segment
@@ -133,12 +124,9 @@ def _ss_bwd_kernel_v5(
         q_l = tl.zeros((BLOCK_D, SEG), dtype=ACC)  # lane n: state n's carry from the later chunk
     if PIPE:  # the first (last in time) chunk's inputs
         t2p = (nchunks - 1) * CHUNK + tl2
-        m2p = mask_d[:, None] & (t2p < seqlen)
-        r_dt = tl.load(dt_base + t2p, mask=m2p, other=0.0)
-        r_go = tl.load(go_base + t2p, mask=m2p, other=0.0)
-        if HAS_Z:
-            r_z = tl.load(z_base + t2p, mask=m2p, other=0.0)
-        r_u = tl.load(u_base + t2p, mask=m2p, other=0.0)
+        r_dt, r_go, r_z, r_u = _chunk_inputs(
+            dt_base, go_base, z_base, u_base, t2p, mask_d[:, None] & (t2p < seqlen), HAS_Z
+        )
     for cc in range(0, nchunks):
         c = nchunks - 1 - cc
         if not LANES:
@@ -259,32 +247,13 @@ def _ss_bwd_kernel_v5(
         if PIPE:  # the next chunk's inputs (none past the first chunk), issued before this chunk's reloads
             t2n = (c - 1) * CHUNK + tl2
             m2n = mask_d[:, None] & (t2n < seqlen) & (t2n >= 0)
-            r_dt = tl.load(dt_base + t2n, mask=m2n, other=0.0)
-            r_go = tl.load(go_base + t2n, mask=m2n, other=0.0)
-            if HAS_Z:
-                r_z = tl.load(z_base + t2n, mask=m2n, other=0.0)
-            r_u = tl.load(u_base + t2n, mask=m2n, other=0.0)
-        u = _ld4(u_base + t2, m2, BLOCK_D, SEG, ACC)  # reloaded (L1/L2) instead of kept through the state loop
-        du = dt * sgb
-        ddt = u * sgb + sahm / LOG2E
+            r_dt, r_go, r_z, r_u = _chunk_inputs(dt_base, go_base, z_base, u_base, t2n, m2n, HAS_Z)
+        dD_c, dbias_c = _chunk_epilogue(
+            dt, dy, y, sgb, sahm, t2, m2, m3, Dv, bias, u_base, go_base, z_base, dt_base, du_base, ddt_base, dz_base,
+            BLOCK_D, SEG, SUB, ACC, HAS_D, HAS_Z, HAS_BIAS, SOFTPLUS
+        )  # fmt: skip
         if HAS_D:
-            dD_acc += tl.sum(tl.sum(dy * u, axis=2), axis=1)
-            du += dy * Dv
-            y += u * Dv
-        if HAS_Z:  # dout and z reloaded (L1/L2) instead of kept in registers through the state loop
-            go = _ld4(go_base + t2, m2, BLOCK_D, SEG, ACC)
-            zz = _ld4(z_base + t2, m2, BLOCK_D, SEG, ACC)
-            sz = _sigmoid(zz)
-            dz = go * y * sz * (1.0 + zz * (1.0 - sz))
-            tl.store(dz_base + t2, tl.reshape(dz, (BLOCK_D, CHUNK)).to(dz_ptr.dtype.element_ty), mask=m2)
-        if SOFTPLUS:
-            dtr = _ld4(dt_base + t2, m2, BLOCK_D, SEG, ACC)  # raw delta reloaded, for softplus'
-            if HAS_BIAS:
-                dtr += bias
-            ddt = ddt * _sigmoid(dtr)
-        ddt = tl.where(m3, ddt, 0.0)
-        dbias_acc += tl.sum(tl.sum(ddt, axis=2), axis=1)
-        tl.store(du_base + t2, tl.reshape(du, (BLOCK_D, CHUNK)).to(du_ptr.dtype.element_ty), mask=m2)
-        tl.store(ddt_base + t2, tl.reshape(ddt, (BLOCK_D, CHUNK)).to(ddt_ptr.dtype.element_ty), mask=m2)
+            dD_acc += dD_c
+        dbias_acc += dbias_c
     tl.store(dD_ptr + b * dim + offs_d, dD_acc, mask=mask_d)
     tl.store(dbias_ptr + b * dim + offs_d, dbias_acc, mask=mask_d)
