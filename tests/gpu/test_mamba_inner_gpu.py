@@ -15,7 +15,7 @@ if not torch.cuda.is_available():
     pytest.skip("needs a CUDA/ROCm GPU", allow_module_level=True)
 pytest.importorskip("triton")
 
-from anytrain.kernels import mamba_inner  # noqa: E402
+from anytrain.kernels import mamba_inner, wide_mm  # noqa: E402
 from anytrain.models.mamba import MambaArgs, MambaMixer  # noqa: E402
 
 TOL = {torch.float32: (6e-4, 2e-3), torch.bfloat16: (3e-2, 5e-2)}
@@ -53,16 +53,20 @@ def test_fused_mixer_matches_unfused_at_130m_width(dtype):
 
 
 def test_weight_gradients_come_out_of_the_gemm_in_fp32():
-    """Under bf16 autocast the fused op's weight-gradient GEMMs write fp32 directly (``mm`` with ``out_dtype``): the
-    overload ran (no fallback) and the gradients match an fp32 product of the same bf16 operands closer than a
-    bf16-rounded one would."""
+    """Under bf16 autocast the weight-gradient GEMMs write fp32 directly (``wide_mm``: ``mm`` / ``addmm`` with
+    ``out_dtype``): the overloads ran (no fallback) and the products, and a product added to an fp32 accumulator in the
+    GEMM, match the exact values closer than a bf16-rounded product would."""
     torch.manual_seed(0)
     a = torch.randn(768, 8192, device="cuda").bfloat16()
     b = torch.randn(8192, 512, device="cuda").bfloat16()
     exact = a.double() @ b.double()
-    wide = mamba_inner._grad_mm(a, b, torch.float32)
-    assert wide.dtype == torch.float32 and mamba_inner._wide_mm_ok, "mm(out_dtype=float32) fell back"
+    wide = wide_mm.grad_mm(a, b, torch.float32)
+    assert wide.dtype == torch.float32 and wide_mm._ok, "mm(out_dtype=float32) fell back"
     rounded = (a @ b).float()
     assert (wide.double() - exact).abs().max() < 0.5 * (rounded.double() - exact).abs().max()
     out = torch.empty(768, 512, device="cuda")
-    assert mamba_inner._grad_mm(a, b, torch.float32, out=out) is out and torch.equal(out, wide)
+    assert wide_mm.grad_mm(a, b, torch.float32, out=out) is out and torch.equal(out, wide)
+    acc = torch.randn(768, 512, device="cuda")
+    acc0 = acc.double()
+    assert wide_mm.add_mm_(acc, a, b) is acc and wide_mm._ok, "addmm(out_dtype=float32, out=acc) fell back"
+    assert (acc.double() - (acc0 + exact)).abs().max() < 0.5 * (rounded.double() - exact).abs().max()

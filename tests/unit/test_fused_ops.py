@@ -141,3 +141,23 @@ def test_transformer_loss_and_grads_match_naive_path(monkeypatch, native_gqa):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
     logits_loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten())
     torch.testing.assert_close(grads["naive"][0], logits_loss, rtol=1e-6, atol=1e-6)
+
+
+def test_wide_mm_fallbacks_on_cpu():
+    """``kernels.wide_mm`` off the GPU path: the product in the operands' dtype, cast to the parameter dtype; the
+    accumulation is in place (the same tensor back) and exact for matching dtypes. (The fp32-output GEMMs themselves
+    are checked on a GPU: tests/gpu/test_mamba_inner_gpu.py.)"""
+    from anytrain.kernels import wide_mm
+
+    torch.manual_seed(0)
+    a, b = torch.randn(5, 7, dtype=torch.float64), torch.randn(7, 3, dtype=torch.float64)
+    acc = torch.randn(5, 3, dtype=torch.float64)
+    expected = acc + a @ b
+    assert wide_mm.add_mm_(acc, a, b) is acc and torch.allclose(acc, expected, rtol=1e-14, atol=1e-14)
+    a16, b16 = a.bfloat16(), b.bfloat16()
+    g = wide_mm.grad_mm(a16, b16, torch.float32)
+    assert g.dtype == torch.float32 and torch.equal(g, (a16 @ b16).float())
+    acc32 = torch.zeros(5, 3)
+    assert wide_mm.add_mm_(acc32, a16, b16) is acc32 and torch.equal(acc32, (a16 @ b16).float())
+    out = torch.empty(5, 3)
+    assert wide_mm.grad_mm(a16, b16, torch.float32, out=out) is out and torch.equal(out, g)

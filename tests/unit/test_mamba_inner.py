@@ -136,6 +136,44 @@ def test_autocast_casts_gemms_and_returns_grads_in_param_dtypes():
         assert (g.float() - g_ref.float()).abs().max() <= 0.05 * g_ref.float().abs().max()
 
 
+def test_cached_weight_casts_reuse_one_cast_per_weight_until_it_changes(monkeypatch):
+    """Inside ``cached_weight_casts`` (one optimizer step's micro-batches) the four projections are cast once and the
+    copies serve later forwards and backwards: the results equal the uncached op bitwise; a weight changed in place
+    (a new version) is cast again; the cache is gone after the block; off with ANYTRAIN_CAST_CACHE=0."""
+    mixer = make_mixer(dtype=torch.float32)
+    ws = weights(mixer)
+    h = torch.randn(2, 16, 16)
+    casts = []
+    cast = mi._cast
+
+    def counting(w, dtype):
+        out = cast(w, dtype)
+        casts.append(out)
+        return out
+
+    monkeypatch.setattr(mi, "_cast", counting)
+    fn = lambda x: mi.mamba_inner_triton(x, *ws)  # noqa: E731
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        plain = [run(fn, h, ws, seed=s) for s in (1, 2)]
+        assert mi._casts is None and len({id(c) for c in casts}) == 16  # 2 x (4 forward + 4 backward) fresh casts
+        casts.clear()
+        with mi.cached_weight_casts():
+            cached = [run(fn, h, ws, seed=s) for s in (1, 2)]
+            assert len(mi._casts) == 4 and len({id(c) for c in casts}) == 4  # cast once, reused 3 more times
+            for res, ref in zip(cached, plain, strict=True):
+                for a, b in zip((res[0], *res[1]), (ref[0], *ref[1]), strict=True):
+                    assert torch.equal(a, b)
+            with torch.no_grad():
+                ws[0].mul_(1.5)  # in_proj changes (version bump): its next use casts again
+            changed = run(fn, h, ws)
+        assert mi._casts is None
+        assert len({id(c) for c in casts}) == 5
+        torch.testing.assert_close(changed[0], run(fn, h, ws)[0], rtol=0, atol=0)
+        monkeypatch.setattr(mi, "_cache_casts", False)
+        with mi.cached_weight_casts():
+            assert mi._casts is None
+
+
 @pytest.mark.skipif(not mi.HAS_CUSTOM_OP, reason="torch.library.custom_op is not available")
 def test_custom_ops_pass_opcheck():
     """Schema, fake kernels, autograd registration and AOT dispatch (dynamic shapes) of both torch.library ops."""
@@ -152,7 +190,10 @@ def test_custom_ops_pass_opcheck():
 
 
 @pytest.mark.skipif(not mi.HAS_CUSTOM_OP, reason="torch.library.custom_op is not available")
-def test_compiled_block_uses_the_opaque_op_and_matches_eager():
+def test_compiled_block_uses_the_opaque_op_and_matches_eager(monkeypatch):
+    """One graph per block (fullgraph), also when the block is compiled before anything imported the Triton kernels,
+    as in a training run whose first forward is compiled: the lazy import was a graph break that split each block in
+    three graphs (two extra activation casts and an eager residual-gradient add per block and micro-batch)."""
     torch.manual_seed(0)
     block = MambaBlock(MambaArgs(d_model=16, d_state=4, expand=2, dt_rank=2)).to(F64)
     block.mixer.reset_parameters()
@@ -167,6 +208,7 @@ def test_compiled_block_uses_the_opaque_op_and_matches_eager():
         return torch._dynamo.lookup_backend("aot_eager")(gm, example_inputs)
 
     torch._dynamo.reset()
+    monkeypatch.setattr(kernels, "_modules", False)  # as in a fresh process: the kernels not imported yet
     compiled = run(torch.compile(block, backend=backend, fullgraph=True), h, params)
     assert any("mamba_inner_fwd" in op for op in graph_ops), graph_ops
     torch.testing.assert_close(compiled[0], eager[0], rtol=1e-12, atol=1e-12)

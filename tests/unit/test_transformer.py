@@ -113,3 +113,15 @@ def test_residual_stream_dtype_under_autocast():
         assert model(tokens).dtype == torch.float32  # no autocast: fp32 throughout
     assert (block_out["bf16"].dtype, block_out["fp32"].dtype) == (torch.bfloat16, torch.float32)
     torch.testing.assert_close(losses["bf16"], losses["fp32"], rtol=0, atol=2e-2)
+
+
+def test_compiled_body_is_one_graph():
+    """``compile_scope: model`` compiles the body as ONE graph: a graph break (an import, a host read of a tensor) in
+    the forward would split it and cost the fusions across block boundaries (as one did in the Mamba blocks)."""
+    model = Transformer(small_args())
+    model.init_weights()
+    tokens = torch.randint(0, model.args.vocab_size, (2, 16))
+    torch._dynamo.reset()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = torch.compile(model.forward_hidden, fullgraph=True, backend="eager")(tokens)
+    assert out.shape[:2] == (2, 16)

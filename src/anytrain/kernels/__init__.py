@@ -98,6 +98,16 @@ def _triton_modules() -> tuple[ModuleType, ModuleType] | None:
     return _modules  # type: ignore[return-value]
 
 
+def _constant_under_compile(fn):
+    """``fn``'s result taken as a constant by torch.compile: dynamo calls it once while tracing instead of tracing
+    into it (an import inside a traced frame is a graph break: it split every compiled Mamba block in three). This is
+    what ``torch.compiler.assume_constant_result`` does, without importing dynamo (and with it triton) here: tests set
+    TRITON_INTERPRET after importing this package."""
+    fn._dynamo_marked_constant = True
+    return fn
+
+
+@_constant_under_compile
 def triton_available() -> bool:
     return _triton_modules() is not None
 

@@ -22,6 +22,8 @@ from typing import Any
 
 import torch
 
+from anytrain.kernels.wide_mm import add_mm_, grad_mm
+
 # Triton ships with CUDA/ROCm torch wheels; on CPU it is optional (interpreter tests). It is imported at first kernel
 # use, not with the model: tests must be able to set TRITON_INTERPRET=1 before anything imports it.
 triton: Any = None
@@ -160,7 +162,7 @@ def _loss_and_grads(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.T
     write_grad = grad_hidden or grad_weight
     loss_sum = torch.zeros((), device=hidden.device, dtype=acc_dtype)
     d_hidden = torch.empty_like(hidden) if grad_hidden else None
-    d_weight = torch.zeros(weight.shape, device=weight.device, dtype=acc_dtype) if grad_weight else None
+    d_weight = None
     for start in range(0, n_rows, chunk_rows):
         end = min(start + chunk_rows, n_rows)
         h = hidden[start:end]  # (n, D)
@@ -169,11 +171,10 @@ def _loss_and_grads(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.T
         grad = logits  # now (softmax - onehot) / n_valid, (n, V)
         if d_hidden is not None:
             torch.mm(grad, weight, out=d_hidden[start:end])  # (n, D)
-        if d_weight is not None:
-            if grad.dtype == d_weight.dtype:
-                d_weight.addmm_(grad.t(), h)  # (V, D)
-            else:
-                d_weight += grad.t() @ h  # bf16 GEMM (fp32 accumulate inside), summed over chunks in fp32
+        if grad_weight:  # (V, D) in fp32, summed over chunks by the GEMM itself on GPUs (wide_mm)
+            d_weight = grad_mm(grad.t(), h, acc_dtype) if d_weight is None else add_mm_(d_weight, grad.t(), h)
+    if grad_weight and d_weight is None:  # no rows
+        d_weight = torch.zeros(weight.shape, device=weight.device, dtype=acc_dtype)
     return loss_sum / n_valid, d_hidden, d_weight
 
 

@@ -13,13 +13,15 @@ or transposed (cuBLAS reads both, no copy):
     delta (E, N) = W_dt @ x_dbl[:R]
     out   (N, D) = y^T @ W_out^T                 (y (E, N) scan output, read transposed; out is (B, T, D) contiguous)
 
-Saved for backward: h, the weights (as passed: recast in backward), xz, x_dbl, y and the scan's states. The conv output
-and delta are recomputed in backward (mamba-ssm's checkpoint_lvl=1). No (B, E, T) transposed copy and no ``cat``:
-dx and dz stay two buffers and d(in_proj) / dh are split GEMMs; dt/dB/dC land in one preallocated dx_dbl.
+Saved for backward: h, the weights (as passed: recast in backward, or reused from ``cached_weight_casts``), xz,
+x_dbl, y and the scan's states. The conv output and delta are recomputed in backward (mamba-ssm's checkpoint_lvl=1).
+No (B, E, T) transposed copy and no ``cat``: dx and dz stay two buffers and d(in_proj) / dh are split GEMMs; dt/dB/dC
+land in one preallocated dx_dbl.
 
 GEMMs run in h's dtype (the autocast dtype under ``torch.autocast``: h is cast, the weights are cast inside); A_log, D
 and dt_proj.bias in fp32 (fp64 for fp64 tests), the conv weights as given (the kernel accumulates in fp32). The four
-weight-gradient GEMMs write the parameters' fp32 directly on GPUs (``_grad_mm``: no bf16 rounding, no copy kernel).
+weight-gradient GEMMs write the parameters' fp32 directly on GPUs (``wide_mm.grad_mm``: no bf16 rounding, no copy
+kernel).
 
 Two entry points share ``_forward`` / ``_backward``: eagerly a plain ``torch.autograd.Function`` (least host
 overhead), under ``torch.compile`` the custom ops ``anytrain::mamba_inner_fwd`` / ``_bwd`` (``torch.library``,
@@ -29,6 +31,7 @@ opaque to the compiler, with fake kernels), so that a compiled block can fuse th
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 import torch
@@ -37,6 +40,7 @@ from torch import Tensor
 
 from anytrain import kernels
 from anytrain.kernels.reference import causal_conv1d_ref, selective_scan_ref
+from anytrain.kernels.wide_mm import grad_mm
 
 _enabled = os.environ.get("ANYTRAIN_MAMBA_INNER", "1").strip().lower() not in ("0", "false", "no", "off")
 
@@ -64,25 +68,38 @@ def at_least_fp32(t: Tensor) -> Tensor:
     return t if t.dtype == torch.float64 else t.float()
 
 
-_wide_mm_ok = True  # cleared if this build/device cannot run mm with out_dtype (then: product, then a cast)
+_casts: dict | None = None  # inside cached_weight_casts(): id(weight) -> (weight, its version, dtype, the cast)
+_cache_casts = os.environ.get("ANYTRAIN_CAST_CACHE", "1").strip().lower() not in ("0", "false", "no", "off")
 
 
-def _grad_mm(a: Tensor, b: Tensor, dtype: torch.dtype, out: Tensor | None = None) -> Tensor:
-    """``a @ b`` as a weight gradient in ``dtype`` (the parameter's). For bf16/fp16 operands on a GPU and an fp32
-    parameter, cuBLAS/hipBLASLt writes the fp32 result directly (``mm`` with ``out_dtype``, torch >= 2.8): no rounding
-    of the gradient to bf16 and no copy kernel back to fp32. Elsewhere, or if that overload is unavailable: the product
-    in the operands' dtype, cast (the autocast behaviour)."""
-    global _wide_mm_ok
-    if _wide_mm_ok and a.is_cuda and dtype == torch.float32 and a.dtype in (torch.bfloat16, torch.float16):
-        try:
-            if out is None:
-                return torch.mm(a, b, out_dtype=dtype)
-            return torch.mm(a, b, out_dtype=dtype, out=out)
-        except (RuntimeError, TypeError, NotImplementedError):
-            _wide_mm_ok = False
-    if out is None:
-        return (a @ b).to(dtype)
-    return torch.mm(a, b, out=out) if a.dtype == out.dtype else out.copy_(a @ b)
+@contextlib.contextmanager
+def cached_weight_casts():
+    """Inside: the fused op casts each weight to the compute dtype once and reuses the copy in every later forward and
+    backward (the trainer wraps one optimizer step's micro-batches, between which the weights do not change): 4 casts
+    per layer per optimizer step instead of 8 per micro-batch, for a bf16 copy of the four projections held through the
+    micro-batches (2.5 GB at mamba-1.4b). A copy is reused only for the same tensor at the same version counter; never
+    while a CUDA graph is being captured (a replay must cast the weights of its own step). Nested calls share the outer
+    cache; ``ANYTRAIN_CAST_CACHE=0`` turns it off."""
+    global _casts
+    outer = _casts
+    _casts = outer if outer is not None or not _cache_casts else {}
+    try:
+        yield
+    finally:
+        _casts = outer
+
+
+def _cast(w: Tensor, dtype: torch.dtype) -> Tensor:
+    """``w.to(dtype)``, from the cache inside ``cached_weight_casts``."""
+    cache = _casts
+    if w.dtype == dtype or cache is None or (w.is_cuda and torch.cuda.is_current_stream_capturing()):
+        return w.to(dtype)
+    hit = cache.get(id(w))
+    if hit is not None and hit[0] is w and hit[1] == w._version and hit[2] == dtype:
+        return hit[3]
+    cast = w.to(dtype)
+    cache[id(w)] = (w, w._version, dtype, cast)
+    return cast
 
 
 def _cdiv(a, b):
@@ -117,18 +134,18 @@ def _forward(h, w_in, conv_w, conv_b, w_x, w_dt, dt_bias, A_log, D, w_out):
     scan_mod, conv_mod = _modules()
     batch, T, d_model = h.shape
     E, R = w_in.shape[0] // 2, w_dt.shape[1]
-    xz = w_in.to(h.dtype) @ h.reshape(batch * T, d_model).t()  # (2E, N)
+    xz = _cast(w_in, h.dtype) @ h.reshape(batch * T, d_model).t()  # (2E, N)
     conv_out = xz.new_empty(E, batch * T)  # (E, N)
     conv_mod._fwd(
         _bct(xz[:E], batch), conv_w.reshape(E, -1), conv_b, True, conv_mod.default_config(), out=_bct(conv_out, batch)
     )
-    x_dbl = w_x.to(h.dtype) @ conv_out  # (R + 2S, N)
-    delta = w_dt.to(h.dtype) @ x_dbl[:R]  # (E, N); dt_proj's bias and the softplus are applied in the scan
+    x_dbl = _cast(w_x, h.dtype) @ conv_out  # (R + 2S, N)
+    delta = _cast(w_dt, h.dtype) @ x_dbl[:R]  # (E, N); dt_proj's bias and the softplus are applied in the scan
     u, dlt, z, Bg, Cg, A = _scan_inputs(xz, x_dbl, conv_out, delta, A_log, batch, R)
     y = torch.empty_like(conv_out)  # (E, N)
     scan_args = (u, dlt, A, Bg, Cg, at_least_fp32(D), z, at_least_fp32(dt_bias), True, scan_mod.default_config())
     _, states = scan_mod._fwd(*scan_args, out=_bct(y, batch))  # y written in place, (E, N) layout
-    out = y.t() @ w_out.to(h.dtype).t()  # (N, D)
+    out = y.t() @ _cast(w_out, h.dtype).t()  # (N, D)
     return out.view(batch, T, -1), xz, x_dbl, y, states
 
 
@@ -137,7 +154,7 @@ def _backward(dout, h, w_in, conv_w, conv_b, w_x, w_dt, dt_bias, A_log, D, w_out
     scan_mod, conv_mod = _modules()
     batch, T, d_model = h.shape
     E, R, dtype = w_in.shape[0] // 2, w_dt.shape[1], h.dtype
-    w_in_c, w_x_c, w_dt_c, w_out_c = (w.to(dtype) for w in (w_in, w_x, w_dt, w_out))
+    w_in_c, w_x_c, w_dt_c, w_out_c = (_cast(w, dtype) for w in (w_in, w_x, w_dt, w_out))
     h2, dout2 = h.reshape(-1, d_model), dout.to(dtype).reshape(-1, d_model)  # (N, D)
     conv_w2, x = conv_w.reshape(E, -1), _bct(xz[:E], batch)
     conv_out = torch.empty_like(y)  # recomputed (E, N)
@@ -145,7 +162,7 @@ def _backward(dout, h, w_in, conv_w, conv_b, w_x, w_dt, dt_bias, A_log, D, w_out
     delta = w_dt_c @ x_dbl[:R]  # recomputed (E, N)
     u, dlt, z, Bg, Cg, A = _scan_inputs(xz, x_dbl, conv_out, delta, A_log, batch, R)
     dy = w_out_c.t() @ dout2.t()  # (E, N)
-    dw_out = _grad_mm(dout2.t(), y.t(), w_out.dtype)  # (D, E)
+    dw_out = grad_mm(dout2.t(), y.t(), w_out.dtype)  # (D, E)
     du, ddelta, dz, dB, dC, dA, dD, dbias = scan_mod._bwd(
         _bct(dy, batch), u, dlt, A, Bg, Cg, at_least_fp32(D), z, at_least_fp32(dt_bias), states, True,
         scan_mod.default_config(), deterministic,
@@ -156,15 +173,15 @@ def _backward(dout, h, w_in, conv_w, conv_b, w_x, w_dt, dt_bias, A_log, D, w_out
     S = A_log.shape[1]
     _bct(dx_dbl[R : R + S], batch).copy_(dB.squeeze(1))
     _bct(dx_dbl[R + S :], batch).copy_(dC.squeeze(1))
-    dw_dt = _grad_mm(ddelta2, x_dbl[:R].t(), w_dt.dtype)  # (E, R)
-    dw_x = _grad_mm(dx_dbl, conv_out.t(), w_x.dtype)  # (R + 2S, E)
+    dw_dt = grad_mm(ddelta2, x_dbl[:R].t(), w_dt.dtype)  # (E, R)
+    dw_x = grad_mm(dx_dbl, conv_out.t(), w_x.dtype)  # (R + 2S, E)
     du2.addmm_(w_x_c.t(), dx_dbl)  # + the x_proj path: d conv_out (E, N)
     # dx in x's (T, B·T, 1) layout (empty_like); dconv_w, dconv_b in conv_w's and conv_b's dtypes
     dx, dconv_w, dconv_b = conv_mod._bwd(x, conv_w2, conv_b, _bct(du2, batch), True, conv_mod.default_config())
     dx2 = _flat(dx)  # (E, N)
     dw_in = torch.empty_like(w_in)  # (2E, D) in w_in's dtype: the x and z halves as two GEMMs (no dxz cat)
-    _grad_mm(dx2, h2, w_in.dtype, out=dw_in[:E])
-    _grad_mm(dz2, h2, w_in.dtype, out=dw_in[E:])
+    grad_mm(dx2, h2, w_in.dtype, out=dw_in[:E])
+    grad_mm(dz2, h2, w_in.dtype, out=dw_in[E:])
     dh = (dx2.t() @ w_in_c[:E]).addmm_(dz2.t(), w_in_c[E:])  # (N, D)
     return (
         dh.view(h.shape), dw_in.to(w_in.dtype), dconv_w.view(conv_w.shape), dconv_b,

@@ -142,13 +142,13 @@ def _activities(device: torch.device) -> list:
     return [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if hardware.is_gpu(device) else [])
 
 
-def profile_call(fn: Callable[[], None], device: torch.device) -> dict:
+def profile_call(fn: Callable[[], None], device: torch.device, top: int = 30) -> dict:
     """``summarize`` of one call of ``fn``, with the device synchronised before the profile ends (the benches' kernel
     tables of one optimizer step)."""
     with profile(activities=_activities(device)) as prof:
         fn()
         hardware.synchronize(device)
-    return summarize(prof)
+    return summarize(prof, top=top)
 
 
 class StepProfiler:

@@ -27,6 +27,7 @@ from anytrain.config import RunConfig, plan_batches, save_config, to_dict
 from anytrain.data.loader import BatchSource, SampleIndex
 from anytrain.data.shards import TokenDataset
 from anytrain.errors import ConfigError, RunDirError, TrainingError
+from anytrain.kernels import mamba_inner
 from anytrain.models import build_model, get_spec, resolve_args
 from anytrain.parallel import (
     DistInfo,
@@ -304,13 +305,14 @@ class Trainer:
             micro = self.plan.micro_batch
             loss = torch.zeros((), device=self.device)
             graphed = getattr(self, "_graphed", None)
-            for i in range(self.plan.grad_accum):
-                sl = slice(i * micro, (i + 1) * micro)
-                if graphed is not None:
-                    loss += graphed(inputs[sl], targets[sl])
-                else:
-                    last = i == self.plan.grad_accum - 1
-                    loss += self.forward_backward(inputs[sl], targets[sl], sync=last, step=step)
+            with self._weight_casts(graphed):
+                for i in range(self.plan.grad_accum):
+                    sl = slice(i * micro, (i + 1) * micro)
+                    if graphed is not None:
+                        loss += graphed(inputs[sl], targets[sl])
+                    else:
+                        last = i == self.plan.grad_accum - 1
+                        loss += self.forward_backward(inputs[sl], targets[sl], sync=last, step=step)
         grad_norm = self._clip_gradients()
         if self.guard.uses_lag():
             return self._lagged_update(step, loss, grad_norm)
@@ -321,6 +323,14 @@ class Trainer:
             self.scheduler.step()
         self._zero_grad()
         return loss, grad_norm, status
+
+    def _weight_casts(self, graphed) -> contextlib.AbstractContextManager:
+        """The fused Mamba mixer's weight casts shared by one optimizer step's micro-batches
+        (``mamba_inner.cached_weight_casts``), where the parameters are the module's own full tensors: not under
+        FSDP / TP (sharded or gathered per use) and not for CUDA graphs (each replay casts inside the graph)."""
+        if graphed is not None or self.dims.dp_shard > 1 or self.dims.tp > 1:
+            return contextlib.nullcontext()
+        return mamba_inner.cached_weight_casts()
 
     def _lagged_update(self, step: int, loss: torch.Tensor, grad_norm: torch.Tensor):
         """train.lagged_checks: read the previous step's agreed flags (done on the device by now), then launch this
