@@ -20,7 +20,23 @@ def _combine(a1, b1, a2, b2):
 
 @triton.jit
 def _softplus(x):
-    return tl.maximum(x, 0.0) + tl.log(1.0 + tl.exp(-tl.abs(x)))
+    # max(x, 0) + log1p(e), e = exp(-|x|) in (0, 1]. Below fp64: log1p(e) = e q(e) with q a degree-8 polynomial fitted
+    # to log1p(e) / e on (0, 1] (softplus within 2.1e-7 relative in fp32, where exp + libdevice's log give 1.7e-7;
+    # exact-ratio form, so tiny e keep their relative accuracy): 9 FMAs instead of ~20 instructions and a branch.
+    if x.dtype == tl.float64:  # log1p(e) = log(u) e / (u - 1), u = 1 + e (exact for e below an ulp of 1, too)
+        e = tl.exp(-tl.abs(x))
+        u = 1.0 + e
+        return tl.maximum(x, 0.0) + tl.where(u == 1.0, e, tl.log(u) * (e / tl.where(u == 1.0, 1.0, u - 1.0)))
+    e = tl.exp2(-tl.abs(x) * LOG2E)
+    q = 0.005185997575498875 * e - 0.029210234659302222
+    q = q * e + 0.07754031022213989
+    q = q * e - 0.13583934074473472
+    q = q * e + 0.19055950823489196
+    q = q * e - 0.24825646902804502
+    q = q * e + 0.33316010356469294
+    q = q * e - 0.4999925587104245
+    q = q * e + 0.9999999208635986
+    return tl.maximum(x, 0.0) + e * q
 
 
 @triton.jit
