@@ -85,7 +85,7 @@ def default_cases() -> list[Case]:
         # session; "1.4b-mb4c" is the recipe at micro-batch 4, for cards below 80 GB).
         Case("1.4b", "1.4b", 2048, 4, 8, "anytrain", "anytrain 1.4b, micro-batch 4, global batch 8"),
         Case("1.4b-recipe", "1.4b", 2048, 8, 32, "anytrain", "recipe (mamba-1.4b.yaml)", True, False, "auto", 2, 5),
-        Case("1.4b-mb4c", "1.4b", 2048, 4, 32, "anytrain", "recipe at micro-batch 4", compile=True, steps=5),
+        Case("1.4b-mb4c", "1.4b", 2048, 4, 32, "anytrain", "recipe at micro-batch 4", True, False, "auto", 2, 5),
         Case("1.4b-mb8", "1.4b", 2048, 8, 16, "anytrain", "anytrain micro-batch 8"),
         Case("1.4b-blocks", "1.4b", 2048, 8, 32, "anytrain", "recipe, per-block compile", compile=True, steps=5),
         Case("130m-blocks", "130m", 1024, 8, 64, "anytrain", "130m recipe, per-block compile", True, True, "blocks"),

@@ -159,3 +159,28 @@ def test_cuda_graphs_on_cpu_train_eagerly_and_say_so(small_data, tmp_path, capsy
         trainer.close()
     assert trainer._graphed is None and summary["cuda_graph_replays"] is None and summary["steps"] == 3
     assert "train.cuda_graphs: eager micro-steps (no graphs on cpu (GPU only))" in capsys.readouterr().err
+
+
+def test_weight_cast_cache_spans_the_micro_batches_and_closes_before_the_update(small_data, tmp_path, monkeypatch):
+    """``mamba_inner.cached_weight_casts`` is open for every micro-batch of a one-process step and closed before the
+    optimizer updates the weights (fused optimizers do not bump the version counters the cache also checks)."""
+    from anytrain.kernels import mamba_inner
+
+    trainer = _cpu_trainer(small_data, tmp_path / "run", "--train.steps", "2", "--train.micro_batch", "2")
+    events = []
+    real_fb, real_update = trainer.forward_backward, trainer.optimizer.step
+    monkeypatch.setattr(
+        trainer,
+        "forward_backward",
+        lambda *a, **k: events.append(("micro", mamba_inner._casts is not None)) or real_fb(*a, **k),
+    )
+    monkeypatch.setattr(
+        trainer.optimizer,
+        "step",
+        lambda *a, **k: events.append(("update", mamba_inner._casts is not None)) or real_update(*a, **k),
+    )
+    try:
+        trainer.train()
+    finally:
+        trainer.close()
+    assert events == [("micro", True), ("micro", True), ("update", False)] * 2 and mamba_inner._casts is None

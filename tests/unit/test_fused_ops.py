@@ -161,3 +161,33 @@ def test_wide_mm_fallbacks_on_cpu():
     assert wide_mm.add_mm_(acc32, a16, b16) is acc32 and torch.equal(acc32, (a16 @ b16).float())
     out = torch.empty(5, 3)
     assert wide_mm.grad_mm(a16, b16, torch.float32, out=out) is out and torch.equal(out, g)
+
+
+def test_wide_mm_gives_up_one_overload_at_a_time(monkeypatch):
+    """A failing fp32-output overload falls back (with one warning) for itself only: an ``addmm`` that this build
+    rejects must not turn off the mixer's ``mm`` path; out-of-memory errors propagate instead."""
+    from anytrain.kernels import wide_mm
+
+    monkeypatch.setattr(wide_mm, "_ok", {"mm": True, "addmm": True})
+    monkeypatch.setattr(wide_mm, "_wide", lambda op, a, dtype: wide_mm._ok[op])  # as on a GPU
+    real_addmm = torch.addmm
+
+    def addmm(*args, **kwargs):
+        if "out_dtype" in kwargs:
+            raise RuntimeError("self and mat2 must have the same dtype")
+        return real_addmm(*args, **kwargs)
+
+    monkeypatch.setattr(torch, "addmm", addmm)
+    a, b = torch.randn(4, 6).bfloat16(), torch.randn(6, 3).bfloat16()
+    acc = torch.zeros(4, 3)
+    with pytest.warns(UserWarning, match="addmm with an fp32 out_dtype failed"):
+        assert wide_mm.add_mm_(acc, a, b) is acc
+    assert torch.equal(acc, (a @ b).float()) and wide_mm._ok == {"mm": True, "addmm": False}
+
+    def oom(*args, **kwargs):
+        raise torch.cuda.OutOfMemoryError("out of memory")
+
+    monkeypatch.setattr(torch, "mm", oom)
+    with pytest.raises(torch.cuda.OutOfMemoryError):
+        wide_mm.grad_mm(a, b, torch.float32)
+    assert wide_mm._ok["mm"]

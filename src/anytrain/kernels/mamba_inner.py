@@ -78,8 +78,9 @@ def cached_weight_casts():
     backward (the trainer wraps one optimizer step's micro-batches, between which the weights do not change): 4 casts
     per layer per optimizer step instead of 8 per micro-batch, for a bf16 copy of the four projections held through the
     micro-batches (2.5 GB at mamba-1.4b). A copy is reused only for the same tensor at the same version counter; never
-    while a CUDA graph is being captured (a replay must cast the weights of its own step). Nested calls share the outer
-    cache; ``ANYTRAIN_CAST_CACHE=0`` turns it off."""
+    while a CUDA graph is being captured (a replay must cast the weights of its own step). The block must not span an
+    optimizer step: fused / foreach optimizers and ``.data`` writes change weights without bumping their version
+    counter. Nested calls share the outer cache; ``ANYTRAIN_CAST_CACHE=0`` turns it off."""
     global _casts
     outer = _casts
     _casts = outer if outer is not None or not _cache_casts else {}

@@ -326,9 +326,10 @@ class Trainer:
 
     def _weight_casts(self, graphed) -> contextlib.AbstractContextManager:
         """The fused Mamba mixer's weight casts shared by one optimizer step's micro-batches
-        (``mamba_inner.cached_weight_casts``), where the parameters are the module's own full tensors: not under
-        FSDP / TP (sharded or gathered per use) and not for CUDA graphs (each replay casts inside the graph)."""
-        if graphed is not None or self.dims.dp_shard > 1 or self.dims.tp > 1:
+        (``mamba_inner.cached_weight_casts``), where the parameters are the module's own full tensors (one process,
+        DDP, ZeRO-1): not under FSDP / TP (sharded, gathered per use), not for CUDA graphs (each replay casts inside
+        the graph); pipeline steps do not come here. Closed before the optimizer step, which changes the weights."""
+        if graphed is not None or self.strategy not in ("single", "ddp", "zero1") or self.dims.tp > 1:
             return contextlib.nullcontext()
         return mamba_inner.cached_weight_casts()
 
