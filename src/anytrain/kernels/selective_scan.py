@@ -51,8 +51,8 @@ from anytrain.kernels import _make_callable
 from anytrain.kernels.selective_scan_bwd import (
     LOG2E,
     _combine,
+    _delta,
     _sigmoid,
-    _softplus,
     _ss_bwd_kernel_v1,
     _ss_bwd_kernel_v3,
     _ss_bwd_kernel_v4,
@@ -156,6 +156,7 @@ def _ss_fwd_kernel(
     A2 = tl.load(A_ptr + offs_d[None, :] * s_ad + offs_n[:, None] * s_an, mask=mask_nd, other=0.0).to(ACC) * LOG2E
     if HAS_D:
         Dv = tl.load(D_ptr + offs_d, mask=mask_d, other=0.0).to(ACC)
+    bias = tl.zeros((BLOCK_D,), dtype=ACC)  # (unused without HAS_BIAS)
     if HAS_BIAS:
         bias = tl.load(bias_ptr + offs_d, mask=mask_d, other=0.0).to(ACC)
     u_base = u_ptr + b * s_ub + offs_d * s_ud  # (BLOCK_D,)
@@ -174,11 +175,7 @@ def _ss_fwd_kernel(
         mtn = mask_t[:, None] & mask_n[None, :]  # (CHUNK, BLOCK_N)
         u = tl.load(u_base[None, :] + t[:, None], mask=m2, other=0.0).to(ACC)
         dt = tl.load(dt_base[None, :] + t[:, None], mask=m2, other=0.0).to(ACC)
-        if HAS_BIAS:
-            dt += bias[None, :]
-        if SOFTPLUS:
-            dt = _softplus(dt)
-        dt = tl.where(m2, dt, 0.0)  # padding steps: a = 1, b = 0, so h passes through unchanged
+        dt = _delta(dt, bias[None, :], m2, HAS_BIAS, SOFTPLUS)
         Bt = tl.load(B_base[None, :] + t[:, None], mask=mtn, other=0.0).to(ACC)
         Ct = tl.load(C_base[None, :] + t[:, None], mask=mtn, other=0.0).to(ACC)
         a = tl.exp2(dt[:, None, :] * A2[None, :, :])  # (CHUNK, BLOCK_N, BLOCK_D)

@@ -40,6 +40,17 @@ def _softplus(x):
 
 
 @triton.jit
+def _delta(dt, bias, valid, HAS_BIAS: tl.constexpr, SOFTPLUS: tl.constexpr):
+    # the scan's delta from the raw one: + delta_bias, softplus, and 0 on padding steps (there a = 1 and b = 0, so the
+    # state passes through unchanged); bias is unused without HAS_BIAS
+    if HAS_BIAS:
+        dt += bias
+    if SOFTPLUS:
+        dt = _softplus(dt)
+    return tl.where(valid, dt, 0.0)
+
+
+@triton.jit
 def _sigmoid(x):
     e = tl.exp(-tl.abs(x))
     r = 1.0 / (1.0 + e)
@@ -204,6 +215,43 @@ def _join8(r0, r1, r2, r3, r4, r5, r6, r7, BLOCK_D: tl.constexpr, SEG: tl.conste
     x_e = tl.join(tl.join(r0, r4), tl.join(r2, r6))
     x_o = tl.join(tl.join(r1, r5), tl.join(r3, r7))
     return tl.reshape(tl.join(x_e, x_o), (BLOCK_D, SEG, 8))
+
+
+@triton.jit
+def _rescan8(a0, a1, a2, a3, a4, a5, a6, a7, b0, b1, b2, b3, b4, b5, b6, b7, h):
+    # the 8 states of a segment from the state h before it: h_r = a_r h_{r-1} + b_r (in-thread, sequential)
+    h0 = a0 * h + b0
+    h1 = a1 * h0 + b1
+    h2 = a2 * h1 + b2
+    h3 = a3 * h2 + b3
+    h4 = a4 * h3 + b4
+    h5 = a5 * h4 + b5
+    h6 = a6 * h5 + b6
+    h7 = a7 * h6 + b7
+    return h0, h1, h2, h3, h4, h5, h6, h7
+
+
+@triton.jit
+def _adjoint8(a1, a2, a3, a4, a5, a6, a7, w0, w1, w2, w3, w4, w5, w6, w7, x):
+    # the adjoints of a segment's 8 steps, g_r = w_r + a_{r+1} g_{r+1}, from x entering at its end (g_7 = w_7 + x)
+    g7 = w7 + x
+    g6 = w6 + a7 * g7
+    g5 = w5 + a6 * g6
+    g4 = w4 + a5 * g5
+    g3 = w3 + a4 * g4
+    g2 = w2 + a3 * g3
+    g1 = w1 + a2 * g2
+    g0 = w0 + a1 * g1
+    return g0, g1, g2, g3, g4, g5, g6, g7
+
+
+@triton.jit
+def _store_dA_lane0(hm, dt, dA_flat, off, first_lane, BLOCK_D: tl.constexpr, SEG: tl.constexpr):
+    # this state's dA partial of each channel (sum over its steps and segments), stored from the channel's first lane
+    # through the flat (BLOCK_D * SEG,) tile (v5, v6)
+    dA_n = tl.sum(tl.sum(hm * dt, axis=2), axis=1)  # (BLOCK_D,)
+    dA_t = tl.reshape(tl.broadcast_to(dA_n[:, None], (BLOCK_D, SEG)), (BLOCK_D * SEG,))
+    tl.store(dA_flat + off, dA_t, mask=first_lane)
 
 
 @triton.jit
@@ -373,6 +421,7 @@ def _ss_bwd_kernel_v3(
     tloc = offs_s[None, None, :] * SUB + offs_r  # (SUB, 1, SEG) step inside the chunk
     if HAS_D:
         Dv = tl.load(D_ptr + offs_d, mask=mask_d, other=0.0).to(ACC)[None, :, None]
+    bias = 0.0  # (unused without HAS_BIAS)
     if HAS_BIAS:
         bias = tl.load(bias_ptr + offs_d, mask=mask_d, other=0.0).to(ACC)[None, :, None]
     rows = offs_d[None, :, None]
@@ -399,11 +448,7 @@ def _ss_bwd_kernel_v3(
         m3 = md3 & (t < seqlen)
         u = tl.load(u_base + t, mask=m3, other=0.0).to(ACC)
         dt = tl.load(dt_base + t, mask=m3, other=0.0).to(ACC)
-        if HAS_BIAS:
-            dt += bias
-        if SOFTPLUS:
-            dt = _softplus(dt)
-        dt = tl.where(m3, dt, 0.0)
+        dt = _delta(dt, bias, m3, HAS_BIAS, SOFTPLUS)
         m1 = md3 & ((tloc < CHUNK - 1) & (t + 1 < seqlen))  # delta at t+1 inside the chunk
         dt1 = tl.load(dt_base + t + 1, mask=m1, other=0.0).to(ACC)
         if HAS_BIAS:
@@ -530,10 +575,7 @@ def _ss_bwd_kernel_v4(
     tl2 = tl.arange(0, CHUNK)[None, :]  # the same steps, flat, for the global loads and stores
     offs_s2 = tl.arange(0, SEG)[None, :]
     rows = offs_d[:, None]
-    if HAS_D:
-        Dv = tl.load(D_ptr + offs_d, mask=mask_d, other=0.0).to(ACC)[:, None, None]
-    if HAS_BIAS:
-        bias = tl.load(bias_ptr + offs_d, mask=mask_d, other=0.0).to(ACC)[:, None, None]
+    Dv, bias = _chan_params(D_ptr, bias_ptr, offs_d, mask_d, ACC, HAS_D, HAS_BIAS)
     u_base, dt_base, z_base, go_base, du_base, ddt_base, dz_base = _row_bases(
         b, rows, u_ptr, dt_ptr, z_ptr, dout_ptr, du_ptr, ddt_ptr, dz_ptr, s_ub, s_ud, s_tb, s_td, s_zb, s_zd, s_gb, s_gd
     )
@@ -556,11 +598,7 @@ def _ss_bwd_kernel_v4(
         t2 = c * CHUNK + tl2
         m2 = mask_d[:, None] & (t2 < seqlen)
         dt = _ld2(dt_base + t2, m2, BLOCK_D, SEG, SUB, ACC)
-        if HAS_BIAS:
-            dt += bias
-        if SOFTPLUS:
-            dt = _softplus(dt)
-        dt = tl.where(m3, dt, 0.0)
+        dt = _delta(dt, bias, m3, HAS_BIAS, SOFTPLUS)
         dy = _ld2(go_base + t2, m2, BLOCK_D, SEG, SUB, ACC)
         if HAS_Z:
             zz = _ld2(z_base + t2, m2, BLOCK_D, SEG, SUB, ACC)
@@ -610,14 +648,7 @@ def _ss_bwd_kernel_v4(
             b0, b1, b2, b3, b4, b5, b6, b7 = _split8(bu, BLOCK_D, SEG)
             w0, w1, w2, w3, w4, w5, w6, w7 = _split8(C_n * dy, BLOCK_D, SEG)
             # forward rescan of each segment from its saved start state (in-thread, sequential)
-            h0 = a0 * h + b0
-            h1 = a1 * h0 + b1
-            h2 = a2 * h1 + b2
-            h3 = a3 * h2 + b3
-            h4 = a4 * h3 + b4
-            h5 = a5 * h4 + b5
-            h6 = a6 * h5 + b6
-            h7 = a7 * h6 + b7
+            h0, h1, h2, h3, h4, h5, h6, h7 = _rescan8(a0, a1, a2, a3, a4, a5, a6, a7, b0, b1, b2, b3, b4, b5, b6, b7, h)
             hs = _join8(h0, h1, h2, h3, h4, h5, h6, h7, BLOCK_D, SEG)
             y += hs * C_n
             # adjoint g_r = w_r + x_{r+1} with x_r = a_r g_r. Per segment, x_0 = sa * (x entering at its end) + sg;
@@ -636,14 +667,7 @@ def _ss_bwd_kernel_v4(
             xf = tl.gather(xf, rev, axis=1)
             tl.store(q_out + n, xf, mask=first)  # the carry for the previous chunk: x_0 of segment 0
             x = tl.where(offs_s2 == SEG - 1, q, tl.gather(xf, nxt, axis=1))
-            g7 = w7 + x
-            g6 = w6 + a7 * g7
-            g5 = w5 + a6 * g6
-            g4 = w4 + a5 * g5
-            g3 = w3 + a4 * g4
-            g2 = w2 + a3 * g3
-            g1 = w1 + a2 * g2
-            g0 = w0 + a1 * g1
+            g0, g1, g2, g3, g4, g5, g6, g7 = _adjoint8(a1, a2, a3, a4, a5, a6, a7, w0, w1, w2, w3, w4, w5, w6, w7, x)
             gs = _join8(g0, g1, g2, g3, g4, g5, g6, g7, BLOCK_D, SEG)
             hm = gs * (hs - bu)  # g_t exp(delta_t A) h_{t-1}
             sgb += gs * B_n

@@ -33,11 +33,12 @@ from anytrain.kernels.selective_scan_bwd import (
     _chunk_inputs,
     _combine,
     _dbdc_out,
+    _delta,
     _flat_rows,
     _program_block,
     _row_bases,
     _sigmoid,
-    _softplus,
+    _store_dA_lane0,
 )
 
 
@@ -147,11 +148,7 @@ def _ss_bwd_kernel_v5(
             if HAS_Z:
                 zz = _ld4(z_base + t2, m2, BLOCK_D, SEG, ACC)
             uu = _ld4(u_base + t2, m2, BLOCK_D, SEG, ACC)
-        if HAS_BIAS:
-            dt += bias
-        if SOFTPLUS:
-            dt = _softplus(dt)
-        dt = tl.where(m3, dt, 0.0)
+        dt = _delta(dt, bias, m3, HAS_BIAS, SOFTPLUS)
         if HAS_Z:
             dy = dy * zz * _sigmoid(zz)
         dtu = dt * uu
@@ -237,9 +234,7 @@ def _ss_bwd_kernel_v5(
             hm = gs * (hs - bu)  # g_t exp(delta_t A) h_{t-1}
             sgb += gs * B_n
             sahm += hm * A2
-            dA_n = tl.sum(tl.sum(hm * dt, axis=2), axis=1)  # (BLOCK_D,), stored from lane 0 through a flat tile
-            dA_t = tl.reshape(tl.broadcast_to(dA_n[:, None], (BLOCK_D, SEG)), (BLOCK_D * SEG,))
-            tl.store(dA_flat + (b * nchunks + c) * dim * DSTATE + n, dA_t, mask=first_lane)
+            _store_dA_lane0(hm, dt, dA_flat, (b * nchunks + c) * dim * DSTATE + n, first_lane, BLOCK_D, SEG)
             if DBDC:  # sums over this block's channels; (SEG, 4) is already the 4-wide atomics' layout
                 dBf = tl.reshape(tl.sum(gs * dtu, axis=0), (CHUNK,))
                 dCf = tl.reshape(tl.sum(hs * dy, axis=0), (CHUNK,))

@@ -25,20 +25,23 @@ import triton.language as tl
 
 from anytrain.kernels.selective_scan_bwd import (
     LOG2E,
+    _adjoint8,
     _bc_bases,
     _chan_params,
     _chunk_epilogue,
     _chunk_inputs,
     _combine,
     _dbdc_out,
+    _delta,
     _flat_rows,
     _join8,
     _ld2,
     _program_block,
+    _rescan8,
     _row_bases,
     _sigmoid,
-    _softplus,
     _split8,
+    _store_dA_lane0,
 )
 
 
@@ -138,11 +141,7 @@ def _ss_bwd_kernel_v6(
             if HAS_Z:
                 zz = _ld2(z_base + t2, m2, BLOCK_D, SEG, SUB, ACC)
             uu = _ld2(u_base + t2, m2, BLOCK_D, SEG, SUB, ACC)
-        if HAS_BIAS:
-            dt += bias
-        if SOFTPLUS:
-            dt = _softplus(dt)
-        dt = tl.where(m3, dt, 0.0)
+        dt = _delta(dt, bias, m3, HAS_BIAS, SOFTPLUS)
         if HAS_Z:
             dy = dy * zz * _sigmoid(zz)
         dtu = dt * uu
@@ -190,14 +189,9 @@ def _ss_bwd_kernel_v6(
             a0, a1, a2, a3, a4, a5, a6, a7 = _split8(a, BLOCK_D, SEG)
             b0, b1, b2, b3, b4, b5, b6, b7 = _split8(bu, BLOCK_D, SEG)
             w0, w1, w2, w3, w4, w5, w6, w7 = _split8(C_n * dy, BLOCK_D, SEG)
-            h0 = a0 * hp + b0
-            h1 = a1 * h0 + b1
-            h2 = a2 * h1 + b2
-            h3 = a3 * h2 + b3
-            h4 = a4 * h3 + b4
-            h5 = a5 * h4 + b5
-            h6 = a6 * h5 + b6
-            h7 = a7 * h6 + b7
+            h0, h1, h2, h3, h4, h5, h6, h7 = _rescan8(
+                a0, a1, a2, a3, a4, a5, a6, a7, b0, b1, b2, b3, b4, b5, b6, b7, hp
+            )
             hs = _join8(h0, h1, h2, h3, h4, h5, h6, h7, BLOCK_D, SEG)
             y += hs * C_n
             # adjoint g_r = w_r + x_{r+1}, x_r = a_r g_r; per segment x_0 = sa * (x entering at its end) + sg, the
@@ -211,21 +205,12 @@ def _ss_bwd_kernel_v6(
             else:
                 tl.store(q_out + n, tl.reshape(xf, (BLOCK_D * SEG,)), mask=last)
             x = tl.where(offs_p == 0, q, tl.gather(xf, down, axis=1))
-            g7 = w7 + x
-            g6 = w6 + a7 * g7
-            g5 = w5 + a6 * g6
-            g4 = w4 + a5 * g5
-            g3 = w3 + a4 * g4
-            g2 = w2 + a3 * g3
-            g1 = w1 + a2 * g2
-            g0 = w0 + a1 * g1
+            g0, g1, g2, g3, g4, g5, g6, g7 = _adjoint8(a1, a2, a3, a4, a5, a6, a7, w0, w1, w2, w3, w4, w5, w6, w7, x)
             gs = _join8(g0, g1, g2, g3, g4, g5, g6, g7, BLOCK_D, SEG)
             hm = gs * (hs - bu)  # g_t exp(delta_t A) h_{t-1}
             sgb += gs * B_n
             sahm += hm * A2
-            dA_n = tl.sum(tl.sum(hm * dt, axis=2), axis=1)  # (BLOCK_D,)
-            dA_t = tl.reshape(tl.broadcast_to(dA_n[:, None], (BLOCK_D, SEG)), (BLOCK_D * SEG,))
-            tl.store(dA_flat + (b * nchunks + c) * dim * DSTATE + n, dA_t, mask=first_lane)
+            _store_dA_lane0(hm, dt, dA_flat, (b * nchunks + c) * dim * DSTATE + n, first_lane, BLOCK_D, SEG)
             if DBDC:
                 if PAIR:
                     dBf = _pair_sum4(g0 * u0, g1 * u1, g2 * u2, g3 * u3, g4 * u4, g5 * u5, g6 * u6, g7 * u7,

@@ -19,7 +19,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from anytrain.kernels.selective_scan_bwd import LOG2E, _combine, _ld2, _program_block, _sigmoid, _softplus
+from anytrain.kernels.selective_scan_bwd import LOG2E, _chan_params, _combine, _delta, _ld2, _program_block, _sigmoid
 
 
 @triton.jit
@@ -83,10 +83,7 @@ def _ss_fwd_kernel_v3(
     A_rows = A_ptr + offs_d * s_ad
     st_rows = state_ptr + (b * dim + offs_d) * (DSTATE * s_sn)  # (BLOCK_D,)
     st_tile = st_rows[:, None] + zero  # (BLOCK_D, SEG)
-    if HAS_D:
-        Dv = tl.load(D_ptr + offs_d, mask=mask_d, other=0.0).to(ACC)[:, None, None]
-    if HAS_BIAS:
-        bias = tl.load(bias_ptr + offs_d, mask=mask_d, other=0.0).to(ACC)[:, None, None]
+    Dv, bias = _chan_params(D_ptr, bias_ptr, offs_d, mask_d, ACC, HAS_D, HAS_BIAS)
     # the segment that ends a saved sub-chunk ((s + 1) % SAVE == 0) stores its end state at index kc + ks
     ks = (offs_s2 + 1) // SAVE - 1
     save = mask_d[:, None] & ((offs_s2 + 1) % SAVE == 0)
@@ -105,11 +102,7 @@ def _ss_fwd_kernel_v3(
         m2 = mask_d[:, None] & (t2 < seqlen)
         u = _ld2(u_base + t2, m2, BLOCK_D, SEG, SUB, ACC)
         dt = _ld2(dt_base + t2, m2, BLOCK_D, SEG, SUB, ACC)
-        if HAS_BIAS:
-            dt += bias
-        if SOFTPLUS:
-            dt = _softplus(dt)
-        dt = tl.where(m3, dt, 0.0)  # padding steps: a = 1, b = 0, so h passes through unchanged
+        dt = _delta(dt, bias, m3, HAS_BIAS, SOFTPLUS)
         dtu = dt * u
         y = tl.zeros((BLOCK_D, SEG, SUB), dtype=ACC)
         if HAS_D:
