@@ -329,7 +329,7 @@ class Trainer:
         (``mamba_inner.cached_weight_casts``), where the parameters are the module's own full tensors (one process,
         DDP, ZeRO-1): not under FSDP / TP (sharded, gathered per use), not for CUDA graphs (each replay casts inside
         the graph); pipeline steps do not come here. Closed before the optimizer step, which changes the weights."""
-        if graphed is not None or self.strategy not in ("single", "ddp", "zero1") or self.dims.tp > 1:
+        if graphed is not None or self.strategy not in ("single", "ddp", "zero1"):  # (TP/PP runs are FSDP or none)
             return contextlib.nullcontext()
         return mamba_inner.cached_weight_casts()
 
