@@ -70,6 +70,10 @@ class Case:
     scope: str = "blocks"  # anytrain with compile: train.compile_scope (blocks | model | auto)
     warmup: int = 2
     steps: int = 10
+    model_args: tuple = ()  # anytrain: (name, value) overrides of model.args
+
+
+BF16_RESIDUAL = (("residual_in_fp32", False),)  # model.args of the 1.4b recipes: the residual stream in bf16
 
 
 def default_cases() -> list[Case]:
@@ -84,16 +88,27 @@ def default_cases() -> list[Case]:
         # 4x fewer tokens than in the recipe, which "1.4b-recipe" runs as configured (micro-batch 8 since the seventh
         # session; "1.4b-mb4c" is the recipe at micro-batch 4, for cards below 80 GB).
         Case("1.4b", "1.4b", 2048, 4, 8, "anytrain", "anytrain 1.4b, micro-batch 4, global batch 8"),
-        Case("1.4b-recipe", "1.4b", 2048, 8, 32, "anytrain", "recipe (mamba-1.4b.yaml)", True, False, "auto", 2, 5),
-        Case("1.4b-mb4c", "1.4b", 2048, 4, 32, "anytrain", "recipe at micro-batch 4", True, False, "auto", 2, 5),
+        Case("1.4b-recipe", "1.4b", 2048, 8, 32, "anytrain", "recipe (mamba-1.4b.yaml)", True, False, "auto", 2, 5,
+             BF16_RESIDUAL),
+        Case("1.4b-mb4c", "1.4b", 2048, 4, 32, "anytrain", "recipe at micro-batch 4", True, False, "auto", 2, 5,
+             BF16_RESIDUAL),
+        # cards of 141 GB or more (H200): micro-batch 16 (configs/mamba-1.4b-mb16.yaml, 122 GiB)
+        Case("1.4b-mb16", "1.4b", 2048, 16, 32, "anytrain", "recipe mb16 (mamba-1.4b-mb16.yaml)", True, False, "auto",
+             2, 5, BF16_RESIDUAL),
+        # the fp32 residual stream (mamba-ssm's and HF's default; the recipes before the tenth session)
+        Case("1.4b-fp32res", "1.4b", 2048, 8, 32, "anytrain", "recipe, fp32 residual stream", True, False, "auto",
+             2, 5),
+        Case("1.4b-mb16-fp32res", "1.4b", 2048, 16, 32, "anytrain", "recipe mb16, fp32 residual", True, False, "auto",
+             2, 5),
         Case("1.4b-mb8", "1.4b", 2048, 8, 16, "anytrain", "anytrain micro-batch 8"),
-        Case("1.4b-blocks", "1.4b", 2048, 8, 32, "anytrain", "recipe, per-block compile", compile=True, steps=5),
+        Case("1.4b-blocks", "1.4b", 2048, 8, 32, "anytrain", "recipe, per-block compile", compile=True, steps=5,
+             model_args=BF16_RESIDUAL),
         Case("130m-blocks", "130m", 1024, 8, 64, "anytrain", "130m recipe, per-block compile", True, True, "blocks"),
         Case("1.4b-compile", "1.4b", 2048, 4, 8, "anytrain", "anytrain + per-block torch.compile", compile=True),
         Case("1.4b-graphs", "1.4b", 2048, 4, 8, "anytrain", "+ compile + CUDA graphs", compile=True, graphs=True),
         Case("130m-compile", "130m", 1024, 8, 64, "anytrain", "anytrain + per-block torch.compile", compile=True),
         Case("hf-130m", "130m", 1024, 8, 8, "hf", "HF MambaForCausalLM (slow path)", warmup=1, steps=2),
-    ]
+    ]  # fmt: skip
 
 
 def quick_cases() -> list[Case]:
@@ -109,7 +124,7 @@ def quick_cases() -> list[Case]:
 
 def run_config(case: Case, device: torch.device) -> RunConfig:
     cfg = RunConfig()
-    cfg.model = ModelConfig(arch="mamba", flavour=case.flavour)
+    cfg.model = ModelConfig(arch="mamba", flavour=case.flavour, args=dict(case.model_args))
     cfg.data.seq_len = case.seq
     cfg.train.global_batch, cfg.train.micro_batch = case.global_batch, case.micro
     cfg.train.compile, cfg.train.compile_scope = case.compile, case.scope

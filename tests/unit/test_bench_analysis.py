@@ -151,7 +151,10 @@ def test_eight_gpu_cases_exist_and_pair_with_one_gpu_baselines():
     assert by["t-fsdpg-8-g64"]["vs_hf_ddp_ref"] == "hf-ddp-8-g64"
 
 
-@pytest.mark.parametrize("row,config", [("1.4b-recipe", "mamba-1.4b.yaml"), ("130m", "mamba-130m.yaml")])
+@pytest.mark.parametrize(
+    "row,config",
+    [("1.4b-recipe", "mamba-1.4b.yaml"), ("1.4b-mb16", "mamba-1.4b-mb16.yaml"), ("130m", "mamba-130m.yaml")],
+)
 def test_mamba_bench_recipe_rows_match_their_configs(row, config):
     # bench/mamba_train.py's recipe rows say they run configs/<config> as configured: keep them in step with the file
     import mamba_train
@@ -168,6 +171,7 @@ def test_mamba_bench_recipe_rows_match_their_configs(row, config):
     )
     assert (case.compile, case.graphs) == (cfg.train.compile, cfg.train.cuda_graphs)
     assert case.scope == cfg.train.compile_scope
+    assert dict(case.model_args) == cfg.model.args
 
 
 def test_transformer_bench_recipe_row_matches_its_config():

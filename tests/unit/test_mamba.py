@@ -54,6 +54,25 @@ def test_low_precision_paths_run():
     assert torch.isfinite(bf16(tokens).float()).all() and torch.isfinite(bf16(tokens, tokens))
 
 
+def test_residual_stream_dtype_under_autocast():
+    """residual_in_fp32 (default, HF's) keeps the blocks' residual stream fp32 under autocast; False makes it the
+    autocast dtype from the embedding on. Same loss up to bf16 rounding; without autocast both are fp32."""
+    fp32_model = debug_model()
+    bf16_model = debug_model(residual_in_fp32=False)
+    bf16_model.load_state_dict(fp32_model.state_dict())
+    tokens = torch.randint(0, 512, (2, 16))
+    block_out, losses = {}, {}
+    for name, model in (("fp32", fp32_model), ("bf16", bf16_model)):
+        layer = model.backbone.layers["1"]
+        hook = layer.register_forward_hook(lambda m, a, out, key=name: block_out.__setitem__(key, out))
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            losses[name] = model(tokens, targets=tokens).float()
+        hook.remove()
+        assert model(tokens).dtype == torch.float32  # no autocast: fp32 throughout
+    assert (block_out["fp32"].dtype, block_out["bf16"].dtype) == (torch.float32, torch.bfloat16)
+    torch.testing.assert_close(losses["bf16"], losses["fp32"], rtol=0, atol=2e-2)
+
+
 def test_param_count_matches_hand_computation():
     a = small_args()  # D 16, E 32, S 4, K 3, R = ceil(16/16) = 1, V 100, L 2
     assert (a.d_inner, a.dt_rank) == (32, 1)

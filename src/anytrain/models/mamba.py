@@ -66,7 +66,10 @@ class MambaArgs:
     norm_eps: float = 1e-5
     """RMSNorm epsilon (HF: layer_norm_epsilon)."""
     residual_in_fp32: bool = True
-    """Keep each block's residual addition in fp32 under mixed precision (mamba-ssm / HF default)."""
+    """Keep each block's residual addition in fp32 under mixed precision (mamba-ssm / HF default). False: under
+    autocast the embedding output takes the autocast dtype, so the residual stream, the norms' inputs and outputs
+    and their saved activations are bf16 (as under FSDP's bf16 parameters, and as the Transformer's default); no
+    effect without autocast (CPU fp32 training)."""
     tie_embeddings: bool = True
     """Share the token embedding with the LM head (all released Mamba checkpoints do)."""
     init_std: float = 0.02
@@ -169,9 +172,10 @@ class MambaBlock(nn.Module):
         self.mixer = MambaMixer(args)
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
-        residual = h.float() if self.residual_in_fp32 else h
+        if not self.residual_in_fp32:  # the stream's own dtype throughout (bf16 under autocast, see MambaArgs)
+            return h + self.mixer(self.norm(h))
         # Cast to the parameters' dtype first (bf16 under FSDP mixed precision, else fp32) as HF does.
-        return residual + self.mixer(self.norm(h.to(self.norm.weight.dtype)))
+        return h.float() + self.mixer(self.norm(h.to(self.norm.weight.dtype)))
 
 
 class MambaBackbone(nn.Module):
@@ -183,12 +187,16 @@ class MambaBackbone(nn.Module):
         # A ModuleDict keyed "0", "1", ... gives the same keys as HF's ModuleList (backbone.layers.{i}.*).
         self.layers = nn.ModuleDict({str(i): MambaBlock(args) for i in range(args.n_layers)})
         self.norm_f = RMSNorm(args.d_model, args.norm_eps)
+        self.residual_in_fp32 = args.residual_in_fp32
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         h = self.embeddings(tokens)  # (B, T, D)
+        device_type = h.device.type
+        if not self.residual_in_fp32 and torch.is_autocast_enabled(device_type):
+            h = h.to(torch.get_autocast_dtype(device_type))  # a bf16 residual stream
         for block in self.layers.values():
             h = block(h)
-        return self.norm_f(h.to(self.norm_f.weight.dtype))  # (B, T, D)
+        return self.norm_f(h if not self.residual_in_fp32 else h.to(self.norm_f.weight.dtype))  # (B, T, D)
 
 
 class Mamba(nn.Module):
