@@ -43,11 +43,22 @@ MEMORY_BAND, STEP_BAND = 0.10, 0.20
 # Facts about recorded results files that their rows do not carry: {file name: {row-name glob: extra overrides}}.
 # The Mamba rows of the 2026-11-22 H200 scaling files ran before `train.compile: true` entered
 # configs/mamba-1.4b.yaml: their peaks and rates equal bench/mamba_train.py's *uncompiled* run of the same shape
-# (50.36 GiB and 27.4k tokens/s; compiled: 47.36 GiB, 31.1k) to 0.01 GiB. --no-as-run predicts them as recorded.
+# (50.36 GiB and 27.4k tokens/s; compiled: 47.36 GiB, 31.1k) to 0.01 GiB. Every Mamba row recorded so far also ran
+# before the recipe's bf16 residual stream (`model.args.residual_in_fp32: false`, tenth session): fp32 residual.
+# --no-as-run predicts them as recorded.
+_UNCOMPILED = ("scaling_nvidia-h200_2gpu_main.json", "scaling_nvidia-h200_2gpu_rerun.json",
+               "scaling_nvidia-h200_4gpu.json", "scaling_nvidia-h200.json")  # fmt: skip
+_FP32_RESIDUAL = _UNCOMPILED + (
+    "scaling_nvidia-h200_4gpu_s5.json", "scaling_nvidia-h200_ab0_gc50_1.json", "scaling_nvidia-h200_ab0_gcauto_1.json",
+    "scaling_nvidia-h200_ab0_nosync_1.json", "scaling_nvidia-h200_ab_a1.json", "scaling_nvidia-h200_ab_a2.json",
+    "scaling_nvidia-h200_ab_lagged_1.json", "scaling_nvidia-h200_ab_p1.json", "scaling_nvidia-h200_ab_p2.json",
+    "scaling_nvidia-h200_ab_sync_1.json", "scaling_nvidia-h200_group.json", "scaling_nvidia-h200_mamba_accum.json",
+    "scaling_nvidia-h200_mamba_v5.json", "scaling_nvidia-h200_weak_repeat.json",
+)  # fmt: skip
 AS_RUN: dict[str, dict[str, list[str]]] = {
-    name: {"m-*": ["--train.compile", "false"]}
-    for name in ("scaling_nvidia-h200_2gpu_main.json", "scaling_nvidia-h200_2gpu_rerun.json",
-                 "scaling_nvidia-h200_4gpu.json", "scaling_nvidia-h200.json")
+    name: {"m-*": (["--train.compile", "false"] if name in _UNCOMPILED else [])
+           + ["--model.args.residual_in_fp32", "true"]}
+    for name in _FP32_RESIDUAL
 }  # fmt: skip
 
 

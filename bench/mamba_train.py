@@ -311,16 +311,16 @@ def finish_rows(rows: list[dict], peak: float | None) -> None:
 
 
 def print_table(rows: list[dict]) -> None:
-    head = f"{'row':<14}{'what':<44}{'seq':>6}{'mb':>4}{'gb':>4}{'tokens/s':>12}{'MFU':>8}{'peak GiB':>10}{'vs HF':>10}"
+    head = f"{'row':<18}{'what':<44}{'seq':>6}{'mb':>4}{'gb':>4}{'tokens/s':>12}{'MFU':>8}{'peak GiB':>10}{'vs HF':>10}"
     print("\n" + head + "\n" + "-" * len(head))
     for r in rows:
         if "tokens_per_s" not in r:
-            print(f"{r['name']:<14}{r['label'][:43]:<44}{r['seq']:>6}{r['micro']:>4}{r['global_batch']:>4}  "
+            print(f"{r['name']:<18}{r['label'][:43]:<44}{r['seq']:>6}{r['micro']:>4}{r['global_batch']:>4}  "
                   f"{r.get('error', 'skipped')[:100]}")  # fmt: skip
             continue
         mfu = "n/a" if r["mfu"] is None else f"{100 * r['mfu']:.1f}%"
         ratio = "" if r["ratio_vs_hf"] is None else f"{r['ratio_vs_hf']:,.0f}x"
-        print(f"{r['name']:<14}{r['label'][:43]:<44}{r['seq']:>6}{r['micro']:>4}{r['global_batch']:>4}"
+        print(f"{r['name']:<18}{r['label'][:43]:<44}{r['seq']:>6}{r['micro']:>4}{r['global_batch']:>4}"
               f"{r['tokens_per_s']:>12,.0f}{mfu:>8}{r['peak_mem_gib']:>10.1f}{ratio:>10}")  # fmt: skip
 
 

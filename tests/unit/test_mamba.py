@@ -73,6 +73,22 @@ def test_residual_stream_dtype_under_autocast():
     torch.testing.assert_close(losses["bf16"], losses["fp32"], rtol=0, atol=2e-2)
 
 
+def test_pipeline_stages_keep_the_bf16_residual_stream():
+    """A pipeline split (MambaStage) runs the same numerics as the whole model under autocast, with the residual
+    stream in bf16 on every stage even when the previous stage's output arrives as fp32."""
+    from anytrain.parallel.pipeline import prune_to_stage
+
+    model = debug_model(residual_in_fp32=False, tie_embeddings=False)
+    tokens = torch.randint(0, 512, (2, 16))
+    first, last = prune_to_stage(model, 0, 2), prune_to_stage(model, 1, 2)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        expected = model(tokens, targets=tokens)
+        hidden = first(tokens)
+        loss = last(hidden.float(), targets=tokens)
+    assert hidden.dtype == torch.bfloat16
+    torch.testing.assert_close(loss, expected, rtol=0, atol=0)
+
+
 def test_param_count_matches_hand_computation():
     a = small_args()  # D 16, E 32, S 4, K 3, R = ceil(16/16) = 1, V 100, L 2
     assert (a.d_inner, a.dt_rank) == (32, 1)

@@ -55,7 +55,8 @@ class Device:
     host_step_us: float = 2000.0  # per optimizer step: optimizer, clipping, the guard's all-reduce (assumed)
     host_graph_us: float = 60.0  # per micro-batch replayed from a CUDA graph: two input copies + one launch (assumed)
     scan_ns: float = 0.062  # Mamba scan fwd+bwd per (token, inner channel), S=16: H200 kernel profile (199.3 ms
-    # for 16384 tokens x 48 layers x 4096 channels with the v5 backward, bench/results/mamba_train_nvidia-h200.json)
+    # for 16384 tokens x 48 layers x 4096 channels with the v5 backward, bench/results/mamba_train_nvidia-h200.json
+    # as of the sixth session: see its git history)
     hbm_efficiency: float = 0.85  # achieved fraction of HBM bandwidth by fused elementwise kernels (H200 copy: 87%)
     optimizer_bytes_per_param: float = 80.0  # clipping + fused AdamW, in HBM-equivalent bytes per parameter
     # (H200 kernel profile: 18.4 ms AdamW + 3.7 ms clipping for 1.1B parameters)

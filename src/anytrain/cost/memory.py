@@ -33,10 +33,11 @@ def ac_fraction(policy: str) -> float:
 
 def residual_bytes(shape: ModelShape | MambaShape, prec: Precision) -> int:
     """Bytes of the residual stream. Transformer: 4 when ``residual_fp32`` meets autocast, else the activation dtype
-    (anytrain casts the embedding output to the autocast dtype). Mamba: its residual add is fp32 when
-    ``residual_fp32`` and under autocast (the fp32 embedding output starts it) — else the activation dtype."""
+    (anytrain casts the embedding output to the autocast dtype). Mamba: 4 when ``residual_fp32`` (its blocks upcast
+    the residual, also under FSDP's bf16 parameters), else the activation dtype (the embedding output is cast to the
+    autocast dtype, as for the Transformer)."""
     if isinstance(shape, MambaShape):
-        return 4 if shape.residual_fp32 or prec.autocast else prec.act
+        return 4 if shape.residual_fp32 else prec.act
     return 4 if shape.residual_fp32 and prec.autocast else prec.residual
 
 

@@ -60,7 +60,6 @@ from anytrain.kernels.selective_scan_bwd import (
 from anytrain.kernels.selective_scan_bwd_v5 import _ss_bwd_kernel_v5
 from anytrain.kernels.selective_scan_bwd_v6 import _ss_bwd_kernel_v6
 from anytrain.kernels.selective_scan_fwd import _ss_fwd_kernel_v3
-from anytrain.kernels.selective_scan_fwd_seq import NPAD, _ss_fwd_kernel_v4
 
 
 @dataclass(frozen=True)
@@ -120,8 +119,7 @@ _VENDOR_CONFIGS = {
     hardware.CPU: ScanConfig(4, 8, 1, block_d_bwd=4, chunk_bwd=8, num_warps_bwd=1, bwd_impl=3, seg_bwd=4, seg=4),
 }
 _MAX_PARTIALS = 1 << 26  # deterministic mode: largest dB (or dC) partial buffer, in elements, for bwd_impl 3
-_DIAG_SKIP_DBDC = False
-_DIAG_V4 = 0  # tmp diag  # bench/mamba_kernels.py only: time bwd_impl 3 without its dB/dC reduction (wrong dB/dC)
+_DIAG_SKIP_DBDC = False  # bench/mamba_kernels.py only: time bwd_impl 3 without its dB/dC reduction (wrong dB/dC)
 
 
 def default_config() -> ScanConfig:
@@ -278,17 +276,6 @@ def _fwd(
         ACC=_TL_DTYPE[acc], HAS_D=D is not None, HAS_Z=z is not None, HAS_BIAS=delta_bias is not None,
         SOFTPLUS=softplus, num_warps=cfg.num_warps,
     )  # fmt: skip
-    if cfg.fwd_impl == 2 and dstate <= NPAD:
-        bc = _bc_steps(Bg, Cg, acc)
-        _ss_fwd_kernel_v4[grid](
-            u, delta, A, bc, *ptrs[5:], dpg, seqlen, nsub,
-            u.stride(0), u.stride(1), delta.stride(0), delta.stride(1), A.stride(0), A.stride(1),
-            bc.stride(0), bc.stride(1), zz.stride(0), zz.stride(1), out.stride(0), out.stride(1),
-            states.stride(2), states.stride(3),
-            DSTATE=dstate, BLOCK_D=cfg.block_d, SAVE=cfg.chunk_bwd // 8, STAGES=cfg.unroll,
-            DIAG=_DIAG_V4, **flags,
-        )  # fmt: skip
-        return out, states
     if cfg.fwd_impl == 1:
         even = bool(cfg.pf & 4) and seqlen % (cfg.chunk * cfg.seg) == 0  # whole chunks: unmasked B/C loads
         _ss_fwd_kernel_v3[grid](
@@ -304,21 +291,6 @@ def _fwd(
         **flags,
     )  # fmt: skip
     return out, states
-
-
-def _bc_steps(Bg: Tensor, Cg: Tensor, acc: torch.dtype) -> Tensor:
-    """B and C for the v4 forward: (batch, G, L_pad, 2 * NPAD) in ``acc``, step t's B at [..., t, :NPAD] and C at
-    [..., t, NPAD:], zero-padded to NPAD states and to a whole number of 8-step chunks (the kernel needs no masks)."""
-    batch, ngroups, dstate, seqlen = Bg.shape
-    padded = triton.cdiv(seqlen, 8) * 8
-    shape = (batch, ngroups, padded, 2 * NPAD)
-    if dstate == NPAD and padded == seqlen:
-        bc = torch.empty(shape, device=Bg.device, dtype=acc)
-    else:
-        bc = torch.zeros(shape, device=Bg.device, dtype=acc)
-    bc[:, :, :seqlen, :dstate].copy_(Bg.transpose(-1, -2))
-    bc[:, :, :seqlen, NPAD : NPAD + dstate].copy_(Cg.transpose(-1, -2))
-    return bc
 
 
 def _bwd(dout, u, delta, A, Bg, Cg, D, z, delta_bias, states, softplus: bool, cfg: ScanConfig, deterministic: bool):
@@ -454,8 +426,6 @@ def selective_scan_triton(
         raise ValueError(
             f"ScanConfig: fwd_impl 1 needs chunk_bwd % chunk == 0 and (chunk * seg) % chunk_bwd == 0: {cfg}"
         )
-    if cfg.fwd_impl == 2 and cfg.chunk_bwd % 8:
-        raise ValueError(f"ScanConfig: fwd_impl 2 needs chunk_bwd % 8 == 0, got {cfg.chunk_bwd}")
     if cfg.bwd_impl in (3, 4, 5) and cfg.chunk_bwd != 8:
         raise ValueError(f"ScanConfig: bwd_impl {cfg.bwd_impl} needs chunk_bwd == 8, got {cfg.chunk_bwd}")
     if cfg.bwd_impl == 4 and cfg.seg_bwd < 2:

@@ -69,7 +69,7 @@ class MambaArgs:
     """Keep each block's residual addition in fp32 under mixed precision (mamba-ssm / HF default). False: under
     autocast the embedding output takes the autocast dtype, so the residual stream, the norms' inputs and outputs
     and their saved activations are bf16 (as under FSDP's bf16 parameters, and as the Transformer's default); no
-    effect without autocast (CPU fp32 training)."""
+    effect in fp32 training; with bf16 parameters (FSDP) it only drops the blocks' fp32 upcast of the residual."""
     tie_embeddings: bool = True
     """Share the token embedding with the LM head (all released Mamba checkpoints do)."""
     init_std: float = 0.02
@@ -190,13 +190,22 @@ class MambaBackbone(nn.Module):
         self.residual_in_fp32 = args.residual_in_fp32
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        h = self.embeddings(tokens)  # (B, T, D)
-        device_type = h.device.type
-        if not self.residual_in_fp32 and torch.is_autocast_enabled(device_type):
-            h = h.to(torch.get_autocast_dtype(device_type))  # a bf16 residual stream
+        h = self.stream(self.embeddings(tokens))  # (B, T, D)
         for block in self.layers.values():
             h = block(h)
-        return self.norm_f(h if not self.residual_in_fp32 else h.to(self.norm_f.weight.dtype))  # (B, T, D)
+        return self.final_norm(h)
+
+    def stream(self, h: torch.Tensor) -> torch.Tensor:
+        """The residual stream's dtype for hidden states entering the layers (the embedding output, or a pipeline
+        stage's input): the autocast dtype when ``residual_in_fp32`` is off under autocast, else unchanged."""
+        device_type = h.device.type
+        if not self.residual_in_fp32 and torch.is_autocast_enabled(device_type):
+            return h.to(torch.get_autocast_dtype(device_type))
+        return h
+
+    def final_norm(self, h: torch.Tensor) -> torch.Tensor:
+        """norm_f, in the parameters' dtype as HF does with the fp32 stream, in the stream's own dtype otherwise."""
+        return self.norm_f(h.to(self.norm_f.weight.dtype) if self.residual_in_fp32 else h)  # (B, T, D)
 
 
 class Mamba(nn.Module):
@@ -239,7 +248,7 @@ class Mamba(nn.Module):
         T = tokens.shape[1]
         if T > self.args.max_seq_len:
             raise ValueError(f"sequence length {T} exceeds model.args.max_seq_len {self.args.max_seq_len}")
-        h = self.backbone(tokens)  # (B, T, D) in the parameters' dtype
+        h = self.backbone(tokens)  # (B, T, D): the parameters' dtype, or the stream's (residual_in_fp32 false)
         if targets is not None:
             return lm_cross_entropy(h, self.lm_head.weight, targets)
         return self.lm_head(h)  # (B, T, V)

@@ -95,12 +95,12 @@ class MambaStage(nn.Module):
         """Token ids (B, T) on the first stage, hidden states (B, T, D) later; returns hidden states, or on the last
         stage logits (B, T, V) / the mean token loss when ``targets`` (B, T) are given."""
         bb = self.backbone
-        h = bb.embeddings(x) if bb.embeddings is not None else x  # (B, T, D)
+        h = bb.stream(bb.embeddings(x) if bb.embeddings is not None else x)  # (B, T, D); stages pass it in fp32
         for block in bb.layers.values():
             h = block(h)
         if bb.norm_f is None:
             return h
-        h = bb.norm_f(h.to(bb.norm_f.weight.dtype))
+        h = bb.final_norm(h)
         if targets is not None:
             return lm_cross_entropy(h, self.lm_head.weight, targets)
         return self.lm_head(h)
