@@ -116,3 +116,21 @@ def test_launchers_take_batch_folded_layouts_and_out(cfg):
     dx, dw, db = _bwd(folded(x), w, b, folded(dout), True, cfg)
     assert dx.stride() == (seqlen, batch * seqlen, 1)
     assert torch.equal(dx, dx_ref) and torch.equal(dw, dw_ref) and torch.equal(db, db_ref)
+
+
+def test_fast_sigmoid_only_for_fp32_gpu_tensors_outside_the_interpreter(monkeypatch):
+    """The libdevice sigmoid (SILU mode 2) needs a GPU compile: never for CPU tensors, fp64 or the interpreter."""
+    from types import SimpleNamespace
+
+    import triton.language as tl
+
+    from anytrain.kernels.causal_conv1d import _silu_mode
+
+    cpu, gpu = torch.empty(1), SimpleNamespace(device=torch.device("cuda", 0))
+    assert _silu_mode(False, cpu, tl.float32) == 0
+    assert _silu_mode(True, cpu, tl.float32) == 1
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    assert _silu_mode(True, gpu, tl.float32) == 2
+    assert _silu_mode(True, gpu, tl.float64) == 1
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert _silu_mode(True, gpu, tl.float32) == 1

@@ -21,6 +21,7 @@ import torch
 import triton
 import triton.language as tl
 from torch import Tensor
+from triton.language.extra import libdevice
 
 from anytrain import hardware
 from anytrain.kernels import _make_callable
@@ -70,8 +71,12 @@ def default_config() -> ConvConfig:
 
 
 @triton.jit
-def _sigmoid(x):
-    # exp(-x) overflowing to inf for x << 0 gives 1 / inf = 0, the right limit (no NaN): no branch needed
+def _sigmoid(x, FAST: tl.constexpr):
+    # exp(-x) overflowing to inf for x << 0 gives 1 / inf = 0, the right limit (no NaN): no branch needed. FAST (fp32
+    # on a GPU): the approximate exp and division (ex2.approx.ftz, div.approx.ftz on CUDA; their ROCm twins), 2 ulp
+    # each, without the IEEE division's range checks: 350 instead of 417 instructions per 8 outputs in the backward
+    if FAST:
+        return libdevice.fast_dividef(1.0, 1.0 + libdevice.fast_expf(-x))
     return 1.0 / (1.0 + tl.exp(-x))
 
 
@@ -115,8 +120,9 @@ def _conv4(w0, w1, w2, w3, bias, p1, p2, p3, x0, x1, x2, x3):
 
 @triton.jit
 def _dsilu(d, p, SILU: tl.constexpr):
+    # SILU: 0 none, 1 SiLU, 2 SiLU with the fast sigmoid
     if SILU:
-        s = _sigmoid(p)
+        s = _sigmoid(p, SILU == 2)
         d = d * s * (1.0 + p * (1.0 - s))
     return d
 
@@ -188,7 +194,7 @@ def _conv_fwd_kernel(
     o0, o1, o2, o3 = _conv4(w0, w1, w2, w3, bias, p1, p2, p3, x0, x1, x2, x3)
     out = _join4(o0, o1, o2, o3)
     if SILU:
-        out = out * _sigmoid(out)
+        out = out * _sigmoid(out, SILU == 2)
     tt = 4 * j[:, None] + tl.arange(0, 4)[None, :]
     o_rows = out_ptr + b * s_ob + offs_d * s_od
     tl.store(o_rows[:, None, None] + tt[None, :, :], out.to(out_ptr.dtype.element_ty),
@@ -372,6 +378,15 @@ def _bwd_splits(cfg: ConvConfig, dim: int, n_iters: int) -> tuple[int, int]:
     return triton.cdiv(n_iters, per), per
 
 
+def _silu_mode(silu: bool, x: Tensor, acc) -> int:
+    """The kernels' SILU constexpr: 0 none, 1 SiLU, 2 SiLU with the fast fp32 sigmoid (GPU tensors, not under the
+    Triton interpreter, which has no libdevice)."""
+    if not silu:
+        return 0
+    fast = acc == tl.float32 and x.device.type == "cuda" and os.environ.get("TRITON_INTERPRET", "0") != "1"
+    return 2 if fast else 1
+
+
 def _fwd(
     x: Tensor, weight: Tensor, bias: Tensor | None, silu: bool, cfg: ConvConfig, *, out: Tensor | None = None
 ) -> Tensor:
@@ -386,7 +401,7 @@ def _fwd(
         x, weight, bias if bias is not None else weight, out, dim, seqlen,
         x.stride(0), x.stride(1), out.stride(0), out.stride(1), weight.stride(0), weight.stride(1),
         BLOCK_D=cfg.block_d, BLOCK_T=cfg.block_t, PADW=_TAPS - weight.shape[1], HAS_BIAS=bias is not None,
-        SILU=silu, ACC=acc, EVEN=seqlen % 4 == 0,
+        SILU=_silu_mode(silu, x, acc), ACC=acc, EVEN=seqlen % 4 == 0,
         num_warps=cfg.num_warps,
     )  # fmt: skip
     return out
@@ -413,7 +428,7 @@ def _bwd(
         x.stride(0), x.stride(1), dout.stride(0), dout.stride(1), dx.stride(0), dx.stride(1),
         weight.stride(0), weight.stride(1),
         BLOCK_D=cfg.block_d_bwd, BLOCK_T=cfg.block_t_bwd, PADW=_TAPS - width, HAS_BIAS=bias is not None,
-        SILU=silu, ACC=acc, EVEN=seqlen % (8 if eight else 4) == 0, STAGES=cfg.stages_bwd or None,
+        SILU=_silu_mode(silu, x, acc), ACC=acc, EVEN=seqlen % (8 if eight else 4) == 0, STAGES=cfg.stages_bwd or None,
         num_warps=cfg.num_warps_bwd,
     )  # fmt: skip
     dweight = dw[0] if splits == 1 else dw.sum(0)
