@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 SRC = ROOT / "src"
@@ -28,6 +29,20 @@ def run_cli(*args: str, cwd: Path | None = None, timeout: int = 600, gpu: bool =
             **env: str) -> subprocess.CompletedProcess:  # fmt: skip
     return subprocess.run([sys.executable, "-m", "anytrain", *args], cwd=cwd or ROOT, env=cli_env(gpu, **env),
                           capture_output=True, text=True, timeout=timeout)  # fmt: skip
+
+
+def autocast_block_outputs(models: dict, block_of, tokens) -> tuple[dict, dict, dict]:
+    """For each named model: the output of its block ``block_of(model)`` and its mean next-token loss (as fp32) under
+    CPU bf16 autocast, and the dtype of its logits without autocast — (block outputs, losses, plain dtypes). The
+    residual-stream dtype tests of both model families."""
+    block_out, losses, plain = {}, {}, {}
+    for name, model in models.items():
+        hook = block_of(model).register_forward_hook(lambda m, a, out, key=name: block_out.__setitem__(key, out))
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            losses[name] = model(tokens, targets=tokens).float()
+        hook.remove()
+        plain[name] = model(tokens).dtype
+    return block_out, losses, plain
 
 
 def _corpus_files(n: int) -> list[Path]:

@@ -129,13 +129,18 @@ def fused_adamw_available(device: torch.device) -> bool:
     return is_gpu(device)
 
 
+def triton_interpreted() -> bool:
+    """Triton's interpreter is on (TRITON_INTERPRET=1: kernels run as Python on CPU tensors; tests)."""
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
 def triton_available(device: torch.device) -> bool:
     """Triton kernels run on NVIDIA and AMD GPUs; on CPU only in the interpreter (TRITON_INTERPRET=1)."""
     try:
         import triton  # noqa: F401
     except ImportError:
         return False
-    return is_gpu(device) or os.environ.get("TRITON_INTERPRET") == "1"
+    return is_gpu(device) or triton_interpreted()
 
 
 def synchronize(device: torch.device) -> None:

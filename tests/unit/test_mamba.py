@@ -12,6 +12,7 @@ from anytrain import models
 from anytrain.config import ModelConfig
 from anytrain.errors import ConfigError
 from anytrain.models.mamba import MAMBA_FLAVOURS, Mamba, MambaArgs, spec
+from tests.conftest import autocast_block_outputs
 
 if "mamba" not in models.REGISTRY:  # until anytrain.models registers the spec itself
     models.register(spec())
@@ -61,14 +62,10 @@ def test_residual_stream_dtype_under_autocast():
     bf16_model = debug_model(residual_in_fp32=False)
     bf16_model.load_state_dict(fp32_model.state_dict())
     tokens = torch.randint(0, 512, (2, 16))
-    block_out, losses = {}, {}
-    for name, model in (("fp32", fp32_model), ("bf16", bf16_model)):
-        layer = model.backbone.layers["1"]
-        hook = layer.register_forward_hook(lambda m, a, out, key=name: block_out.__setitem__(key, out))
-        with torch.autocast("cpu", dtype=torch.bfloat16):
-            losses[name] = model(tokens, targets=tokens).float()
-        hook.remove()
-        assert model(tokens).dtype == torch.float32  # no autocast: fp32 throughout
+    block_out, losses, plain = autocast_block_outputs(
+        {"fp32": fp32_model, "bf16": bf16_model}, lambda m: m.backbone.layers["1"], tokens
+    )
+    assert plain == {"fp32": torch.float32, "bf16": torch.float32}  # no autocast: fp32 throughout
     assert (block_out["fp32"].dtype, block_out["bf16"].dtype) == (torch.float32, torch.bfloat16)
     torch.testing.assert_close(losses["bf16"], losses["fp32"], rtol=0, atol=2e-2)
 

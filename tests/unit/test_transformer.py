@@ -5,6 +5,7 @@ from anytrain.config import ModelConfig
 from anytrain.errors import ConfigError
 from anytrain.models import build_model, list_flavours, resolve_args
 from anytrain.models.transformer import Transformer, TransformerArgs, apply_rope, rope_tables
+from tests.conftest import autocast_block_outputs
 
 
 def small_args(**kw):
@@ -104,13 +105,10 @@ def test_residual_stream_dtype_under_autocast():
     bf16_model = Transformer(TransformerArgs(**shape))
     fp32_model = Transformer(TransformerArgs(**shape, residual_in_fp32=True))
     fp32_model.load_state_dict(bf16_model.state_dict())
-    block_out, losses = {}, {}
-    for name, model in (("bf16", bf16_model), ("fp32", fp32_model)):
-        hook = model.layers["1"].register_forward_hook(lambda m, a, out, key=name: block_out.__setitem__(key, out))
-        with torch.autocast("cpu", dtype=torch.bfloat16):
-            losses[name] = model(tokens, targets=tokens).float()
-        hook.remove()
-        assert model(tokens).dtype == torch.float32  # no autocast: fp32 throughout
+    block_out, losses, plain = autocast_block_outputs(
+        {"bf16": bf16_model, "fp32": fp32_model}, lambda m: m.layers["1"], tokens
+    )
+    assert plain == {"bf16": torch.float32, "fp32": torch.float32}  # no autocast: fp32 throughout
     assert (block_out["bf16"].dtype, block_out["fp32"].dtype) == (torch.bfloat16, torch.float32)
     torch.testing.assert_close(losses["bf16"], losses["fp32"], rtol=0, atol=2e-2)
 

@@ -17,6 +17,7 @@ from types import ModuleType
 
 from torch import Tensor
 
+from anytrain import hardware
 from anytrain.kernels.reference import causal_conv1d_ref, selective_scan_ref
 
 __all__ = [
@@ -127,7 +128,7 @@ def _use_triton(x: Tensor) -> bool:
             )
             _warned_gpu_fallback = True
         return False
-    if not x.is_cuda and os.environ.get("TRITON_INTERPRET", "0") != "1":
+    if not x.is_cuda and not hardware.triton_interpreted():
         raise RuntimeError("kernel backend 'triton' on CPU tensors needs TRITON_INTERPRET=1 (slow; for tests)")
     return True
 

@@ -383,7 +383,7 @@ def _silu_mode(silu: bool, x: Tensor, acc) -> int:
     Triton interpreter, which has no libdevice)."""
     if not silu:
         return 0
-    fast = acc == tl.float32 and x.device.type == "cuda" and os.environ.get("TRITON_INTERPRET", "0") != "1"
+    fast = acc == tl.float32 and hardware.is_gpu(x.device) and not hardware.triton_interpreted()
     return 2 if fast else 1
 
 

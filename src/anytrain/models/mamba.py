@@ -35,7 +35,7 @@ from anytrain.kernels import causal_conv1d, selective_scan
 from anytrain.kernels.mamba_inner import mamba_inner_triton, mixer_composition, use_mamba_inner
 from anytrain.models.losses import lm_cross_entropy
 from anytrain.models.sampling import sample
-from anytrain.models.transformer import RMSNorm
+from anytrain.models.transformer import RMSNorm, residual_stream
 
 if TYPE_CHECKING:
     from anytrain.models import ModelSpec
@@ -198,10 +198,7 @@ class MambaBackbone(nn.Module):
     def stream(self, h: torch.Tensor) -> torch.Tensor:
         """The residual stream's dtype for hidden states entering the layers (the embedding output, or a pipeline
         stage's input): the autocast dtype when ``residual_in_fp32`` is off under autocast, else unchanged."""
-        device_type = h.device.type
-        if not self.residual_in_fp32 and torch.is_autocast_enabled(device_type):
-            return h.to(torch.get_autocast_dtype(device_type))
-        return h
+        return residual_stream(h, self.residual_in_fp32)
 
     def final_norm(self, h: torch.Tensor) -> torch.Tensor:
         """norm_f, in the parameters' dtype as HF does with the fp32 stream, in the stream's own dtype otherwise."""

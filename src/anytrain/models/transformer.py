@@ -100,6 +100,15 @@ class RMSNorm(nn.Module):
         nn.init.ones_(self.weight)
 
 
+def residual_stream(h: torch.Tensor, keep_fp32: bool) -> torch.Tensor:
+    """Hidden states entering the blocks in the residual stream's dtype: the autocast dtype unless ``keep_fp32`` (the
+    models' ``residual_in_fp32``) or autocast is off. Shared by the Transformer and Mamba."""
+    device_type = h.device.type
+    if keep_fp32 or not torch.is_autocast_enabled(device_type):
+        return h
+    return h.to(torch.get_autocast_dtype(device_type))
+
+
 def rope_tables(head_dim: int, max_seq_len: int, theta: float, device=None) -> tuple[torch.Tensor, torch.Tensor]:
     """cos and sin tables (T, E/2) in fp32 for rotating pairs (x[2i], x[2i+1]) by angle t·theta^(-2i/E)."""
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim))
@@ -222,17 +231,10 @@ class Transformer(nn.Module):
             raise ValueError(f"sequence length {T} exceeds model.args.max_seq_len {self.args.max_seq_len}")
         cos, sin = self.rope_cos[:T], self.rope_sin[:T]
         h = self.tok_embeddings(x) if self.tok_embeddings is not None else x  # (B, T, D)
-        h = self._residual_dtype(h)
+        h = residual_stream(h, self.args.residual_in_fp32)
         for block in self.layers.values():
             h = block(h, cos, sin)
         return self.norm(h) if self.norm is not None else h
-
-    def _residual_dtype(self, h: torch.Tensor) -> torch.Tensor:
-        """The residual stream's dtype: the autocast dtype unless ``residual_in_fp32`` (or autocast is off)."""
-        device_type = h.device.type
-        if self.args.residual_in_fp32 or not torch.is_autocast_enabled(device_type):
-            return h
-        return h.to(torch.get_autocast_dtype(device_type))
 
     def forward(self, tokens: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
         """Logits (B, T, V), or with ``targets`` (B, T) the mean next-token loss (a scalar) — the training path,
