@@ -294,12 +294,6 @@ def main() -> int:
             ConvConfig(2, 1024, 4, 2, 1024, 4, 1024, 0, 8), ConvConfig(2, 1024, 4, 1, 1024, 2, 1024, 0, 8),
             ConvConfig(2, 1024, 4, 1, 512, 2, 1024, 0, 8), ConvConfig(2, 1024, 4, 1, 2048, 8, 1024, 0, 8),
             ConvConfig(2, 1024, 4, 1, 1024, 4, 2048, 0, 8), ConvConfig(2, 1024, 4, 2, 512, 2, 1024, 0, 8),
-            # the next run's derivatives from the neighbouring thread (carry_bwd 1; offline Triton 3.6 sm_90: 304
-            # instructions per 8 outputs, 64 registers, shuffles when a warp holds a row of runs: <= 32 runs of 8)
-            ConvConfig(2, 1024, 4, 4, 256, 4, 1024, 0, 8, 1), ConvConfig(2, 1024, 4, 2, 256, 2, 1024, 0, 8, 1),
-            ConvConfig(2, 1024, 4, 1, 256, 1, 1024, 0, 8, 1), ConvConfig(2, 1024, 4, 8, 256, 8, 1024, 0, 8, 1),
-            ConvConfig(2, 1024, 4, 8, 128, 4, 1024, 0, 8, 1), ConvConfig(2, 1024, 4, 4, 256, 4, 2048, 0, 8, 1),
-            ConvConfig(2, 1024, 4, 4, 256, 4, 4096, 0, 8, 1), ConvConfig(2, 1024, 4, 1, 1024, 4, 1024, 0, 8, 1),
         ]  # fmt: skip
         if args.conv_configs:
             conv_variants = [conv_mod.default_config()] + [

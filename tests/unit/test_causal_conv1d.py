@@ -31,20 +31,6 @@ CFG_EIGHT = ConvConfig(block_d=2, block_t=8, num_warps=1, block_d_bwd=2, block_t
                        slots_bwd=8)  # fmt: skip
 CFG_EIGHT_ONE = ConvConfig(block_d=2, block_t=8, num_warps=1, block_d_bwd=2, block_t_bwd=8, num_warps_bwd=1,
                            min_programs_bwd=1, slots_bwd=8)  # fmt: skip
-# runs of 8 whose next-run derivatives come from the neighbouring run and the later tile (carry_bwd 1): one program
-# per channel block walking every tile backwards; one tile per program (each also does the tile after its own); and
-# ranges of 2 tiles that start and end inside sequences (seqlen 19 / 24: 3 tiles of 8 per sequence, 6 in all)
-CFG_CARRY = ConvConfig(block_d=2, block_t=8, num_warps=1, block_d_bwd=2, block_t_bwd=16, num_warps_bwd=1,
-                       min_programs_bwd=1, slots_bwd=8, carry_bwd=1)  # fmt: skip
-CFG_CARRY_SPLITS = ConvConfig(block_d=2, block_t=8, num_warps=1, block_d_bwd=2, block_t_bwd=8, num_warps_bwd=1,
-                              slots_bwd=8, carry_bwd=1)  # fmt: skip
-CFG_CARRY_PAIRS = ConvConfig(block_d=2, block_t=8, num_warps=1, block_d_bwd=2, block_t_bwd=8, num_warps_bwd=1,
-                             min_programs_bwd=9, slots_bwd=8, carry_bwd=1)  # fmt: skip
-# the next iteration's loads issued ahead (prefetch_bwd 1), with and without the carry
-CFG_EIGHT_PF = ConvConfig(block_d=2, block_t=8, num_warps=1, block_d_bwd=2, block_t_bwd=8, num_warps_bwd=1,
-                          min_programs_bwd=9, slots_bwd=8, prefetch_bwd=1)  # fmt: skip
-CFG_CARRY_PF = ConvConfig(block_d=2, block_t=8, num_warps=1, block_d_bwd=2, block_t_bwd=8, num_warps_bwd=1,
-                          min_programs_bwd=9, slots_bwd=8, carry_bwd=1, prefetch_bwd=1)  # fmt: skip
 
 
 @pytest.mark.parametrize(
@@ -54,10 +40,8 @@ CFG_CARRY_PF = ConvConfig(block_d=2, block_t=8, num_warps=1, block_d_bwd=2, bloc
 )  # fmt: skip
 @pytest.mark.parametrize(
     "cfg",
-    [CFG, CFG_ONE_SPLIT, CFG_PIPELINED, CFG_EIGHT, CFG_EIGHT_ONE, CFG_CARRY, CFG_CARRY_SPLITS, CFG_CARRY_PAIRS,
-     CFG_EIGHT_PF, CFG_CARRY_PF],
-    ids=["splits", "one-split", "pipelined", "eight", "eight-one-split", "carry", "carry-splits", "carry-pairs",
-         "eight-prefetch", "carry-prefetch"],
+    [CFG, CFG_ONE_SPLIT, CFG_PIPELINED, CFG_EIGHT, CFG_EIGHT_ONE],
+    ids=["splits", "one-split", "pipelined", "eight", "eight-one-split"],
 )
 def test_matches_reference(width, seqlen, has_bias, act, cfg):
     g = torch.Generator().manual_seed(width * 100 + seqlen)
@@ -97,10 +81,6 @@ def test_rejects_bad_arguments():
         causal_conv1d_triton(x, torch.randn(2, 5))
     with pytest.raises(ValueError, match="slots_bwd"):
         causal_conv1d_triton(x, w, config=ConvConfig(slots_bwd=2))
-    with pytest.raises(ValueError, match="prefetch_bwd"):
-        causal_conv1d_triton(x, w, config=ConvConfig(prefetch_bwd=1))
-    with pytest.raises(ValueError, match="carry_bwd"):
-        causal_conv1d_triton(x, w, config=ConvConfig(carry_bwd=1))  # runs of 4 have no carry variant
 
 
 def test_backward_split_count():
@@ -110,7 +90,6 @@ def test_backward_split_count():
     assert _bwd_splits(CFG, dim=5, n_iters=6) == (6, 1)  # 3 channel blocks < 1024 programs: one iteration each
     cfg = ConvConfig(block_d_bwd=4, min_programs_bwd=8)
     assert _bwd_splits(cfg, dim=8, n_iters=7) == (4, 2)  # 2 blocks x 4 splits of ceil(7 / 4) = 2 iterations
-    assert _bwd_splits(CFG_CARRY_PAIRS, dim=5, n_iters=6) == (3, 2)  # the carry-pairs case: 2 of 3 tiles each
 
 
 @pytest.mark.parametrize("cfg", [CFG, CFG_ONE_SPLIT], ids=["splits", "one-split"])

@@ -47,26 +47,11 @@ class ConvConfig:
     """Backward: consecutive timesteps per thread (4 or 8). Each thread recomputes the activation derivative of the
     3 timesteps after its run (the next run's first 3), so 8 does 11 instead of 14 of them per 8 outputs and loads
     28 instead of 40 values."""
-    carry_bwd: int = 0
-    """Backward with runs of 8 only: 1 takes the next run's first 3 activation derivatives from the thread that owns
-    that run (``tl.gather``: warp shuffles when a warp holds a whole row of runs, else shared memory) and, for a
-    tile's last run, from the later tile, which the time-reversed loop has just done, instead of recomputing them:
-    8 derivatives and 19 loaded values per 8 outputs."""
-
-    prefetch_bwd: int = 0
-    """Backward with runs of 8 only: 1 loads the next iteration's x / dout (in their storage dtype, in registers)
-    while this one computes, so a program's loads overlap its own arithmetic and not only other warps'."""
 
     def __post_init__(self) -> None:  # every path (the public op, the fused mixer, ANYTRAIN_CONV_CONFIG) builds one
         if self.slots_bwd not in (4, 8) or self.block_t_bwd < self.slots_bwd:
             raise ValueError(f"ConvConfig: slots_bwd must be 4 or 8 and at most block_t_bwd ({self.block_t_bwd}), "
                              f"got {self.slots_bwd}")  # fmt: skip
-        if self.carry_bwd not in (0, 1) or (self.carry_bwd and self.slots_bwd != 8):
-            raise ValueError(f"ConvConfig: carry_bwd must be 0 or 1, and 1 needs slots_bwd 8; got carry_bwd "
-                             f"{self.carry_bwd} with slots_bwd {self.slots_bwd}")  # fmt: skip
-        if self.prefetch_bwd not in (0, 1) or (self.prefetch_bwd and self.slots_bwd != 8):
-            raise ValueError(f"ConvConfig: prefetch_bwd must be 0 or 1, and 1 needs slots_bwd 8; got prefetch_bwd "
-                             f"{self.prefetch_bwd} with slots_bwd {self.slots_bwd}")  # fmt: skip
 
 
 _VENDOR_CONFIGS = {  # CUDA: fastest GPU time of the H200 sweeps (bench/results/mamba_kernels_nvidia-h200_conv8.json)
@@ -78,7 +63,7 @@ _VENDOR_CONFIGS = {  # CUDA: fastest GPU time of the H200 sweeps (bench/results/
 
 def default_config() -> ConvConfig:
     """Per-vendor tiles; env ANYTRAIN_CONV_CONFIG="block_d,block_t,warps,block_d_bwd,block_t_bwd,warps_bwd" with
-    optional 7th-11th values, min_programs_bwd, stages_bwd, slots_bwd, carry_bwd and prefetch_bwd."""
+    optional 7th-9th values, min_programs_bwd, stages_bwd and slots_bwd."""
     env = os.environ.get("ANYTRAIN_CONV_CONFIG")
     if env:
         return ConvConfig(*(int(v) for v in env.split(",")))
@@ -111,21 +96,16 @@ def _join4(v0, v1, v2, v3):
 
 
 @triton.jit
-def _load4_raw(rows, j, mask_d, seqlen, EVEN: tl.constexpr):
-    # rows: (BLOCK_D,) row pointers; j: (J,) block-of-4 indices -> x[rows, 4j + 0..3] as (BLOCK_D, J, 4), zero outside,
-    # in the storage dtype. EVEN (seqlen % 4 == 0): the mask is per block of 4, so the load is one aligned vector.
+def _load4(rows, j, mask_d, seqlen, ACC: tl.constexpr, EVEN: tl.constexpr):
+    # rows: (BLOCK_D,) row pointers; j: (J,) block-of-4 indices -> x[rows, 4j + 0..3] as (BLOCK_D, J, 4), zero outside.
+    # EVEN (seqlen % 4 == 0): the mask is per block of 4, so the load is one aligned 4-element vector.
     tt = 4 * j[:, None] + tl.arange(0, 4)[None, :]  # (J, 4)
     if EVEN:
         mj = (j >= 0) & (4 * j < seqlen)
         m = mask_d[:, None, None] & (mj[:, None] & (tl.arange(0, 4) < 4)[None, :])[None, :, :]
     else:
         m = mask_d[:, None, None] & ((tt >= 0) & (tt < seqlen))[None, :, :]
-    return tl.load(rows[:, None, None] + tt[None, :, :], mask=m, other=0.0)
-
-
-@triton.jit
-def _load4(rows, j, mask_d, seqlen, ACC: tl.constexpr, EVEN: tl.constexpr):
-    return _load4_raw(rows, j, mask_d, seqlen, EVEN).to(ACC)
+    return tl.load(rows[:, None, None] + tt[None, :, :], mask=m, other=0.0).to(ACC)
 
 
 @triton.jit
@@ -293,29 +273,10 @@ def _halves8(v):
 
 
 @triton.jit
-def _load8_raw(rows, j, mask_d, seqlen, EVEN: tl.constexpr):
-    # x[rows, 8j + 0..7] as (BLOCK_D, J, 8) for j >= 0, zero past seqlen, in the storage dtype; EVEN (seqlen % 8 ==
-    # 0): one aligned vector
+def _load8(rows, j, mask_d, seqlen, ACC: tl.constexpr, EVEN: tl.constexpr):
+    # x[rows, 8j + 0..7] as (BLOCK_D, J, 8) for j >= 0, zero past seqlen; EVEN (seqlen % 8 == 0): one aligned vector
     tt = 8 * j[:, None] + tl.arange(0, 8)[None, :]  # (J, 8)
-    return tl.load(rows[:, None, None] + tt[None, :, :], mask=_time_mask(j, mask_d, seqlen, EVEN, 8), other=0.0)
-
-
-@triton.jit
-def _bwd8_loads(x_ptr, dout_ptr, it, ok, n_tblocks, offs_d, mask_d, seqlen, s_xb, s_xd, s_gb, s_gd,
-                R: tl.constexpr, EVEN: tl.constexpr):  # fmt: skip
-    # the raw inputs of iteration ``it`` of the runs-of-8 backward (everything masked off unless ``ok``): x before
-    # the runs (the previous aligned block of 4), x and dout of the runs, x and dout after them (the next block of 4)
-    b = (it // n_tblocks).to(tl.int64)
-    j = (it % n_tblocks) * R + tl.arange(0, R)
-    md = tl.where(ok, mask_d, False)  # (not mask_d & ok: the interpreter rejects that mask's dtype)
-    x_rows = x_ptr + b * s_xb + offs_d * s_xd
-    g_rows = dout_ptr + b * s_gb + offs_d * s_gd
-    xp = _load4_raw(x_rows, 2 * j - 1, md, seqlen, EVEN)
-    xs = _load8_raw(x_rows, j, md, seqlen, EVEN)
-    xn = _load4_raw(x_rows, 2 * j + 2, md, seqlen, EVEN)
-    gs = _load8_raw(g_rows, j, md, seqlen, EVEN)
-    gn = _load4_raw(g_rows, 2 * j + 2, md, seqlen, EVEN)
-    return xp, xs, xn, gs, gn
+    return tl.load(rows[:, None, None] + tt[None, :, :], mask=_time_mask(j, mask_d, seqlen, EVEN, 8), other=0.0).to(ACC)
 
 
 @triton.jit
@@ -323,12 +284,11 @@ def _conv_bwd8_kernel(
     x_ptr, w_ptr, bias_ptr, dout_ptr, dx_ptr, dw_ptr, db_ptr, dim, seqlen, n_tblocks, n_iters, iters_per_program,
     s_xb, s_xd, s_gb, s_gd, s_db, s_dd, s_wd, s_ww,
     BLOCK_D: tl.constexpr, BLOCK_T: tl.constexpr, PADW: tl.constexpr, HAS_BIAS: tl.constexpr, SILU: tl.constexpr,
-    ACC: tl.constexpr, EVEN: tl.constexpr, STAGES: tl.constexpr = None, PF: tl.constexpr = False,
+    ACC: tl.constexpr, EVEN: tl.constexpr, STAGES: tl.constexpr = None,
 ):  # fmt: skip
     # _conv_bwd_kernel with runs of 8 timesteps per thread (ConvConfig.slots_bwd = 8): time is tiled as (BLOCK_T // 8
     # runs, 8 slots), each run split into halves of 4 slots for the shared helpers; the 3 timesteps before a run come
-    # from the previous aligned block of 4 and the 3 after it from the next one. EVEN: seqlen % 8 == 0. PF: the next
-    # iteration's loads are issued before this one's arithmetic (ConvConfig.prefetch_bwd).
+    # from the previous aligned block of 4 and the 3 after it from the next one. EVEN: seqlen % 8 == 0.
     pid_d = tl.program_id(0)
     pid_s = tl.program_id(1)
     offs_d = pid_d * BLOCK_D + tl.arange(0, BLOCK_D)
@@ -341,30 +301,20 @@ def _conv_bwd8_kernel(
     acc3 = tl.zeros((BLOCK_D, BLOCK_T // 8), dtype=ACC)
     accb = tl.zeros((BLOCK_D, BLOCK_T // 8), dtype=ACC)
     it0 = pid_s * iters_per_program
-    it1 = tl.minimum(it0 + iters_per_program, n_iters)
-    R: tl.constexpr = BLOCK_T // 8
-    if PF:
-        qp, qs, qn, qg, qf = _bwd8_loads(x_ptr, dout_ptr, it0, it0 < it1, n_tblocks, offs_d, mask_d, seqlen,
-                                         s_xb, s_xd, s_gb, s_gd, R, EVEN)  # fmt: skip
-    for it in tl.range(it0, it1, num_stages=STAGES):
+    for it in tl.range(it0, tl.minimum(it0 + iters_per_program, n_iters), num_stages=STAGES):
         b = (it // n_tblocks).to(tl.int64)
-        j = (it % n_tblocks) * R + tl.arange(0, R)  # runs of 8
-        if PF:
-            xp, xs, xn, gs, gn = qp, qs, qn, qg, qf
-            qp, qs, qn, qg, qf = _bwd8_loads(x_ptr, dout_ptr, it + 1, it + 1 < it1, n_tblocks, offs_d, mask_d,
-                                             seqlen, s_xb, s_xd, s_gb, s_gd, R, EVEN)  # fmt: skip
-        else:
-            xp, xs, xn, gs, gn = _bwd8_loads(x_ptr, dout_ptr, it, it < it1, n_tblocks, offs_d, mask_d, seqlen,
-                                             s_xb, s_xd, s_gb, s_gd, R, EVEN)  # fmt: skip
-        _, p1, p2, p3 = _split4(xp.to(ACC))
-        xl, xh = _halves8(xs.to(ACC))
+        j = (it % n_tblocks) * (BLOCK_T // 8) + tl.arange(0, BLOCK_T // 8)  # runs of 8
+        x_rows = x_ptr + b * s_xb + offs_d * s_xd
+        g_rows = dout_ptr + b * s_gb + offs_d * s_gd
+        _, p1, p2, p3 = _split4(_load4(x_rows, 2 * j - 1, mask_d, seqlen, ACC, EVEN))
+        xl, xh = _halves8(_load8(x_rows, j, mask_d, seqlen, ACC, EVEN))
         x0, x1, x2, x3 = _split4(xl)
         x4, x5, x6, x7 = _split4(xh)
-        n0, n1, n2, _ = _split4(xn.to(ACC))
-        gl, gh = _halves8(gs.to(ACC))
+        n0, n1, n2, _ = _split4(_load4(x_rows, 2 * j + 2, mask_d, seqlen, ACC, EVEN))
+        gl, gh = _halves8(_load8(g_rows, j, mask_d, seqlen, ACC, EVEN))
         g0, g1, g2, g3 = _split4(gl)
         g4, g5, g6, g7 = _split4(gh)
-        f0, f1, f2, _ = _split4(gn.to(ACC))
+        f0, f1, f2, _ = _split4(_load4(g_rows, 2 * j + 2, mask_d, seqlen, ACC, EVEN))
         c0, c1, c2, c3 = _conv4(w0, w1, w2, w3, bias, p1, p2, p3, x0, x1, x2, x3)
         c4, c5, c6, c7 = _conv4(w0, w1, w2, w3, bias, x1, x2, x3, x4, x5, x6, x7)
         e0 = _dsilu(g0, c0, SILU)
@@ -405,131 +355,6 @@ def _conv_bwd8_kernel(
         acc3 += k3 + h3
         accb += (e0 + e1 + e2 + e3) + (e4 + e5 + e6 + e7)
     row = pid_s * dim + offs_d  # (BLOCK_D,) row of the (n_splits, dim, ...) outputs
-    _store_dw_db(dw_ptr, db_ptr, row, mask_d, acc0, acc1, acc2, acc3, accb, PADW, HAS_BIAS)
-
-
-@triton.jit
-def _load_runs(rows, t, mask_d, seqlen, R: tl.constexpr):
-    # x[rows, t] for t in [0, seqlen) (else 0) as (BLOCK_D, R, 8) in the storage dtype: loaded through a 2-D pointer,
-    # whose one contiguous dimension gives the same layout on every Triton version (vectors along time, lanes over
-    # runs, warps over channels; a 3-D pointer's tie between channels and runs is broken differently by 3.6 and 3.9)
-    v = tl.load(rows[:, None] + t[None, :], mask=mask_d[:, None] & ((t >= 0) & (t < seqlen))[None, :], other=0.0)
-    return tl.reshape(v, (v.shape[0], R, 8))
-
-
-@triton.jit
-def _runs_loads(x_ptr, dout_ptr, it, ok, n_tblocks, offs_d, mask_d, seqlen, s_xb, s_xd, s_gb, s_gd,
-                BLOCK_T: tl.constexpr):  # fmt: skip
-    # the raw inputs of iteration ``it`` of the carry backward (masked off unless ``ok``): x at 8j - 4 .. 8j + 3 (the
-    # 3 timesteps before each run are its slots 1-3), x and dout of the runs
-    b = (it // n_tblocks).to(tl.int64)
-    t = (it % n_tblocks) * BLOCK_T + tl.arange(0, BLOCK_T)
-    md = tl.where(ok, mask_d, False)  # (not mask_d & ok: the interpreter rejects that mask's dtype)
-    x_rows = x_ptr + b * s_xb + offs_d * s_xd
-    g_rows = dout_ptr + b * s_gb + offs_d * s_gd
-    R: tl.constexpr = BLOCK_T // 8
-    return (_load_runs(x_rows, t - 4, md, seqlen, R), _load_runs(x_rows, t, md, seqlen, R),
-            _load_runs(g_rows, t, md, seqlen, R))  # fmt: skip
-
-
-@triton.jit
-def _conv_bwd8c_kernel(
-    x_ptr, w_ptr, bias_ptr, dout_ptr, dx_ptr, dw_ptr, db_ptr, dim, seqlen, n_tblocks, n_iters, iters_per_program,
-    s_xb, s_xd, s_gb, s_gd, s_db, s_dd, s_wd, s_ww,
-    BLOCK_D: tl.constexpr, BLOCK_T: tl.constexpr, PADW: tl.constexpr, HAS_BIAS: tl.constexpr, SILU: tl.constexpr,
-    ACC: tl.constexpr, EVEN: tl.constexpr, STAGES: tl.constexpr = None, PF: tl.constexpr = False,
-):  # fmt: skip
-    # _conv_bwd8_kernel (runs of 8) without recomputing the next run's first 3 activation derivatives (ConvConfig.
-    # carry_bwd): run r takes them from run r + 1 with a gather along the runs; a tile's last run takes run 0 of the
-    # later tile, which the loop (walking each program's (batch, time block) iterations backwards) did just before
-    # and carried in registers; zero after a sequence's end. A program whose range ends inside a sequence first does
-    # the tile after it, without storing or summing anything, only for that carry.
-    R: tl.constexpr = BLOCK_T // 8
-    pid_d = tl.program_id(0)
-    pid_s = tl.program_id(1)
-    offs_d = pid_d * BLOCK_D + tl.arange(0, BLOCK_D)
-    mask_d = offs_d < dim
-    w0, w1, w2, w3 = _load_taps(w_ptr, offs_d, mask_d, s_wd, s_ww, PADW, ACC)
-    bias = _bias_col(bias_ptr, offs_d, mask_d, HAS_BIAS, BLOCK_D, ACC)
-    r = tl.arange(0, R)
-    first = (r == 0)[None, :]
-    nxt = tl.broadcast_to(((r + 1) % R)[None, :], (BLOCK_D, R))  # run r reads run r + 1; the last run reads slot 0
-    acc0 = tl.zeros((BLOCK_D, R), dtype=ACC)
-    acc1 = tl.zeros((BLOCK_D, R), dtype=ACC)
-    acc2 = tl.zeros((BLOCK_D, R), dtype=ACC)
-    acc3 = tl.zeros((BLOCK_D, R), dtype=ACC)
-    accb = tl.zeros((BLOCK_D, R), dtype=ACC)
-    q0 = tl.zeros((BLOCK_D, R), dtype=ACC)  # the later tile's derivatives (its run 0 is what is read)
-    q1 = tl.zeros((BLOCK_D, R), dtype=ACC)
-    q2 = tl.zeros((BLOCK_D, R), dtype=ACC)
-    lo = pid_s * iters_per_program
-    hi = tl.minimum(lo + iters_per_program, n_iters)
-    start = hi - 1 + (hi % n_tblocks != 0).to(tl.int32)  # one tile more when the range ends inside a sequence
-    if PF:
-        qp, qx, qg = _runs_loads(x_ptr, dout_ptr, start, start >= lo, n_tblocks, offs_d, mask_d, seqlen,
-                                 s_xb, s_xd, s_gb, s_gd, BLOCK_T)  # fmt: skip
-    for k in tl.range(0, start - lo + 1, num_stages=STAGES):
-        it = start - k
-        b = (it // n_tblocks).to(tl.int64)
-        tb = it % n_tblocks
-        j = tb * R + r  # runs of 8
-        t = tb * BLOCK_T + tl.arange(0, BLOCK_T)
-        if PF:
-            xp, xs, gs = qp, qx, qg
-            qp, qx, qg = _runs_loads(x_ptr, dout_ptr, it - 1, it > lo, n_tblocks, offs_d, mask_d, seqlen,
-                                     s_xb, s_xd, s_gb, s_gd, BLOCK_T)  # fmt: skip
-        else:
-            xp, xs, gs = _runs_loads(x_ptr, dout_ptr, it, it >= lo, n_tblocks, offs_d, mask_d, seqlen,
-                                     s_xb, s_xd, s_gb, s_gd, BLOCK_T)  # fmt: skip
-        pl, _ = _halves8(xp.to(ACC))
-        _, p1, p2, p3 = _split4(pl)
-        xl, xh = _halves8(xs.to(ACC))
-        x0, x1, x2, x3 = _split4(xl)
-        x4, x5, x6, x7 = _split4(xh)
-        gl, gh = _halves8(gs.to(ACC))
-        g0, g1, g2, g3 = _split4(gl)
-        g4, g5, g6, g7 = _split4(gh)
-        c0, c1, c2, c3 = _conv4(w0, w1, w2, w3, bias, p1, p2, p3, x0, x1, x2, x3)
-        c4, c5, c6, c7 = _conv4(w0, w1, w2, w3, bias, x1, x2, x3, x4, x5, x6, x7)
-        e0 = _dsilu(g0, c0, SILU)
-        e1 = _dsilu(g1, c1, SILU)
-        e2 = _dsilu(g2, c2, SILU)
-        e3 = _dsilu(g3, c3, SILU)
-        e4 = _dsilu(g4, c4, SILU)
-        e5 = _dsilu(g5, c5, SILU)
-        e6 = _dsilu(g6, c6, SILU)
-        e7 = _dsilu(g7, c7, SILU)
-        e8 = tl.gather(tl.where(first, q0, e0), nxt, axis=1)
-        e9 = tl.gather(tl.where(first, q1, e1), nxt, axis=1)
-        e10 = tl.gather(tl.where(first, q2, e2), nxt, axis=1)
-        q0 = tl.where(tb > 0, e0, 0.0)  # the next iteration is the tile before, or the end of the previous sequence
-        q1 = tl.where(tb > 0, e1, 0.0)
-        q2 = tl.where(tb > 0, e2, 0.0)
-        if it < hi:
-            dxl = _join4(
-                w3 * e0 + w2 * e1 + w1 * e2 + w0 * e3,
-                w3 * e1 + w2 * e2 + w1 * e3 + w0 * e4,
-                w3 * e2 + w2 * e3 + w1 * e4 + w0 * e5,
-                w3 * e3 + w2 * e4 + w1 * e5 + w0 * e6,
-            )
-            dxh = _join4(
-                w3 * e4 + w2 * e5 + w1 * e6 + w0 * e7,
-                w3 * e5 + w2 * e6 + w1 * e7 + w0 * e8,
-                w3 * e6 + w2 * e7 + w1 * e8 + w0 * e9,
-                w3 * e7 + w2 * e8 + w1 * e9 + w0 * e10,
-            )
-            dx = tl.reshape(tl.permute(tl.join(dxl, dxh), (0, 1, 3, 2)), (BLOCK_D, BLOCK_T))
-            dx_rows = dx_ptr + b * s_db + offs_d * s_dd
-            tl.store(dx_rows[:, None] + t[None, :], dx.to(dx_ptr.dtype.element_ty),
-                     mask=mask_d[:, None] & (t < seqlen)[None, :])  # fmt: skip
-            k0, k1, k2, k3 = _conv4(e0, e1, e2, e3, 0.0, p1, p2, p3, x0, x1, x2, x3)
-            h0, h1, h2, h3 = _conv4(e4, e5, e6, e7, 0.0, x1, x2, x3, x4, x5, x6, x7)
-            acc0 += k0 + h0
-            acc1 += k1 + h1
-            acc2 += k2 + h2
-            acc3 += k3 + h3
-            accb += (e0 + e1 + e2 + e3) + (e4 + e5 + e6 + e7)
-    row = pid_s * dim + offs_d
     _store_dw_db(dw_ptr, db_ptr, row, mask_d, acc0, acc1, acc2, acc3, accb, PADW, HAS_BIAS)
 
 
@@ -597,15 +422,14 @@ def _bwd(
     db = torch.empty((splits, dim), device=x.device, dtype=acc_t) if bias is not None else dw
     grid = (triton.cdiv(dim, cfg.block_d_bwd), splits)
     eight = cfg.slots_bwd == 8
-    kernel = _conv_bwd8c_kernel if cfg.carry_bwd else _conv_bwd8_kernel if eight else _conv_bwd_kernel
-    kernel[grid](
+    (_conv_bwd8_kernel if eight else _conv_bwd_kernel)[grid](
         x, weight, bias if bias is not None else weight, dout, dx, dw, db, dim, seqlen, n_tblocks,
         batch * n_tblocks, per,
         x.stride(0), x.stride(1), dout.stride(0), dout.stride(1), dx.stride(0), dx.stride(1),
         weight.stride(0), weight.stride(1),
         BLOCK_D=cfg.block_d_bwd, BLOCK_T=cfg.block_t_bwd, PADW=_TAPS - width, HAS_BIAS=bias is not None,
         SILU=_silu_mode(silu, x, acc), ACC=acc, EVEN=seqlen % (8 if eight else 4) == 0, STAGES=cfg.stages_bwd or None,
-        **({"PF": bool(cfg.prefetch_bwd)} if eight else {}), num_warps=cfg.num_warps_bwd,
+        num_warps=cfg.num_warps_bwd,
     )  # fmt: skip
     dweight = dw[0] if splits == 1 else dw.sum(0)
     dbias = None if bias is None else (db[0] if splits == 1 else db.sum(0))
