@@ -110,12 +110,13 @@ def default_cases(ablations: bool = False) -> list[Case]:
             options=fp32_residual,
             ablation=True,
         ),  # fmt: skip
+        Case("125m-2048", "125m", 2048, 8, 32, "anytrain", label="anytrain (compile_scope auto)", options=auto),
         Case("125m-2048", "125m", 2048, 8, 32, "hf-eager", label="HF eager"),
         Case("125m-2048", "125m", 2048, 8, 32, "hf-compile", label="HF + torch.compile"),
-        Case("1.1b-4096", "1.1b", 4096, 2, 16, "anytrain", label="anytrain recipe"),
+        Case("1.1b-4096", "1.1b", 4096, 2, 16, "anytrain", label="anytrain (compile_scope auto)", options=auto),
         Case("1.1b-4096", "1.1b", 4096, 2, 16, "hf-eager", label="HF eager"),
         Case("1.1b-4096", "1.1b", 4096, 2, 16, "hf-compile", label="HF + torch.compile"),
-        Case("350m-2048", "350m", 2048, 8, 32, "anytrain", label="anytrain recipe"),
+        Case("350m-2048", "350m", 2048, 8, 32, "anytrain", label="anytrain (compile_scope auto)", options=auto),
         Case("350m-2048", "350m", 2048, 8, 32, "hf-eager", label="HF eager"),
         Case("350m-2048", "350m", 2048, 8, 32, "hf-compile", label="HF + torch.compile"),
         Case(
@@ -139,6 +140,8 @@ def default_cases(ablations: bool = False) -> list[Case]:
         Case(
             g8, **mb8, stack="anytrain", label="anytrain mb 8, cuDNN attention first", attention="cudnn", ablation=True
         ),  # fmt: skip
+        Case(g16, **mb16, stack="anytrain", label="anytrain recipe, FlashAttention-2 (SDPA flash backend first)",
+             attention="flash", options=auto, ablation=True),  # fmt: skip
     ]
     return [c for c in cases if ablations or not c.ablation]
 
