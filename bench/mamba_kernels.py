@@ -4,7 +4,7 @@ Shape (mamba-2.8b-like): batch 2, seqlen 4096, dim 5376, dstate 16; bf16 u/delta
 delta_bias and delta_softplus. Times are ``triton.testing.do_bench`` medians over rotating input sets (each set is
 several times the L2), in ms. Writes bench/results/mamba_kernels_<device-slug>.json (or under --out).
 
-    PYTHONPATH=src python3 bench/mamba_kernels.py [--out DIR] [--sweep [--no-conv-sweep]]
+    PYTHONPATH=src python3 bench/mamba_kernels.py [--out DIR] [--sweep [--no-conv-sweep] [--conv-configs F,F,... ...]]
 """
 
 from __future__ import annotations
@@ -202,6 +202,12 @@ def main() -> int:
         help="with --bwd-configs: time the first N given backward configs without their dB/dC atomics too",
     )
     args = ap.parse_args()
+    conv_given = None
+    if args.conv_configs:
+        try:
+            conv_given = [ConvConfig(*(int(v) for v in c.split(","))) for c in args.conv_configs]
+        except (TypeError, ValueError) as e:
+            ap.error(f"--conv-configs: {e} (comma-separated ConvConfig fields, e.g. 2,1024,4,1,1024,4,1024,0,8)")
     if not torch.cuda.is_available():
         print("no GPU visible: nothing to benchmark", file=sys.stderr)
         return 1
@@ -295,10 +301,8 @@ def main() -> int:
             ConvConfig(2, 1024, 4, 1, 512, 2, 1024, 0, 8), ConvConfig(2, 1024, 4, 1, 2048, 8, 1024, 0, 8),
             ConvConfig(2, 1024, 4, 1, 1024, 4, 2048, 0, 8), ConvConfig(2, 1024, 4, 2, 512, 2, 1024, 0, 8),
         ]  # fmt: skip
-        if args.conv_configs:
-            conv_variants = [conv_mod.default_config()] + [
-                ConvConfig(*(int(v) for v in c.split(","))) for c in args.conv_configs
-            ]
+        if conv_given is not None:
+            conv_variants = [conv_mod.default_config(), *conv_given]
         for cfg in [] if args.no_conv_sweep else conv_variants:
             try:
                 f, b = bench_conv(cfg, xs)

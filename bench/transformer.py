@@ -1,8 +1,10 @@
 """Transformer training throughput on one GPU: HF transformers (eager, torch.compile) vs anytrain's recipe.
 
-One run, one GPU, rows one after another, each in a fresh subprocess of this script (``--in-process`` runs them in
-this process instead: measured on an H200, an HF + torch.compile row that follows anytrain rows in the same process
-ran at ~40k instead of ~57k tokens/s, so sharing a process biases the comparison), on identical random token batches
+One run, one GPU, rows one after another, each in a fresh subprocess of this script with its own empty inductor cache
+(``--in-process`` runs them in this process instead: measured on an H200, an HF + torch.compile row that follows
+anytrain rows in the same process ran at ~40k instead of ~57k tokens/s, so sharing a process biases the comparison;
+a shared compile cache let a row with another SDPA backend reuse the previous row's compiled graph, whose attention op
+was chosen when it was traced), on identical random token batches
 (a bank of 4 global batches drawn once from a seeded generator and cycled), with bf16 autocast, SDPA attention, fused
 AdamW, gradient clipping and the same global batch / micro-batch / gradient accumulation per shape. A step is one
 optimizer step (all micro-batches of the global batch); each row runs ``--warmup`` steps (compilation happens there)
@@ -30,6 +32,7 @@ import os
 import re
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
@@ -140,8 +143,16 @@ def default_cases(ablations: bool = False) -> list[Case]:
         Case(
             g8, **mb8, stack="anytrain", label="anytrain mb 8, cuDNN attention first", attention="cudnn", ablation=True
         ),  # fmt: skip
-        Case(g16, **mb16, stack="anytrain", label="anytrain recipe, FlashAttention-2 (SDPA flash backend first)",
-             attention="flash", options=auto, ablation=True),  # fmt: skip
+        Case(
+            g16,
+            **mb16,
+            stack="anytrain",
+            label="anytrain, FlashAttention-2 first (otherwise the recipe)",
+            attention="flash",
+            profile=True,  # the kernel table shows which attention kernels ran
+            options=auto,
+            ablation=True,
+        ),  # fmt: skip
     ]
     return [c for c in cases if ablations or not c.ablation]
 
@@ -364,7 +375,11 @@ def run_case_child(case: Case) -> dict:
     """Run one case in a fresh Python process (same flags as this one) and return its row."""
     argv = [a for a in sys.argv[1:] if a != "--in-process"]
     cmd = [sys.executable, str(Path(__file__).resolve()), *argv, "--one-case", json.dumps(asdict(case))]
-    proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    # a cache of its own: inductor's graph cache key does not cover the SDPA backend flags, so a row that only changes
+    # the attention backend would otherwise replay the previous row's graph (seen: a 5.7 s "compile", same memory)
+    with tempfile.TemporaryDirectory(prefix="anytrain-bench-inductor-") as cache:
+        env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": cache}
+        proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith(ROW_MARK)]
     if not lines:
         return {**asdict(case), "error": f"child exited {proc.returncode}: {proc.stdout[-600:]}"}

@@ -106,8 +106,8 @@ def test_too_few_micro_batches_fail_clearly(runs, tmp_path):
     _, config, _ = runs
     proc = launch(config, tmp_path / "x", "--parallel.pp", "2", "--train.micro_batch", "8")
     assert proc.returncode != 0  # each rank exits 2; torchrun reports the failure as 1
-    # The check runs before any process group exists, so the ranks do not wait for each other: torchrun stops the
-    # slower rank as soon as the first exits, sometimes before it has printed (CI saw one line).
+    # The check runs after init_process_group but before any collective, so nothing holds the ranks together: torchrun
+    # stops the slower rank as soon as the first exits, sometimes before it has printed (CI saw one line).
     assert proc.stderr.count("error: train.micro_batch: 1 micro-batches per step for 2 pipeline ranks") >= 1
     assert not (tmp_path / "x").exists()
 

@@ -106,6 +106,25 @@ def test_profiling_two_steps_keeps_the_losses_and_writes_the_summary(baseline, s
     assert summary["steps"] == [1, 2] and summary["top"] and summary["wall_ms"] > 0
 
 
+def test_attention_backend_is_applied_before_the_model_is_built(small_data, tmp_path, monkeypatch):
+    """train.attention_backend reaches hardware.set_attention_backend (it had been a config field nothing read)."""
+    from anytrain import hardware
+    from anytrain.train import trainer as trainer_module
+
+    calls = []
+    built = trainer_module.get_spec
+
+    def spy_spec(arch):
+        calls.append("build")
+        return built(arch)
+
+    monkeypatch.setattr(hardware, "set_attention_backend", lambda name: calls.append(name) or [])
+    monkeypatch.setattr(trainer_module, "get_spec", spy_spec)
+    trainer = _cpu_trainer(small_data, tmp_path / "run", "--train.attention_backend", "cudnn")
+    trainer.close()
+    assert calls[:2] == ["cudnn", "build"]
+
+
 def _cpu_trainer(small_data, run_dir, *overrides: str):
     """An in-process Trainer on the tiny recipe (debug model, seq 32, global batch 4, fp32, CPU, no eval, no final
     save), with ``overrides`` on top."""

@@ -189,6 +189,9 @@ class Trainer:
         return path
 
     def _build_model(self) -> None:
+        # train.attention_backend: the SDPA kernel order, set before any block is compiled (a compiled graph keeps the
+        # kernel chosen while it was traced); [] for auto and on CPU
+        self.attention_order = hardware.set_attention_backend(self.cfg.train.attention_backend)
         spec = get_spec(self.cfg.model.arch)
         with torch.device("meta"):
             full = spec.build(self.model_args)
