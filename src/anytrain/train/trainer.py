@@ -190,8 +190,8 @@ class Trainer:
 
     def _build_model(self) -> None:
         # train.attention_backend: the SDPA kernel order, set before any block is compiled (a compiled graph keeps the
-        # kernel chosen while it was traced); [] for auto and on CPU
-        self.attention_order = hardware.set_attention_backend(self.cfg.train.attention_backend)
+        # kernel chosen while it was traced); nothing to set for auto and on CPU
+        hardware.set_attention_backend(self.cfg.train.attention_backend)
         spec = get_spec(self.cfg.model.arch)
         with torch.device("meta"):
             full = spec.build(self.model_args)
