@@ -40,6 +40,22 @@ def median_ms(fn) -> float:
     return float(do_bench(fn, warmup=25, rep=200, return_mode="median"))
 
 
+def gpu_ms(fns, calls: int = 60) -> float:
+    """Device time of every kernel the calls launch (CUDA profiler), per call: the GPU time without the host's launch
+    overhead, which do_bench adds whenever launching a call takes longer than running it (the conv's ~0.08 ms)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    for f in fns:
+        f()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for i in range(calls):
+            fns[i % len(fns)]()
+        torch.cuda.synchronize()
+    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    return sum(e.device_time for e in kernels) / 1e3 / calls
+
+
 def rotating(fns):
     state = {"i": 0}
 
@@ -108,14 +124,17 @@ def scan_grads(cfg: ScanConfig, s):
     return [out.detach()] + [leaves[k].grad for k in ("u", "delta", "A", "B", "C", "D", "z", "delta_bias")]
 
 
-def bench_conv_launch(cfg: ConvConfig, xs) -> tuple[float, float]:
+def bench_conv_launch(cfg: ConvConfig, xs, gpu: bool = False) -> tuple[float, float]:
     """(fwd ms, bwd ms) of the kernel launchers alone (``_fwd`` / ``_bwd``, as the scan is timed): no autograd
-    engine, so the GPU time whenever the launch is shorter than the kernel."""
+    engine, so the GPU time whenever the launch is shorter than the kernel; ``gpu``: the kernels' device time
+    (``gpu_ms``) instead."""
     fwds, bwds = [], []
     for x, w, b in xs:
         g = torch.randn_like(x)
         fwds.append(lambda x=x, w=w, b=b: conv_mod._fwd(x, w, b, True, cfg))
         bwds.append(lambda x=x, w=w, b=b, g=g: conv_mod._bwd(x, w, b, g, True, cfg))
+    if gpu:
+        return gpu_ms(fwds), gpu_ms(bwds)
     return median_ms(rotating(fwds)), median_ms(rotating(bwds))
 
 
@@ -307,12 +326,14 @@ def main() -> int:
             try:
                 f, b = bench_conv(cfg, xs)
                 fl, bl = bench_conv_launch(cfg, xs)
+                fg, bg = bench_conv_launch(cfg, xs, gpu=True)
             except Exception as e:
                 print(f"conv {cfg}: failed {type(e).__name__}: {str(e)[:200]}")
                 continue
             sweep.append({"op": "conv", "config": vars(cfg), "fwd_ms": f, "bwd_ms": b, "ms": f + b,
-                          "fwd_launch_ms": fl, "bwd_launch_ms": bl})  # fmt: skip
-            print(f"conv {cfg}: fwd {f:.4f} ms bwd {b:.4f} ms; launchers alone fwd {fl:.4f} bwd {bl:.4f}", flush=True)
+                          "fwd_launch_ms": fl, "bwd_launch_ms": bl, "fwd_gpu_ms": fg, "bwd_gpu_ms": bg})  # fmt: skip
+            print(f"conv {cfg}: fwd {f:.4f} ms bwd {b:.4f} ms; launchers alone fwd {fl:.4f} bwd {bl:.4f}; "
+                  f"GPU time fwd {fg:.4f} bwd {bg:.4f}", flush=True)  # fmt: skip
     if sweep:  # use the fastest swept configs (scan: the fastest forward's tiles with the fastest backward's)
         best_f = min((r for r in sweep if r["op"] == "scan_fwd"), key=lambda r: r["ms"], default=None)
         best_b = min((r for r in sweep if r["op"] == "scan_bwd"), key=lambda r: r["ms"], default=None)
@@ -324,8 +345,8 @@ def main() -> int:
                 scan_cfg = dataclasses.replace(scan_cfg, chunk=scan_cfg.chunk_bwd)
         convs = [r for r in sweep if r["op"] == "conv"]
         if convs:
-            # by the launchers' times (GPU time; the autograd path adds the same host overhead to every config)
-            conv_cfg = ConvConfig(**min(convs, key=lambda r: r["fwd_launch_ms"] + r["bwd_launch_ms"])["config"])
+            # by the kernels' GPU time (the launchers' host overhead is the same for every config)
+            conv_cfg = ConvConfig(**min(convs, key=lambda r: r["fwd_gpu_ms"] + r["bwd_gpu_ms"])["config"])
         env = (
             f"export ANYTRAIN_SCAN_CONFIG={','.join(str(v) for v in vars(scan_cfg).values())}\n"
             f"export ANYTRAIN_CONV_CONFIG={','.join(str(v) for v in vars(conv_cfg).values())}\n"
@@ -337,6 +358,7 @@ def main() -> int:
     _, bd = bench_scan(scan_cfg, sets, deterministic=True)
     cf, cb = bench_conv(conv_cfg, xs)
     cfl, cbl = bench_conv_launch(conv_cfg, xs)
+    cfgm, cbgm = bench_conv_launch(conv_cfg, xs, gpu=True)
     tf, tb = bench_torch_conv(xs)
     red = 256
     ef, eb = bench_eager_scan(red)
@@ -346,8 +368,9 @@ def main() -> int:
     results["scan_bwd_deterministic"] = {"ms": bd}
     results["conv_fwd"] = {"ms": cf, "baseline": "torch conv1d+silu", "baseline_ms": tf}
     results["conv_bwd"] = {"ms": cb, "baseline": "torch conv1d+silu", "baseline_ms": tb}
-    for k, ms in (("conv_fwd", cfl), ("conv_bwd", cbl)):  # the launcher alone, timed like the scan rows
+    for k, ms, gms in (("conv_fwd", cfl, cfgm), ("conv_bwd", cbl, cbgm)):  # the launcher alone, timed like the scan
         results[k]["launch_ms"] = ms
+        results[k]["gpu_ms"] = gms  # the kernels' device time per call (profiler)
     for k in ("scan_fwd", "scan_bwd", "conv_fwd", "conv_bwd"):
         r = results[k]
         r.update(
@@ -363,6 +386,7 @@ def main() -> int:
         )
     print(f"scan_bwd deterministic: {bd:.4f} ms")
     print(f"conv launchers alone (no autograd, as the scan rows): fwd {cfl:.4f} ms, bwd {cbl:.4f} ms")
+    print(f"conv kernels' GPU time (profiler, per call): fwd {cfgm:.4f} ms, bwd {cbgm:.4f} ms")
     record = {
         "device": name,
         "torch": torch.__version__,

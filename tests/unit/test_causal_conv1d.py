@@ -31,6 +31,10 @@ CFG_EIGHT = ConvConfig(block_d=2, block_t=8, num_warps=1, block_d_bwd=2, block_t
                        slots_bwd=8)  # fmt: skip
 CFG_EIGHT_ONE = ConvConfig(block_d=2, block_t=8, num_warps=1, block_d_bwd=2, block_t_bwd=8, num_warps_bwd=1,
                            min_programs_bwd=1, slots_bwd=8)  # fmt: skip
+# 3 splits of 2 iterations over (batch 2 x 3 time blocks) at seqlen 17-24: a split starts in the middle of a batch and
+# its next iteration moves on to the next batch (the kernel carries the batch and time block between iterations)
+CFG_EIGHT_MID = ConvConfig(block_d=2, block_t=8, num_warps=1, block_d_bwd=2, block_t_bwd=8, num_warps_bwd=1,
+                           min_programs_bwd=9, slots_bwd=8)  # fmt: skip
 
 
 @pytest.mark.parametrize(
@@ -40,8 +44,8 @@ CFG_EIGHT_ONE = ConvConfig(block_d=2, block_t=8, num_warps=1, block_d_bwd=2, blo
 )  # fmt: skip
 @pytest.mark.parametrize(
     "cfg",
-    [CFG, CFG_ONE_SPLIT, CFG_PIPELINED, CFG_EIGHT, CFG_EIGHT_ONE],
-    ids=["splits", "one-split", "pipelined", "eight", "eight-one-split"],
+    [CFG, CFG_ONE_SPLIT, CFG_PIPELINED, CFG_EIGHT, CFG_EIGHT_ONE, CFG_EIGHT_MID],
+    ids=["splits", "one-split", "pipelined", "eight", "eight-one-split", "eight-mid-batch"],
 )
 def test_matches_reference(width, seqlen, has_bias, act, cfg):
     g = torch.Generator().manual_seed(width * 100 + seqlen)

@@ -121,9 +121,10 @@ def _conv4(w0, w1, w2, w3, bias, p1, p2, p3, x0, x1, x2, x3):
 @triton.jit
 def _dsilu(d, p, SILU: tl.constexpr):
     # SILU: 0 none, 1 SiLU, 2 SiLU with the fast sigmoid
-    if SILU:
+    if SILU:  # d silu'(p) = d s (1 + p (1 - s)) = t + t (p - p s) with t = d s: one multiply and two FMAs
         s = _sigmoid(p, SILU == 2)
-        d = d * s * (1.0 + p * (1.0 - s))
+        t = d * s
+        d = t + t * (p - p * s)
     return d
 
 
@@ -273,10 +274,29 @@ def _halves8(v):
 
 
 @triton.jit
-def _load8(rows, j, mask_d, seqlen, ACC: tl.constexpr, EVEN: tl.constexpr):
-    # x[rows, 8j + 0..7] as (BLOCK_D, J, 8) for j >= 0, zero past seqlen; EVEN (seqlen % 8 == 0): one aligned vector
-    tt = 8 * j[:, None] + tl.arange(0, 8)[None, :]  # (J, 8)
-    return tl.load(rows[:, None, None] + tt[None, :, :], mask=_time_mask(j, mask_d, seqlen, EVEN, 8), other=0.0).to(ACC)
+def _ld_run(rows, start, t_abs, N: tl.constexpr, mask_d, seqlen, EVEN: tl.constexpr):
+    # rows: (BLOCK_D,) row pointers at the time block's start; start: (J,) first of N consecutive elements relative to
+    # them, t_abs: (J,) its absolute timestep -> (BLOCK_D, J, N), zero outside [0, seqlen). EVEN (the N elements of a
+    # run are all inside or all outside, as for aligned runs with seqlen % 8 == 0): one mask per run, one vector load
+    r = tl.arange(0, N)[None, :]
+    if EVEN:
+        ok = ((t_abs >= 0) & (t_abs < seqlen))[:, None] & (r < N)
+    else:
+        ok = (t_abs[:, None] + r >= 0) & (t_abs[:, None] + r < seqlen)
+    return tl.load(rows[:, None, None] + (start[:, None] + r)[None, :, :], mask=mask_d[:, None, None] & ok[None, :, :],
+                   other=0)  # fmt: skip
+
+
+@triton.jit
+def _run8(rows, jl, t0, mask_d, seqlen, ACC: tl.constexpr, EVEN: tl.constexpr):
+    # the 3 timesteps before run jl of the time block starting at t0, its 8, and the 3 after it, as 14 (BLOCK_D, J)
+    # tensors (zero outside [0, seqlen)); rows point at the block's start
+    _, p1, p2, p3 = _split4(_ld_run(rows, 8 * jl - 4, t0 + 8 * jl - 4, 4, mask_d, seqlen, EVEN).to(ACC))
+    lo, hi = _halves8(_ld_run(rows, 8 * jl, t0 + 8 * jl, 8, mask_d, seqlen, EVEN).to(ACC))
+    x0, x1, x2, x3 = _split4(lo)
+    x4, x5, x6, x7 = _split4(hi)
+    n0, n1, n2, _ = _split4(_ld_run(rows, 8 * jl + 8, t0 + 8 * jl + 8, 4, mask_d, seqlen, EVEN).to(ACC))
+    return p1, p2, p3, x0, x1, x2, x3, x4, x5, x6, x7, n0, n1, n2
 
 
 @triton.jit
@@ -287,8 +307,9 @@ def _conv_bwd8_kernel(
     ACC: tl.constexpr, EVEN: tl.constexpr, STAGES: tl.constexpr = None,
 ):  # fmt: skip
     # _conv_bwd_kernel with runs of 8 timesteps per thread (ConvConfig.slots_bwd = 8): time is tiled as (BLOCK_T // 8
-    # runs, 8 slots), each run split into halves of 4 slots for the shared helpers; the 3 timesteps before a run come
-    # from the previous aligned block of 4 and the 3 after it from the next one. EVEN: seqlen % 8 == 0.
+    # runs, 8 slots); the 3 timesteps before a run come from the previous aligned block of 4 and the 3 after it from
+    # the next one. EVEN: seqlen % 8 == 0. The (batch, time block) of an iteration and the row pointers are carried
+    # from one iteration to the next (recomputing them with a division cost ~40 instructions per 8 outputs).
     pid_d = tl.program_id(0)
     pid_s = tl.program_id(1)
     offs_d = pid_d * BLOCK_D + tl.arange(0, BLOCK_D)
@@ -300,21 +321,19 @@ def _conv_bwd8_kernel(
     acc2 = tl.zeros((BLOCK_D, BLOCK_T // 8), dtype=ACC)
     acc3 = tl.zeros((BLOCK_D, BLOCK_T // 8), dtype=ACC)
     accb = tl.zeros((BLOCK_D, BLOCK_T // 8), dtype=ACC)
+    jl = tl.arange(0, BLOCK_T // 8)  # runs of 8 inside a time block
     it0 = pid_s * iters_per_program
-    for it in tl.range(it0, tl.minimum(it0 + iters_per_program, n_iters), num_stages=STAGES):
-        b = (it // n_tblocks).to(tl.int64)
-        j = (it % n_tblocks) * (BLOCK_T // 8) + tl.arange(0, BLOCK_T // 8)  # runs of 8
-        x_rows = x_ptr + b * s_xb + offs_d * s_xd
-        g_rows = dout_ptr + b * s_gb + offs_d * s_gd
-        _, p1, p2, p3 = _split4(_load4(x_rows, 2 * j - 1, mask_d, seqlen, ACC, EVEN))
-        xl, xh = _halves8(_load8(x_rows, j, mask_d, seqlen, ACC, EVEN))
-        x0, x1, x2, x3 = _split4(xl)
-        x4, x5, x6, x7 = _split4(xh)
-        n0, n1, n2, _ = _split4(_load4(x_rows, 2 * j + 2, mask_d, seqlen, ACC, EVEN))
-        gl, gh = _halves8(_load8(g_rows, j, mask_d, seqlen, ACC, EVEN))
-        g0, g1, g2, g3 = _split4(gl)
-        g4, g5, g6, g7 = _split4(gh)
-        f0, f1, f2, _ = _split4(_load4(g_rows, 2 * j + 2, mask_d, seqlen, ACC, EVEN))
+    b = (it0 // n_tblocks).to(tl.int64)
+    tb = it0 % n_tblocks
+    t0 = tb * BLOCK_T
+    # row pointers at the current time block, advanced by one block per iteration (by the batch stride minus the
+    # blocks already walked when the next batch starts)
+    x_rows = x_ptr + offs_d * s_xd + b * s_xb + t0
+    g_rows = dout_ptr + offs_d * s_gd + b * s_gb + t0
+    dx_rows = dx_ptr + offs_d * s_dd + b * s_db + t0
+    for _ in tl.range(it0, tl.minimum(it0 + iters_per_program, n_iters), num_stages=STAGES):
+        p1, p2, p3, x0, x1, x2, x3, x4, x5, x6, x7, n0, n1, n2 = _run8(x_rows, jl, t0, mask_d, seqlen, ACC, EVEN)
+        _, _, _, g0, g1, g2, g3, g4, g5, g6, g7, f0, f1, f2 = _run8(g_rows, jl, t0, mask_d, seqlen, ACC, EVEN)
         c0, c1, c2, c3 = _conv4(w0, w1, w2, w3, bias, p1, p2, p3, x0, x1, x2, x3)
         c4, c5, c6, c7 = _conv4(w0, w1, w2, w3, bias, x1, x2, x3, x4, x5, x6, x7)
         e0 = _dsilu(g0, c0, SILU)
@@ -342,18 +361,23 @@ def _conv_bwd8_kernel(
             w3 * e7 + w2 * e8 + w1 * e9 + w0 * e10,
         )
         dx = tl.reshape(tl.permute(tl.join(dxl, dxh), (0, 1, 3, 2)), (BLOCK_D, BLOCK_T // 8, 8))
-        tt = 8 * j[:, None] + tl.arange(0, 8)[None, :]
-        dx_rows = dx_ptr + b * s_db + offs_d * s_dd
+        tt = 8 * jl[:, None] + tl.arange(0, 8)[None, :]
         tl.store(dx_rows[:, None, None] + tt[None, :, :], dx.to(dx_ptr.dtype.element_ty),
-                 mask=_time_mask(j, mask_d, seqlen, EVEN, 8))  # fmt: skip
-        # e0..e7 are zero outside [0, seqlen), so these sums only see real timesteps
-        k0, k1, k2, k3 = _conv4(e0, e1, e2, e3, 0.0, p1, p2, p3, x0, x1, x2, x3)
-        h0, h1, h2, h3 = _conv4(e4, e5, e6, e7, 0.0, x1, x2, x3, x4, x5, x6, x7)
-        acc0 += k0 + h0
-        acc1 += k1 + h1
-        acc2 += k2 + h2
-        acc3 += k3 + h3
-        accb += (e0 + e1 + e2 + e3) + (e4 + e5 + e6 + e7)
+                 mask=_time_mask(jl + t0 // 8, mask_d, seqlen, EVEN, 8))  # fmt: skip
+        # dweight tap k: sum_t dpre_t x_{t-3+k}, one FMA chain per tap (e0..e7 are zero outside [0, seqlen))
+        acc0 = acc0 + e0 * p1 + e1 * p2 + e2 * p3 + e3 * x0 + e4 * x1 + e5 * x2 + e6 * x3 + e7 * x4
+        acc1 = acc1 + e0 * p2 + e1 * p3 + e2 * x0 + e3 * x1 + e4 * x2 + e5 * x3 + e6 * x4 + e7 * x5
+        acc2 = acc2 + e0 * p3 + e1 * x0 + e2 * x1 + e3 * x2 + e4 * x3 + e5 * x4 + e6 * x5 + e7 * x6
+        acc3 = acc3 + e0 * x0 + e1 * x1 + e2 * x2 + e3 * x3 + e4 * x4 + e5 * x5 + e6 * x6 + e7 * x7
+        accb = accb + e0 + e1 + e2 + e3 + e4 + e5 + e6 + e7
+        tb += 1
+        wrap = tb == n_tblocks  # the next iteration starts the next batch
+        tb = tl.where(wrap, 0, tb)
+        t0 = tb * BLOCK_T
+        back = (n_tblocks - 1) * BLOCK_T  # the blocks walked in this batch
+        x_rows += tl.where(wrap, s_xb - back, BLOCK_T)
+        g_rows += tl.where(wrap, s_gb - back, BLOCK_T)
+        dx_rows += tl.where(wrap, s_db - back, BLOCK_T)
     row = pid_s * dim + offs_d  # (BLOCK_D,) row of the (n_splits, dim, ...) outputs
     _store_dw_db(dw_ptr, db_ptr, row, mask_d, acc0, acc1, acc2, acc3, accb, PADW, HAS_BIAS)
 
