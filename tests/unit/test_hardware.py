@@ -32,6 +32,23 @@ def test_cudnn_first_keeps_the_others_as_fallbacks(monkeypatch, restore_sdpa):
     assert all(getattr(torch._C, f"_get_{n}_sdp_enabled")() for n in NAMES)
 
 
+@pytest.mark.parametrize("name", ["flash", "efficient"])
+def test_flash_or_efficient_first_switches_cudnn_off(name, monkeypatch, restore_sdpa):
+    """PyTorch runs cuDNN attention ahead of the priority list whenever it is enabled (a flash-first list still ran
+    cuDNN on an H200), so choosing another kernel must switch cuDNN off; the remaining kernels stay as fallbacks."""
+    from torch.nn.attention import SDPBackend
+
+    monkeypatch.setattr(hardware, "vendor", lambda: hardware.CUDA)
+    other = "efficient" if name == "flash" else "flash"
+    assert hardware.set_attention_backend(name) == [name, other, "math"]
+    assert not torch._C._get_cudnn_sdp_enabled()
+    assert torch._C._get_flash_sdp_enabled() and torch._C._get_mem_efficient_sdp_enabled()
+    first = {"flash": SDPBackend.FLASH_ATTENTION, "efficient": SDPBackend.EFFICIENT_ATTENTION}[name]
+    assert torch._C._get_sdp_priority_order()[0] == int(first)
+    hardware.set_attention_backend("cudnn")  # choosing cuDNN again switches it back on
+    assert torch._C._get_cudnn_sdp_enabled()
+
+
 def test_math_only_and_cpu_and_bad_name(monkeypatch, restore_sdpa):
     monkeypatch.setattr(hardware, "vendor", lambda: hardware.CUDA)
     hardware.set_attention_backend("math")
