@@ -181,6 +181,7 @@ def model_switches(case: Case) -> Iterator[None]:
 def attention_order(case: Case) -> Iterator[None]:
     """The row's SDPA kernel order (hardware.set_attention_backend), restored afterwards for the next row."""
     names = ("flash", "cudnn", "mem_efficient")
+    hardware.settle_sdpa_order()  # PyTorch's own default, as later rows in this process would see it
     flags = {n: getattr(torch._C, f"_get_{n}_sdp_enabled")() for n in names}
     getter = getattr(torch._C, "_get_sdp_priority_order", None)
     order = getter() if getter else None

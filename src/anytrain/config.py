@@ -80,8 +80,7 @@ class TrainConfig:
     with CUDA graphs (mamba-130m, GPU bench); not tested with activation checkpointing."""
     attention_backend: Literal["auto", "flash", "cudnn", "efficient", "math"] = "auto"
     """SDPA kernel preference on GPUs: auto = PyTorch's own choice; flash / cudnn / efficient put that kernel first
-    (the others stay as fallbacks for shapes it cannot take; flash and efficient also switch cuDNN attention off,
-    which PyTorch would otherwise run first); math = the reference kernel. Ignored on CPU."""
+    (the others stay as fallbacks for shapes it cannot take); math = the reference kernel. Ignored on CPU."""
     activation_checkpointing: Literal["none", "selective", "full"] = "none"
     """Recompute block activations in backward to save memory: full = every block, selective = every other block
     (torchtitan's layer-level selective policy: about half the memory saving for a third of the recompute)."""

@@ -169,16 +169,28 @@ def peak_memory_gib(device: torch.device, reserved: bool = False) -> float:
 SDPA_BACKENDS = ("flash", "cudnn", "efficient", "math")
 
 
+def settle_sdpa_order() -> None:
+    """Make PyTorch set its default SDPA priority order now, so that an order set afterwards is the one used.
+
+    PyTorch sets that default once per process, at its first SDPA dispatch decision on a GPU, and it replaces any order
+    set before then (torch 2.11 on an H200 with cuDNN 9.19 writes [cudnn, flash, efficient, math] there). One decision
+    on tiny tensors triggers it.
+    """
+    choice = getattr(torch, "_fused_sdp_choice", None)
+    if choice is None or not torch.cuda.is_available():
+        return
+    q = torch.zeros(1, 1, 16, 64, device="cuda", dtype=torch.float16)
+    choice(q, q, q)
+
+
 def set_attention_backend(name: str) -> list[str]:
     """Put one SDPA kernel first for this process (GPUs only; 'auto' leaves PyTorch's order). Returns the order.
 
     Uses the global priority list when torch has it (the chosen kernel first, the rest as fallbacks for shapes it
-    cannot take), else the per-kernel enable switches (math always stays on as the last resort). Choosing flash or
-    efficient also switches cuDNN attention off: PyTorch's selection runs cuDNN ahead of the priority list whenever it
-    is enabled (measured with torch 2.11 on an H200: a flash-first list still ran cuDNN's kernels, for GQA and expanded
-    K/V alike), so a flash-first list alone would not give flash. Must run before blocks are compiled: compiled graphs
-    keep the kernel chosen while tracing. cuDNN attention exists on NVIDIA only; on ROCm 'cudnn' falls back to the
-    next kernel in the list.
+    cannot take), set after ``settle_sdpa_order`` (PyTorch would otherwise replace it at the first attention call);
+    else the per-kernel enable switches (math always stays on as the last resort). Must run before blocks are
+    compiled: compiled graphs keep the kernel chosen while tracing. cuDNN attention exists on NVIDIA only; on ROCm
+    'cudnn' falls back to the next kernel in the list.
     """
     if name == "auto" or vendor() == CPU:
         return []
@@ -188,12 +200,7 @@ def set_attention_backend(name: str) -> list[str]:
 
     enum = {"flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION,
             "efficient": SDPBackend.EFFICIENT_ATTENTION, "math": SDPBackend.MATH}  # fmt: skip
-    if name == "math":
-        order = ["math"]
-    elif name == "cudnn":
-        order = [name, *[b for b in SDPA_BACKENDS if b != name]]
-    else:  # cuDNN would run first whenever enabled (see above)
-        order = [name, *[b for b in SDPA_BACKENDS if b not in (name, "cudnn")]]
+    order = [name, *[b for b in SDPA_BACKENDS if b != name]] if name != "math" else ["math"]
     switches = {"flash": torch.backends.cuda.enable_flash_sdp, "cudnn": torch.backends.cuda.enable_cudnn_sdp,
                 "efficient": torch.backends.cuda.enable_mem_efficient_sdp}  # fmt: skip
     getter, setter = (getattr(torch._C, f"_{v}_sdp_priority_order", None) for v in ("get", "set"))
@@ -202,6 +209,7 @@ def set_attention_backend(name: str) -> list[str]:
     for backend, enable in switches.items():
         enable(backend in order)
     if getter is not None and setter is not None:
+        settle_sdpa_order()
         wanted = [int(enum[b]) for b in order]
         setter(wanted + [v for v in getter() if v not in wanted])  # unnamed backends keep their places after
     return order

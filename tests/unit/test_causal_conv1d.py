@@ -31,8 +31,9 @@ CFG_EIGHT = ConvConfig(block_d=2, block_t=8, num_warps=1, block_d_bwd=2, block_t
                        slots_bwd=8)  # fmt: skip
 CFG_EIGHT_ONE = ConvConfig(block_d=2, block_t=8, num_warps=1, block_d_bwd=2, block_t_bwd=8, num_warps_bwd=1,
                            min_programs_bwd=1, slots_bwd=8)  # fmt: skip
-# 3 splits of 2 iterations over (batch 2 x 3 time blocks) at seqlen 17-24: a split starts in the middle of a batch and
-# its next iteration moves on to the next batch (the kernel carries the batch and time block between iterations)
+# 3 splits of 2 iterations over (batch 2 x 3 time blocks) at seqlen 17-24 (19 and 24 below): a split starts in the
+# middle of a batch and its next iteration moves on to the next batch (the kernel carries the batch and time block
+# between iterations)
 CFG_EIGHT_MID = ConvConfig(block_d=2, block_t=8, num_warps=1, block_d_bwd=2, block_t_bwd=8, num_warps_bwd=1,
                            min_programs_bwd=9, slots_bwd=8)  # fmt: skip
 
@@ -40,7 +41,7 @@ CFG_EIGHT_MID = ConvConfig(block_d=2, block_t=8, num_warps=1, block_d_bwd=2, blo
 @pytest.mark.parametrize(
     "width,seqlen,has_bias,act",
     [(2, 1, True, "silu"), (3, 7, False, None), (4, 19, True, "silu"), (4, 1, False, None), (2, 9, False, "silu"),
-     (3, 16, True, "silu"), (4, 8, True, None), (4, 12, True, "silu")],
+     (3, 16, True, "silu"), (4, 8, True, None), (4, 12, True, "silu"), (4, 24, True, "silu")],
 )  # fmt: skip
 @pytest.mark.parametrize(
     "cfg",
@@ -119,6 +120,26 @@ def test_launchers_take_batch_folded_layouts_and_out(cfg):
     dx_ref, dw_ref, db_ref = _bwd(x, w, b, dout, True, cfg)
     dx, dw, db = _bwd(folded(x), w, b, folded(dout), True, cfg)
     assert dx.stride() == (seqlen, batch * seqlen, 1)
+    assert torch.equal(dx, dx_ref) and torch.equal(dw, dw_ref) and torch.equal(db, db_ref)
+
+
+@pytest.mark.parametrize("seqlen", [19, 24])
+@pytest.mark.parametrize("cfg", [CFG_EIGHT_ONE, CFG_EIGHT_MID], ids=["one-split", "mid-batch"])
+def test_eight_slot_backward_with_three_different_layouts(seqlen, cfg):
+    """x a channel slice of a wider tensor, dout in the (dim, batch·L) layout and dx dense: three different batch
+    strides, which the 8-slot backward advances separately when an iteration moves on to the next batch. Bitwise the
+    same as on contiguous tensors."""
+    from anytrain.kernels.causal_conv1d import _bwd
+
+    g = torch.Generator().manual_seed(seqlen)
+    batch, dim = 2, 5
+    xz = torch.randn(batch, 2 * dim, seqlen, generator=g, dtype=torch.float64)
+    x = xz[:, :dim]
+    dout = torch.randn(dim, batch * seqlen, generator=g, dtype=torch.float64).view(dim, batch, seqlen).transpose(0, 1)
+    w, b = torch.randn(dim, 4, generator=g, dtype=torch.float64), torch.randn(dim, generator=g, dtype=torch.float64)
+    dx, dw, db = _bwd(x, w, b, dout, True, cfg)
+    assert len({x.stride(0), dout.stride(0), dx.stride(0)}) == 3
+    dx_ref, dw_ref, db_ref = _bwd(x.contiguous(), w, b, dout.contiguous(), True, cfg)
     assert torch.equal(dx, dx_ref) and torch.equal(dw, dw_ref) and torch.equal(db, db_ref)
 
 

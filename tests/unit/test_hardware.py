@@ -33,20 +33,25 @@ def test_cudnn_first_keeps_the_others_as_fallbacks(monkeypatch, restore_sdpa):
 
 
 @pytest.mark.parametrize("name", ["flash", "efficient"])
-def test_flash_or_efficient_first_switches_cudnn_off(name, monkeypatch, restore_sdpa):
-    """PyTorch runs cuDNN attention ahead of the priority list whenever it is enabled (a flash-first list still ran
-    cuDNN on an H200), so choosing another kernel must switch cuDNN off; the remaining kernels stay as fallbacks."""
+def test_the_order_is_set_after_pytorch_settles_its_default(name, monkeypatch, restore_sdpa):
+    """PyTorch writes its default SDPA order at the first attention call of a process (cuDNN first on an H200),
+    replacing an order set before: set_attention_backend must make that happen first and then set its own order.
+    Here a stand-in for that first call writes the H200's default; cuDNN stays on as a fallback."""
     from torch.nn.attention import SDPBackend
 
+    cudnn_first = [int(SDPBackend.CUDNN_ATTENTION), int(SDPBackend.FLASH_ATTENTION),
+                   int(SDPBackend.EFFICIENT_ATTENTION), int(SDPBackend.MATH)]  # fmt: skip
+    calls = []
     monkeypatch.setattr(hardware, "vendor", lambda: hardware.CUDA)
-    other = "efficient" if name == "flash" else "flash"
-    assert hardware.set_attention_backend(name) == [name, other, "math"]
-    assert not torch._C._get_cudnn_sdp_enabled()
-    assert torch._C._get_flash_sdp_enabled() and torch._C._get_mem_efficient_sdp_enabled()
-    first = {"flash": SDPBackend.FLASH_ATTENTION, "efficient": SDPBackend.EFFICIENT_ATTENTION}[name]
-    assert torch._C._get_sdp_priority_order()[0] == int(first)
-    hardware.set_attention_backend("cudnn")  # choosing cuDNN again switches it back on
-    assert torch._C._get_cudnn_sdp_enabled()
+    monkeypatch.setattr(hardware, "settle_sdpa_order",
+                        lambda: calls.append(1) or torch._C._set_sdp_priority_order(cudnn_first))  # fmt: skip
+    expected = {"flash": ["flash", "cudnn", "efficient", "math"], "efficient": ["efficient", "flash", "cudnn", "math"]}
+    assert hardware.set_attention_backend(name) == expected[name]
+    assert calls == [1]
+    enum = {"flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION,
+            "efficient": SDPBackend.EFFICIENT_ATTENTION, "math": SDPBackend.MATH}  # fmt: skip
+    assert torch._C._get_sdp_priority_order()[:4] == [int(enum[n]) for n in expected[name]]
+    assert all(getattr(torch._C, f"_get_{n}_sdp_enabled")() for n in NAMES)
 
 
 def test_math_only_and_cpu_and_bad_name(monkeypatch, restore_sdpa):

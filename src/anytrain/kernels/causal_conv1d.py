@@ -55,7 +55,7 @@ class ConvConfig:
 
 
 _VENDOR_CONFIGS = {  # CUDA: fastest GPU time of the H200 sweeps (bench/results/mamba_kernels_nvidia-h200_conv8.json)
-    hardware.CUDA: ConvConfig(slots_bwd=8),  # backward 0.102 ms against 0.120 with runs of 4 (launchers alone)
+    hardware.CUDA: ConvConfig(slots_bwd=8),  # backward 0.075 ms of GPU time (twelfth session; runs of 4: +18% in 7th)
     hardware.ROCM: ConvConfig(block_d_bwd=2),  # not run; 64-wide wavefronts: 8+ elements per lane either way
     hardware.CPU: ConvConfig(block_d=2, block_t=8, num_warps=1, block_d_bwd=2, block_t_bwd=8, num_warps_bwd=1),
 }
