@@ -331,6 +331,7 @@ def _conv_bwd8_kernel(
     x_rows = x_ptr + offs_d * s_xd + b * s_xb + t0
     g_rows = dout_ptr + offs_d * s_gd + b * s_gb + t0
     dx_rows = dx_ptr + offs_d * s_dd + b * s_db + t0
+    back = (n_tblocks - 1) * BLOCK_T  # the blocks walked in a batch, undone when the next batch starts
     for _ in tl.range(it0, tl.minimum(it0 + iters_per_program, n_iters), num_stages=STAGES):
         p1, p2, p3, x0, x1, x2, x3, x4, x5, x6, x7, n0, n1, n2 = _run8(x_rows, jl, t0, mask_d, seqlen, ACC, EVEN)
         _, _, _, g0, g1, g2, g3, g4, g5, g6, g7, f0, f1, f2 = _run8(g_rows, jl, t0, mask_d, seqlen, ACC, EVEN)
@@ -374,7 +375,6 @@ def _conv_bwd8_kernel(
         wrap = tb == n_tblocks  # the next iteration starts the next batch
         tb = tl.where(wrap, 0, tb)
         t0 = tb * BLOCK_T
-        back = (n_tblocks - 1) * BLOCK_T  # the blocks walked in this batch
         x_rows += tl.where(wrap, s_xb - back, BLOCK_T)
         g_rows += tl.where(wrap, s_gb - back, BLOCK_T)
         dx_rows += tl.where(wrap, s_db - back, BLOCK_T)
