@@ -485,9 +485,9 @@ def test_host_floor_binds_small_models_only():
     tiny = ModelShape(4, 256, 4, 4, 688, 8192)
     one = Layout(dp=1, micro_batch=16)
     est_tiny = estimate(tiny, one, Workload(256, 16, compiled=False), h200)
-    # eager: 1 micro-batch x (4 blocks x 139 ops + 55 ops outside the blocks) x host_op_us + 2000 us per step
+    # eager: 1 micro-batch x (4 blocks x 121 ops + 55 ops outside the blocks) x host_op_us + 2000 us per step
     op = h200.host_op_us
-    assert est_tiny.host_s == pytest.approx((4 * 139 * op + HEAD_EAGER_OPS * op + 2000) * 1e-6)
+    assert est_tiny.host_s == pytest.approx((4 * 121 * op + HEAD_EAGER_OPS * op + 2000) * 1e-6)
     assert est_tiny.step_s == pytest.approx(est_tiny.host_s) and est_tiny.notes
     assert fit_host_op_us(est_tiny, est_tiny.step_s) == pytest.approx(op)  # a fixed point, like fit_efficiency
     assert fit_host_op_us(est_tiny, 2 * est_tiny.step_s) > 2 * op

@@ -8,6 +8,7 @@ import sys
 import pytest
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 from anytrain.kernels import fused_linear_ce as flce
 from anytrain.models import losses
@@ -191,3 +192,59 @@ def test_wide_mm_gives_up_one_overload_at_a_time(monkeypatch):
     with pytest.raises(torch.cuda.OutOfMemoryError):
         wide_mm.grad_mm(a, b, torch.float32)
     assert wide_mm._ok["mm"]
+
+
+def _linear_grads(mod, x, dy, compiled=False, autocast=True, backend="aot_eager"):
+    fn = torch.compile(mod, backend=backend, fullgraph=True) if compiled else mod
+    xi = x.clone().requires_grad_()
+    mod.weight.grad = None
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        y = fn(xi)
+    y.backward(dy)
+    return y, xi.grad, mod.weight.grad
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+def test_wide_grad_linear_matches_autocast_linear(compiled, monkeypatch):
+    """transformer.Linear under bf16 autocast takes the wide path (its own autograd function) and gives nn.Linear's
+    output, input gradient and (here, on CPU, where the fp32-output GEMM falls back to the bf16 product cast) weight
+    gradient, in the weight's layout and dtype; also traced whole by torch.compile (fullgraph, the GEMM as one opaque
+    op). The GPU's fp32-output GEMM is checked at real size in tests/gpu/test_fused_ops_gpu.py."""
+    from torch._dynamo.testing import AotEagerAndRecordGraphs
+
+    from anytrain.kernels import wide_mm
+    from anytrain.models import transformer
+
+    torch.manual_seed(0)
+    wide, plain = transformer.Linear(24, 40, bias=False), nn.Linear(24, 40, bias=False)
+    plain.weight.data.copy_(wide.weight.data)
+    x, dy = torch.randn(3, 5, 24), torch.randn(3, 5, 40).bfloat16()
+    calls = []  # eager: the weight gradient comes from grad_mm, asked for the weight's dtype
+    monkeypatch.setattr(wide_mm, "grad_mm", lambda a, b, dtype: calls.append(dtype) or (a @ b).to(dtype))
+    torch._dynamo.reset()
+    graphs = AotEagerAndRecordGraphs()
+    y, dx, dw = _linear_grads(wide, x, dy, compiled, backend=graphs)
+    y0, dx0, dw0 = _linear_grads(plain, x, dy)
+    if compiled:  # the backward graph holds the one opaque GEMM op
+        assert len(graphs.bw_graphs) == 1 and "anytrain.grad_mm" in graphs.bw_graphs[0].code
+    else:
+        assert type(y.grad_fn).__name__ == "_WideLinearFnBackward" and calls == [torch.float32]
+    assert y.dtype == torch.bfloat16 and dw.dtype == torch.float32 and dw.shape == (40, 24)
+    assert torch.equal(y, y0) and torch.equal(dx, dx0) and torch.equal(dw, dw0)
+
+
+def test_wide_grad_linear_applies_only_to_fp32_weights_under_autocast(monkeypatch):
+    """The plain F.linear path everywhere else: no autocast, a bf16 weight (FSDP mixed precision), a bias, the switch
+    off."""
+    from anytrain.models import transformer
+
+    x = torch.randn(2, 8)
+    for kwargs, setup, autocast in (({}, None, False), ({}, "bf16", True), ({"bias": True}, None, True),
+                                    ({}, "off", True)):  # fmt: skip
+        mod = transformer.Linear(8, 4, **kwargs)
+        if setup == "bf16":
+            mod = mod.bfloat16()
+        monkeypatch.setattr(transformer, "WIDE_GRAD_LINEAR", setup != "off")
+        y, _, dw = _linear_grads(mod, x, torch.ones(2, 4), autocast=autocast)
+        assert type(y.grad_fn).__name__ != "_WideLinearFnBackward", (kwargs, setup, autocast)
+        assert dw.dtype == mod.weight.dtype

@@ -77,6 +77,23 @@ def test_rope_preserves_norm_and_is_relative():
     assert torch.allclose((rq[0, 5] * rk[0, 3]).sum(), (rq[0, 9] * rk[0, 7]).sum(), atol=1e-5)
 
 
+def test_rope_rotates_interleaved_pairs():
+    """The convention checkpoints depend on (Meta's interleaved pairs; HF export permutes q/k for HF's halves):
+    (x[2i], x[2i+1]) rotated by t·theta^(-2i/E), forward and backward, against the pairwise formula in float64."""
+    E, T = 8, 5
+    cos, sin = rope_tables(E, T, 10000.0)
+    x = torch.randn(2, T, 3, E, dtype=torch.float64, requires_grad=True)
+    angle = torch.arange(T, dtype=torch.float64)[:, None] * 10000.0 ** (-torch.arange(0, E, 2) / E)  # (T, E/2)
+    c, s = angle.cos()[None, :, None, :], angle.sin()[None, :, None, :]
+    even, odd = x[..., 0::2], x[..., 1::2]
+    expected = torch.stack((even * c - odd * s, even * s + odd * c), dim=-1).flatten(-2)
+    got = apply_rope(x, cos, sin)
+    torch.testing.assert_close(got, expected, rtol=1e-6, atol=1e-6)  # fp32 tables
+    g = torch.randn_like(got)
+    torch.testing.assert_close(torch.autograd.grad(got, x, g)[0], torch.autograd.grad(expected, x, g)[0],
+                               rtol=1e-6, atol=1e-6)  # fmt: skip
+
+
 def test_flavours_and_arg_errors():
     assert {"debug", "tiny", "125m", "1.1b"} <= set(list_flavours()["transformer"])
     with pytest.raises(ConfigError, match="model.flavour: unknown flavour 'huge'"):

@@ -319,7 +319,7 @@ def optimizer_seconds(shape: ModelShape | MambaShape, layout: Layout, prec: Prec
 def host_seconds(shape: ModelShape | MambaShape, layout: Layout, wl: Workload, device: Device) -> float:
     """The host's floor for one step: m·(L/p·per-block + outside the blocks) + per step.
 
-    Eager blocks: ``shape.eager_ops_per_block`` ATen ops (139 per Llama block, forward + backward) × ``host_op_us``
+    Eager blocks: ``shape.eager_ops_per_block`` ATen ops (121 per Llama block, forward + backward) × ``host_op_us``
     (the host's cost of one eager op with autocast and autograd; fitted on the tiny run, which is host-bound);
     compiled blocks: ``host_layer_us_compiled`` per block (a few graph launches). Outside the blocks
     ``HEAD_EAGER_OPS`` ops per micro-batch; per step ``host_step_us`` (optimizer, clipping, the guard's check).

@@ -77,7 +77,7 @@ class ModelShape(_LanguageModelParams):
     def eager_ops_per_block(self) -> int:
         """Non-view ATen ops one eager block dispatches, forward + backward under autocast (counted with a
         TorchDispatchMode on CPU, tests/unit/test_cost_model.py): the host's work per block and micro-batch."""
-        return 139
+        return 121
 
     def flops_per_token(self, seq_len: int) -> float:
         """6·N + 12·L·d·s with N = parameters without the input embedding, LM head included (as the model's own)."""

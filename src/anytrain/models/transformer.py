@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from anytrain import hardware
+from anytrain.kernels import wide_mm
 from anytrain.models.losses import lm_cross_entropy
 from anytrain.models.sampling import sample
 
@@ -22,6 +23,11 @@ SDPA_NATIVE_GQA: bool | None = None
 """Grouped-query attention inside SDPA (``enable_gqa=True``, torch >= 2.5) instead of expanding K/V to H heads.
 None = auto: on for NVIDIA (FlashAttention-2 takes K < H heads natively) and CPU, off on ROCm (its flash kernel
 path is not known to accept unequal head counts, and a fallback to the math kernel would be slow)."""
+
+
+WIDE_GRAD_LINEAR = True
+"""The blocks' projections produce their fp32 weight gradients straight from the GEMM under bf16/fp16 autocast
+(``Linear``); False = plain ``F.linear`` (autocast's bf16 gradient, then a copy to fp32). A switch for benchmarks."""
 
 
 def _native_gqa() -> bool:
@@ -110,29 +116,51 @@ def residual_stream(h: torch.Tensor, keep_fp32: bool) -> torch.Tensor:
 
 
 def rope_tables(head_dim: int, max_seq_len: int, theta: float, device=None) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin tables (T, E/2) in fp32 for rotating pairs (x[2i], x[2i+1]) by angle t·theta^(-2i/E)."""
+    """Tables (T, E) in fp32 for rotating pairs (x[2i], x[2i+1]) by angle a = t·theta^(-2i/E): cos a at both
+    positions of pair i, and (-sin a, sin a)."""
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim))
     angles = torch.outer(torch.arange(max_seq_len, device=device, dtype=torch.float32), inv_freq)  # (T, E/2)
-    return angles.cos(), angles.sin()
+    cos, sin = angles.cos(), angles.sin()
+    return cos.repeat_interleave(2, dim=-1), torch.stack((-sin, sin), dim=-1).flatten(-2)
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate interleaved pairs of the last dim. x: (B, T, H, E); cos/sin: (T, E/2). Math in fp32."""
-    x32 = x.float().unflatten(-1, (-1, 2))  # (B, T, H, E/2, 2)
-    even, odd = x32[..., 0], x32[..., 1]
-    cos, sin = cos[None, :, None, :], sin[None, :, None, :]
-    rotated = torch.stack((even * cos - odd * sin, even * sin + odd * cos), dim=-1)
-    return rotated.flatten(-2).type_as(x)
+    """Rotate interleaved pairs of the last dim: (x0, x1) -> (x0 cos - x1 sin, x0 sin + x1 cos). x: (B, T, H, E);
+    cos/sin: (T, E) from ``rope_tables``. Math in fp32.
+
+    Written as x·cos + swap(x)·sin (swap exchanging the two elements of each pair), bitwise equal to the pairwise form
+    (a stack of the rotated halves) that it replaced; measurements in docs/benchmarks.md (thirteenth session)."""
+    x32 = x.float()
+    swapped = x32.unflatten(-1, (-1, 2)).flip(-1).flatten(-2)  # (x1, x0, x3, x2, ...)
+    return (x32 * cos[None, :, None, :] + swapped * sin[None, :, None, :]).type_as(x)
+
+
+class Linear(nn.Linear):
+    """``nn.Linear`` (same parameters and state-dict names) whose weight gradient, for an fp32 weight under bf16/fp16
+    autocast, comes out of the GEMM in fp32 (``wide_mm.wide_linear``) instead of a bf16 product copied to fp32 by
+    autocast's cast node. Plain ``F.linear`` otherwise: no autocast, bf16 parameters (FSDP mixed precision), sharded
+    (DTensor) weights under tensor parallelism, a bias, no gradients, ``WIDE_GRAD_LINEAR`` off, or ``wide_grads``
+    False on the instance (the trainer's eager pipeline stages, where autocast's cache shares one weight cast between
+    micro-batches)."""
+
+    wide_grads = True
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        use = WIDE_GRAD_LINEAR and self.wide_grads and self.bias is None
+        dtype = wide_mm.wide_linear_dtype(x, self.weight) if use else None
+        if dtype is None:
+            return F.linear(x, self.weight, self.bias)
+        return wide_mm.wide_linear(x, self.weight, dtype)
 
 
 class Attention(nn.Module):
     def __init__(self, args: TransformerArgs) -> None:
         super().__init__()
         self.n_heads, self.n_kv_heads, self.head_dim = args.n_heads, args.n_kv_heads, args.head_dim
-        self.wq = nn.Linear(args.dim, args.n_heads * self.head_dim, bias=False)
-        self.wk = nn.Linear(args.dim, args.n_kv_heads * self.head_dim, bias=False)
-        self.wv = nn.Linear(args.dim, args.n_kv_heads * self.head_dim, bias=False)
-        self.wo = nn.Linear(args.n_heads * self.head_dim, args.dim, bias=False)
+        self.wq = Linear(args.dim, args.n_heads * self.head_dim, bias=False)
+        self.wk = Linear(args.dim, args.n_kv_heads * self.head_dim, bias=False)
+        self.wv = Linear(args.dim, args.n_kv_heads * self.head_dim, bias=False)
+        self.wo = Linear(args.n_heads * self.head_dim, args.dim, bias=False)
         self.native_gqa = args.n_kv_heads != args.n_heads and _native_gqa()  # decided once, outside compiled code
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -161,9 +189,9 @@ class FeedForward(nn.Module):
 
     def __init__(self, dim: int, hidden: int) -> None:
         super().__init__()
-        self.w1 = nn.Linear(dim, hidden, bias=False)
-        self.w3 = nn.Linear(dim, hidden, bias=False)
-        self.w2 = nn.Linear(hidden, dim, bias=False)
+        self.w1 = Linear(dim, hidden, bias=False)
+        self.w3 = Linear(dim, hidden, bias=False)
+        self.w2 = Linear(hidden, dim, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.w2(F.silu(self.w1(x)) * self.w3(x))

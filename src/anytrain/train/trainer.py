@@ -234,6 +234,10 @@ class Trainer:
                                   self.cfg.train.seed)  # fmt: skip
         self.pp_parts = []
         for part in parts:
+            if not self.cfg.train.compile:  # one autocast region runs all micro-batches: keep autocast's shared casts
+                for module in part.modules():
+                    if hasattr(module, "wide_grads"):
+                        module.wide_grads = False
             part, self.strategy = parallelize(part, self.cfg, self.dims, self.device, self.dtype)
             self.pp_parts.append(part)
         self.pp_group = self.dims.build_mesh(self.device.type)["pp"].get_group()
