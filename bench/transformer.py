@@ -70,6 +70,7 @@ class Case:
     profile: bool = False
     options: dict = field(default_factory=dict)  # dotted config overrides for anytrain rows, e.g. model.args.X
     ablation: bool = False  # a recipe change undone, for the one-change-at-a-time table (--ablations)
+    wide_grads: bool = True  # transformer.WIDE_GRAD_LINEAR: fp32 weight gradients straight from the GEMMs
 
 
 def default_cases(ablations: bool = False) -> list[Case]:
@@ -147,6 +148,15 @@ def default_cases(ablations: bool = False) -> list[Case]:
             g16,
             **mb16,
             stack="anytrain",
+            label="anytrain, autocast's bf16 weight gradients (before)",
+            options=auto,
+            wide_grads=False,
+            ablation=True,
+        ),  # fmt: skip
+        Case(
+            g16,
+            **mb16,
+            stack="anytrain",
             label="anytrain, FlashAttention-2 first (otherwise the recipe)",
             attention="flash",
             profile=True,  # the kernel table shows which attention kernels ran
@@ -169,12 +179,14 @@ def estimate_s(case: Case) -> float:
 
 @contextlib.contextmanager
 def model_switches(case: Case) -> Iterator[None]:
-    saved = losses.LOSS_IMPL, transformer.SDPA_NATIVE_GQA
-    losses.LOSS_IMPL, transformer.SDPA_NATIVE_GQA = case.loss_impl, case.native_gqa
+    saved = losses.LOSS_IMPL, transformer.SDPA_NATIVE_GQA, transformer.WIDE_GRAD_LINEAR
+    losses.LOSS_IMPL, transformer.SDPA_NATIVE_GQA, transformer.WIDE_GRAD_LINEAR = (
+        case.loss_impl, case.native_gqa, case.wide_grads
+    )  # fmt: skip
     try:
         yield
     finally:
-        losses.LOSS_IMPL, transformer.SDPA_NATIVE_GQA = saved
+        losses.LOSS_IMPL, transformer.SDPA_NATIVE_GQA, transformer.WIDE_GRAD_LINEAR = saved
 
 
 @contextlib.contextmanager
