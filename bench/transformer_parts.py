@@ -6,6 +6,8 @@
   gradient, weight gradient; CUDA events, 20 calls) under cuBLAS and cuBLASLt (``preferred_blas_library``), a bf16
   8192^3 product for the ceiling, and the weight gradient three ways, alternating 3 times: bf16 product, bf16 product
   copied to fp32 (autocast's path), one GEMM with an fp32 ``out_dtype`` (``transformer.Linear``'s path).
+- ``layouts``: the same GEMMs with the weight stored row-major or column-major, and the weight gradient written
+  row- or column-major.
 - ``rope``: ``apply_rope`` (x·cos + swap(x)·sin) against the pairwise form it replaced, compiled, on the recipe's q
   and k, forward and forward + backward, and a copy of the same bytes (the floor).
 - ``gaps``: the recipe's step (as ``bench/transformer.py`` builds it), 3 warm-up steps, 5 timed, 3 profiled back to
@@ -81,6 +83,37 @@ def gemms() -> dict:
     for r in wgrad:
         print(f"weight grad {r['gemm']:6}: " + ", ".join(f"{k} {min(r[k]):.3f} ms" for k in r if k != "gemm"))
     return {"gemms": rows, "weight_grad_paths": wgrad}
+
+
+def layouts() -> dict:
+    """Each projection's three GEMMs with the weight stored row-major (as ``nn.Linear`` makes it, (out, in)
+    contiguous) and column-major (same shape, (in, out) memory: ``torch.empty(in, out).t()``), and the weight
+    gradient written either way (fp32 ``out_dtype``, as ``transformer.Linear`` computes it); medians of 3 alternating
+    rounds. Also K and V as one (2048 -> 512) projection."""
+    rows = []
+    shapes = {**PROJECTIONS, "k+v fused": (2048, 512)}
+    f32 = torch.float32
+    for name, (i, o) in shapes.items():
+        x, dy = torch.randn(TOKENS, i, device="cuda").bfloat16(), torch.randn(TOKENS, o, device="cuda").bfloat16()
+        w_row = torch.randn(o, i, device="cuda").bfloat16()
+        w_col = w_row.t().contiguous().t()  # same values, column-major
+        variants = {
+            ("forward", "row"): lambda: torch.nn.functional.linear(x, w_row),
+            ("forward", "col"): lambda: torch.nn.functional.linear(x, w_col),
+            ("input grad", "row"): lambda: dy @ w_row,
+            ("input grad", "col"): lambda: dy @ w_col,
+            ("weight grad", "row"): lambda: torch.mm(dy.t(), x, out_dtype=f32),  # (out, in) contiguous
+            ("weight grad", "col"): lambda: torch.mm(x.t(), dy, out_dtype=f32),  # (in, out) contiguous
+        }
+        times: dict = {k: [] for k in variants}
+        for _ in range(3):  # alternating, against clock drift
+            for k, fn in variants.items():
+                times[k].append(timeit(fn))
+        for (kind, layout), ts in times.items():
+            ms = sorted(ts)[1]
+            rows.append(dict(gemm=name, kind=kind, weight=layout, ms=ms, tflops=2 * TOKENS * i * o / ms / 1e9))
+            print(f"{name:10} {kind:12} {layout}  {ms:7.3f} ms {rows[-1]['tflops']:6.0f} TFLOP/s")
+    return {"layouts": rows}
 
 
 def _pairwise_rope(x, cos, sin):
@@ -162,10 +195,11 @@ def gaps() -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("parts", nargs="*", help="gemms, rope, gaps (default: all three)")
+    parser.add_argument("parts", nargs="*", help="gemms, layouts, rope, gaps (default: all four)")
     parser.add_argument("--out", default="bench/results")
+    parser.add_argument("--tag", default="", help="suffix of the results file name (keeps earlier files)")
     args = parser.parse_args()
-    parts = {"gemms": gemms, "rope": rope, "gaps": gaps}
+    parts = {"gemms": gemms, "layouts": layouts, "rope": rope, "gaps": gaps}
     unknown = set(args.parts) - set(parts)
     if unknown:
         raise SystemExit(f"transformer_parts: unknown part(s) {sorted(unknown)}; choose from {sorted(parts)}")
@@ -176,7 +210,7 @@ def main() -> None:
     for part in args.parts or list(parts):
         results.update(parts[part]())
     slug = re.sub(r"[^a-z0-9]+", "-", env["device"].lower()).strip("-")
-    path = Path(args.out) / f"transformer_parts_{slug}.json"
+    path = Path(args.out) / f"transformer_parts_{slug}{'_' + args.tag if args.tag else ''}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(results, indent=1, default=str) + "\n")
     print(f"wrote {path}")

@@ -126,3 +126,28 @@ def test_wide_grad_linear_at_the_ffn_shape(compiled):
     exact = dy.reshape(-1, 5632).float().t() @ x.reshape(-1, 2048).float()
     err, err0 = _rel_err(dw, exact), _rel_err(dw0, exact)
     assert err < 1e-4 and err < err0 / 20, (err, err0)  # H100: 1.9e-5 against autocast's bf16 gradient's 1.7e-3
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+def test_weight_gradients_accumulate_in_the_gemm_on_the_gpu(compiled):
+    """Two micro-batches at the FFN shape inside ``wide_mm.accumulate_in_gemm``: the second one's weight gradient is
+    summed into ``.grad`` by the GEMM (``addmm`` with an fp32 ``out_dtype``; counted, same storage), eager and from an
+    inductor-compiled backward, and the sum matches the fp32 product of the same bf16 operands as closely as one
+    GEMM's does."""
+    from anytrain.kernels import wide_mm
+
+    g = torch.Generator(device="cuda").manual_seed(4)
+    xs = [torch.randn(4, 2048, 2048, device="cuda", generator=g).to(torch.bfloat16) for _ in range(2)]
+    dys = [torch.randn(4, 2048, 5632, device="cuda", generator=g).to(torch.bfloat16) for _ in range(2)]
+    wide = transformer.Linear(2048, 5632, bias=False).cuda()
+    fn = torch.compile(wide) if compiled else wide
+    before, ptrs = wide_mm.accumulated, []
+    with wide_mm.accumulate_in_gemm():
+        for x, dy in zip(xs, dys, strict=True):
+            with torch.autocast("cuda", dtype=torch.bfloat16):
+                y = fn(x)
+            y.backward(dy)
+            ptrs.append(wide.weight.grad.data_ptr())
+    assert wide_mm.accumulated - before == 1 and ptrs[0] == ptrs[1]
+    exact = sum(dy.reshape(-1, 5632).float().t() @ x.reshape(-1, 2048).float() for x, dy in zip(xs, dys, strict=True))
+    assert _rel_err(wide.weight.grad, exact) < 1e-4

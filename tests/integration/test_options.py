@@ -6,6 +6,7 @@ import json
 
 import numpy as np
 import pytest
+import torch
 
 from tests.conftest import run_cli
 
@@ -188,18 +189,76 @@ def test_weight_cast_cache_spans_the_micro_batches_and_closes_before_the_update(
     trainer = _cpu_trainer(small_data, tmp_path / "run", "--train.steps", "2", "--train.micro_batch", "2")
     events = []
     real_fb, real_update = trainer.forward_backward, trainer.optimizer.step
+    from anytrain.kernels import wide_mm
+
+    def state():
+        return mamba_inner._casts is not None, wide_mm._accumulate
+
     monkeypatch.setattr(
-        trainer,
-        "forward_backward",
-        lambda *a, **k: events.append(("micro", mamba_inner._casts is not None)) or real_fb(*a, **k),
+        trainer, "forward_backward", lambda *a, **k: events.append(("micro", *state())) or real_fb(*a, **k)
     )
     monkeypatch.setattr(
-        trainer.optimizer,
-        "step",
-        lambda *a, **k: events.append(("update", mamba_inner._casts is not None)) or real_update(*a, **k),
+        trainer.optimizer, "step", lambda *a, **k: events.append(("update", *state())) or real_update(*a, **k)
     )
     try:
         trainer.train()
     finally:
         trainer.close()
-    assert events == [("micro", True), ("micro", True), ("update", False)] * 2 and mamba_inner._casts is None
+    # (both contexts: the cast cache and the weight-gradient accumulation in the GEMM of a one-process run)
+    assert events == [("micro", True, True), ("micro", True, True), ("update", False, False)] * 2
+    assert mamba_inner._casts is None and not wide_mm._accumulate
+
+
+def _params_after(trainer) -> dict:
+    try:
+        trainer.train()
+    finally:
+        trainer.close()
+    return {k: v.detach().clone() for k, v in trainer.raw_model.state_dict().items()}
+
+
+def test_bf16_micro_batches_accumulate_weight_gradients_in_the_gemm(small_data, tmp_path, monkeypatch):
+    """A one-process bf16 (autocast) run with 2 micro-batches per step: from the second micro-batch on, the
+    projections' weight gradients are summed into .grad by the GEMM, and the weights after 2 steps are those of the
+    same run with the path turned off (ANYTRAIN_GEMM_ACCUM=0)."""
+    from anytrain.kernels import wide_mm
+
+    args = ("--train.steps", "2", "--train.micro_batch", "2", "--train.dtype", "bf16")
+    before = wide_mm.accumulated
+    on = _params_after(_cpu_trainer(small_data, tmp_path / "on", *args))
+    # debug Transformer: 2 layers x 7 projections, 1 later micro-batch per step, 2 steps
+    assert wide_mm.accumulated - before == 2 * 7 * 2
+    monkeypatch.setattr(wide_mm, "_accumulate_on", False)
+    off = _params_after(_cpu_trainer(small_data, tmp_path / "off", *args))
+    assert wide_mm.accumulated - before == 2 * 7 * 2
+    assert on.keys() == off.keys() and all(torch.equal(on[k], off[k]) for k in on)
+
+
+@pytest.mark.parametrize("lagged", ["true", "false"])
+def test_clipping_factor_goes_to_the_fused_optimizer(small_data, tmp_path, monkeypatch, lagged):
+    """With torch's fused AdamW, clipping computes the norm and hands 1 / factor to the optimizer (grad_scale, used
+    for that step only) instead of scaling the gradients itself: the weights equal those of torch's
+    clip_grad_norm_ (ANYTRAIN_CLIP_IN_OPTIMIZER=0) to float rounding, and differ from an unclipped run."""
+    from anytrain.train import trainer as trainer_module
+
+    args = ("--train.steps", "3", "--train.optimizer_impl", "fused", "--train.lagged_checks", lagged,
+            "--train.grad_clip", "0.05")  # fmt: skip
+    calls, seen = [], []
+    real_clip = torch.nn.utils.clip_grad_norm_
+    monkeypatch.setattr(torch.nn.utils, "clip_grad_norm_", lambda *a, **k: calls.append(1) or real_clip(*a, **k))
+    trainer = _cpu_trainer(small_data, tmp_path / "fold", *args)
+    real_step = trainer.optimizer.step
+    optimizer = trainer.optimizer
+    monkeypatch.setattr(
+        optimizer, "step", lambda *a, **k: seen.append(float(optimizer.grad_scale)) or real_step(*a, **k)
+    )
+    folded = _params_after(trainer)
+    assert not calls and len(seen) == 3 and all(s > 1.0 for s in seen)  # clipping was active
+    assert "grad_scale" not in trainer.optimizer.__dict__
+    monkeypatch.setattr(trainer_module, "_CLIP_IN_OPTIMIZER", False)
+    torch_clip = _params_after(_cpu_trainer(small_data, tmp_path / "torch", *args))
+    assert len(calls) == 3
+    unclipped = _params_after(_cpu_trainer(small_data, tmp_path / "none", *args[:6], "--train.grad_clip", "0"))
+    for k in folded:
+        assert torch.allclose(folded[k], torch_clip[k], rtol=1e-5, atol=1e-7), k
+    assert any(not torch.allclose(folded[k], unclipped[k], rtol=1e-3, atol=1e-5) for k in folded)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 
@@ -226,7 +227,7 @@ def test_wide_grad_linear_matches_autocast_linear(compiled, monkeypatch):
     y, dx, dw = _linear_grads(wide, x, dy, compiled, backend=graphs)
     y0, dx0, dw0 = _linear_grads(plain, x, dy)
     if compiled:  # the backward graph holds the one opaque GEMM op
-        assert len(graphs.bw_graphs) == 1 and "anytrain.grad_mm" in graphs.bw_graphs[0].code
+        assert len(graphs.bw_graphs) == 1 and "anytrain.weight_grad" in graphs.bw_graphs[0].code
     else:
         assert type(y.grad_fn).__name__ == "_WideLinearFnBackward" and calls == [torch.float32]
     assert y.dtype == torch.bfloat16 and dw.dtype == torch.float32 and dw.shape == (40, 24)
@@ -248,3 +249,44 @@ def test_wide_grad_linear_applies_only_to_fp32_weights_under_autocast(monkeypatc
         y, _, dw = _linear_grads(mod, x, torch.ones(2, 4), autocast=autocast)
         assert type(y.grad_fn).__name__ != "_WideLinearFnBackward", (kwargs, setup, autocast)
         assert dw.dtype == mod.weight.dtype
+
+
+@pytest.mark.parametrize("backend", ["eager", "aot_eager", "inductor"])
+def test_weight_gradients_accumulate_in_the_gemm(backend):
+    """Inside ``wide_mm.accumulate_in_gemm`` the second and later micro-batches' weight gradients are summed into
+    ``.grad`` by the GEMM (counted by ``wide_mm.accumulated``) and handed back through autograd, eagerly and from a
+    compiled backward (which must see the parameter itself): the gradients equal nn.Linear's accumulated ones, and
+    ``.grad`` keeps its storage (AccumulateGrad takes the sum back, no copy). Outside the context, or with it
+    disabled, nothing is accumulated that way."""
+    from anytrain.kernels import wide_mm
+    from anytrain.models import transformer
+
+    torch.manual_seed(0)
+    mod = nn.Sequential(transformer.Linear(24, 40, bias=False), nn.GELU(), transformer.Linear(40, 8, bias=False))
+    ref = nn.Sequential(nn.Linear(24, 40, bias=False), nn.GELU(), nn.Linear(40, 8, bias=False))
+    ref.load_state_dict(mod.state_dict())
+    torch._dynamo.reset()
+    fn = mod if backend == "eager" else torch.compile(mod, backend=backend, fullgraph=True)
+    xs = [torch.randn(4, 24) for _ in range(3)]
+
+    def run(model, params, context):
+        storage = []
+        with context:
+            for x in xs:
+                with torch.autocast("cpu", dtype=torch.bfloat16):
+                    model(x).float().square().mean().backward()
+                storage.append([p.grad.data_ptr() for p in params])
+        return storage
+
+    run(ref, list(ref.parameters()), contextlib.nullcontext())
+    for context, expected in ((wide_mm.accumulate_in_gemm(), 4), (contextlib.nullcontext(), 0),
+                              (wide_mm.accumulate_in_gemm(False), 0)):  # fmt: skip
+        mod.zero_grad(set_to_none=True)
+        before = wide_mm.accumulated
+        ptrs = run(fn, list(mod.parameters()), context)
+        assert wide_mm.accumulated - before == expected  # 2 layers x micro-batches 2 and 3
+        assert not wide_mm._accumulate
+        for p, q in zip(mod.parameters(), ref.parameters(), strict=True):
+            assert p.grad.dtype == torch.float32 and torch.equal(p.grad, q.grad)
+        if expected:
+            assert ptrs[0] == ptrs[1] == ptrs[2]

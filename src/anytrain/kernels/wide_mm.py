@@ -11,6 +11,8 @@ behaviour) for the rest of the process, with one warning.
 
 from __future__ import annotations
 
+import contextlib
+import os
 import warnings
 
 import torch
@@ -65,29 +67,67 @@ def add_mm_(acc: Tensor, a: Tensor, b: Tensor) -> Tensor:
 
 
 # ---------------------------------------------------------------------------------------------------------------------
-# A linear layer whose weight gradient comes out of the GEMM in the parameter's dtype
+# A linear layer whose weight gradient comes out of the GEMM in the parameter's dtype (and, across the micro-batches
+# of an optimizer step in a one-process run, is summed by the GEMM as well)
+
+_accumulate = False
+_accumulate_on = os.environ.get("ANYTRAIN_GEMM_ACCUM", "1").strip().lower() not in ("0", "false", "no", "off")
+accumulated = 0  # weight gradients summed into .grad by their GEMM since import (read by tests and benches)
 
 
-def _register_grad_mm_op():
-    """``anytrain::grad_mm`` = ``grad_mm`` as one opaque op for torch.compile (its fallback is a Python try/except,
-    which a compiled graph cannot hold); None where torch lacks ``torch.library.custom_op`` (then eager calls)."""
+@contextlib.contextmanager
+def accumulate_in_gemm(enabled: bool = True):
+    """Inside (when ``enabled``): a ``wide_linear`` weight gradient whose parameter already holds a gradient (the
+    second and later micro-batches of an optimizer step) is added to that gradient by the GEMM itself (``add_mm_``:
+    ``addmm`` into ``.grad``), instead of a new fp32 product that ``AccumulateGrad`` then adds: one pass over the
+    weight-sized gradient instead of three. The sum is handed back through autograd (``.grad`` is cleared and the
+    summed tensor returned, so ``AccumulateGrad``, which runs next, takes it as the gradient), so tensor and
+    post-accumulate hooks on the parameter see the running sum rather than this micro-batch's part. The trainer enters
+    it only in one-process runs without CUDA graphs (no DDP reducer hooks, no captured ``.grad`` buffers).
+    ``ANYTRAIN_GEMM_ACCUM=0`` turns it off."""
+    global _accumulate
+    outer = _accumulate
+    _accumulate = outer or (enabled and _accumulate_on)
+    try:
+        yield
+    finally:
+        _accumulate = outer
+
+
+def weight_grad(a: Tensor, b: Tensor, weight: Tensor) -> Tensor:
+    """``a @ b`` in ``weight``'s dtype (``grad_mm``): the gradient of ``weight``; inside ``accumulate_in_gemm``,
+    summed with ``weight.grad`` by the GEMM when that is a plain contiguous tensor of the weight's dtype and shape."""
+    global accumulated
+    acc = weight.grad if _accumulate else None
+    if (acc is not None and type(acc) is torch.Tensor and acc.dtype == weight.dtype and not acc.requires_grad
+            and acc.shape == (a.shape[0], b.shape[1]) and acc.is_contiguous()):  # fmt: skip
+        add_mm_(acc, a, b)
+        weight.grad = None  # AccumulateGrad (next for this parameter) takes the sum back as .grad
+        accumulated += 1
+        return acc
+    return grad_mm(a, b, weight.dtype)
+
+
+def _register_weight_grad_op():
+    """``anytrain::weight_grad`` = ``weight_grad`` as one opaque op for torch.compile: it reads and clears the
+    parameter's ``.grad`` at run time, which a traced graph cannot; None where torch lacks ``custom_op``."""
     library = torch.library
     if not all(hasattr(library, n) for n in ("custom_op", "register_fake")):
         return None
     try:
-        op = library.custom_op("anytrain::grad_mm", mutates_args=(),
-                               schema="(Tensor a, Tensor b, ScalarType dtype) -> Tensor")(grad_mm)  # fmt: skip
-    except (TypeError, RuntimeError, ValueError):  # API variants of older torch
+        op = library.custom_op("anytrain::weight_grad", mutates_args=(),
+                               schema="(Tensor a, Tensor b, Tensor weight) -> Tensor")(weight_grad)  # fmt: skip
+    except (TypeError, RuntimeError, ValueError):
         return None
 
     @op.register_fake
-    def _(a, b, dtype):
-        return a.new_empty((a.shape[0], b.shape[1]), dtype=dtype)
+    def _(a, b, weight):
+        return a.new_empty((a.shape[0], b.shape[1]), dtype=weight.dtype)
 
     return op
 
 
-_grad_mm_op = _register_grad_mm_op() or grad_mm
+_weight_grad_op = _register_weight_grad_op()
 
 
 class _WideLinearFn(torch.autograd.Function):
@@ -96,20 +136,21 @@ class _WideLinearFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: Tensor, weight: Tensor, dtype: torch.dtype) -> Tensor:
         xc, wc = x.to(dtype), weight.to(dtype)  # the casts autocast would make (weight: one per call, as autocast)
-        ctx.save_for_backward(xc, wc)
-        ctx.x_dtype, ctx.w_dtype = x.dtype, weight.dtype
+        ctx.save_for_backward(xc, wc, weight)  # the parameter itself: weight_grad may sum into its .grad
+        ctx.x_dtype = x.dtype
         return torch.nn.functional.linear(xc, wc)
 
     @staticmethod
     def backward(ctx, dy: Tensor):
-        xc, wc = ctx.saved_tensors
+        xc, wc, weight = ctx.saved_tensors
         dy = dy.to(wc.dtype)
         dx = dw = None
         if ctx.needs_input_grad[0]:
             dx = (dy @ wc).to(ctx.x_dtype)
         if ctx.needs_input_grad[1]:  # (out, N) @ (N, in): the weight's layout, in its dtype, from the GEMM
-            mm = _grad_mm_op if torch.compiler.is_compiling() else grad_mm  # the op costs host time in eager mode
-            dw = mm(dy.reshape(-1, dy.shape[-1]).t(), xc.reshape(-1, xc.shape[-1]), ctx.w_dtype)
+            compiling = torch.compiler.is_compiling() and _weight_grad_op is not None
+            fn = _weight_grad_op if compiling else weight_grad  # the op costs host time in eager mode
+            dw = fn(dy.reshape(-1, dy.shape[-1]).t(), xc.reshape(-1, xc.shape[-1]), weight)
         return dx, dw, None
 
 

@@ -27,7 +27,7 @@ from anytrain.config import RunConfig, plan_batches, save_config, to_dict
 from anytrain.data.loader import BatchSource, SampleIndex
 from anytrain.data.shards import TokenDataset
 from anytrain.errors import ConfigError, RunDirError, TrainingError
-from anytrain.kernels import mamba_inner
+from anytrain.kernels import mamba_inner, wide_mm
 from anytrain.models import build_model, get_spec, resolve_args
 from anytrain.parallel import (
     DistInfo,
@@ -312,7 +312,7 @@ class Trainer:
             micro = self.plan.micro_batch
             loss = torch.zeros((), device=self.device)
             graphed = getattr(self, "_graphed", None)
-            with self._weight_casts(graphed):
+            with self._micro_batch_context(graphed):
                 for i in range(self.plan.grad_accum):
                     sl = slice(i * micro, (i + 1) * micro)
                     if graphed is not None:
@@ -320,25 +320,34 @@ class Trainer:
                     else:
                         last = i == self.plan.grad_accum - 1
                         loss += self.forward_backward(inputs[sl], targets[sl], sync=last, step=step)
-        grad_norm = self._clip_gradients()
-        if self.guard.uses_lag():
-            return self._lagged_update(step, loss, grad_norm)
-        status = self.guard.check(step, loss, grad_norm)
-        if not (status.nonfinite or status.skip):
-            self.optimizer.step()
+        try:
+            grad_norm = self._clip_gradients()
+            if self.guard.uses_lag():
+                return self._lagged_update(step, loss, grad_norm)
+            status = self.guard.check(step, loss, grad_norm)
+            if not (status.nonfinite or status.skip):
+                self.optimizer.step()
+        finally:
+            self.optimizer.__dict__.pop("grad_scale", None)  # this step's clipping factor (_clip_gradients)
         if not status.nonfinite:
             self.scheduler.step()
         self._zero_grad()
         return loss, grad_norm, status
 
-    def _weight_casts(self, graphed) -> contextlib.AbstractContextManager:
-        """The fused Mamba mixer's weight casts shared by one optimizer step's micro-batches
-        (``mamba_inner.cached_weight_casts``), where the parameters are the module's own full tensors (one process,
-        DDP, ZeRO-1): not under FSDP / TP (sharded, gathered per use), not for CUDA graphs (each replay casts inside
-        the graph); pipeline steps do not come here. Closed before the optimizer step, which changes the weights."""
+    def _micro_batch_context(self, graphed) -> contextlib.AbstractContextManager:
+        """Around one optimizer step's micro-batches, closed before the update (which changes the weights), where the
+        parameters are the module's own full tensors and no CUDA graph is replayed (each replay casts inside the
+        graph, and writes captured ``.grad`` buffers); pipeline steps do not come here:
+        - the fused Mamba mixer's weight casts shared by the micro-batches (``mamba_inner.cached_weight_casts``; one
+          process, DDP, ZeRO-1; not under FSDP / TP, whose parameters are sharded and gathered per use);
+        - one process only (no DDP reducer hooks on the gradients): ``transformer.Linear``'s weight gradients summed
+          into ``.grad`` by their GEMMs (``wide_mm.accumulate_in_gemm``) from the second micro-batch on."""
         if graphed is not None or self.strategy not in ("single", "ddp", "zero1"):  # (TP/PP runs are FSDP or none)
             return contextlib.nullcontext()
-        return mamba_inner.cached_weight_casts()
+        stack = contextlib.ExitStack()
+        stack.enter_context(mamba_inner.cached_weight_casts())
+        stack.enter_context(wide_mm.accumulate_in_gemm(self.strategy == "single"))
+        return stack
 
     def _lagged_update(self, step: int, loss: torch.Tensor, grad_norm: torch.Tensor):
         """train.lagged_checks: read the previous step's agreed flags (done on the device by now), then launch this
@@ -381,6 +390,13 @@ class Trainer:
     def _clip_gradients(self) -> torch.Tensor:
         """Global gradient norm (all ranks agree), clipping to train.grad_clip when > 0."""
         max_norm = self.cfg.train.grad_clip or math.inf
+        if math.isfinite(max_norm) and clip_in_optimizer(self.optimizer, self.strategy, self.dims):
+            # the fused AdamW divides each gradient by its grad_scale as it reads it (written back, as clipping would):
+            # no separate pass that scales every gradient in place
+            grads = [p.grad for p in self.model.parameters() if p.grad is not None]
+            norm = torch.nn.utils.get_total_norm(grads, foreach=True)
+            self.optimizer.grad_scale = torch.clamp((norm.float() + 1e-6) / max_norm, min=1.0)
+            return norm
         if self.dims.tp == 1 and self.dims.pp == 1:  # every parameter on one mesh: torch's own clipping
             norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm, foreach=True)
             return norm.full_tensor() if hasattr(norm, "full_tensor") else norm  # FSDP2: a DTensor
@@ -635,6 +651,18 @@ class Trainer:
         self.log.close()
         if self._sample_log is not None:
             self._sample_log.close()
+
+
+_OFF = ("0", "false", "no", "off")
+_CLIP_IN_OPTIMIZER = os.environ.get("ANYTRAIN_CLIP_IN_OPTIMIZER", "1").strip().lower() not in _OFF
+
+
+def clip_in_optimizer(optimizer: torch.optim.Optimizer, strategy: str, dims: ParallelDims) -> bool:
+    """Whether gradient clipping hands its factor to the fused AdamW (``grad_scale``, which the kernel divides each
+    gradient by as it reads it) instead of scaling every gradient in a pass of its own: plain (non-DTensor) gradients
+    on one mesh (one process or DDP) and torch's fused AdamW. ``ANYTRAIN_CLIP_IN_OPTIMIZER=0`` turns it off."""
+    fused = type(optimizer) is torch.optim.AdamW and all(g.get("fused") for g in optimizer.param_groups)
+    return _CLIP_IN_OPTIMIZER and fused and strategy in ("single", "ddp") and dims.tp == 1 and dims.pp == 1
 
 
 def lagged_checks_apply(cfg: RunConfig, optimizer: torch.optim.Optimizer) -> bool:
