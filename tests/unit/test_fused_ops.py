@@ -290,3 +290,37 @@ def test_weight_gradients_accumulate_in_the_gemm(backend):
             assert p.grad.dtype == torch.float32 and torch.equal(p.grad, q.grad)
         if expected:
             assert ptrs[0] == ptrs[1] == ptrs[2]
+
+
+def test_gemm_accumulation_only_where_accumulate_grad_takes_the_sum_back():
+    """The accumulation path is skipped, and ``.grad`` left alone, where autograd would not hand the sum back as it
+    is: ``torch.autograd.grad`` and ``backward(inputs=...)`` (no AccumulateGrad for the weight), a tensor hook on the
+    weight (it would see, and could rescale, the running sum), and a backward with grad mode on (``create_graph``)."""
+    from anytrain.kernels import wide_mm
+    from anytrain.models import transformer
+
+    torch.manual_seed(1)
+    lin = transformer.Linear(6, 5, bias=False)
+    xs = [torch.randn(3, 6, requires_grad=True) for _ in range(3)]
+
+    def loss(x):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            return lin(x).float().square().sum()
+
+    with wide_mm.accumulate_in_gemm():
+        loss(xs[0]).backward()
+        first, before = lin.weight.grad.clone(), wide_mm.accumulated
+        torch.autograd.grad(loss(xs[1]), xs[1])
+        loss(xs[1]).backward(inputs=[xs[1]])
+        assert torch.equal(lin.weight.grad, first) and wide_mm.accumulated == before
+        loss(xs[1]).backward(create_graph=True)
+        assert wide_mm.accumulated == before and wide_mm._ok["addmm"]
+        second = lin.weight.grad.detach().clone()
+        lin.weight.grad = second.clone()  # a plain .grad again (create_graph made it part of a graph)
+        handle = lin.weight.register_hook(lambda g: g * 0.5)
+        loss(xs[2]).backward()
+        handle.remove()
+        assert wide_mm.accumulated == before
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        third = torch.autograd.grad(lin(xs[2]).float().square().sum(), lin.weight)[0]
+    torch.testing.assert_close(lin.weight.grad, second + 0.5 * third, rtol=1e-6, atol=1e-6)

@@ -70,9 +70,9 @@ def add_mm_(acc: Tensor, a: Tensor, b: Tensor) -> Tensor:
 # A linear layer whose weight gradient comes out of the GEMM in the parameter's dtype (and, across the micro-batches
 # of an optimizer step in a one-process run, is summed by the GEMM as well)
 
-_accumulate = False
+_accumulate = False  # process-wide (the trainer's one training thread), not thread-local
 _accumulate_on = os.environ.get("ANYTRAIN_GEMM_ACCUM", "1").strip().lower() not in ("0", "false", "no", "off")
-accumulated = 0  # weight gradients summed into .grad by their GEMM since import (read by tests and benches)
+accumulated = 0  # weight gradients summed into .grad by their GEMM since import (read by the tests)
 
 
 @contextlib.contextmanager
@@ -81,10 +81,17 @@ def accumulate_in_gemm(enabled: bool = True):
     second and later micro-batches of an optimizer step) is added to that gradient by the GEMM itself (``add_mm_``:
     ``addmm`` into ``.grad``), instead of a new fp32 product that ``AccumulateGrad`` then adds: one pass over the
     weight-sized gradient instead of three. The sum is handed back through autograd (``.grad`` is cleared and the
-    summed tensor returned, so ``AccumulateGrad``, which runs next, takes it as the gradient), so tensor and
-    post-accumulate hooks on the parameter see the running sum rather than this micro-batch's part. The trainer enters
-    it only in one-process runs without CUDA graphs (no DDP reducer hooks, no captured ``.grad`` buffers).
-    ``ANYTRAIN_GEMM_ACCUM=0`` turns it off."""
+    summed tensor returned, so ``AccumulateGrad``, which runs next, takes it as the gradient). Taken only when that
+    hand-back is sure to happen and to be plain: the backward will run the parameter's ``AccumulateGrad`` (not for
+    ``torch.autograd.grad`` or ``backward(inputs=...)`` that skip it; a compiled backward cannot tell, see
+    ``_accumulates_here``), grad mode is off (no ``create_graph``) and the
+    parameter has no tensor hooks (which would see, and could rescale, the running sum); post-accumulate hooks see
+    ``.grad`` as always. Eager activation checkpointing recomputes the forward with detached parameters, which have no
+    ``.grad``: those layers keep the plain path (same result). A backward that fails part-way leaves the parameters
+    it reached with ``.grad`` None (the step is lost either way). The trainer enters it around ``loss.backward()`` of
+    one-process runs without CUDA graphs (no DDP reducer hooks, no captured ``.grad`` buffers).
+    ``ANYTRAIN_GEMM_ACCUM=0`` turns it off; a nested ``accumulate_in_gemm(False)`` does not turn off an enclosing
+    one."""
     global _accumulate
     outer = _accumulate
     _accumulate = outer or (enabled and _accumulate_on)
@@ -98,14 +105,31 @@ def weight_grad(a: Tensor, b: Tensor, weight: Tensor) -> Tensor:
     """``a @ b`` in ``weight``'s dtype (``grad_mm``): the gradient of ``weight``; inside ``accumulate_in_gemm``,
     summed with ``weight.grad`` by the GEMM when that is a plain contiguous tensor of the weight's dtype and shape."""
     global accumulated
-    acc = weight.grad if _accumulate else None
+    acc = weight.grad if _accumulate and not torch.is_grad_enabled() and not weight._backward_hooks else None
     if (acc is not None and type(acc) is torch.Tensor and acc.dtype == weight.dtype and not acc.requires_grad
-            and acc.shape == (a.shape[0], b.shape[1]) and acc.is_contiguous()):  # fmt: skip
+            and acc.shape == (a.shape[0], b.shape[1]) and acc.is_contiguous()
+            and _accumulates_here(weight)):  # fmt: skip
         add_mm_(acc, a, b)
         weight.grad = None  # AccumulateGrad (next for this parameter) takes the sum back as .grad
         accumulated += 1
         return acc
     return grad_mm(a, b, weight.dtype)
+
+
+def _accumulates_here(weight: Tensor) -> bool:
+    """Whether the running backward will execute ``weight``'s ``AccumulateGrad`` (False for ``autograd.grad`` and
+    ``backward(inputs=...)`` without it). Inside the compiled op, where autograd's dispatch is off, the leaf's node
+    cannot be found (it is reached through a view): True there, which is why the trainer opens
+    ``accumulate_in_gemm`` around its own ``loss.backward()`` only."""
+    try:
+        with torch.enable_grad():  # a leaf's edge is found through a view, which needs grad mode (off in backward)
+            node = torch.autograd.graph.get_gradient_edge(weight).node
+    except AttributeError:  # the view recorded no grad_fn: autograd's dispatch keys are off (the compiled op)
+        return True
+    try:
+        return bool(torch._C._will_engine_execute_node(node))
+    except (AttributeError, RuntimeError):  # no such API, or not inside a backward
+        return False
 
 
 def _register_weight_grad_op():
@@ -114,8 +138,10 @@ def _register_weight_grad_op():
     library = torch.library
     if not all(hasattr(library, n) for n in ("custom_op", "register_fake")):
         return None
+    # it reads and clears .grad at run time: a CUDA graph replay (inductor's cudagraphs) must not skip its body
+    tags = (torch.Tag.cudagraph_unsafe,) if hasattr(torch.Tag, "cudagraph_unsafe") else ()
     try:
-        op = library.custom_op("anytrain::weight_grad", mutates_args=(),
+        op = library.custom_op("anytrain::weight_grad", mutates_args=(), tags=tags,
                                schema="(Tensor a, Tensor b, Tensor weight) -> Tensor")(weight_grad)  # fmt: skip
     except (TypeError, RuntimeError, ValueError):
         return None

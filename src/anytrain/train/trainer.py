@@ -289,7 +289,10 @@ class Trainer:
             with self._autocast():
                 loss = self.model(inputs, targets) / self.plan.grad_accum  # mean token loss of the micro-batch
             loss = self.guard.poison(step, self.info.rank, loss)
-            loss.backward()
+            # one process: from the second micro-batch on, transformer.Linear's weight gradients are summed into .grad
+            # by their GEMMs (no DDP reducer hooks here; CUDA-graph steps do not come here)
+            with wide_mm.accumulate_in_gemm(self.strategy == "single"):
+                loss.backward()
         return loss.detach()
 
     def train_step(self, step: int) -> tuple[torch.Tensor, torch.Tensor, StepStatus]:
@@ -338,16 +341,11 @@ class Trainer:
         """Around one optimizer step's micro-batches, closed before the update (which changes the weights), where the
         parameters are the module's own full tensors and no CUDA graph is replayed (each replay casts inside the
         graph, and writes captured ``.grad`` buffers); pipeline steps do not come here:
-        - the fused Mamba mixer's weight casts shared by the micro-batches (``mamba_inner.cached_weight_casts``; one
-          process, DDP, ZeRO-1; not under FSDP / TP, whose parameters are sharded and gathered per use);
-        - one process only (no DDP reducer hooks on the gradients): ``transformer.Linear``'s weight gradients summed
-          into ``.grad`` by their GEMMs (``wide_mm.accumulate_in_gemm``) from the second micro-batch on."""
+        the fused Mamba mixer's weight casts shared by the micro-batches (``mamba_inner.cached_weight_casts``; one
+        process, DDP, ZeRO-1; not under FSDP / TP, whose parameters are sharded and gathered per use)."""
         if graphed is not None or self.strategy not in ("single", "ddp", "zero1"):  # (TP/PP runs are FSDP or none)
             return contextlib.nullcontext()
-        stack = contextlib.ExitStack()
-        stack.enter_context(mamba_inner.cached_weight_casts())
-        stack.enter_context(wide_mm.accumulate_in_gemm(self.strategy == "single"))
-        return stack
+        return mamba_inner.cached_weight_casts()
 
     def _lagged_update(self, step: int, loss: torch.Tensor, grad_norm: torch.Tensor):
         """train.lagged_checks: read the previous step's agreed flags (done on the device by now), then launch this
@@ -388,7 +386,9 @@ class Trainer:
         return self.guard.poison(self._step, self.info.rank, loss)
 
     def _clip_gradients(self) -> torch.Tensor:
-        """Global gradient norm (all ranks agree), clipping to train.grad_clip when > 0."""
+        """Global gradient norm (all ranks agree), clipping to train.grad_clip when > 0: here, or
+        (``clip_in_optimizer``) by this step's fused AdamW, which divides the gradients by ``optimizer.grad_scale`` as
+        it reads them (until then, and on a skipped step, ``.grad`` stays unclipped)."""
         max_norm = self.cfg.train.grad_clip or math.inf
         if math.isfinite(max_norm) and clip_in_optimizer(self.optimizer, self.strategy, self.dims):
             # the fused AdamW divides each gradient by its grad_scale as it reads it (written back, as clipping would):
