@@ -63,3 +63,13 @@ def test_math_only_and_cpu_and_bad_name(monkeypatch, restore_sdpa):
         hardware.set_attention_backend("fa3")
     monkeypatch.setattr(hardware, "vendor", lambda: hardware.CPU)
     assert hardware.set_attention_backend("cudnn") == []  # CPU: nothing to choose
+
+
+def test_env_switch_is_on_unless_turned_off(monkeypatch):
+    from anytrain import hardware
+
+    monkeypatch.delenv("ANYTRAIN_TEST_SWITCH", raising=False)
+    assert hardware.env_switch("ANYTRAIN_TEST_SWITCH")
+    for value, on in (("0", False), (" Off ", False), ("no", False), ("FALSE", False), ("1", True), ("yes", True)):
+        monkeypatch.setenv("ANYTRAIN_TEST_SWITCH", value)
+        assert hardware.env_switch("ANYTRAIN_TEST_SWITCH") is on, value

@@ -32,17 +32,16 @@ opaque to the compiler, with fake kernels), so that a compiled block can fuse th
 from __future__ import annotations
 
 import contextlib
-import os
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from anytrain import kernels
+from anytrain import hardware, kernels
 from anytrain.kernels.reference import causal_conv1d_ref, selective_scan_ref
 from anytrain.kernels.wide_mm import grad_mm
 
-_enabled = os.environ.get("ANYTRAIN_MAMBA_INNER", "1").strip().lower() not in ("0", "false", "no", "off")
+_enabled = hardware.env_switch("ANYTRAIN_MAMBA_INNER")
 
 
 MAX_ELEMENTS = 2**31 - 1
@@ -69,7 +68,7 @@ def at_least_fp32(t: Tensor) -> Tensor:
 
 
 _casts: dict | None = None  # inside cached_weight_casts(): id(weight) -> (weight, its version, dtype, the cast)
-_cache_casts = os.environ.get("ANYTRAIN_CAST_CACHE", "1").strip().lower() not in ("0", "false", "no", "off")
+_cache_casts = hardware.env_switch("ANYTRAIN_CAST_CACHE")
 
 
 @contextlib.contextmanager

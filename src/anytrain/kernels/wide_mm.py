@@ -12,11 +12,12 @@ behaviour) for the rest of the process, with one warning.
 from __future__ import annotations
 
 import contextlib
-import os
 import warnings
 
 import torch
 from torch import Tensor
+
+from anytrain import hardware
 
 _ok = {"mm": True, "addmm": True}  # cleared if this build/device cannot run the overload with out_dtype
 _NARROW = (torch.bfloat16, torch.float16)
@@ -71,7 +72,7 @@ def add_mm_(acc: Tensor, a: Tensor, b: Tensor) -> Tensor:
 # of an optimizer step in a one-process run, is summed by the GEMM as well)
 
 _accumulate = False  # process-wide (the trainer's one training thread), not thread-local
-_accumulate_on = os.environ.get("ANYTRAIN_GEMM_ACCUM", "1").strip().lower() not in ("0", "false", "no", "off")
+_accumulate_on = hardware.env_switch("ANYTRAIN_GEMM_ACCUM")
 accumulated = 0  # weight gradients summed into .grad by their GEMM since import (read by the tests)
 
 

@@ -315,7 +315,7 @@ class Trainer:
             micro = self.plan.micro_batch
             loss = torch.zeros((), device=self.device)
             graphed = getattr(self, "_graphed", None)
-            with self._micro_batch_context(graphed):
+            with self._weight_casts(graphed):
                 for i in range(self.plan.grad_accum):
                     sl = slice(i * micro, (i + 1) * micro)
                     if graphed is not None:
@@ -337,12 +337,11 @@ class Trainer:
         self._zero_grad()
         return loss, grad_norm, status
 
-    def _micro_batch_context(self, graphed) -> contextlib.AbstractContextManager:
-        """Around one optimizer step's micro-batches, closed before the update (which changes the weights), where the
-        parameters are the module's own full tensors and no CUDA graph is replayed (each replay casts inside the
-        graph, and writes captured ``.grad`` buffers); pipeline steps do not come here:
-        the fused Mamba mixer's weight casts shared by the micro-batches (``mamba_inner.cached_weight_casts``; one
-        process, DDP, ZeRO-1; not under FSDP / TP, whose parameters are sharded and gathered per use)."""
+    def _weight_casts(self, graphed) -> contextlib.AbstractContextManager:
+        """The fused Mamba mixer's weight casts shared by one optimizer step's micro-batches
+        (``mamba_inner.cached_weight_casts``), where the parameters are the module's own full tensors (one process,
+        DDP, ZeRO-1): not under FSDP / TP (sharded, gathered per use), not for CUDA graphs (each replay casts inside
+        the graph); pipeline steps do not come here. Closed before the optimizer step, which changes the weights."""
         if graphed is not None or self.strategy not in ("single", "ddp", "zero1"):  # (TP/PP runs are FSDP or none)
             return contextlib.nullcontext()
         return mamba_inner.cached_weight_casts()
@@ -653,8 +652,7 @@ class Trainer:
             self._sample_log.close()
 
 
-_OFF = ("0", "false", "no", "off")
-_CLIP_IN_OPTIMIZER = os.environ.get("ANYTRAIN_CLIP_IN_OPTIMIZER", "1").strip().lower() not in _OFF
+_CLIP_IN_OPTIMIZER = hardware.env_switch("ANYTRAIN_CLIP_IN_OPTIMIZER")
 
 
 def clip_in_optimizer(optimizer: torch.optim.Optimizer, strategy: str, dims: ParallelDims) -> bool:
