@@ -55,10 +55,11 @@ def scan_launches(cfg: ScanConfig):
     """The forward and backward launches of the selective scan at the benchmark shape (bf16, z, D, bias, softplus)."""
     sink: list = []
     names = [n for n in dir(scan_mod) if n.startswith("_ss_") and "kernel" in n]
-    saved = {n: getattr(scan_mod, n) for n in names}
+    saved = {n: getattr(scan_mod, n) for n in [*names, "_fast_math"]}
     try:
         for n in names:
             setattr(scan_mod, n, _Recorder(saved[n], sink))
+        scan_mod._fast_math = lambda on, u, acc: on and acc == torch.float32  # the GPU's choice, not the CPU one
         bf = torch.bfloat16
         u = torch.empty(BATCH, DIM, SEQLEN, dtype=bf)
         A = torch.empty(DIM, DSTATE)
@@ -145,8 +146,12 @@ def main() -> int:
     for cfg in cfgs or [ScanConfig()]:
         print(f"{cfg}")
         for fn, a, kw in scan_launches(cfg) if isinstance(cfg, ScanConfig) else conv_launches(cfg):
-            if getattr(cfg, "maxnreg_bwd", 0) and "bwd" in fn.__name__ and backend == "cuda":
-                kw = {**kw, "maxnreg": cfg.maxnreg_bwd}  # the launcher sets it on CUDA devices only
+            # the launcher caps the backward kernels and the v3 forward (fwd_impl 1) only
+            cap = getattr(cfg, "maxnreg_bwd", 0) if "bwd" in fn.__name__ else 0
+            if fn.__name__ == "_ss_fwd_kernel_v3":
+                cap = getattr(cfg, "maxnreg", 0)
+            if cap and backend == "cuda":
+                kw = {**kw, "maxnreg": cap}  # the launcher sets it on CUDA devices only
             k = compile_launch(fn, a, kw, target)
             r = resources(k, target, Path(args.dump) if args.dump else None)
             print("  " + "  ".join(f"{k_}={v}" for k_, v in r.items()), flush=True)

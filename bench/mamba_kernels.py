@@ -255,9 +255,9 @@ def main() -> int:
     scan_cfg, conv_cfg = scan_mod.default_config(), conv_mod.default_config()
     if args.sweep:
         # ScanConfig fields: block_d, chunk, num_warps, block_d_bwd, chunk_bwd, num_warps_bwd, bwd_impl, seg_bwd,
-        # fwd_impl, seg, rot_bwd, flat_bwd, maxnreg_bwd, unroll, bc_f32, pf, pf_bwd. Forward variants are timed on
-        # the forward only, backward variants on the backward only (their states from a compatible forward); each is
-        # checked against the v2 forward / v3 backward.
+        # fwd_impl, seg, rot_bwd, flat_bwd, maxnreg_bwd, unroll, bc_f32, pf, pf_bwd, maxnreg. Forward variants are
+        # timed on the forward only, backward variants on the backward only (their states from a compatible
+        # forward); each is checked against the v2 forward / v3 backward.
         trusted = ScanConfig(16, 16, 2, 4, 16, 4, 2, 32, 0, 32)
         ref = scan_grads(trusted, sets[0])
         fwd_variants = [trusted, ScanConfig(1, 8, 1, 2, 8, 1, 3, 32, 1, 32)]
@@ -339,7 +339,8 @@ def main() -> int:
         best_b = min((r for r in sweep if r["op"] == "scan_bwd"), key=lambda r: r["ms"], default=None)
         if best_f and best_b:
             f_, b_ = best_f["config"], best_b["config"]
-            fwd_fields = ("block_d", "chunk", "num_warps", "fwd_impl", "seg", "unroll", "pf")  # bc_f32: the backward's
+            # bc_f32 is the backward's
+            fwd_fields = ("block_d", "chunk", "num_warps", "fwd_impl", "seg", "unroll", "pf", "maxnreg")
             scan_cfg = ScanConfig(**{**b_, **{k: f_[k] for k in fwd_fields}})
             if scan_cfg.fwd_impl == 1 and scan_cfg.chunk_bwd % scan_cfg.chunk:
                 scan_cfg = dataclasses.replace(scan_cfg, chunk=scan_cfg.chunk_bwd)

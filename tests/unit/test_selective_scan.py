@@ -20,7 +20,7 @@ import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
 from anytrain.kernels.reference import selective_scan_ref  # noqa: E402
-from anytrain.kernels.selective_scan import ScanConfig, selective_scan_triton  # noqa: E402
+from anytrain.kernels.selective_scan import ScanConfig, _fast_math, selective_scan_triton  # noqa: E402
 from anytrain.kernels.selective_scan_bwd import _softplus  # noqa: E402
 
 F64 = torch.float64
@@ -176,6 +176,20 @@ def test_v6_lanes_carry_across_chunks(seqlen):
     assert_match(*run_both(vals, True, cfg=CFG_V6_LANES))
 
 
+def test_fast_sigmoid_only_for_fp32_gpu_tensors_outside_the_interpreter(monkeypatch):
+    """The libdevice sigmoid (FAST) needs a GPU compile: never for CPU tensors, fp64 or the interpreter."""
+    from types import SimpleNamespace
+
+    cpu, gpu = torch.empty(1), SimpleNamespace(device=torch.device("cuda", 0))
+    assert not _fast_math(True, cpu, torch.float32)
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    assert _fast_math(True, gpu, torch.float32)
+    assert not _fast_math(False, gpu, torch.float32)
+    assert not _fast_math(True, gpu, torch.float64)
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert not _fast_math(True, gpu, torch.float32)
+
+
 def test_single_saved_state_per_chunk_and_4d_groups_of_one():
     # chunk == chunk_bwd (no sub-chunk states), B/C given as (batch, 1, dstate, L)
     vals = make_inputs(1, 4, 10, 4, 1, True, True, True)
@@ -236,7 +250,7 @@ def test_forward_bf16_pairs_and_unmasked_loads_are_bitwise_the_plain_loads(seqle
     class Recorder:  # the launcher's kernel[grid](...) call, recording which load path it chose
         def __getitem__(self, grid):
             def launch(*a, **kw):
-                flags.append((kw["BC_BITS"], kw["EVEN"]))
+                flags.append((kw["BC_BITS"], kw["EVEN"], kw["STAGES"]))
                 return kernel[grid](*a, **kw)
 
             return launch
@@ -244,13 +258,15 @@ def test_forward_bf16_pairs_and_unmasked_loads_are_bitwise_the_plain_loads(seqle
     scan_mod._ss_fwd_kernel_v3 = Recorder()
     try:
         plain = scan_mod._fwd(*args, dataclasses.replace(CFG_PF, pf=0))
-        for pf in (1, 5, 6, 7):
+        # 128 + 7 / 96 + 6: the B/C loads inside the state loop for the software pipeliner (4 / 3 stages), with lanes
+        for pf in (1, 5, 6, 7, 135, 102):
             got = scan_mod._fwd(*args, dataclasses.replace(CFG_PF, pf=pf))
             assert torch.equal(got[0], plain[0]) and torch.equal(got[1], plain[1]), pf
     finally:
         scan_mod._ss_fwd_kernel_v3 = kernel
     even = seqlen % 64 == 0  # CFG_PF: 4-step segments x 16 = 64-step chunks
-    assert flags == [(False, False), (False, False), (False, even), (even, even), (even, even)]
+    assert flags == [(False, False, 0), (False, False, 0), (False, even, 0), (even, even, 0), (even, even, 0),
+                     (even, even, 4), (even, even, 3)]  # fmt: skip
 
 
 def test_forward_int32_pairs_need_an_even_chunk():

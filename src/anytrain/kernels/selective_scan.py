@@ -97,10 +97,14 @@ class ScanConfig:
     bc_f32: int = 0  # 1 = B and C converted to the accumulation dtype once on the host (no per-state conversion)
     pf: int = 0  # fwd_impl 1 bits: 1 = A and the chunk carry held in lanes (needs dstate <= seg), 4 = no time mask on
     # the per-state B/C loads when seqlen fills whole chunks, 2 = with 4, bf16 B/C loaded as int32 pairs (when their
-    # strides allow; masked pair loads are split by the compiler, so 2 applies only where 4 does)
+    # strides allow; masked pair loads are split by the compiler, so 2 applies only where 4 does), 16 = the gate's
+    # sigmoid with the approximate exp and division (fp32 accumulation on a GPU only); bits 32-224 = the software
+    # pipeline's stages for the per-state B/C loads ((pf >> 5) & 7; 0: a register prefetch one state ahead)
     pf_bwd: int = 0  # bwd_impl 4 bits: 1 = saved-state/carry loads after their last use, 2 = next chunk's inputs
     # loaded before this chunk's epilogue, 4 = A and the adjoint carry held in lanes (needs dstate <= seg_bwd)
-    # (bwd_impl 5: bits 2 and 4)
+    # (bwd_impl 5: bits 2 and 4); 8 (bwd_impl 4, 5) = the sigmoids of the gate and of softplus' derivative with the
+    # approximate exp and division (fp32 accumulation on a GPU only)
+    maxnreg: int = 0  # CUDA only: register cap per thread for the forward kernel fwd_impl 1 (0: the compiler's choice)
 
 
 # Per-vendor defaults. CUDA: fastest of bench/mamba_kernels.py --sweep on an H200 (bench/results/, Triton 3.6):
@@ -108,10 +112,13 @@ class ScanConfig:
 # registers (13 warps per SM), the next chunk's inputs loaded before the epilogue and A / the adjoint carry in lanes
 # (pf_bwd 6): 1.905 / 1.920 ms against 1.972 / 1.992 for v5 (pf_bwd 7, 168 registers) in two H200 calls.
 # Forward: unmasked B/C loads for whole chunks, bf16 B/C read as int32 pairs (pf 6: 0.655 against 0.685 ms, H200).
+# Both: the sigmoids with the approximate exp and division (pf 16, pf_bwd 8): backward 1.873 / 1.874 against 1.918 /
+# 1.918 ms, forward 0.645 against 0.647 / 0.649 (one H200 call, scan pass 11). Forward: B/C loads software-pipelined
+# over 4 stages with A and the carry in lanes (pf 128 + 16 + 7 = 151): 0.575-0.577 against 0.638-0.646 (three calls).
 # ROCm: not run (untuned; 64 segments fill a 64-wide wavefront; v5 compiles to 206 VGPRs for gfx942 against v4's 291).
 _CUDA_CONFIG = ScanConfig(
-    1, 8, 1, block_d_bwd=2, chunk_bwd=8, num_warps_bwd=1, bwd_impl=5, seg_bwd=16, seg=32, maxnreg_bwd=152, pf=6,
-    pf_bwd=6,
+    1, 8, 1, block_d_bwd=2, chunk_bwd=8, num_warps_bwd=1, bwd_impl=5, seg_bwd=16, seg=32, maxnreg_bwd=152, pf=151,
+    pf_bwd=14,
 )  # fmt: skip
 _VENDOR_CONFIGS = {
     hardware.CUDA: _CUDA_CONFIG,
@@ -236,6 +243,17 @@ def _as_groups(x: Tensor) -> Tensor:
     return _unit_last(x.unsqueeze(1) if x.dim() == 3 else x)
 
 
+def _fast_math(on: bool, u: Tensor, acc: torch.dtype) -> bool:
+    """The kernels' FAST constexpr (approximate exp and division in the sigmoids): asked for by the config, fp32
+    accumulation and a GPU tensor, not under the Triton interpreter (which has no libdevice)."""
+    return on and acc == torch.float32 and hardware.is_gpu(u.device) and not hardware.triton_interpreted()
+
+
+def _maxnreg(cap: int) -> dict:
+    """The launch option for a per-thread register cap (CUDA only; ``cap`` 0: none)."""
+    return {"maxnreg": cap} if cap and hardware.vendor() == hardware.CUDA else {}
+
+
 def _fwd(
     u, delta, A, Bg, Cg, D, z, delta_bias, softplus: bool, cfg: ScanConfig, *, out: Tensor | None = None
 ) -> tuple[Tensor, Tensor]:
@@ -281,8 +299,10 @@ def _fwd(
         _ss_fwd_kernel_v3[grid](
             *ptrs, dpg, seqlen, nsub, *strides, states.stride(2), states.stride(3),
             DSTATE=dstate, BLOCK_D=cfg.block_d, SUB=cfg.chunk, SEG=cfg.seg, SAVE=cfg.chunk_bwd // cfg.chunk,
-            UNROLL=cfg.unroll, LANES=bool(cfg.pf & 1) and dstate <= cfg.seg,
+            UNROLL=cfg.unroll, LANES=bool(cfg.pf & 1) and dstate <= cfg.seg, FAST=_fast_math(bool(cfg.pf & 16), u, acc),
+            STAGES=(cfg.pf >> 5) & 7,
             BC_BITS=bool(cfg.pf & 2) and even and cfg.chunk % 2 == 0 and _bf16_pairs(Bg, Cg), EVEN=even, **flags,
+            **_maxnreg(cfg.maxnreg),
         )  # fmt: skip
         return out, states
     _ss_fwd_kernel[grid](
@@ -331,8 +351,7 @@ def _bwd(dout, u, delta, A, Bg, Cg, D, z, delta_bias, states, softplus: bool, cf
         HAS_Z=z is not None, HAS_BIAS=delta_bias is not None, SOFTPLUS=softplus, ATOMIC=atomic,
         num_warps=cfg.num_warps_bwd,
     )  # fmt: skip
-    if cfg.maxnreg_bwd and hardware.vendor() == hardware.CUDA:
-        common["maxnreg"] = cfg.maxnreg_bwd
+    common.update(_maxnreg(cfg.maxnreg_bwd))
 
     def launch(kernel, dA: Tensor, *scratch: Tensor, extra_strides: tuple = (), **meta) -> None:
         """The three backward kernels share their leading arguments; v3/v4 add the adjoint scratch, v4 state strides."""
@@ -353,11 +372,13 @@ def _bwd(dout, u, delta, A, Bg, Cg, D, z, delta_bias, states, softplus: bool, cf
         if cfg.bwd_impl == 5:
             launch(_ss_bwd_kernel_v6, dA, q, extra_strides=(states.stride(2), states.stride(3), 1), SEG=cfg.seg_bwd,
                    DBDC=not _DIAG_SKIP_DBDC, PIPE=bool(cfg.pf_bwd & 2),
-                   LANES=bool(cfg.pf_bwd & 4) and dstate <= cfg.seg_bwd)  # fmt: skip
+                   LANES=bool(cfg.pf_bwd & 4) and dstate <= cfg.seg_bwd,
+                   FAST=_fast_math(bool(cfg.pf_bwd & 8), u, acc))  # fmt: skip
         elif cfg.bwd_impl == 4:
             launch(_ss_bwd_kernel_v5, dA, q, extra_strides=(states.stride(2), states.stride(3), 1), SEG=cfg.seg_bwd,
                    DBDC=not _DIAG_SKIP_DBDC, BC_TILE=cfg.num_warps_bwd > 1, LATE=bool(cfg.pf_bwd & 1),
-                   PIPE=bool(cfg.pf_bwd & 2), LANES=bool(cfg.pf_bwd & 4) and dstate <= cfg.seg_bwd)  # fmt: skip
+                   PIPE=bool(cfg.pf_bwd & 2), LANES=bool(cfg.pf_bwd & 4) and dstate <= cfg.seg_bwd,
+                   FAST=_fast_math(bool(cfg.pf_bwd & 8), u, acc))  # fmt: skip
         elif cfg.bwd_impl == 3:
             launch(_ss_bwd_kernel_v4, dA, q, extra_strides=(states.stride(2), states.stride(3)), SUB=chunk,
                    SEG=cfg.seg_bwd, DBDC=not _DIAG_SKIP_DBDC, ROT=bool(cfg.rot_bwd),

@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import triton
 import triton.language as tl
+from triton.language.extra import libdevice
 
 LOG2E = tl.constexpr(1.4426950408889634)  # globals read inside @triton.jit must be constexpr
+LN2 = tl.constexpr(0.6931471805599453)
 
 
 @triton.jit
@@ -55,6 +57,16 @@ def _sigmoid(x):
     e = tl.exp(-tl.abs(x))
     r = 1.0 / (1.0 + e)
     return tl.where(x >= 0, r, e * r)
+
+
+@triton.jit
+def _sigmoid_fm(x, FAST: tl.constexpr):
+    # FAST (fp32 on a GPU; the launchers decide): the approximate exp and division (ex2.approx.ftz, div.approx.ftz on
+    # CUDA; their ROCm twins in Triton's HIP libdevice), 2 ulp each, without the IEEE division's range checks, as in
+    # the conv kernels. exp(-x) overflowing to inf for x << 0 gives 1 / inf = 0, the right limit.
+    if FAST:
+        return libdevice.fast_dividef(1.0, 1.0 + libdevice.fast_expf(-x))
+    return _sigmoid(x)
 
 
 @triton.jit
@@ -166,14 +178,17 @@ def _chunk_inputs(dt_base, go_base, z_base, u_base, t2, mask, HAS_Z: tl.constexp
 def _chunk_epilogue(
     dt, dy, y, sgb, sahm, t2, m2, m3, Dv, bias, u_base, go_base, z_base, dt_base, du_base, ddt_base, dz_base,
     BLOCK_D: tl.constexpr, SEG: tl.constexpr, SUB: tl.constexpr, ACC: tl.constexpr,
-    HAS_D: tl.constexpr, HAS_Z: tl.constexpr, HAS_BIAS: tl.constexpr, SOFTPLUS: tl.constexpr,
+    HAS_D: tl.constexpr, HAS_Z: tl.constexpr, HAS_BIAS: tl.constexpr, SOFTPLUS: tl.constexpr, FAST: tl.constexpr,
 ):  # fmt: skip
     """The end of a chunk in the lane-segment backwards (v5, v6): du, ddelta and dz from the state loop's sums
     (sgb = sum_n g B, sahm = sum_n A hm in log2 units, y), stored; returns the chunk's dD and ddelta_bias partials
     (BLOCK_D,). u, dout, z and the raw delta are reloaded (L1/L2) instead of kept in registers through the loop."""
     u = _ld2(u_base + t2, m2, BLOCK_D, SEG, SUB, ACC)
     du = dt * sgb
-    ddt = u * sgb + sahm / LOG2E
+    if FAST:
+        ddt = u * sgb + sahm * LN2  # (ln 2 = 1 / log2(e) to within its rounding: no division)
+    else:
+        ddt = u * sgb + sahm / LOG2E
     dD = tl.zeros((BLOCK_D,), dtype=ACC)
     if HAS_D:
         dD = tl.sum(tl.sum(dy * u, axis=2), axis=1)
@@ -182,14 +197,14 @@ def _chunk_epilogue(
     if HAS_Z:
         go = _ld2(go_base + t2, m2, BLOCK_D, SEG, SUB, ACC)
         zz = _ld2(z_base + t2, m2, BLOCK_D, SEG, SUB, ACC)
-        sz = _sigmoid(zz)
+        sz = _sigmoid_fm(zz, FAST)
         dz = go * y * sz * (1.0 + zz * (1.0 - sz))
         tl.store(dz_base + t2, tl.reshape(dz, (BLOCK_D, SEG * SUB)).to(dz_base.dtype.element_ty), mask=m2)
     if SOFTPLUS:
         dtr = _ld2(dt_base + t2, m2, BLOCK_D, SEG, SUB, ACC)  # raw delta, for softplus'
         if HAS_BIAS:
             dtr += bias
-        ddt = ddt * _sigmoid(dtr)
+        ddt = ddt * _sigmoid_fm(dtr, FAST)
     ddt = tl.where(m3, ddt, 0.0)
     tl.store(du_base + t2, tl.reshape(du, (BLOCK_D, SEG * SUB)).to(du_base.dtype.element_ty), mask=m2)
     tl.store(ddt_base + t2, tl.reshape(ddt, (BLOCK_D, SEG * SUB)).to(ddt_base.dtype.element_ty), mask=m2)

@@ -37,7 +37,7 @@ from anytrain.kernels.selective_scan_bwd import (
     _flat_rows,
     _program_block,
     _row_bases,
-    _sigmoid,
+    _sigmoid_fm,
     _store_dA_lane0,
 )
 
@@ -72,7 +72,7 @@ def _ss_bwd_kernel_v5(
     DSTATE: tl.constexpr, BLOCK_D: tl.constexpr, SEG: tl.constexpr, ACC: tl.constexpr,
     HAS_D: tl.constexpr, HAS_Z: tl.constexpr, HAS_BIAS: tl.constexpr, SOFTPLUS: tl.constexpr, ATOMIC: tl.constexpr,
     DBDC: tl.constexpr = True, BC_TILE: tl.constexpr = False, LATE: tl.constexpr = False, PIPE: tl.constexpr = False,
-    LANES: tl.constexpr = False,
+    LANES: tl.constexpr = False, FAST: tl.constexpr = False,
 ):  # fmt: skip
     # Arguments and outputs as _ss_bwd_kernel_v4, plus ``one`` (= 1, see the module docstring). The saved states are
     # every 8 steps: entry k is the state after step 8 (k + 1) - 1. dA: (batch, nchunks, dim, N) per-chunk partials
@@ -150,7 +150,7 @@ def _ss_bwd_kernel_v5(
             uu = _ld4(u_base + t2, m2, BLOCK_D, SEG, ACC)
         dt = _delta(dt, bias, m3, HAS_BIAS, SOFTPLUS)
         if HAS_Z:
-            dy = dy * zz * _sigmoid(zz)
+            dy = dy * zz * _sigmoid_fm(zz, FAST)
         dtu = dt * uu
         y = tl.zeros((BLOCK_D, SEG, SUB), dtype=ACC)
         sgb = tl.zeros((BLOCK_D, SEG, SUB), dtype=ACC)  # sum_n g B
@@ -245,7 +245,7 @@ def _ss_bwd_kernel_v5(
             r_dt, r_go, r_z, r_u = _chunk_inputs(dt_base, go_base, z_base, u_base, t2n, m2n, HAS_Z)
         dD_c, dbias_c = _chunk_epilogue(
             dt, dy, y, sgb, sahm, t2, m2, m3, Dv, bias, u_base, go_base, z_base, dt_base, du_base, ddt_base, dz_base,
-            BLOCK_D, SEG, SUB, ACC, HAS_D, HAS_Z, HAS_BIAS, SOFTPLUS
+            BLOCK_D, SEG, SUB, ACC, HAS_D, HAS_Z, HAS_BIAS, SOFTPLUS, FAST
         )  # fmt: skip
         if HAS_D:
             dD_acc += dD_c

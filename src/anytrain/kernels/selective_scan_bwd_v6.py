@@ -39,7 +39,7 @@ from anytrain.kernels.selective_scan_bwd import (
     _program_block,
     _rescan8,
     _row_bases,
-    _sigmoid,
+    _sigmoid_fm,
     _split8,
     _store_dA_lane0,
 )
@@ -72,7 +72,7 @@ def _ss_bwd_kernel_v6(
     s_rb, s_rg, s_rk, s_rn, s_sn, s_sk, one,
     DSTATE: tl.constexpr, BLOCK_D: tl.constexpr, SEG: tl.constexpr, ACC: tl.constexpr,
     HAS_D: tl.constexpr, HAS_Z: tl.constexpr, HAS_BIAS: tl.constexpr, SOFTPLUS: tl.constexpr, ATOMIC: tl.constexpr,
-    DBDC: tl.constexpr = True, PIPE: tl.constexpr = False, LANES: tl.constexpr = False,
+    DBDC: tl.constexpr = True, PIPE: tl.constexpr = False, LANES: tl.constexpr = False, FAST: tl.constexpr = False,
 ):  # fmt: skip
     # Arguments and outputs as _ss_bwd_kernel_v5 (the saved states every 8 steps; dA: (batch, nchunks, dim, N)
     # per-chunk partials, here with chunks of 8 * SEG steps). PIPE and LANES as in v5: the next chunk's inputs loaded
@@ -143,7 +143,7 @@ def _ss_bwd_kernel_v6(
             uu = _ld2(u_base + t2, m2, BLOCK_D, SEG, SUB, ACC)
         dt = _delta(dt, bias, m3, HAS_BIAS, SOFTPLUS)
         if HAS_Z:
-            dy = dy * zz * _sigmoid(zz)
+            dy = dy * zz * _sigmoid_fm(zz, FAST)
         dtu = dt * uu
         if PAIR:
             u0, u1, u2, u3, u4, u5, u6, u7 = _split8(dtu, BLOCK_D, SEG)
@@ -227,7 +227,7 @@ def _ss_bwd_kernel_v6(
             r_dt, r_go, r_z, r_u = _chunk_inputs(dt_base, go_base, z_base, u_base, t2n, m2n, HAS_Z)
         dD_c, dbias_c = _chunk_epilogue(
             dt, dy, y, sgb, sahm, t2, m2, m3, Dv, bias, u_base, go_base, z_base, dt_base, du_base, ddt_base, dz_base,
-            BLOCK_D, SEG, SUB, ACC, HAS_D, HAS_Z, HAS_BIAS, SOFTPLUS
+            BLOCK_D, SEG, SUB, ACC, HAS_D, HAS_Z, HAS_BIAS, SOFTPLUS, FAST
         )  # fmt: skip
         if HAS_D:
             dD_acc += dD_c

@@ -19,7 +19,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from anytrain.kernels.selective_scan_bwd import LOG2E, _chan_params, _combine, _delta, _ld2, _program_block, _sigmoid
+from anytrain.kernels.selective_scan_bwd import LOG2E, _chan_params, _combine, _delta, _ld2, _program_block, _sigmoid_fm
 
 
 @triton.jit
@@ -49,6 +49,7 @@ def _ss_fwd_kernel_v3(
     DSTATE: tl.constexpr, BLOCK_D: tl.constexpr, SUB: tl.constexpr, SEG: tl.constexpr, SAVE: tl.constexpr,
     ACC: tl.constexpr, HAS_D: tl.constexpr, HAS_Z: tl.constexpr, HAS_BIAS: tl.constexpr, SOFTPLUS: tl.constexpr,
     UNROLL: tl.constexpr = 1, LANES: tl.constexpr = False, BC_BITS: tl.constexpr = False, EVEN: tl.constexpr = False,
+    FAST: tl.constexpr = False, STAGES: tl.constexpr = 0,
 ):  # fmt: skip
     # BC_BITS (bf16 B/C, even strides and seqlen; set with EVEN only): B and C are loaded as int32 pairs and widened
     # to fp32 with one shift or mask per value (the bf16 -> fp32 conversion costs 1.5 instructions per value
@@ -58,6 +59,11 @@ def _ss_fwd_kernel_v3(
     # with ``tl.gather`` per state, instead of a per-state load of A and of the carry (re-read from the saved states
     # after a barrier). Measured equal to the default on an H200 (0.688 against 0.686 ms); loading B/C two states
     # ahead was slower (0.787: register copies at the loop end), see docs/kernels.md "Scan pass 7".
+    # FAST (fp32 on a GPU, set by the launcher): the gate's sigmoid with the approximate exp and division.
+    # STAGES > 0: each state's B/C rows are loaded inside the state loop and left to Triton's software pipeliner with
+    # ``num_stages`` = STAGES (asynchronous copies into shared memory, STAGES - 1 states ahead) instead of the
+    # register prefetch one state ahead; with LANES (no per-state A/carry loads left) this is the CUDA default at 4
+    # stages: 0.575 against 0.645 ms on an H200 (docs/kernels.md, scan pass 11).
     # states: (batch, dim, N, nsub) (s_sn, s_sk: strides of N and nsub; s_sk is 1 but not specialised, so the state
     # stores are not vectorised across segments); entry k is the state after step (k + 1) * SUB * SAVE - 1 (the last
     # entry: the final state).
@@ -127,9 +133,13 @@ def _ss_fwd_kernel_v3(
         if not LANES:
             A_nx = tl.load(A_rows, mask=mask_d, other=0.0)
             h_nx = tl.load(st_rows + (kc - 1) * s_sk, mask=mc, other=0.0)
-        B_nx = _ld_bc(B_rows, mt1, EVEN)
-        C_nx = _ld_bc(C_rows, mt1, EVEN)
-        for n in tl.range(0, DSTATE, loop_unroll_factor=UNROLL):
+        if STAGES == 0:
+            B_nx = _ld_bc(B_rows, mt1, EVEN)
+            C_nx = _ld_bc(C_rows, mt1, EVEN)
+        for n in tl.range(0, DSTATE, loop_unroll_factor=UNROLL, num_stages=STAGES if STAGES > 0 else None):
+            if STAGES > 0:  # this state's B/C rows, left to Triton's software pipeliner (asynchronous copies)
+                B_nx = _ld_bc(B_rows + n * s_bn2, mt1, EVEN)
+                C_nx = _ld_bc(C_rows + n * s_cn2, mt1, EVEN)
             if LANES:
                 A2 = tl.gather(A_l, n + 0 * lane_n, axis=1)[:, :, None]  # (BLOCK_D, SEG, 1): A[d, n] in every lane
                 hc = tl.gather(carry, n + 0 * lane_n, axis=1)  # (BLOCK_D, SEG): the state before the chunk
@@ -146,8 +156,9 @@ def _ss_fwd_kernel_v3(
             if not LANES:
                 A_nx = tl.load(A_rows + n1 * s_an, mask=mask_d, other=0.0)
                 h_nx = tl.load(st_rows + n1 * s_sn + (kc - 1) * s_sk, mask=mc, other=0.0)
-            B_nx = _ld_bc(B_rows + n1 * s_bn2, mt1, EVEN)
-            C_nx = _ld_bc(C_rows + n1 * s_cn2, mt1, EVEN)
+            if STAGES == 0:
+                B_nx = _ld_bc(B_rows + n1 * s_bn2, mt1, EVEN)
+                C_nx = _ld_bc(C_rows + n1 * s_cn2, mt1, EVEN)
             a = tl.exp2(dt * A2)
             pa, pb = tl.associative_scan((a, dtu * B_n), axis=2, combine_fn=_combine)  # in-thread, from h = 0
             # segment aggregates, (BLOCK_D, SEG): 2-D (not keep_dims) so that no register dimension is broadcast,
@@ -163,5 +174,5 @@ def _ss_fwd_kernel_v3(
                 carry = tl.where(lane_n == n, tl.gather(e, SEG - 1 + 0 * lane_n, axis=1), carry)
         if HAS_Z:
             zz = _ld2(z_base + t2, m2, BLOCK_D, SEG, SUB, ACC)
-            y = y * zz * _sigmoid(zz)
+            y = y * zz * _sigmoid_fm(zz, FAST)
         tl.store(o_base + t2, tl.reshape(y, (BLOCK_D, CHUNK)).to(out_ptr.dtype.element_ty), mask=m2)
