@@ -176,13 +176,21 @@ def test_v6_lanes_carry_across_chunks(seqlen):
     assert_match(*run_both(vals, True, cfg=CFG_V6_LANES))
 
 
+def test_cuda_default_options_run_in_the_interpreter():
+    # the CUDA default's option bits (pipelined B/C loads, lanes, fast sigmoids asked for: the launchers must drop
+    # FAST for CPU tensors, the interpreter has no libdevice) on CFG_PF's small tiles, against the reference
+    cfg = dataclasses.replace(CFG_PF, pf=128 + 16 + 7, pf_bwd=15)
+    vals = make_inputs(1, 3, 150, 16, None, True, True, True)
+    assert_match(*run_both(vals, True, cfg=cfg))
+
+
 def test_fast_sigmoid_only_for_fp32_gpu_tensors_outside_the_interpreter(monkeypatch):
     """The libdevice sigmoid (FAST) needs a GPU compile: never for CPU tensors, fp64 or the interpreter."""
     from types import SimpleNamespace
 
     cpu, gpu = torch.empty(1), SimpleNamespace(device=torch.device("cuda", 0))
-    assert not _fast_math(True, cpu, torch.float32)
     monkeypatch.setenv("TRITON_INTERPRET", "0")
+    assert not _fast_math(True, cpu, torch.float32)
     assert _fast_math(True, gpu, torch.float32)
     assert not _fast_math(False, gpu, torch.float32)
     assert not _fast_math(True, gpu, torch.float64)
@@ -258,7 +266,8 @@ def test_forward_bf16_pairs_and_unmasked_loads_are_bitwise_the_plain_loads(seqle
     scan_mod._ss_fwd_kernel_v3 = Recorder()
     try:
         plain = scan_mod._fwd(*args, dataclasses.replace(CFG_PF, pf=0))
-        # 128 + 7 / 96 + 6: the B/C loads inside the state loop for the software pipeliner (4 / 3 stages), with lanes
+        # the B/C loads inside the state loop for the software pipeliner: 135 = 4 stages with lanes, 102 = 3 stages
+        # without (the interpreter ignores num_stages: this checks the in-loop indexing and masks)
         for pf in (1, 5, 6, 7, 135, 102):
             got = scan_mod._fwd(*args, dataclasses.replace(CFG_PF, pf=pf))
             assert torch.equal(got[0], plain[0]) and torch.equal(got[1], plain[1]), pf

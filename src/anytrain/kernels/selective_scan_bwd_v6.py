@@ -76,7 +76,8 @@ def _ss_bwd_kernel_v6(
 ):  # fmt: skip
     # Arguments and outputs as _ss_bwd_kernel_v5 (the saved states every 8 steps; dA: (batch, nchunks, dim, N)
     # per-chunk partials, here with chunks of 8 * SEG steps). PIPE and LANES as in v5: the next chunk's inputs loaded
-    # before this chunk's epilogue; A and the adjoint carry held in lanes (lane n of each channel: state n).
+    # before this chunk's epilogue; A and the adjoint carry held in lanes (lane n of each channel: state n). FAST (fp32
+    # on a GPU, set by the launcher): the gate's and softplus' sigmoids with the approximate exp and division.
     tl.static_assert(not LANES or DSTATE <= SEG, "LANES needs dstate <= seg_bwd (one lane per state)")
     SUB: tl.constexpr = 8
     CHUNK: tl.constexpr = SUB * SEG

@@ -57,8 +57,9 @@ def _ss_fwd_kernel_v3(
     # UNROLL: the state loop's unroll factor (two states' serial chains interleaved by the compiler at UNROLL 2).
     # LANES (needs DSTATE <= SEG): A and the carry between chunks are held in lanes (lane n: state n) and broadcast
     # with ``tl.gather`` per state, instead of a per-state load of A and of the carry (re-read from the saved states
-    # after a barrier). Measured equal to the default on an H200 (0.688 against 0.686 ms); loading B/C two states
-    # ahead was slower (0.787: register copies at the loop end), see docs/kernels.md "Scan pass 7".
+    # after a barrier). Measured equal to the register prefetch on an H200 (0.688 against 0.686 ms, scan pass 7), but
+    # with STAGES (below) it removes the last per-state loads: part of the CUDA default since scan pass 11. Loading B/C
+    # two states ahead in registers was slower (0.787: register copies at the loop end).
     # FAST (fp32 on a GPU, set by the launcher): the gate's sigmoid with the approximate exp and division.
     # STAGES > 0: each state's B/C rows are loaded inside the state loop and left to Triton's software pipeliner with
     # ``num_stages`` = STAGES (asynchronous copies into shared memory, STAGES - 1 states ahead) instead of the
@@ -129,7 +130,8 @@ def _ss_fwd_kernel_v3(
             C_rows = C_base + t2
             s_bn2 = s_bn
             s_cn2 = s_cn
-        # per-state loads are issued one state ahead (loop-carried), so their latency overlaps a state's compute
+        # per-state loads are issued one state ahead (loop-carried), so their latency overlaps a state's compute (B/C:
+        # with STAGES 0; otherwise the pipeliner issues them STAGES - 1 states ahead)
         if not LANES:
             A_nx = tl.load(A_rows, mask=mask_d, other=0.0)
             h_nx = tl.load(st_rows + (kc - 1) * s_sk, mask=mc, other=0.0)
