@@ -21,10 +21,10 @@ import torch
 import triton
 import triton.language as tl
 from torch import Tensor
-from triton.language.extra import libdevice
 
 from anytrain import hardware
 from anytrain.kernels import _make_callable
+from anytrain.kernels.fastmath import fast_math_ok, fast_sigmoid
 
 _TAPS = 4
 TAPS = tl.constexpr(_TAPS)  # globals read inside @triton.jit must be constexpr
@@ -73,10 +73,10 @@ def default_config() -> ConvConfig:
 @triton.jit
 def _sigmoid(x, FAST: tl.constexpr):
     # exp(-x) overflowing to inf for x << 0 gives 1 / inf = 0, the right limit (no NaN): no branch needed. FAST (fp32
-    # on a GPU): the approximate exp and division (ex2.approx.ftz, div.approx.ftz on CUDA; their ROCm twins), 2 ulp
-    # each, without the IEEE division's range checks: 350 instead of 417 instructions per 8 outputs in the backward
+    # on a GPU): ``fastmath.fast_sigmoid`` without the IEEE division's range checks: 350 instead of 417 instructions
+    # per 8 outputs in the backward
     if FAST:
-        return libdevice.fast_dividef(1.0, 1.0 + libdevice.fast_expf(-x))
+        return fast_sigmoid(x)
     return 1.0 / (1.0 + tl.exp(-x))
 
 
@@ -407,8 +407,7 @@ def _silu_mode(silu: bool, x: Tensor, acc) -> int:
     Triton interpreter, which has no libdevice)."""
     if not silu:
         return 0
-    fast = acc == tl.float32 and hardware.is_gpu(x.device) and not hardware.triton_interpreted()
-    return 2 if fast else 1
+    return 2 if fast_math_ok(x, acc == tl.float32) else 1
 
 
 def _fwd(

@@ -48,6 +48,7 @@ from torch import Tensor
 
 from anytrain import hardware
 from anytrain.kernels import _make_callable
+from anytrain.kernels.fastmath import fast_math_ok
 from anytrain.kernels.selective_scan_bwd import (
     LOG2E,
     _combine,
@@ -244,9 +245,9 @@ def _as_groups(x: Tensor) -> Tensor:
 
 
 def _fast_math(on: bool, u: Tensor, acc: torch.dtype) -> bool:
-    """The kernels' FAST constexpr (approximate exp and division in the sigmoids): asked for by the config, fp32
-    accumulation and a GPU tensor, not under the Triton interpreter (which has no libdevice)."""
-    return on and acc == torch.float32 and hardware.is_gpu(u.device) and not hardware.triton_interpreted()
+    """The kernels' FAST constexpr (approximate exp and division in the sigmoids): asked for by the config and
+    ``fastmath.fast_math_ok`` (fp32 accumulation, a GPU tensor, not under the Triton interpreter)."""
+    return on and fast_math_ok(u, acc == torch.float32)
 
 
 def _maxnreg(cap: int) -> dict:

@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import triton
 import triton.language as tl
-from triton.language.extra import libdevice
+
+from anytrain.kernels.fastmath import fast_sigmoid
 
 LOG2E = tl.constexpr(1.4426950408889634)  # globals read inside @triton.jit must be constexpr
 LN2 = tl.constexpr(0.6931471805599453)
@@ -61,11 +62,9 @@ def _sigmoid(x):
 
 @triton.jit
 def _sigmoid_fm(x, FAST: tl.constexpr):
-    # FAST (fp32 on a GPU; the launchers decide): the approximate exp and division (ex2.approx.ftz, div.approx.ftz on
-    # CUDA; their ROCm twins in Triton's HIP libdevice), 2 ulp each, without the IEEE division's range checks, as in
-    # the conv kernels. exp(-x) overflowing to inf for x << 0 gives 1 / inf = 0, the right limit.
+    # FAST (fp32 on a GPU; the launchers decide): ``fastmath.fast_sigmoid``, as in the conv kernels
     if FAST:
-        return libdevice.fast_dividef(1.0, 1.0 + libdevice.fast_expf(-x))
+        return fast_sigmoid(x)
     return _sigmoid(x)
 
 
