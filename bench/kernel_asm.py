@@ -146,9 +146,9 @@ def main() -> int:
     for cfg in cfgs or [ScanConfig()]:
         print(f"{cfg}")
         for fn, a, kw in scan_launches(cfg) if isinstance(cfg, ScanConfig) else conv_launches(cfg):
-            # the launcher caps the backward kernels and the v3 / v5 forwards (fwd_impl 1, 2) only
+            # the launcher caps the backward kernels and the v3 forward (fwd_impl 1) only
             cap = getattr(cfg, "maxnreg_bwd", 0) if "bwd" in fn.__name__ else 0
-            if fn.__name__ in ("_ss_fwd_kernel_v3", "_ss_fwd_kernel_v5"):
+            if fn.__name__ == "_ss_fwd_kernel_v3":
                 cap = getattr(cfg, "maxnreg", 0)
             if cap and backend == "cuda":
                 kw = {**kw, "maxnreg": cap}  # the launcher sets it on CUDA devices only

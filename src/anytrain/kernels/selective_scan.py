@@ -60,7 +60,7 @@ from anytrain.kernels.selective_scan_bwd import (
 )
 from anytrain.kernels.selective_scan_bwd_v5 import _ss_bwd_kernel_v5
 from anytrain.kernels.selective_scan_bwd_v6 import _ss_bwd_kernel_v6
-from anytrain.kernels.selective_scan_fwd import _ss_fwd_kernel_v3, _ss_fwd_kernel_v5
+from anytrain.kernels.selective_scan_fwd import _ss_fwd_kernel_v3
 
 
 @dataclass(frozen=True)
@@ -101,16 +101,11 @@ class ScanConfig:
     # strides allow; masked pair loads are split by the compiler, so 2 applies only where 4 does), 16 = the gate's
     # sigmoid with the approximate exp and division (fp32 accumulation on a GPU only); bits 32-224 = the software
     # pipeline's stages for the per-state B/C loads ((pf >> 5) & 7; 0: a register prefetch one state ahead)
-    # fwd_impl 2 bits: 2, 4 and 16 as for fwd_impl 1 (int32-pair B/C, unmasked loads, fast sigmoid), 8 = B and C
-    # converted to fp32 on the host for the forward only (two 16-byte loads per state and sub-chunk, no conversions),
-    # 1 = loads issued one ahead in registers (B/C one sub-chunk, u/delta/z one chunk), bits 32-224 = the chunk loop's
-    # software-pipeline stages ((pf >> 5) & 7, Triton's num_stages)
     pf_bwd: int = 0  # bwd_impl 4 bits: 1 = saved-state/carry loads after their last use, 2 = next chunk's inputs
     # loaded before this chunk's epilogue, 4 = A and the adjoint carry held in lanes (needs dstate <= seg_bwd)
     # (bwd_impl 5: bits 2 and 4); 8 (bwd_impl 4, 5) = the sigmoids of the gate and of softplus' derivative with the
     # approximate exp and division (fp32 accumulation on a GPU only)
-    maxnreg: int = 0  # CUDA only: register cap per thread for the forward kernels fwd_impl 1, 2 (0: compiler's choice)
-    sps: int = 4  # fwd_impl 2: states per thread (1, 2 or 4); next_pow2(dstate) / sps lanes per channel
+    maxnreg: int = 0  # CUDA only: register cap per thread for the forward kernel fwd_impl 1 (0: the compiler's choice)
 
 
 # Per-vendor defaults. CUDA: fastest of bench/mamba_kernels.py --sweep on an H200 (bench/results/, Triton 3.6):
@@ -309,25 +304,6 @@ def _fwd(
             STAGES=(cfg.pf >> 5) & 7,
             BC_BITS=bool(cfg.pf & 2) and even and cfg.chunk % 2 == 0 and _bf16_pairs(Bg, Cg), EVEN=even, **flags,
             **_maxnreg(cfg.maxnreg),
-        )  # fmt: skip
-        return out, states
-    if cfg.fwd_impl == 2:
-        if cfg.chunk_bwd % 8:
-            raise ValueError(
-                f"ScanConfig.chunk_bwd={cfg.chunk_bwd}: fwd_impl 2 saves states per 8 steps; use a multiple of 8"
-            )
-        if cfg.pf & 8 and not cfg.bc_f32:  # B/C to fp32 for this kernel only (the backward keeps them as given)
-            Bg, Cg = Bg.to(acc), Cg.to(acc)
-        sps = min(cfg.sps, triton.next_power_of_2(dstate))
-        lanes = triton.next_power_of_2(dstate) // sps
-        chunk = 8 * lanes
-        even = bool(cfg.pf & 4) and seqlen % chunk == 0
-        _ss_fwd_kernel_v5[grid](
-            *ptrs, dpg, seqlen, nsub, *strides, states.stride(2),
-            DSTATE=dstate, S=sps, G=lanes, BLOCK_D=cfg.block_d, SAVE=cfg.chunk_bwd // 8, PREFETCH=bool(cfg.pf & 1),
-            STAGES=(cfg.pf >> 5) & 7,
-            FAST=_fast_math(bool(cfg.pf & 16), u, acc), HALVES=Bg.dtype == Cg.dtype == torch.float32,
-            BC_BITS=bool(cfg.pf & 2) and even and _bf16_pairs(Bg, Cg), EVEN=even, **flags, **_maxnreg(cfg.maxnreg),
         )  # fmt: skip
         return out, states
     _ss_fwd_kernel[grid](
