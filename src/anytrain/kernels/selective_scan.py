@@ -244,21 +244,6 @@ def _as_groups(x: Tensor) -> Tensor:
     return _unit_last(x.unsqueeze(1) if x.dim() == 3 else x)
 
 
-def _chunk_major(Bg: Tensor, Cg: Tensor, chunk: int) -> Tensor:
-    """(batch, G, N, L) B and C -> one (batch, G, nchunks, N, 2, chunk) tensor, zero-padded to whole chunks: a chunk's
-    B and C rows of every state in one contiguous block (the forward's unrolled state loop addresses them by constant
-    offsets). Small next to the (batch, dim, L) inputs."""
-    batch, ngroups, dstate, seqlen = Bg.shape
-    nch = triton.cdiv(seqlen, chunk)
-    bc = torch.empty((batch, ngroups, nch, dstate, 2, chunk), device=Bg.device, dtype=Bg.dtype)
-    pad = nch * chunk - seqlen
-    for i, x in enumerate((Bg, Cg)):
-        if pad:
-            x = torch.nn.functional.pad(x, (0, pad))
-        bc[:, :, :, :, i].copy_(x.reshape(batch, ngroups, dstate, nch, chunk).transpose(2, 3))
-    return bc
-
-
 def _fast_math(on: bool, u: Tensor, acc: torch.dtype) -> bool:
     """The kernels' FAST constexpr (approximate exp and division in the sigmoids): asked for by the config and
     ``fastmath.fast_math_ok`` (fp32 accumulation, a GPU tensor, not under the Triton interpreter)."""
@@ -311,25 +296,14 @@ def _fwd(
         SOFTPLUS=softplus, num_warps=cfg.num_warps,
     )  # fmt: skip
     if cfg.fwd_impl == 1:
-        chunk = cfg.chunk * cfg.seg
-        even = bool(cfg.pf & 4) and seqlen % chunk == 0  # whole chunks: unmasked B/C loads
-        lanes = bool(cfg.pf & 1) and dstate <= cfg.seg
-        dist = min((cfg.pf >> 8) & 3, dstate) if lanes else 0  # (at most dstate states ahead)
-        grp = 1 << ((cfg.pf >> 12) & 3) if lanes and not dist else 1
-        grp = grp if dstate % grp == 0 else 1
-        pairs = cfg.chunk % 2 == 0 and (even or dist > 0 or grp > 1)
-        if dist or grp > 1:  # the unrolled state loop reads B and C as (batch, G, nchunks, N, 2, chunk), zero-padded
-            Bg = _chunk_major(Bg, Cg, chunk)
-            ptrs = (*ptrs[:3], Bg, Bg, *ptrs[5:])
-            strides = (*strides[:6], Bg.stride(0), Bg.stride(1), 0, Bg.stride(0), Bg.stride(1), 0, *strides[12:])
-            pairs = pairs and _bf16_pairs(Bg)
-        else:
-            pairs = pairs and _bf16_pairs(Bg, Cg)
+        even = bool(cfg.pf & 4) and seqlen % (cfg.chunk * cfg.seg) == 0  # whole chunks: unmasked B/C loads
         _ss_fwd_kernel_v3[grid](
             *ptrs, dpg, seqlen, nsub, *strides, states.stride(2), states.stride(3),
             DSTATE=dstate, BLOCK_D=cfg.block_d, SUB=cfg.chunk, SEG=cfg.seg, SAVE=cfg.chunk_bwd // cfg.chunk,
-            UNROLL=cfg.unroll, LANES=lanes, FAST=_fast_math(bool(cfg.pf & 16), u, acc), STAGES=(cfg.pf >> 5) & 7,
-            DIST=dist, SER=bool(cfg.pf & 1024), XDIAG=bool(cfg.pf & 2048), GRP=grp, BC_BITS=bool(cfg.pf & 2) and pairs, EVEN=even, **flags, **_maxnreg(cfg.maxnreg),
+            UNROLL=cfg.unroll, LANES=bool(cfg.pf & 1) and dstate <= cfg.seg, FAST=_fast_math(bool(cfg.pf & 16), u, acc),
+            STAGES=(cfg.pf >> 5) & 7,
+            BC_BITS=bool(cfg.pf & 2) and even and cfg.chunk % 2 == 0 and _bf16_pairs(Bg, Cg), EVEN=even, **flags,
+            **_maxnreg(cfg.maxnreg),
         )  # fmt: skip
         return out, states
     _ss_fwd_kernel[grid](

@@ -35,42 +35,10 @@ def _ld_bc(ptrs, mask, EVEN: tl.constexpr):
 def _widen_bf16_pairs(x, SEG: tl.constexpr, SUB: tl.constexpr):
     # (1, SEG * SUB // 2) int32, each the bf16 steps 2i (low half) and 2i + 1 (high half) -> (1, SEG, SUB) fp32: a bf16
     # is the top half of the fp32 with the same value
-    x = tl.reshape(x, (x.shape[0], SEG, SUB // 2))
+    x = tl.reshape(x, (1, SEG, SUB // 2))
     lo = (x << 16).to(tl.float32, bitcast=True)
     hi = (x & -65536).to(tl.float32, bitcast=True)
-    return tl.reshape(tl.join(lo, hi), (x.shape[0], SEG, SUB))
-
-
-@triton.jit
-def _ld_state(rows, n: tl.constexpr, ROW: tl.constexpr):
-    # state n's B and C rows of a chunk in the (nchunks, N, 2, CHUNK) layout (no mask: the copy is padded)
-    return tl.load(rows + (2 * n) * ROW), tl.load(rows + (2 * n + 1) * ROW)
-
-
-@triton.jit
-def _bc_values(x, SEG: tl.constexpr, SUB: tl.constexpr, BC_BITS: tl.constexpr, ACC: tl.constexpr):
-    # one state's raw B or C row for the chunk -> (1, SEG, SUB) in the accumulation dtype
-    if BC_BITS:
-        return _widen_bf16_pairs(x, SEG, SUB)
-    else:
-        return tl.reshape(x, (x.shape[0], SEG, SUB)).to(ACC)
-
-
-@triton.jit
-def _state_step(dt, dtu, A2, hc, B_n, C_n, y, tloc, offs_s2, prev, SUB: tl.constexpr):
-    # One state over one chunk: returns y + C h and the state at the end of each segment, (BLOCK_D, SEG). A2: A log2 e
-    # of the state, (BLOCK_D, SEG, 1); hc: the state before the chunk, (BLOCK_D, SEG) (every lane holds it).
-    a = tl.exp2(dt * A2)
-    pa, pb = tl.associative_scan((a, dtu * B_n), axis=2, combine_fn=_combine)  # in-thread, from h = 0
-    # segment aggregates, (BLOCK_D, SEG): 2-D (not keep_dims) so that no register dimension is broadcast, which
-    # Triton 3.6's cross-lane scan lowering does not support
-    la = tl.sum(tl.where(tloc % SUB == SUB - 1, pa, 0.0), axis=2)
-    lb = tl.sum(tl.where(tloc % SUB == SUB - 1, pb, 0.0), axis=2)
-    ia, ib = tl.associative_scan((la, lb), axis=1, combine_fn=_combine)  # across lanes (segments)
-    e = ia * hc + ib  # state at the end of each segment
-    h0 = tl.where(offs_s2 == 0, hc, tl.gather(e, prev, axis=1))  # state at the start of each segment
-    y += (pa * h0[:, :, None] + pb) * C_n
-    return y, e
+    return tl.reshape(tl.join(lo, hi), (1, SEG, SUB))
 
 
 @triton.jit(do_not_specialize=["s_sk"])
@@ -81,8 +49,7 @@ def _ss_fwd_kernel_v3(
     DSTATE: tl.constexpr, BLOCK_D: tl.constexpr, SUB: tl.constexpr, SEG: tl.constexpr, SAVE: tl.constexpr,
     ACC: tl.constexpr, HAS_D: tl.constexpr, HAS_Z: tl.constexpr, HAS_BIAS: tl.constexpr, SOFTPLUS: tl.constexpr,
     UNROLL: tl.constexpr = 1, LANES: tl.constexpr = False, BC_BITS: tl.constexpr = False, EVEN: tl.constexpr = False,
-    FAST: tl.constexpr = False, STAGES: tl.constexpr = 0, DIST: tl.constexpr = 0,
-    SER: tl.constexpr = False, XDIAG: tl.constexpr = False, GRP: tl.constexpr = 1,
+    FAST: tl.constexpr = False, STAGES: tl.constexpr = 0,
 ):  # fmt: skip
     # BC_BITS (bf16 B/C, even strides and seqlen; set with EVEN only): B and C are loaded as int32 pairs and widened
     # to fp32 with one shift or mask per value (the bf16 -> fp32 conversion costs 1.5 instructions per value
@@ -104,8 +71,7 @@ def _ss_fwd_kernel_v3(
     CHUNK: tl.constexpr = SUB * SEG
     KPC: tl.constexpr = SEG // SAVE  # saved states per chunk
     tl.static_assert(not LANES or DSTATE <= SEG, "LANES needs dstate <= seg (one lane per state)")
-    tl.static_assert(not BC_BITS or ((EVEN or DIST > 0 or GRP > 1) and SUB % 2 == 0), "BC_BITS: EVEN/DIST/GRP, even SUB")
-    tl.static_assert(DIST <= 3 and DIST <= DSTATE and (DIST == 0 or LANES), "DIST: 0-3, at most DSTATE, with LANES")
+    tl.static_assert(not BC_BITS or (EVEN and SUB % 2 == 0), "BC_BITS needs EVEN and an even chunk")
     pid_blk, g, b, dim, offs_dl, mask_d, offs_d = _program_block(dpg, BLOCK_D)
     nchunks = tl.cdiv(seqlen, CHUNK)
     md3 = mask_d[:, None, None]
@@ -164,104 +130,50 @@ def _ss_fwd_kernel_v3(
             C_rows = C_base + t2
             s_bn2 = s_bn
             s_cn2 = s_cn
-        if DIST > 0:  # the state loop unrolled, each state's B/C rows loaded DIST states ahead into registers
-            # B_ptr: (batch, G, nchunks, N, 2, CHUNK), B and C of a chunk's states side by side and zero-padded to
-            # whole chunks: a state's rows are at constant offsets from one pointer (no per-state address registers)
-            if BC_BITS:
-                ROW: tl.constexpr = CHUNK // 2
-                bc_rows = B_base.to(tl.pointer_type(tl.int32)) + c * (DSTATE * CHUNK) + tl.arange(0, ROW)[None, :]
-                bc_rows += 0 * offs_dl[:, None]  # (BLOCK_D, ROW) with a zero channel stride: the compute layout
+        # per-state loads are issued one state ahead (loop-carried), so their latency overlaps a state's compute (B/C:
+        # with STAGES 0; otherwise the pipeliner issues them STAGES - 1 states ahead)
+        if not LANES:
+            A_nx = tl.load(A_rows, mask=mask_d, other=0.0)
+            h_nx = tl.load(st_rows + (kc - 1) * s_sk, mask=mc, other=0.0)
+        if STAGES == 0:
+            B_nx = _ld_bc(B_rows, mt1, EVEN)
+            C_nx = _ld_bc(C_rows, mt1, EVEN)
+        for n in tl.range(0, DSTATE, loop_unroll_factor=UNROLL, num_stages=STAGES if STAGES > 0 else None):
+            if STAGES > 0:  # this state's B/C rows, left to Triton's software pipeliner (asynchronous copies)
+                B_nx = _ld_bc(B_rows + n * s_bn2, mt1, EVEN)
+                C_nx = _ld_bc(C_rows + n * s_cn2, mt1, EVEN)
+            if LANES:
+                A2 = tl.gather(A_l, n + 0 * lane_n, axis=1)[:, :, None]  # (BLOCK_D, SEG, 1): A[d, n] in every lane
+                hc = tl.gather(carry, n + 0 * lane_n, axis=1)  # (BLOCK_D, SEG): the state before the chunk
             else:
-                ROW: tl.constexpr = CHUNK
-                bc_rows = B_base + c * (DSTATE * 2 * CHUNK) + tl2 + 0 * offs_dl[:, None]
-            Bq0, Cq0 = _ld_state(bc_rows, 0, ROW)
-            if DIST > 1:
-                Bq1, Cq1 = _ld_state(bc_rows, 1, ROW)
-            if DIST > 2:
-                Bq2, Cq2 = _ld_state(bc_rows, 2, ROW)
-            for n in tl.static_range(DSTATE):
-                B_n = _bc_values(Bq0, SEG, SUB, BC_BITS, ACC)
-                C_n = _bc_values(Cq0, SEG, SUB, BC_BITS, ACC)
-                if n + DIST < DSTATE:  # the queue moves up one state and the state DIST ahead is loaded at its end
-                    if DIST == 1:
-                        Bq0, Cq0 = _ld_state(bc_rows, n + 1, ROW)
-                    elif DIST == 2:
-                        Bq0, Cq0 = Bq1, Cq1
-                        Bq1, Cq1 = _ld_state(bc_rows, n + 2, ROW)
-                    else:
-                        Bq0, Cq0 = Bq1, Cq1
-                        Bq1, Cq1 = Bq2, Cq2
-                        Bq2, Cq2 = _ld_state(bc_rows, n + 3, ROW)
-                elif n + 1 < DSTATE:  # the last DIST - 1 states: the queue only moves up
-                    if DIST > 1:
-                        Bq0, Cq0 = Bq1, Cq1
-                    if DIST > 2:
-                        Bq1, Cq1 = Bq2, Cq2
-                idx = n + 0 * lane_n
-                if SER and n > 0:  # 0, but only once the previous state's end states exist: states run in order
-                    idx = n + (e != e).to(tl.int32)
-                A2 = tl.gather(A_l, idx, axis=1)[:, :, None]
-                hc = tl.gather(carry, idx, axis=1)
-                y, e = _state_step(dt, dtu, A2, hc, B_n, C_n, y, tloc, offs_s2, prev, SUB)
-                if XDIAG:
-                    tl.store(st_tile + (kc + ks) * s_sk, e, mask=msave)
-                else:
-                    tl.store(st_tile + n * s_sn + (kc + ks) * s_sk, e, mask=msave)
-                carry = tl.where(lane_n == n, tl.gather(e, SEG - 1 + 0 * lane_n, axis=1), carry)
-        elif GRP > 1:  # groups of GRP states per pipelined iteration: one (2 GRP, ROW) tile of B/C rows each
+                A2 = A_nx.to(ACC)[:, None, None] * LOG2E
+                hc = h_nx[:, None]  # the state before the chunk
             if BC_BITS:
-                ROW2: tl.constexpr = CHUNK // 2
-                g_rows = B_base.to(tl.pointer_type(tl.int32)) + c * (DSTATE * CHUNK)
+                B_n = _widen_bf16_pairs(B_nx, SEG, SUB)
+                C_n = _widen_bf16_pairs(C_nx, SEG, SUB)
             else:
-                ROW2: tl.constexpr = CHUNK
-                g_rows = B_base + c * (DSTATE * 2 * CHUNK)
-            rid = tl.arange(0, 2 * GRP)[:, None]
-            g_rows = g_rows + rid * ROW2 + tl.arange(0, ROW2)[None, :]  # (2 GRP, ROW2): B, C of each state in turn
-            for j in tl.range(0, DSTATE // GRP, num_stages=STAGES if STAGES > 0 else None):
-                tile = tl.load(g_rows + j * (2 * GRP * ROW2))
-                for i in tl.static_range(GRP):
-                    n = j * GRP + i
-                    B_nx = tl.sum(tl.where(rid == 2 * i, tile, 0), axis=0)[None, :]  # rows in-thread: a register pick
-                    C_nx = tl.sum(tl.where(rid == 2 * i + 1, tile, 0), axis=0)[None, :]
-                    B_n = _bc_values(B_nx, SEG, SUB, BC_BITS, ACC)
-                    C_n = _bc_values(C_nx, SEG, SUB, BC_BITS, ACC)
-                    A2 = tl.gather(A_l, n + 0 * lane_n, axis=1)[:, :, None]
-                    hc = tl.gather(carry, n + 0 * lane_n, axis=1)
-                    y, e = _state_step(dt, dtu, A2, hc, B_n, C_n, y, tloc, offs_s2, prev, SUB)
-                    tl.store(st_tile + n * s_sn + (kc + ks) * s_sk, e, mask=msave)
-                    carry = tl.where(lane_n == n, tl.gather(e, SEG - 1 + 0 * lane_n, axis=1), carry)
-        else:
-            # per-state loads are issued one state ahead (loop-carried), so their latency overlaps a state's compute (B/C:
-            # with STAGES 0; otherwise the pipeliner issues them STAGES - 1 states ahead)
+                B_n = tl.reshape(B_nx, (1, SEG, SUB)).to(ACC)
+                C_n = tl.reshape(C_nx, (1, SEG, SUB)).to(ACC)
+            n1 = (n + 1) % DSTATE  # (the last state prefetches state 0 again, unused)
             if not LANES:
-                A_nx = tl.load(A_rows, mask=mask_d, other=0.0)
-                h_nx = tl.load(st_rows + (kc - 1) * s_sk, mask=mc, other=0.0)
+                A_nx = tl.load(A_rows + n1 * s_an, mask=mask_d, other=0.0)
+                h_nx = tl.load(st_rows + n1 * s_sn + (kc - 1) * s_sk, mask=mc, other=0.0)
             if STAGES == 0:
-                B_nx = _ld_bc(B_rows, mt1, EVEN)
-                C_nx = _ld_bc(C_rows, mt1, EVEN)
-            for n in tl.range(0, DSTATE, loop_unroll_factor=UNROLL, num_stages=STAGES if STAGES > 0 else None):
-                if STAGES > 0:  # this state's B/C rows, left to Triton's software pipeliner (asynchronous copies)
-                    B_nx = _ld_bc(B_rows + n * s_bn2, mt1, EVEN)
-                    C_nx = _ld_bc(C_rows + n * s_cn2, mt1, EVEN)
-                if LANES:
-                    A2 = tl.gather(A_l, n + 0 * lane_n, axis=1)[:, :, None]  # (BLOCK_D, SEG, 1): A[d, n] in every lane
-                    hc = tl.gather(carry, n + 0 * lane_n, axis=1)  # (BLOCK_D, SEG): the state before the chunk
-                else:
-                    A2 = A_nx.to(ACC)[:, None, None] * LOG2E
-                    hc = h_nx[:, None]  # the state before the chunk
-                B_n = _bc_values(B_nx, SEG, SUB, BC_BITS, ACC)
-                C_n = _bc_values(C_nx, SEG, SUB, BC_BITS, ACC)
-                n1 = (n + 1) % DSTATE  # (the last state prefetches state 0 again, unused)
-                if not LANES:
-                    A_nx = tl.load(A_rows + n1 * s_an, mask=mask_d, other=0.0)
-                    h_nx = tl.load(st_rows + n1 * s_sn + (kc - 1) * s_sk, mask=mc, other=0.0)
-                if STAGES == 0:
-                    B_nx = _ld_bc(B_rows + n1 * s_bn2, mt1, EVEN)
-                    C_nx = _ld_bc(C_rows + n1 * s_cn2, mt1, EVEN)
-                y, e = _state_step(dt, dtu, A2, hc, B_n, C_n, y, tloc, offs_s2, prev, SUB)
-                tl.store(st_tile + n * s_sn + (kc + ks) * s_sk, e, mask=msave)
-                if LANES:  # the chunk's end state (the last lane's e) becomes lane n's carry
-                    carry = tl.where(lane_n == n, tl.gather(e, SEG - 1 + 0 * lane_n, axis=1), carry)
+                B_nx = _ld_bc(B_rows + n1 * s_bn2, mt1, EVEN)
+                C_nx = _ld_bc(C_rows + n1 * s_cn2, mt1, EVEN)
+            a = tl.exp2(dt * A2)
+            pa, pb = tl.associative_scan((a, dtu * B_n), axis=2, combine_fn=_combine)  # in-thread, from h = 0
+            # segment aggregates, (BLOCK_D, SEG): 2-D (not keep_dims) so that no register dimension is broadcast,
+            # which Triton 3.6's cross-lane scan lowering does not support
+            la = tl.sum(tl.where(tloc % SUB == SUB - 1, pa, 0.0), axis=2)
+            lb = tl.sum(tl.where(tloc % SUB == SUB - 1, pb, 0.0), axis=2)
+            ia, ib = tl.associative_scan((la, lb), axis=1, combine_fn=_combine)  # across lanes (segments)
+            e = ia * hc + ib  # state at the end of each segment
+            h0 = tl.where(offs_s2 == 0, hc, tl.gather(e, prev, axis=1))  # state at the start of each segment
+            y += (pa * h0[:, :, None] + pb) * C_n
+            tl.store(st_tile + n * s_sn + (kc + ks) * s_sk, e, mask=msave)
+            if LANES:  # the chunk's end state (the last lane's e) becomes lane n's carry
+                carry = tl.where(lane_n == n, tl.gather(e, SEG - 1 + 0 * lane_n, axis=1), carry)
         if HAS_Z:
             zz = _ld2(z_base + t2, m2, BLOCK_D, SEG, SUB, ACC)
             y = y * zz * _sigmoid_fm(zz, FAST)
