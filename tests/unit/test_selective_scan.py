@@ -177,11 +177,89 @@ def test_v6_lanes_carry_across_chunks(seqlen):
 
 
 def test_cuda_default_options_run_in_the_interpreter():
-    # the CUDA default's option bits (pipelined B/C loads, lanes, fast sigmoids asked for: the launchers must drop
-    # FAST for CPU tensors, the interpreter has no libdevice) on CFG_PF's small tiles, against the reference
-    cfg = dataclasses.replace(CFG_PF, pf=128 + 16 + 7, pf_bwd=15)
+    # the CUDA default's option bits (pipelined B/C loads in groups of states, lanes, fast sigmoids asked for: the
+    # launchers must drop FAST for CPU tensors, the interpreter has no libdevice) on CFG_PF's small tiles
+    scan_mod = importlib.import_module("anytrain.kernels.selective_scan")
+    cuda = scan_mod._CUDA_CONFIG
+    assert scan_mod.fwd_group(cuda, 16) == 2  # the default groups states (the test below covers the group sizes)
+    cfg = dataclasses.replace(CFG_PF, pf=cuda.pf, pf_bwd=15)
     vals = make_inputs(1, 3, 150, 16, None, True, True, True)
     assert_match(*run_both(vals, True, cfg=cfg))
+
+
+@pytest.mark.parametrize(
+    "pf,dstate,group,seqlen",
+    [(4096 + 1, 16, 2, 150), (8192 + 96 + 1, 16, 4, 150), (12288 + 1, 8, 8, 150), (8192 + 1, 4, 4, 150),
+     (4096 + 1, 6, 2, 150)],
+)  # fmt: skip
+def test_forward_groups_of_states(pf, dstate, group, seqlen):
+    # pf bits 4096-12288: the forward's state loop takes 2-8 states per iteration from a chunk-major copy of B/C
+    # (zero-padded: seqlen 150 is two whole 64-step chunks and a partial one)
+    scan_mod = importlib.import_module("anytrain.kernels.selective_scan")
+    cfg = dataclasses.replace(CFG_PF, pf=pf)
+    assert scan_mod.fwd_group(cfg, dstate) == group
+    vals = make_inputs(2, 4, seqlen, dstate, 2, True, True, True)
+    assert_match(*run_both(vals, True, cfg=cfg))
+
+
+def test_forward_groups_keep_mixed_b_and_c_dtypes():
+    # the chunk-major copy holds B and C in one tensor: in the dtype both promote to, neither rounded to the other's
+    vals = make_inputs(1, 2, 150, 4, None, True, True, True)
+    vals["B"] = vals["B"].to(torch.bfloat16).double()  # exactly representable in bf16
+    vals_mixed = dict(vals, B=vals["B"].to(torch.bfloat16))
+    out, last = selective_scan_triton(
+        **vals_mixed, delta_softplus=True, return_last_state=True, config=dataclasses.replace(CFG_PF, pf=4096 + 1)
+    )
+    out_ref, last_ref = selective_scan_ref(**vals, delta_softplus=True, return_last_state=True)
+    torch.testing.assert_close(out.double(), out_ref, rtol=1e-9, atol=1e-9)
+    torch.testing.assert_close(last.double(), last_ref, rtol=1e-9, atol=1e-9)
+
+
+def test_forward_group_register_cap_only_with_groups(monkeypatch):
+    # a grouped config's maxnreg was tuned for the grouped kernel: a dstate the group does not divide runs uncapped
+    scan_mod = importlib.import_module("anytrain.kernels.selective_scan")
+    monkeypatch.setattr(scan_mod.hardware, "vendor", lambda: scan_mod.hardware.CUDA)
+    seen = []
+
+    class Recorder:
+        def __getitem__(self, grid):
+            return lambda *a, **kw: seen.append((kw["GROUP"], kw.get("maxnreg")))
+
+    monkeypatch.setattr(scan_mod, "_ss_fwd_kernel_v3", Recorder())
+    for cfg, dstate in [(scan_mod._CUDA_CONFIG, 16), (scan_mod._CUDA_CONFIG, 5),
+                        (dataclasses.replace(scan_mod._CUDA_CONFIG, pf=151), 16)]:  # fmt: skip
+        vals = make_inputs(1, 2, 256, dstate, None, True, True, True)
+        v = {k: None if x is None else x.float() for k, x in vals.items()}
+        Bg, Cg = scan_mod._as_groups(v["B"]), scan_mod._as_groups(v["C"])
+        scan_mod._fwd(v["u"], v["delta"], v["A"], Bg, Cg, v["D"], v["z"], v["delta_bias"], True, cfg)
+    cap = scan_mod._CUDA_CONFIG.maxnreg
+    assert cap and seen == [(2, cap), (1, None), (1, cap)]
+
+
+def test_forward_groups_need_lanes_and_a_dividing_dstate():
+    scan_mod = importlib.import_module("anytrain.kernels.selective_scan")
+    fwd_group = scan_mod.fwd_group
+    assert fwd_group(dataclasses.replace(CFG_PF, pf=8192 + 1), 16) == 4
+    assert fwd_group(dataclasses.replace(CFG_PF, pf=8192), 16) == 1  # no lanes
+    assert fwd_group(dataclasses.replace(CFG_PF, pf=8192 + 1), 32) == 1  # dstate > seg (16): no lanes
+    assert fwd_group(dataclasses.replace(CFG_PF, pf=12288 + 1), 12) == 1  # 8 does not divide 12
+    assert fwd_group(dataclasses.replace(CFG_PF, pf=8192 + 1, fwd_impl=0), 16) == 1
+    assert fwd_group(dataclasses.replace(CFG_PF, pf=1), 16) == 1
+
+
+@pytest.mark.parametrize("seqlen", [128, 100])
+def test_chunk_major_copy_of_b_and_c(seqlen):
+    scan_mod = importlib.import_module("anytrain.kernels.selective_scan")
+    g = torch.Generator().manual_seed(3)
+    B = torch.randn(2, 3, 5, 2 * seqlen, generator=g)[..., ::2]  # (batch, G, N, L), strided in time
+    C = torch.randn(2, 3, 5, seqlen, generator=g)
+    bc = scan_mod._chunk_major(B, C, 64)
+    nch = -(-seqlen // 64)
+    assert bc.shape == (2, 3, nch, 5, 2, 64) and bc.is_contiguous()
+    for k, x in enumerate((B, C)):
+        flat = bc[:, :, :, :, k].transpose(2, 3).reshape(2, 3, 5, nch * 64)
+        assert torch.equal(flat[..., :seqlen], x)
+        assert not flat[..., seqlen:].any()  # the padding is zero
 
 
 def test_fast_sigmoid_only_for_fp32_gpu_tensors_outside_the_interpreter(monkeypatch):
@@ -271,11 +349,15 @@ def test_forward_bf16_pairs_and_unmasked_loads_are_bitwise_the_plain_loads(seqle
         for pf in (1, 5, 6, 7, 135, 102):
             got = scan_mod._fwd(*args, dataclasses.replace(CFG_PF, pf=pf))
             assert torch.equal(got[0], plain[0]) and torch.equal(got[1], plain[1]), pf
+        # groups of 2 / 4 states from the padded chunk-major copy: int32 pairs at any seqlen
+        for pf in (4096 + 135, 8192 + 7, 12288 + 103):
+            got = scan_mod._fwd(*args, dataclasses.replace(CFG_PF, pf=pf))
+            assert torch.equal(got[0], plain[0]) and torch.equal(got[1], plain[1]), pf
     finally:
         scan_mod._ss_fwd_kernel_v3 = kernel
     even = seqlen % 64 == 0  # CFG_PF: 4-step segments x 16 = 64-step chunks
     assert flags == [(False, False, 0), (False, False, 0), (False, even, 0), (even, even, 0), (even, even, 0),
-                     (even, even, 4), (even, even, 3)]  # fmt: skip
+                     (even, even, 4), (even, even, 3), (True, even, 4), (True, even, 0), (True, even, 3)]  # fmt: skip
 
 
 def test_forward_int32_pairs_need_an_even_chunk():

@@ -4,7 +4,7 @@ Forward, two kernels (``ScanConfig.fwd_impl``); state math is fp32 (fp64 for fp6
   1: ``_ss_fwd_kernel_v3`` (default, ``selective_scan_fwd.py``). (channel, segment, step) tiles: a thread owns a
      segment of ``chunk`` steps, the ``seg`` segments of a chunk sit on the lanes of one warp; a runtime loop over the
      states accumulates y in registers; per state an in-thread scan per segment, one cross-lane scan of the segment
-     aggregates and a ``tl.gather`` for each segment's start state.
+     aggregates and a ``tl.gather`` for each segment's start state; on CUDA 2 states per pipelined iteration.
   0: ``_ss_fwd_kernel`` (v2): (time, state, channel) tiles, ``tl.associative_scan`` over time in registers, y summed
      over states across warps; kept for comparison.
 
@@ -100,7 +100,10 @@ class ScanConfig:
     # the per-state B/C loads when seqlen fills whole chunks, 2 = with 4, bf16 B/C loaded as int32 pairs (when their
     # strides allow; masked pair loads are split by the compiler, so 2 applies only where 4 does), 16 = the gate's
     # sigmoid with the approximate exp and division (fp32 accumulation on a GPU only); bits 32-224 = the software
-    # pipeline's stages for the per-state B/C loads ((pf >> 5) & 7; 0: a register prefetch one state ahead)
+    # pipeline's stages for the per-state B/C loads ((pf >> 5) & 7; 0: a register prefetch one state ahead); bits
+    # 4096-12288 = 2, 4 or 8 states per pipelined iteration (``fwd_group``; B/C from a chunk-major copy, their rows one
+    # tile per group; needs 1 and applies where the group size divides dstate; with it, 2 needs no 4; where a group
+    # falls back to single states, ``maxnreg`` is not applied: the cap belongs to the grouped kernel)
     pf_bwd: int = 0  # bwd_impl 4 bits: 1 = saved-state/carry loads after their last use, 2 = next chunk's inputs
     # loaded before this chunk's epilogue, 4 = A and the adjoint carry held in lanes (needs dstate <= seg_bwd)
     # (bwd_impl 5: bits 2 and 4); 8 (bwd_impl 4, 5) = the sigmoids of the gate and of softplus' derivative with the
@@ -117,9 +120,11 @@ class ScanConfig:
 # 1.918 ms, forward 0.645 against 0.647 / 0.649 (one H200 call, scan pass 11). Forward: B/C loads software-pipelined
 # over 4 stages with A and the carry in lanes (pf 128 + 16 + 7 = 151): 0.575-0.577 against 0.638-0.646 (three calls).
 # ROCm: not run (untuned; 64 segments fill a 64-wide wavefront; v5 compiles to 206 VGPRs for gfx942 against v4's 291).
+# Forward, scan pass 13: 2 states per pipelined iteration, 3 stages, capped at 72 registers (28 warps per SM; pf 4096 +
+# 96 + 23 = 4215): 0.547 against 0.574 / 0.578 ms for pf 151 in one H200 call (docs/kernels.md).
 _CUDA_CONFIG = ScanConfig(
-    1, 8, 1, block_d_bwd=2, chunk_bwd=8, num_warps_bwd=1, bwd_impl=5, seg_bwd=16, seg=32, maxnreg_bwd=152, pf=151,
-    pf_bwd=14,
+    1, 8, 1, block_d_bwd=2, chunk_bwd=8, num_warps_bwd=1, bwd_impl=5, seg_bwd=16, seg=32, maxnreg_bwd=152, pf=4215,
+    pf_bwd=14, maxnreg=72,
 )  # fmt: skip
 _VENDOR_CONFIGS = {
     hardware.CUDA: _CUDA_CONFIG,
@@ -244,6 +249,29 @@ def _as_groups(x: Tensor) -> Tensor:
     return _unit_last(x.unsqueeze(1) if x.dim() == 3 else x)
 
 
+def fwd_group(cfg: ScanConfig, dstate: int) -> int:
+    """States per pipelined iteration of the v3 forward (``pf`` bits 4096-12288: 2, 4, 8; 1 = one state per
+    iteration). Groups need the states' carries in lanes (``pf`` bit 1, dstate <= seg) and a dstate they divide."""
+    group = 1 << ((cfg.pf >> 12) & 3)
+    return group if cfg.fwd_impl == 1 and cfg.pf & 1 and dstate <= cfg.seg and dstate % group == 0 else 1
+
+
+def _chunk_major(Bg: Tensor, Cg: Tensor, chunk: int) -> Tensor:
+    """(batch, G, N, L) B and C -> one (batch, G, nchunks, N, 2, chunk) tensor, zero-padded to whole chunks: the B
+    and C rows of all states of a chunk in one contiguous block (the grouped forward loads a group's rows as one tile).
+    Small next to the (batch, dim, L) inputs: 2 x batch x G x N x L elements."""
+    batch, ngroups, dstate, seqlen = Bg.shape
+    nch = triton.cdiv(seqlen, chunk)
+    dtype = torch.promote_types(Bg.dtype, Cg.dtype)  # (B and C may differ: neither is rounded to the other's dtype)
+    bc = torch.empty((batch, ngroups, nch, dstate, 2, chunk), device=Bg.device, dtype=dtype)
+    pad = nch * chunk - seqlen
+    for i, x in enumerate((Bg, Cg)):
+        if pad:
+            x = torch.nn.functional.pad(x, (0, pad))
+        bc[:, :, :, :, i].copy_(x.reshape(batch, ngroups, dstate, nch, chunk).transpose(2, 3))
+    return bc
+
+
 def _fast_math(on: bool, u: Tensor, acc: torch.dtype) -> bool:
     """The kernels' FAST constexpr (approximate exp and division in the sigmoids): asked for by the config and
     ``fastmath.fast_math_ok`` (fp32 accumulation, a GPU tensor, not under the Triton interpreter)."""
@@ -296,14 +324,23 @@ def _fwd(
         SOFTPLUS=softplus, num_warps=cfg.num_warps,
     )  # fmt: skip
     if cfg.fwd_impl == 1:
-        even = bool(cfg.pf & 4) and seqlen % (cfg.chunk * cfg.seg) == 0  # whole chunks: unmasked B/C loads
+        chunk = cfg.chunk * cfg.seg
+        even = bool(cfg.pf & 4) and seqlen % chunk == 0  # whole chunks: unmasked B/C loads
+        lanes = bool(cfg.pf & 1) and dstate <= cfg.seg
+        group = fwd_group(cfg, dstate)
+        if group > 1:  # B/C rows of a group of states as one block: (batch, G, nchunks, N, 2, chunk), zero-padded
+            Bg = _chunk_major(Bg, Cg, chunk)
+            ptrs = (*ptrs[:3], Bg, Bg, *ptrs[5:])
+            strides = (*strides[:6], Bg.stride(0), Bg.stride(1), 0, Bg.stride(0), Bg.stride(1), 0, *strides[12:])
+            pairs = _bf16_pairs(Bg)
+        else:
+            pairs = even and _bf16_pairs(Bg, Cg)
         _ss_fwd_kernel_v3[grid](
             *ptrs, dpg, seqlen, nsub, *strides, states.stride(2), states.stride(3),
             DSTATE=dstate, BLOCK_D=cfg.block_d, SUB=cfg.chunk, SEG=cfg.seg, SAVE=cfg.chunk_bwd // cfg.chunk,
-            UNROLL=cfg.unroll, LANES=bool(cfg.pf & 1) and dstate <= cfg.seg, FAST=_fast_math(bool(cfg.pf & 16), u, acc),
-            STAGES=(cfg.pf >> 5) & 7,
-            BC_BITS=bool(cfg.pf & 2) and even and cfg.chunk % 2 == 0 and _bf16_pairs(Bg, Cg), EVEN=even, **flags,
-            **_maxnreg(cfg.maxnreg),
+            UNROLL=cfg.unroll, LANES=lanes, FAST=_fast_math(bool(cfg.pf & 16), u, acc), STAGES=(cfg.pf >> 5) & 7,
+            GROUP=group, BC_BITS=bool(cfg.pf & 2) and pairs and cfg.chunk % 2 == 0, EVEN=even, **flags,
+            **_maxnreg(cfg.maxnreg if group > 1 or not (cfg.pf >> 12) & 3 else 0),  # (see ScanConfig.pf)
         )  # fmt: skip
         return out, states
     _ss_fwd_kernel[grid](

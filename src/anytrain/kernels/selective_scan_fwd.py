@@ -11,6 +11,9 @@ same in every Triton version; with SUB = the steps of one 16-byte vector (8 for 
     fetched with ``tl.gather`` one lane down) is folded in with hs = pa h0 + pb;
   - the state at the end of every SUB * SAVE steps (the backward's chunk) is stored to ``states`` (batch, dim, N, nsub)
     by the lane that owns it; the chunk's carry into the next chunk is re-read from there after a barrier.
+The per-state B/C rows reach the state loop through Triton's software pipeliner (``STAGES``), one state per iteration
+or, with ``GROUP`` > 1 (the CUDA default: 2), a group of states per iteration from a chunk-major copy of B and C that
+the launcher makes (one (2 GROUP, chunk) tile per group: fewer pipeline and address instructions per state).
 Other SUB / SEG / BLOCK_D values are correct too (the compiler then converts layouts).
 """
 
@@ -41,6 +44,32 @@ def _widen_bf16_pairs(x, SEG: tl.constexpr, SUB: tl.constexpr):
     return tl.reshape(tl.join(lo, hi), (1, SEG, SUB))
 
 
+@triton.jit
+def _bc_values(x, SEG: tl.constexpr, SUB: tl.constexpr, BC_BITS: tl.constexpr, ACC: tl.constexpr):
+    # one state's raw B or C row of the chunk, (1, SEG * SUB) (or int32 pairs) -> (1, SEG, SUB) in the ACC dtype
+    if BC_BITS:
+        return _widen_bf16_pairs(x, SEG, SUB)
+    else:
+        return tl.reshape(x, (1, SEG, SUB)).to(ACC)
+
+
+@triton.jit
+def _state_step(dt, dtu, A2, hc, B_n, C_n, y, tloc, offs_s2, prev, SUB: tl.constexpr):
+    # One state over one chunk: returns y + C h and the state at the end of each segment, (BLOCK_D, SEG). A2: A log2 e
+    # of the state, (BLOCK_D, SEG, 1); hc: the state before the chunk, (BLOCK_D, SEG) (every lane holds it).
+    a = tl.exp2(dt * A2)
+    pa, pb = tl.associative_scan((a, dtu * B_n), axis=2, combine_fn=_combine)  # in-thread, from h = 0
+    # segment aggregates, (BLOCK_D, SEG): 2-D (not keep_dims) so that no register dimension is broadcast, which
+    # Triton 3.6's cross-lane scan lowering does not support
+    la = tl.sum(tl.where(tloc % SUB == SUB - 1, pa, 0.0), axis=2)
+    lb = tl.sum(tl.where(tloc % SUB == SUB - 1, pb, 0.0), axis=2)
+    ia, ib = tl.associative_scan((la, lb), axis=1, combine_fn=_combine)  # across lanes (segments)
+    e = ia * hc + ib  # state at the end of each segment
+    h0 = tl.where(offs_s2 == 0, hc, tl.gather(e, prev, axis=1))  # state at the start of each segment
+    y += (pa * h0[:, :, None] + pb) * C_n
+    return y, e
+
+
 @triton.jit(do_not_specialize=["s_sk"])
 def _ss_fwd_kernel_v3(
     u_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, D_ptr, z_ptr, bias_ptr, out_ptr, state_ptr,
@@ -49,7 +78,7 @@ def _ss_fwd_kernel_v3(
     DSTATE: tl.constexpr, BLOCK_D: tl.constexpr, SUB: tl.constexpr, SEG: tl.constexpr, SAVE: tl.constexpr,
     ACC: tl.constexpr, HAS_D: tl.constexpr, HAS_Z: tl.constexpr, HAS_BIAS: tl.constexpr, SOFTPLUS: tl.constexpr,
     UNROLL: tl.constexpr = 1, LANES: tl.constexpr = False, BC_BITS: tl.constexpr = False, EVEN: tl.constexpr = False,
-    FAST: tl.constexpr = False, STAGES: tl.constexpr = 0,
+    FAST: tl.constexpr = False, STAGES: tl.constexpr = 0, GROUP: tl.constexpr = 1,
 ):  # fmt: skip
     # BC_BITS (bf16 B/C, even strides and seqlen; set with EVEN only): B and C are loaded as int32 pairs and widened
     # to fp32 with one shift or mask per value (the bf16 -> fp32 conversion costs 1.5 instructions per value
@@ -63,15 +92,19 @@ def _ss_fwd_kernel_v3(
     # FAST (fp32 on a GPU, set by the launcher): the gate's sigmoid with the approximate exp and division.
     # STAGES > 0: each state's B/C rows are loaded inside the state loop and left to Triton's software pipeliner with
     # ``num_stages`` = STAGES (asynchronous copies into shared memory, STAGES - 1 states ahead) instead of the
-    # register prefetch one state ahead; with LANES (no per-state A/carry loads left) this is the CUDA default at 4
-    # stages: 0.575 against 0.645 ms on an H200 (docs/kernels.md, scan pass 11).
+    # register prefetch one state ahead; with LANES (no per-state A/carry loads left): 0.575 against 0.645 ms on an
+    # H200 at 4 stages (docs/kernels.md, scan pass 11).
+    # GROUP > 1 (needs LANES; B_ptr then the launcher's chunk-major B/C copy, C_ptr unused): GROUP states per pipelined
+    # iteration, their B/C rows one tile; the CUDA default is 2 at 3 stages and 72 registers: 0.547-0.550 against
+    # 0.574-0.578 ms (H200, docs/kernels.md, scan pass 13).
     # states: (batch, dim, N, nsub) (s_sn, s_sk: strides of N and nsub; s_sk is 1 but not specialised, so the state
     # stores are not vectorised across segments); entry k is the state after step (k + 1) * SUB * SAVE - 1 (the last
     # entry: the final state).
     CHUNK: tl.constexpr = SUB * SEG
     KPC: tl.constexpr = SEG // SAVE  # saved states per chunk
     tl.static_assert(not LANES or DSTATE <= SEG, "LANES needs dstate <= seg (one lane per state)")
-    tl.static_assert(not BC_BITS or (EVEN and SUB % 2 == 0), "BC_BITS needs EVEN and an even chunk")
+    tl.static_assert(not BC_BITS or ((EVEN or GROUP > 1) and SUB % 2 == 0), "BC_BITS: EVEN or GROUP, an even chunk")
+    tl.static_assert(GROUP == 1 or (LANES and DSTATE % GROUP == 0), "GROUP needs LANES and divides DSTATE")
     pid_blk, g, b, dim, offs_dl, mask_d, offs_d = _program_block(dpg, BLOCK_D)
     nchunks = tl.cdiv(seqlen, CHUNK)
     md3 = mask_d[:, None, None]
@@ -130,50 +163,63 @@ def _ss_fwd_kernel_v3(
             C_rows = C_base + t2
             s_bn2 = s_bn
             s_cn2 = s_cn
-        # per-state loads are issued one state ahead (loop-carried), so their latency overlaps a state's compute (B/C:
-        # with STAGES 0; otherwise the pipeliner issues them STAGES - 1 states ahead)
-        if not LANES:
-            A_nx = tl.load(A_rows, mask=mask_d, other=0.0)
-            h_nx = tl.load(st_rows + (kc - 1) * s_sk, mask=mc, other=0.0)
-        if STAGES == 0:
-            B_nx = _ld_bc(B_rows, mt1, EVEN)
-            C_nx = _ld_bc(C_rows, mt1, EVEN)
-        for n in tl.range(0, DSTATE, loop_unroll_factor=UNROLL, num_stages=STAGES if STAGES > 0 else None):
-            if STAGES > 0:  # this state's B/C rows, left to Triton's software pipeliner (asynchronous copies)
-                B_nx = _ld_bc(B_rows + n * s_bn2, mt1, EVEN)
-                C_nx = _ld_bc(C_rows + n * s_cn2, mt1, EVEN)
-            if LANES:
-                A2 = tl.gather(A_l, n + 0 * lane_n, axis=1)[:, :, None]  # (BLOCK_D, SEG, 1): A[d, n] in every lane
-                hc = tl.gather(carry, n + 0 * lane_n, axis=1)  # (BLOCK_D, SEG): the state before the chunk
-            else:
-                A2 = A_nx.to(ACC)[:, None, None] * LOG2E
-                hc = h_nx[:, None]  # the state before the chunk
+        if GROUP > 1:  # GROUP states per pipelined iteration, their B/C rows one (2 GROUP, chunk) tile
+            # B_ptr: (batch, G, nchunks, N, 2, CHUNK) from the launcher (B and C of a chunk's states side by side,
+            # zero-padded to whole chunks): a group's rows are one contiguous block, loaded without a mask
             if BC_BITS:
-                B_n = _widen_bf16_pairs(B_nx, SEG, SUB)
-                C_n = _widen_bf16_pairs(C_nx, SEG, SUB)
+                ROW: tl.constexpr = CHUNK // 2
+                g_rows = B_base.to(tl.pointer_type(tl.int32)) + c * (DSTATE * CHUNK)
             else:
-                B_n = tl.reshape(B_nx, (1, SEG, SUB)).to(ACC)
-                C_n = tl.reshape(C_nx, (1, SEG, SUB)).to(ACC)
-            n1 = (n + 1) % DSTATE  # (the last state prefetches state 0 again, unused)
+                ROW: tl.constexpr = CHUNK
+                g_rows = B_base + c * (DSTATE * 2 * CHUNK)
+            rid = tl.arange(0, 2 * GROUP)[:, None]
+            g_rows = g_rows + rid * ROW + tl.arange(0, ROW)[None, :]  # row 2i: B of the group's state i, 2i + 1: C
+            for j in tl.range(0, DSTATE // GROUP, num_stages=STAGES if STAGES > 0 else None):
+                tile = tl.load(g_rows + j * (2 * GROUP * ROW))
+                for i in tl.static_range(GROUP):
+                    n = j * GROUP + i
+                    # the rows sit in each thread's registers: the masked sums compile to register picks
+                    B_nx = tl.sum(tl.where(rid == 2 * i, tile, 0), axis=0)[None, :]
+                    C_nx = tl.sum(tl.where(rid == 2 * i + 1, tile, 0), axis=0)[None, :]
+                    B_n = _bc_values(B_nx, SEG, SUB, BC_BITS, ACC)
+                    C_n = _bc_values(C_nx, SEG, SUB, BC_BITS, ACC)
+                    A2 = tl.gather(A_l, n + 0 * lane_n, axis=1)[:, :, None]
+                    hc = tl.gather(carry, n + 0 * lane_n, axis=1)
+                    y, e = _state_step(dt, dtu, A2, hc, B_n, C_n, y, tloc, offs_s2, prev, SUB)
+                    tl.store(st_tile + n * s_sn + (kc + ks) * s_sk, e, mask=msave)
+                    carry = tl.where(lane_n == n, tl.gather(e, SEG - 1 + 0 * lane_n, axis=1), carry)
+        else:
+            # per-state loads are issued one state ahead (loop-carried), so their latency overlaps a state's compute
+            # (B/C: with STAGES 0; otherwise the pipeliner issues them STAGES - 1 states ahead)
             if not LANES:
-                A_nx = tl.load(A_rows + n1 * s_an, mask=mask_d, other=0.0)
-                h_nx = tl.load(st_rows + n1 * s_sn + (kc - 1) * s_sk, mask=mc, other=0.0)
+                A_nx = tl.load(A_rows, mask=mask_d, other=0.0)
+                h_nx = tl.load(st_rows + (kc - 1) * s_sk, mask=mc, other=0.0)
             if STAGES == 0:
-                B_nx = _ld_bc(B_rows + n1 * s_bn2, mt1, EVEN)
-                C_nx = _ld_bc(C_rows + n1 * s_cn2, mt1, EVEN)
-            a = tl.exp2(dt * A2)
-            pa, pb = tl.associative_scan((a, dtu * B_n), axis=2, combine_fn=_combine)  # in-thread, from h = 0
-            # segment aggregates, (BLOCK_D, SEG): 2-D (not keep_dims) so that no register dimension is broadcast,
-            # which Triton 3.6's cross-lane scan lowering does not support
-            la = tl.sum(tl.where(tloc % SUB == SUB - 1, pa, 0.0), axis=2)
-            lb = tl.sum(tl.where(tloc % SUB == SUB - 1, pb, 0.0), axis=2)
-            ia, ib = tl.associative_scan((la, lb), axis=1, combine_fn=_combine)  # across lanes (segments)
-            e = ia * hc + ib  # state at the end of each segment
-            h0 = tl.where(offs_s2 == 0, hc, tl.gather(e, prev, axis=1))  # state at the start of each segment
-            y += (pa * h0[:, :, None] + pb) * C_n
-            tl.store(st_tile + n * s_sn + (kc + ks) * s_sk, e, mask=msave)
-            if LANES:  # the chunk's end state (the last lane's e) becomes lane n's carry
-                carry = tl.where(lane_n == n, tl.gather(e, SEG - 1 + 0 * lane_n, axis=1), carry)
+                B_nx = _ld_bc(B_rows, mt1, EVEN)
+                C_nx = _ld_bc(C_rows, mt1, EVEN)
+            for n in tl.range(0, DSTATE, loop_unroll_factor=UNROLL, num_stages=STAGES if STAGES > 0 else None):
+                if STAGES > 0:  # this state's B/C rows, left to Triton's software pipeliner (asynchronous copies)
+                    B_nx = _ld_bc(B_rows + n * s_bn2, mt1, EVEN)
+                    C_nx = _ld_bc(C_rows + n * s_cn2, mt1, EVEN)
+                if LANES:
+                    A2 = tl.gather(A_l, n + 0 * lane_n, axis=1)[:, :, None]  # (BLOCK_D, SEG, 1): A[d, n] in every lane
+                    hc = tl.gather(carry, n + 0 * lane_n, axis=1)  # (BLOCK_D, SEG): the state before the chunk
+                else:
+                    A2 = A_nx.to(ACC)[:, None, None] * LOG2E
+                    hc = h_nx[:, None]  # the state before the chunk
+                B_n = _bc_values(B_nx, SEG, SUB, BC_BITS, ACC)
+                C_n = _bc_values(C_nx, SEG, SUB, BC_BITS, ACC)
+                n1 = (n + 1) % DSTATE  # (the last state prefetches state 0 again, unused)
+                if not LANES:
+                    A_nx = tl.load(A_rows + n1 * s_an, mask=mask_d, other=0.0)
+                    h_nx = tl.load(st_rows + n1 * s_sn + (kc - 1) * s_sk, mask=mc, other=0.0)
+                if STAGES == 0:
+                    B_nx = _ld_bc(B_rows + n1 * s_bn2, mt1, EVEN)
+                    C_nx = _ld_bc(C_rows + n1 * s_cn2, mt1, EVEN)
+                y, e = _state_step(dt, dtu, A2, hc, B_n, C_n, y, tloc, offs_s2, prev, SUB)
+                tl.store(st_tile + n * s_sn + (kc + ks) * s_sk, e, mask=msave)
+                if LANES:  # the chunk's end state (the last lane's e) becomes lane n's carry
+                    carry = tl.where(lane_n == n, tl.gather(e, SEG - 1 + 0 * lane_n, axis=1), carry)
         if HAS_Z:
             zz = _ld2(z_base + t2, m2, BLOCK_D, SEG, SUB, ACC)
             y = y * zz * _sigmoid_fm(zz, FAST)
