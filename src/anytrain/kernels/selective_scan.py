@@ -4,7 +4,7 @@ Forward, two kernels (``ScanConfig.fwd_impl``); state math is fp32 (fp64 for fp6
   1: ``_ss_fwd_kernel_v3`` (default, ``selective_scan_fwd.py``). (channel, segment, step) tiles: a thread owns a
      segment of ``chunk`` steps, the ``seg`` segments of a chunk sit on the lanes of one warp; a runtime loop over the
      states accumulates y in registers; per state an in-thread scan per segment, one cross-lane scan of the segment
-     aggregates and a ``tl.gather`` for each segment's start state; on CUDA 2 states per pipelined iteration.
+     aggregates and a ``tl.gather`` for each segment's start state; on CUDA 4 states per pipelined iteration.
   0: ``_ss_fwd_kernel`` (v2): (time, state, channel) tiles, ``tl.associative_scan`` over time in registers, y summed
      over states across warps; kept for comparison.
 
@@ -120,10 +120,11 @@ class ScanConfig:
 # 1.918 ms, forward 0.645 against 0.647 / 0.649 (one H200 call, scan pass 11). Forward: B/C loads software-pipelined
 # over 4 stages with A and the carry in lanes (pf 128 + 16 + 7 = 151): 0.575-0.577 against 0.638-0.646 (three calls).
 # ROCm: not run (untuned; 64 segments fill a 64-wide wavefront; v5 compiles to 206 VGPRs for gfx942 against v4's 291).
-# Forward, scan pass 13: 2 states per pipelined iteration, 3 stages, capped at 72 registers (28 warps per SM; pf 4096 +
-# 96 + 23 = 4215): 0.547 against 0.574 / 0.578 ms for pf 151 in one H200 call (docs/kernels.md).
+# Forward, scan pass 13: 4 states per pipelined iteration, 2 stages (the next group's B/C copied while this one runs),
+# capped at 72 registers (28 warps per SM; pf 8192 + 64 + 23 = 8279): 0.542-0.543 against 0.546-0.547 for groups of 2
+# at 3 stages (pf 4215) in one H200 call, and 0.547-0.550 (4215) against 0.574-0.578 for pf 151 (docs/kernels.md).
 _CUDA_CONFIG = ScanConfig(
-    1, 8, 1, block_d_bwd=2, chunk_bwd=8, num_warps_bwd=1, bwd_impl=5, seg_bwd=16, seg=32, maxnreg_bwd=152, pf=4215,
+    1, 8, 1, block_d_bwd=2, chunk_bwd=8, num_warps_bwd=1, bwd_impl=5, seg_bwd=16, seg=32, maxnreg_bwd=152, pf=8279,
     pf_bwd=14, maxnreg=72,
 )  # fmt: skip
 _VENDOR_CONFIGS = {

@@ -12,7 +12,7 @@ same in every Triton version; with SUB = the steps of one 16-byte vector (8 for 
   - the state at the end of every SUB * SAVE steps (the backward's chunk) is stored to ``states`` (batch, dim, N, nsub)
     by the lane that owns it; the chunk's carry into the next chunk is re-read from there after a barrier.
 The per-state B/C rows reach the state loop through Triton's software pipeliner (``STAGES``), one state per iteration
-or, with ``GROUP`` > 1 (the CUDA default: 2), a group of states per iteration from a chunk-major copy of B and C that
+or, with ``GROUP`` > 1 (the CUDA default: 4), a group of states per iteration from a chunk-major copy of B and C that
 the launcher makes (one (2 GROUP, chunk) tile per group: fewer pipeline and address instructions per state).
 Other SUB / SEG / BLOCK_D values are correct too (the compiler then converts layouts).
 """
@@ -95,8 +95,8 @@ def _ss_fwd_kernel_v3(
     # register prefetch one state ahead; with LANES (no per-state A/carry loads left): 0.575 against 0.645 ms on an
     # H200 at 4 stages (docs/kernels.md, scan pass 11).
     # GROUP > 1 (needs LANES; B_ptr then the launcher's chunk-major B/C copy, C_ptr unused): GROUP states per pipelined
-    # iteration, their B/C rows one tile; the CUDA default is 2 at 3 stages and 72 registers: 0.547-0.550 against
-    # 0.574-0.578 ms (H200, docs/kernels.md, scan pass 13).
+    # iteration, their B/C rows one tile; the CUDA default is 4 at 2 stages and 72 registers: 0.541-0.542 ms against
+    # 0.575-0.579 without groups (one H200 call; docs/kernels.md, scan pass 13).
     # states: (batch, dim, N, nsub) (s_sn, s_sk: strides of N and nsub; s_sk is 1 but not specialised, so the state
     # stores are not vectorised across segments); entry k is the state after step (k + 1) * SUB * SAVE - 1 (the last
     # entry: the final state).
