@@ -149,20 +149,6 @@ def _ss_fwd_kernel_v3(
             y += u * Dv
         kc = c * KPC
         msave = save & (kc + ks < nsub)
-        mc = mask_d & (offs_dl * 0 + kc > 0)
-        mt1 = t2 < seqlen  # (1, CHUNK)
-        if BC_BITS:  # pairs of steps: (1, CHUNK // 2) int32 offsets from the bf16 rows' (even) start
-            th = tl.arange(0, CHUNK // 2)[None, :]
-            mt1 = 2 * (c * (CHUNK // 2) + th) < seqlen
-            B_rows = B_base.to(tl.pointer_type(tl.int32)) + c * (CHUNK // 2) + th
-            C_rows = C_base.to(tl.pointer_type(tl.int32)) + c * (CHUNK // 2) + th
-            s_bn2 = s_bn // 2
-            s_cn2 = s_cn // 2
-        else:
-            B_rows = B_base + t2
-            C_rows = C_base + t2
-            s_bn2 = s_bn
-            s_cn2 = s_cn
         if GROUP > 1:  # GROUP states per pipelined iteration, their B/C rows one (2 GROUP, chunk) tile
             # B_ptr: (batch, G, nchunks, N, 2, CHUNK) from the launcher (B and C of a chunk's states side by side,
             # zero-padded to whole chunks): a group's rows are one contiguous block, loaded without a mask
@@ -189,6 +175,20 @@ def _ss_fwd_kernel_v3(
                     tl.store(st_tile + n * s_sn + (kc + ks) * s_sk, e, mask=msave)
                     carry = tl.where(lane_n == n, tl.gather(e, SEG - 1 + 0 * lane_n, axis=1), carry)
         else:
+            mc = mask_d & (offs_dl * 0 + kc > 0)
+            mt1 = t2 < seqlen  # (1, CHUNK)
+            if BC_BITS:  # pairs of steps: (1, CHUNK // 2) int32 offsets from the bf16 rows' (even) start
+                th = tl.arange(0, CHUNK // 2)[None, :]
+                mt1 = 2 * (c * (CHUNK // 2) + th) < seqlen
+                B_rows = B_base.to(tl.pointer_type(tl.int32)) + c * (CHUNK // 2) + th
+                C_rows = C_base.to(tl.pointer_type(tl.int32)) + c * (CHUNK // 2) + th
+                s_bn2 = s_bn // 2
+                s_cn2 = s_cn // 2
+            else:
+                B_rows = B_base + t2
+                C_rows = C_base + t2
+                s_bn2 = s_bn
+                s_cn2 = s_cn
             # per-state loads are issued one state ahead (loop-carried), so their latency overlaps a state's compute
             # (B/C: with STAGES 0; otherwise the pipeliner issues them STAGES - 1 states ahead)
             if not LANES:
