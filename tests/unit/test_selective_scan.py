@@ -84,6 +84,10 @@ CFG_V6_ONE = ScanConfig(
 CFG_V6_FOUR = ScanConfig(
     block_d=2, chunk=4, num_warps=1, block_d_bwd=4, chunk_bwd=8, num_warps_bwd=1, seg_bwd=2, seg=2, bwd_impl=5
 )
+# v7 backward (bwd_impl 6): v6 in one loop over (chunk, state) pairs, the per-state loads pipelined (3 stages); lanes
+# need dstate <= seg_bwd (16 segments); CFG_V7_ONE: 1-channel blocks (the plain channel sum) at 2 stages
+CFG_V7 = dataclasses.replace(CFG_V6_LANES, bwd_impl=6, pf_bwd=8 + 48)
+CFG_V7_ONE = dataclasses.replace(CFG_V6_LANES, bwd_impl=6, block_d_bwd=1, pf_bwd=32)
 CFG_V1 = ScanConfig(
     block_d=2, chunk=8, num_warps=1, block_d_bwd=2, chunk_bwd=4, num_warps_bwd=1, bwd_impl=0, fwd_impl=0
 )
@@ -146,11 +150,11 @@ CASES = [
     "cfg",
     [
         CFG, CFG_V4, CFG_V4_ALT, CFG_V5, CFG_V5_ALT, CFG_V5_WARPS, CFG_PF, CFG_PF_NOLANES,
-        CFG_V6, CFG_V6_LANES, CFG_V6_ONE, CFG_V6_FOUR, CFG_V1,
+        CFG_V6, CFG_V6_LANES, CFG_V6_ONE, CFG_V6_FOUR, CFG_V7, CFG_V7_ONE, CFG_V1,
     ],
     ids=[
         "bwd3", "bwd4", "bwd4alt", "bwd5", "bwd5alt", "bwd5warps", "pf", "pf_nolanes",
-        "bwd6", "bwd6lanes", "bwd6one", "bwd6four", "bwd1",
+        "bwd6", "bwd6lanes", "bwd6one", "bwd6four", "bwd7", "bwd7one", "bwd1",
     ],
 )  # fmt: skip
 @pytest.mark.parametrize("batch,dim,seqlen,dstate,ngroups,has_z,has_d,has_bias,softplus", CASES)
@@ -168,12 +172,13 @@ def test_lanes_carry_across_chunks(dstate, pf_bwd):
     assert_match(*run_both(vals, True, cfg=dataclasses.replace(CFG_PF, pf_bwd=pf_bwd)))
 
 
+@pytest.mark.parametrize("cfg", [CFG_V6_LANES, CFG_V7, CFG_V7_ONE], ids=["bwd6", "bwd7", "bwd7one"])
 @pytest.mark.parametrize("seqlen", [256, 300])
-def test_v6_lanes_carry_across_chunks(seqlen):
-    # CFG_V6_LANES's 128-step backward chunks (16 segments of 8): the adjoint carry held in lanes crosses 1-2 chunk
-    # boundaries for every state, with a partial last chunk at 300
+def test_lanes_carry_across_backward_chunks(seqlen, cfg):
+    # 128-step backward chunks (16 segments of 8): the adjoint carry held in lanes crosses 1-2 chunk boundaries for
+    # every state, with a partial last chunk at 300 (v7: the chunk's start and end are branches of its one loop)
     vals = make_inputs(1, 3, seqlen, 16, None, True, True, True)
-    assert_match(*run_both(vals, True, cfg=CFG_V6_LANES))
+    assert_match(*run_both(vals, True, cfg=cfg))
 
 
 def test_cuda_default_options_run_in_the_interpreter():

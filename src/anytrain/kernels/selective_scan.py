@@ -60,6 +60,7 @@ from anytrain.kernels.selective_scan_bwd import (
 )
 from anytrain.kernels.selective_scan_bwd_v5 import _ss_bwd_kernel_v5
 from anytrain.kernels.selective_scan_bwd_v6 import _ss_bwd_kernel_v6
+from anytrain.kernels.selective_scan_bwd_v7 import _ss_bwd_kernel_v7
 from anytrain.kernels.selective_scan_fwd import _ss_fwd_kernel_v3
 
 
@@ -362,7 +363,9 @@ def _bwd(dout, u, delta, A, Bg, Cg, D, z, delta_bias, states, softplus: bool, cf
     nchunks = states.shape[3]  # the forward saved the state every cfg.chunk_bwd steps
     chunk = cfg.chunk_bwd
     nblk = triton.cdiv(dpg, cfg.block_d_bwd)
-    if deterministic and cfg.bwd_impl in (3, 4, 5) and nblk * batch * ngroups * dstate * seqlen > _MAX_PARTIALS:
+    if cfg.bwd_impl == 6 and dstate > cfg.seg_bwd:  # v7 holds the states' carries in lanes: v6 otherwise
+        cfg = dataclasses.replace(cfg, bwd_impl=5)
+    if deterministic and cfg.bwd_impl in (3, 4, 5, 6) and nblk * batch * ngroups * dstate * seqlen > _MAX_PARTIALS:
         # per-block dB/dC partials of 1-channel blocks would take dim x the size of dB: use the v3 kernel's
         # 4-channel blocks (the forward saved the state every chunk_bwd = 8 steps, which v3 reads as well)
         # v3 tiles as measured for this fallback (4.86 ms at the bench shape on an H200): 32+ segments of 8 steps and,
@@ -404,15 +407,20 @@ def _bwd(dout, u, delta, A, Bg, Cg, D, z, delta_bias, states, softplus: bool, cf
             dB.stride(0), dB.stride(1), dB.stride(2), dB.stride(3), *extra_strides, **meta, **common,
         )  # fmt: skip
 
-    if cfg.bwd_impl in (2, 3, 4, 5):  # v6 / v5 / v4 / v3: per-chunk dA partials (batch, nchunks, dim, N)
+    if cfg.bwd_impl in (2, 3, 4, 5, 6):  # v7 / v6 / v5 / v4 / v3: per-chunk dA partials (batch, nchunks, dim, N)
         sub = 4 if cfg.bwd_impl == 4 else chunk  # steps per segment (v5: half the saved-state interval)
         dA = torch.empty((batch, triton.cdiv(seqlen, sub * cfg.seg_bwd), dim, dstate), device=u.device, dtype=acc)
         q = torch.empty((batch, dim, 2, dstate), device=u.device, dtype=acc)  # adjoint carry scratch
-        if cfg.bwd_impl == 5:
+        if cfg.bwd_impl == 6:
+            launch(_ss_bwd_kernel_v7, dA, q, extra_strides=(states.stride(2), states.stride(3), 1), SEG=cfg.seg_bwd,
+                   DBDC=not _DIAG_SKIP_DBDC, FAST=_fast_math(bool(cfg.pf_bwd & 8), u, acc),
+                   STAGES=(cfg.pf_bwd >> 4) & 7)  # fmt: skip
+        elif cfg.bwd_impl == 5:
             launch(_ss_bwd_kernel_v6, dA, q, extra_strides=(states.stride(2), states.stride(3), 1), SEG=cfg.seg_bwd,
                    DBDC=not _DIAG_SKIP_DBDC, PIPE=bool(cfg.pf_bwd & 2),
                    LANES=bool(cfg.pf_bwd & 4) and dstate <= cfg.seg_bwd,
-                   FAST=_fast_math(bool(cfg.pf_bwd & 8), u, acc))  # fmt: skip
+                   FAST=_fast_math(bool(cfg.pf_bwd & 8), u, acc), STAGES=(cfg.pf_bwd >> 4) & 7,
+                   FIRST=bool(cfg.pf_bwd & 128) and bool(cfg.pf_bwd & 2) and (cfg.pf_bwd >> 4) & 7 > 0)  # fmt: skip
         elif cfg.bwd_impl == 4:
             launch(_ss_bwd_kernel_v5, dA, q, extra_strides=(states.stride(2), states.stride(3), 1), SEG=cfg.seg_bwd,
                    DBDC=not _DIAG_SKIP_DBDC, BC_TILE=cfg.num_warps_bwd > 1, LATE=bool(cfg.pf_bwd & 1),
@@ -486,7 +494,7 @@ def selective_scan_triton(
         raise ValueError(
             f"ScanConfig: fwd_impl 1 needs chunk_bwd % chunk == 0 and (chunk * seg) % chunk_bwd == 0: {cfg}"
         )
-    if cfg.bwd_impl in (3, 4, 5) and cfg.chunk_bwd != 8:
+    if cfg.bwd_impl in (3, 4, 5, 6) and cfg.chunk_bwd != 8:
         raise ValueError(f"ScanConfig: bwd_impl {cfg.bwd_impl} needs chunk_bwd == 8, got {cfg.chunk_bwd}")
     if cfg.bwd_impl == 4 and cfg.seg_bwd < 2:
         raise ValueError(f"ScanConfig: bwd_impl 4 needs seg_bwd >= 2, got {cfg.seg_bwd}")

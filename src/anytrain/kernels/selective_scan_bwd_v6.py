@@ -73,6 +73,7 @@ def _ss_bwd_kernel_v6(
     DSTATE: tl.constexpr, BLOCK_D: tl.constexpr, SEG: tl.constexpr, ACC: tl.constexpr,
     HAS_D: tl.constexpr, HAS_Z: tl.constexpr, HAS_BIAS: tl.constexpr, SOFTPLUS: tl.constexpr, ATOMIC: tl.constexpr,
     DBDC: tl.constexpr = True, PIPE: tl.constexpr = False, LANES: tl.constexpr = False, FAST: tl.constexpr = False,
+    STAGES: tl.constexpr = 0, FIRST: tl.constexpr = False,
 ):  # fmt: skip
     # Arguments and outputs as _ss_bwd_kernel_v5 (the saved states every 8 steps; dA: (batch, nchunks, dim, N)
     # per-chunk partials, here with chunks of 8 * SEG steps). PIPE and LANES as in v5: the next chunk's inputs loaded
@@ -122,6 +123,9 @@ def _ss_bwd_kernel_v6(
         r_dt, r_go, r_z, r_u = _chunk_inputs(
             dt_base, go_base, z_base, u_base, t2p, mask_d[:, None] & (t2p < seqlen), HAS_Z
         )
+    if FIRST:  # the first chunk's state-0 saved states (FIRST: see the launcher; needs STAGES and PIPE)
+        kp = (nchunks - 1) * SEG + i_seg - 1
+        h_first = tl.load(st_flat + kp * s_sk, mask=i_m & (kp >= 0) & (kp < nsub), other=0.0)
     for cc in range(0, nchunks):
         c = nchunks - 1 - cc
         if not LANES:
@@ -165,10 +169,18 @@ def _ss_bwd_kernel_v6(
         if not LANES:
             A_nx = tl.load(A_flat, mask=i_m, other=0.0)
             q_nx = tl.load(q_in, mask=mq, other=0.0)
-        B_nx = tl.load(B_base + tb, mask=mt1, other=0.0)
-        C_nx = tl.load(C_base + tb, mask=mt1, other=0.0)
-        h_nx = tl.load(st_k, mask=mk, other=0.0)
-        for n in range(0, DSTATE):
+        if STAGES == 0:
+            B_nx = tl.load(B_base + tb, mask=mt1, other=0.0)
+            C_nx = tl.load(C_base + tb, mask=mt1, other=0.0)
+            h_nx = tl.load(st_k, mask=mk, other=0.0)
+        for n in tl.range(0, DSTATE, num_stages=STAGES if STAGES > 0 else None):
+            if STAGES > 0:  # this state's B/C rows and saved states, left to Triton's software pipeliner
+                B_nx = tl.load(B_base + n * s_bn + tb, mask=mt1, other=0.0)
+                C_nx = tl.load(C_base + n * s_cn + tb, mask=mt1, other=0.0)
+                if FIRST:  # state 0's saved states come from the register prefetch
+                    h_nx = tl.where(n == 0, h_first, tl.load(st_k + n * s_sn, mask=mk & (n > 0), other=0.0))
+                else:
+                    h_nx = tl.load(st_k + n * s_sn, mask=mk, other=0.0)
             if LANES:
                 A2 = tl.gather(A_l, n + 0 * lane2, axis=1)[:, :, None]
                 q = tl.gather(q_l, n + 0 * lane2, axis=1)
@@ -182,9 +194,10 @@ def _ss_bwd_kernel_v6(
             if not LANES:
                 A_nx = tl.load(A_flat + n1 * s_an, mask=i_m, other=0.0)
                 q_nx = tl.load(q_in + n1, mask=mq, other=0.0)
-            B_nx = tl.load(B_base + n1 * s_bn + tb, mask=mt1, other=0.0)
-            C_nx = tl.load(C_base + n1 * s_cn + tb, mask=mt1, other=0.0)
-            h_nx = tl.load(st_k + n1 * s_sn, mask=mk, other=0.0)
+            if STAGES == 0:  # one state ahead, loop-carried in registers
+                B_nx = tl.load(B_base + n1 * s_bn + tb, mask=mt1, other=0.0)
+                C_nx = tl.load(C_base + n1 * s_cn + tb, mask=mt1, other=0.0)
+                h_nx = tl.load(st_k + n1 * s_sn, mask=mk, other=0.0)
             a = tl.exp2(dt * A2)
             bu = dtu * B_n
             a0, a1, a2, a3, a4, a5, a6, a7 = _split8(a, BLOCK_D, SEG)
@@ -226,6 +239,9 @@ def _ss_bwd_kernel_v6(
             t2n = (c - 1) * CHUNK + tl2
             m2n = mask_d[:, None] & (t2n < seqlen) & (t2n >= 0)
             r_dt, r_go, r_z, r_u = _chunk_inputs(dt_base, go_base, z_base, u_base, t2n, m2n, HAS_Z)
+        if FIRST:
+            kp = k - SEG
+            h_first = tl.load(st_flat + kp * s_sk, mask=i_m & (kp >= 0) & (kp < nsub), other=0.0)
         dD_c, dbias_c = _chunk_epilogue(
             dt, dy, y, sgb, sahm, t2, m2, m3, Dv, bias, u_base, go_base, z_base, dt_base, du_base, ddt_base, dz_base,
             BLOCK_D, SEG, SUB, ACC, HAS_D, HAS_Z, HAS_BIAS, SOFTPLUS, FAST
