@@ -21,7 +21,7 @@ import triton.language as tl  # noqa: E402
 
 from anytrain.kernels.reference import selective_scan_ref  # noqa: E402
 from anytrain.kernels.selective_scan import ScanConfig, _fast_math, selective_scan_triton  # noqa: E402
-from anytrain.kernels.selective_scan_bwd import _softplus  # noqa: E402
+from anytrain.kernels.selective_scan_bwd import _softplus, _softplus_grad  # noqa: E402
 
 F64 = torch.float64
 # Small tiles so that seqlen crosses several chunks. CFG / CFG_V4: v3 forward with 4-step segments, 2 per chunk (8
@@ -84,10 +84,6 @@ CFG_V6_ONE = ScanConfig(
 CFG_V6_FOUR = ScanConfig(
     block_d=2, chunk=4, num_warps=1, block_d_bwd=4, chunk_bwd=8, num_warps_bwd=1, seg_bwd=2, seg=2, bwd_impl=5
 )
-# v7 backward (bwd_impl 6): v6 in one loop over (chunk, state) pairs, the per-state loads pipelined (3 stages); lanes
-# need dstate <= seg_bwd (16 segments); CFG_V7_ONE: 1-channel blocks (the plain channel sum) at 2 stages
-CFG_V7 = dataclasses.replace(CFG_V6_LANES, bwd_impl=6, pf_bwd=8 + 48)
-CFG_V7_ONE = dataclasses.replace(CFG_V6_LANES, bwd_impl=6, block_d_bwd=1, pf_bwd=32)
 CFG_V1 = ScanConfig(
     block_d=2, chunk=8, num_warps=1, block_d_bwd=2, chunk_bwd=4, num_warps_bwd=1, bwd_impl=0, fwd_impl=0
 )
@@ -150,11 +146,11 @@ CASES = [
     "cfg",
     [
         CFG, CFG_V4, CFG_V4_ALT, CFG_V5, CFG_V5_ALT, CFG_V5_WARPS, CFG_PF, CFG_PF_NOLANES,
-        CFG_V6, CFG_V6_LANES, CFG_V6_ONE, CFG_V6_FOUR, CFG_V7, CFG_V7_ONE, CFG_V1,
+        CFG_V6, CFG_V6_LANES, CFG_V6_ONE, CFG_V6_FOUR, CFG_V1,
     ],
     ids=[
         "bwd3", "bwd4", "bwd4alt", "bwd5", "bwd5alt", "bwd5warps", "pf", "pf_nolanes",
-        "bwd6", "bwd6lanes", "bwd6one", "bwd6four", "bwd7", "bwd7one", "bwd1",
+        "bwd6", "bwd6lanes", "bwd6one", "bwd6four", "bwd1",
     ],
 )  # fmt: skip
 @pytest.mark.parametrize("batch,dim,seqlen,dstate,ngroups,has_z,has_d,has_bias,softplus", CASES)
@@ -172,11 +168,19 @@ def test_lanes_carry_across_chunks(dstate, pf_bwd):
     assert_match(*run_both(vals, True, cfg=dataclasses.replace(CFG_PF, pf_bwd=pf_bwd)))
 
 
-@pytest.mark.parametrize("cfg", [CFG_V6_LANES, CFG_V7, CFG_V7_ONE], ids=["bwd6", "bwd7", "bwd7one"])
+@pytest.mark.parametrize(
+    "pf_bwd",
+    [6, 6 + 80, 6 + 80 + 128, 6 + 48 + 128 + 256],
+    ids=["prefetch", "pipelined", "pipelined-first", "states-only"],
+)
 @pytest.mark.parametrize("seqlen", [256, 300])
-def test_lanes_carry_across_backward_chunks(seqlen, cfg):
+def test_v6_carry_across_chunks(seqlen, pf_bwd):
     # 128-step backward chunks (16 segments of 8): the adjoint carry held in lanes crosses 1-2 chunk boundaries for
-    # every state, with a partial last chunk at 300 (v7: the chunk's start and end are branches of its one loop)
+    # every state, with a partial last chunk at 300; the per-state loads as a register prefetch, through the software
+    # pipeliner (5 stages), pipelined with each chunk's state-0 saved states prefetched during the previous chunk, and
+    # only the saved states pipelined with B/C in the register prefetch (the CUDA default's options); the interpreter
+    # runs the same loads without the pipelining
+    cfg = dataclasses.replace(CFG_V6_LANES, pf_bwd=pf_bwd)
     vals = make_inputs(1, 3, seqlen, 16, None, True, True, True)
     assert_match(*run_both(vals, True, cfg=cfg))
 
@@ -482,5 +486,25 @@ def test_softplus_polynomial_is_fp32_accurate():
     for dtype, rtol, per_x in ((torch.float32, 4e-7, 2.0**-24), (F64, 1e-14, 0.0)):
         y = torch.empty_like(x, dtype=dtype)
         _softplus_kernel[(triton.cdiv(x.numel(), 1024),)](x.to(dtype), y, x.numel(), BLOCK=1024)
+        rel = (y.double() - exact).abs() / exact
+        assert (rel < rtol + per_x * x.double().abs()).all(), (dtype, rel.max())
+
+
+@triton.jit
+def _softplus_grad_kernel(x_ptr, y_ptr, n, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    tl.store(y_ptr + offs, _softplus_grad(_softplus(tl.load(x_ptr + offs, mask=offs < n))), mask=offs < n)
+
+
+def test_softplus_derivative_from_delta():
+    """The backward's softplus'(x) = sigmoid(x), computed from delta = softplus(x) alone (-expm1(-delta): a Taylor
+    polynomial for small delta, 1 - exp(-delta) above), against float64's sigmoid over [-40, 40], relatively: fp32
+    within 2e-6 (1 - exp(-delta) at delta >= 1/16 loses up to 2^-24 / (1/16)) plus the softplus' own |x| 2^-24; fp64
+    within 1e-13. Both branches and their switches (delta = 1/16 at x = -2.74; 1/1024 at x = -6.93) are in range."""
+    x = torch.cat([torch.linspace(-40, 40, 4001), torch.tensor([0.0, -2.7405, -2.7407, -6.9306, -6.9310, -87.0])])
+    exact = torch.sigmoid(x.double())
+    for dtype, rtol, per_x in ((torch.float32, 2e-6, 2.0**-24), (F64, 1e-13, 0.0)):
+        y = torch.empty_like(x, dtype=dtype)
+        _softplus_grad_kernel[(triton.cdiv(x.numel(), 1024),)](x.to(dtype), y, x.numel(), BLOCK=1024)
         rel = (y.double() - exact).abs() / exact
         assert (rel < rtol + per_x * x.double().abs()).all(), (dtype, rel.max())

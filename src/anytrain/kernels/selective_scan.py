@@ -60,7 +60,6 @@ from anytrain.kernels.selective_scan_bwd import (
 )
 from anytrain.kernels.selective_scan_bwd_v5 import _ss_bwd_kernel_v5
 from anytrain.kernels.selective_scan_bwd_v6 import _ss_bwd_kernel_v6
-from anytrain.kernels.selective_scan_bwd_v7 import _ss_bwd_kernel_v7
 from anytrain.kernels.selective_scan_fwd import _ss_fwd_kernel_v3
 
 
@@ -107,8 +106,11 @@ class ScanConfig:
     # falls back to single states, ``maxnreg`` is not applied: the cap belongs to the grouped kernel)
     pf_bwd: int = 0  # bwd_impl 4 bits: 1 = saved-state/carry loads after their last use, 2 = next chunk's inputs
     # loaded before this chunk's epilogue, 4 = A and the adjoint carry held in lanes (needs dstate <= seg_bwd)
-    # (bwd_impl 5: bits 2 and 4); 8 (bwd_impl 4, 5) = the sigmoids of the gate and of softplus' derivative with the
-    # approximate exp and division (fp32 accumulation on a GPU only)
+    # (bwd_impl 5: bits 2 and 4); 8 (bwd_impl 4, 5) = the gate's sigmoid with the approximate exp and division (fp32
+    # accumulation on a GPU only); bwd_impl 5: bits 16-112 = the software pipeline's stages for the per-state B/C and
+    # saved-state loads ((pf_bwd >> 4) & 7; 0: a register prefetch one state ahead), 128 (with 2 and stages) = each
+    # chunk's state-0 saved states loaded into a register during the previous chunk, not in the pipeline's prologue,
+    # 256 (with stages) = only the saved states pipelined, B/C kept in the register prefetch (L1-cached loads)
     maxnreg: int = 0  # CUDA only: register cap per thread for the forward kernel fwd_impl 1 (0: the compiler's choice)
 
 
@@ -124,9 +126,14 @@ class ScanConfig:
 # Forward, scan pass 13: 4 states per pipelined iteration, 2 stages (the next group's B/C copied while this one runs),
 # capped at 72 registers (28 warps per SM; pf 8192 + 64 + 23 = 8279): 0.542-0.543 against 0.546-0.547 for groups of 2
 # at 3 stages (pf 4215) in one H200 call, and 0.547-0.550 (4215) against 0.574-0.578 for pf 151 (docs/kernels.md).
+# Backward, scan pass 14: the saved states through the software pipeliner (3 stages), each chunk's state-0 saved states
+# prefetched during the previous chunk, B/C kept in the register prefetch (pf_bwd 256 + 128 + 48 + 14 = 446): 1.904
+# against 1.882 ms at the benchmark shape (H200), but +0.2-1.0% tokens/s on mamba-1.4b-mb16 and +0.2-0.7% on
+# mamba-130m in three alternating pairs; B/C pipelined as well (pf_bwd 222 at 144 registers) took the benchmark to
+# 1.777 ms but trained 2% slower (its backward 5.09 against 4.86 ms inside the step). docs/kernels.md, scan pass 14.
 _CUDA_CONFIG = ScanConfig(
     1, 8, 1, block_d_bwd=2, chunk_bwd=8, num_warps_bwd=1, bwd_impl=5, seg_bwd=16, seg=32, maxnreg_bwd=152, pf=8279,
-    pf_bwd=14, maxnreg=72,
+    pf_bwd=446, maxnreg=72,
 )  # fmt: skip
 _VENDOR_CONFIGS = {
     hardware.CUDA: _CUDA_CONFIG,
@@ -363,9 +370,7 @@ def _bwd(dout, u, delta, A, Bg, Cg, D, z, delta_bias, states, softplus: bool, cf
     nchunks = states.shape[3]  # the forward saved the state every cfg.chunk_bwd steps
     chunk = cfg.chunk_bwd
     nblk = triton.cdiv(dpg, cfg.block_d_bwd)
-    if cfg.bwd_impl == 6 and dstate > cfg.seg_bwd:  # v7 holds the states' carries in lanes: v6 otherwise
-        cfg = dataclasses.replace(cfg, bwd_impl=5)
-    if deterministic and cfg.bwd_impl in (3, 4, 5, 6) and nblk * batch * ngroups * dstate * seqlen > _MAX_PARTIALS:
+    if deterministic and cfg.bwd_impl in (3, 4, 5) and nblk * batch * ngroups * dstate * seqlen > _MAX_PARTIALS:
         # per-block dB/dC partials of 1-channel blocks would take dim x the size of dB: use the v3 kernel's
         # 4-channel blocks (the forward saved the state every chunk_bwd = 8 steps, which v3 reads as well)
         # v3 tiles as measured for this fallback (4.86 ms at the bench shape on an H200): 32+ segments of 8 steps and,
@@ -407,20 +412,17 @@ def _bwd(dout, u, delta, A, Bg, Cg, D, z, delta_bias, states, softplus: bool, cf
             dB.stride(0), dB.stride(1), dB.stride(2), dB.stride(3), *extra_strides, **meta, **common,
         )  # fmt: skip
 
-    if cfg.bwd_impl in (2, 3, 4, 5, 6):  # v7 / v6 / v5 / v4 / v3: per-chunk dA partials (batch, nchunks, dim, N)
+    if cfg.bwd_impl in (2, 3, 4, 5):  # v6 / v5 / v4 / v3: per-chunk dA partials (batch, nchunks, dim, N)
         sub = 4 if cfg.bwd_impl == 4 else chunk  # steps per segment (v5: half the saved-state interval)
         dA = torch.empty((batch, triton.cdiv(seqlen, sub * cfg.seg_bwd), dim, dstate), device=u.device, dtype=acc)
         q = torch.empty((batch, dim, 2, dstate), device=u.device, dtype=acc)  # adjoint carry scratch
-        if cfg.bwd_impl == 6:
-            launch(_ss_bwd_kernel_v7, dA, q, extra_strides=(states.stride(2), states.stride(3), 1), SEG=cfg.seg_bwd,
-                   DBDC=not _DIAG_SKIP_DBDC, FAST=_fast_math(bool(cfg.pf_bwd & 8), u, acc),
-                   STAGES=(cfg.pf_bwd >> 4) & 7)  # fmt: skip
-        elif cfg.bwd_impl == 5:
+        if cfg.bwd_impl == 5:
             launch(_ss_bwd_kernel_v6, dA, q, extra_strides=(states.stride(2), states.stride(3), 1), SEG=cfg.seg_bwd,
                    DBDC=not _DIAG_SKIP_DBDC, PIPE=bool(cfg.pf_bwd & 2),
                    LANES=bool(cfg.pf_bwd & 4) and dstate <= cfg.seg_bwd,
                    FAST=_fast_math(bool(cfg.pf_bwd & 8), u, acc), STAGES=(cfg.pf_bwd >> 4) & 7,
-                   FIRST=bool(cfg.pf_bwd & 128) and bool(cfg.pf_bwd & 2) and (cfg.pf_bwd >> 4) & 7 > 0)  # fmt: skip
+                   FIRST=bool(cfg.pf_bwd & 128) and bool(cfg.pf_bwd & 2) and (cfg.pf_bwd >> 4) & 7 > 0,
+                   BC_REG=bool(cfg.pf_bwd & 256) and (cfg.pf_bwd >> 4) & 7 > 0)  # fmt: skip
         elif cfg.bwd_impl == 4:
             launch(_ss_bwd_kernel_v5, dA, q, extra_strides=(states.stride(2), states.stride(3), 1), SEG=cfg.seg_bwd,
                    DBDC=not _DIAG_SKIP_DBDC, BC_TILE=cfg.num_warps_bwd > 1, LATE=bool(cfg.pf_bwd & 1),
@@ -494,7 +496,7 @@ def selective_scan_triton(
         raise ValueError(
             f"ScanConfig: fwd_impl 1 needs chunk_bwd % chunk == 0 and (chunk * seg) % chunk_bwd == 0: {cfg}"
         )
-    if cfg.bwd_impl in (3, 4, 5, 6) and cfg.chunk_bwd != 8:
+    if cfg.bwd_impl in (3, 4, 5) and cfg.chunk_bwd != 8:
         raise ValueError(f"ScanConfig: bwd_impl {cfg.bwd_impl} needs chunk_bwd == 8, got {cfg.chunk_bwd}")
     if cfg.bwd_impl == 4 and cfg.seg_bwd < 2:
         raise ValueError(f"ScanConfig: bwd_impl 4 needs seg_bwd >= 2, got {cfg.seg_bwd}")

@@ -187,9 +187,9 @@ def _chunk_inputs(dt_base, go_base, z_base, u_base, t2, mask, HAS_Z: tl.constexp
 
 @triton.jit
 def _chunk_epilogue(
-    dt, dy, y, sgb, sahm, t2, m2, m3, Dv, bias, u_base, go_base, z_base, dt_base, du_base, ddt_base, dz_base,
+    dt, dy, y, sgb, sahm, t2, m2, m3, Dv, u_base, go_base, z_base, du_base, ddt_base, dz_base,
     BLOCK_D: tl.constexpr, SEG: tl.constexpr, SUB: tl.constexpr, ACC: tl.constexpr,
-    HAS_D: tl.constexpr, HAS_Z: tl.constexpr, HAS_BIAS: tl.constexpr, SOFTPLUS: tl.constexpr, FAST: tl.constexpr,
+    HAS_D: tl.constexpr, HAS_Z: tl.constexpr, SOFTPLUS: tl.constexpr, FAST: tl.constexpr,
 ):  # fmt: skip
     """The end of a chunk in the lane-segment backwards (v5, v6): du, ddelta and dz from the state loop's sums
     (sgb = sum_n g B, sahm = sum_n A hm in log2 units, y), stored; returns the chunk's dD and ddelta_bias partials

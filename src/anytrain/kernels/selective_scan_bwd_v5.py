@@ -244,8 +244,8 @@ def _ss_bwd_kernel_v5(
             m2n = mask_d[:, None] & (t2n < seqlen) & (t2n >= 0)
             r_dt, r_go, r_z, r_u = _chunk_inputs(dt_base, go_base, z_base, u_base, t2n, m2n, HAS_Z)
         dD_c, dbias_c = _chunk_epilogue(
-            dt, dy, y, sgb, sahm, t2, m2, m3, Dv, bias, u_base, go_base, z_base, dt_base, du_base, ddt_base, dz_base,
-            BLOCK_D, SEG, SUB, ACC, HAS_D, HAS_Z, HAS_BIAS, SOFTPLUS, FAST
+            dt, dy, y, sgb, sahm, t2, m2, m3, Dv, u_base, go_base, z_base, du_base, ddt_base, dz_base,
+            BLOCK_D, SEG, SUB, ACC, HAS_D, HAS_Z, SOFTPLUS, FAST
         )  # fmt: skip
         if HAS_D:
             dD_acc += dD_c

@@ -73,12 +73,19 @@ def _ss_bwd_kernel_v6(
     DSTATE: tl.constexpr, BLOCK_D: tl.constexpr, SEG: tl.constexpr, ACC: tl.constexpr,
     HAS_D: tl.constexpr, HAS_Z: tl.constexpr, HAS_BIAS: tl.constexpr, SOFTPLUS: tl.constexpr, ATOMIC: tl.constexpr,
     DBDC: tl.constexpr = True, PIPE: tl.constexpr = False, LANES: tl.constexpr = False, FAST: tl.constexpr = False,
-    STAGES: tl.constexpr = 0, FIRST: tl.constexpr = False,
+    STAGES: tl.constexpr = 0, FIRST: tl.constexpr = False, BC_REG: tl.constexpr = False,
 ):  # fmt: skip
     # Arguments and outputs as _ss_bwd_kernel_v5 (the saved states every 8 steps; dA: (batch, nchunks, dim, N)
     # per-chunk partials, here with chunks of 8 * SEG steps). PIPE and LANES as in v5: the next chunk's inputs loaded
     # before this chunk's epilogue; A and the adjoint carry held in lanes (lane n of each channel: state n). FAST (fp32
-    # on a GPU, set by the launcher): the gate's and softplus' sigmoids with the approximate exp and division.
+    # on a GPU, set by the launcher): the gate's sigmoid with the approximate exp and division. STAGES > 0: each state's
+    # B/C rows and saved states are loaded inside the state loop and left to Triton's software pipeliner (asynchronous
+    # copies into shared memory, STAGES - 1 states ahead) instead of the register prefetch one state ahead, whose
+    # loop-carried copy waited for the load at the end of every state (Nsight Compute, H100: 28% of the stall samples on
+    # that one instruction). FIRST (with STAGES and PIPE): state 0's saved states, which the pipeline's prologue would
+    # load at each chunk's start and wait for at once, come from a register loaded during the previous chunk. BC_REG
+    # (with STAGES): only the saved states go through the pipeline; B/C keep the register prefetch (L1-cached loads,
+    # which the asynchronous copies bypass): slower alone, faster inside a training step (docs/kernels.md, pass 14).
     tl.static_assert(not LANES or DSTATE <= SEG, "LANES needs dstate <= seg_bwd (one lane per state)")
     SUB: tl.constexpr = 8
     CHUNK: tl.constexpr = SUB * SEG
@@ -123,7 +130,7 @@ def _ss_bwd_kernel_v6(
         r_dt, r_go, r_z, r_u = _chunk_inputs(
             dt_base, go_base, z_base, u_base, t2p, mask_d[:, None] & (t2p < seqlen), HAS_Z
         )
-    if FIRST:  # the first chunk's state-0 saved states (FIRST: see the launcher; needs STAGES and PIPE)
+    if FIRST:  # the first chunk's state-0 saved states (FIRST: see the launcher)
         kp = (nchunks - 1) * SEG + i_seg - 1
         h_first = tl.load(st_flat + kp * s_sk, mask=i_m & (kp >= 0) & (kp < nsub), other=0.0)
     for cc in range(0, nchunks):
@@ -169,14 +176,16 @@ def _ss_bwd_kernel_v6(
         if not LANES:
             A_nx = tl.load(A_flat, mask=i_m, other=0.0)
             q_nx = tl.load(q_in, mask=mq, other=0.0)
-        if STAGES == 0:
+        if STAGES == 0 or BC_REG:
             B_nx = tl.load(B_base + tb, mask=mt1, other=0.0)
             C_nx = tl.load(C_base + tb, mask=mt1, other=0.0)
+        if STAGES == 0:
             h_nx = tl.load(st_k, mask=mk, other=0.0)
         for n in tl.range(0, DSTATE, num_stages=STAGES if STAGES > 0 else None):
             if STAGES > 0:  # this state's B/C rows and saved states, left to Triton's software pipeliner
-                B_nx = tl.load(B_base + n * s_bn + tb, mask=mt1, other=0.0)
-                C_nx = tl.load(C_base + n * s_cn + tb, mask=mt1, other=0.0)
+                if not BC_REG:
+                    B_nx = tl.load(B_base + n * s_bn + tb, mask=mt1, other=0.0)
+                    C_nx = tl.load(C_base + n * s_cn + tb, mask=mt1, other=0.0)
                 if FIRST:  # state 0's saved states come from the register prefetch
                     h_nx = tl.where(n == 0, h_first, tl.load(st_k + n * s_sn, mask=mk & (n > 0), other=0.0))
                 else:
@@ -194,9 +203,10 @@ def _ss_bwd_kernel_v6(
             if not LANES:
                 A_nx = tl.load(A_flat + n1 * s_an, mask=i_m, other=0.0)
                 q_nx = tl.load(q_in + n1, mask=mq, other=0.0)
-            if STAGES == 0:  # one state ahead, loop-carried in registers
+            if STAGES == 0 or BC_REG:  # one state ahead, loop-carried in registers
                 B_nx = tl.load(B_base + n1 * s_bn + tb, mask=mt1, other=0.0)
                 C_nx = tl.load(C_base + n1 * s_cn + tb, mask=mt1, other=0.0)
+            if STAGES == 0:
                 h_nx = tl.load(st_k + n1 * s_sn, mask=mk, other=0.0)
             a = tl.exp2(dt * A2)
             bu = dtu * B_n
@@ -243,8 +253,8 @@ def _ss_bwd_kernel_v6(
             kp = k - SEG
             h_first = tl.load(st_flat + kp * s_sk, mask=i_m & (kp >= 0) & (kp < nsub), other=0.0)
         dD_c, dbias_c = _chunk_epilogue(
-            dt, dy, y, sgb, sahm, t2, m2, m3, Dv, bias, u_base, go_base, z_base, dt_base, du_base, ddt_base, dz_base,
-            BLOCK_D, SEG, SUB, ACC, HAS_D, HAS_Z, HAS_BIAS, SOFTPLUS, FAST
+            dt, dy, y, sgb, sahm, t2, m2, m3, Dv, u_base, go_base, z_base, du_base, ddt_base, dz_base,
+            BLOCK_D, SEG, SUB, ACC, HAS_D, HAS_Z, SOFTPLUS, FAST
         )  # fmt: skip
         if HAS_D:
             dD_acc += dD_c
