@@ -127,10 +127,10 @@ class ScanConfig:
 # capped at 72 registers (28 warps per SM; pf 8192 + 64 + 23 = 8279): 0.542-0.543 against 0.546-0.547 for groups of 2
 # at 3 stages (pf 4215) in one H200 call, and 0.547-0.550 (4215) against 0.574-0.578 for pf 151 (docs/kernels.md).
 # Backward, scan pass 14: the saved states through the software pipeliner (3 stages), each chunk's state-0 saved states
-# prefetched during the previous chunk, B/C kept in the register prefetch (pf_bwd 256 + 128 + 48 + 14 = 446): 1.904
-# against 1.882 ms at the benchmark shape (H200), but +0.2-1.0% tokens/s on mamba-1.4b-mb16 and +0.2-0.7% on
-# mamba-130m in three alternating pairs; B/C pipelined as well (pf_bwd 222 at 144 registers) took the benchmark to
-# 1.777 ms but trained 2% slower (its backward 5.09 against 4.86 ms inside the step). docs/kernels.md, scan pass 14.
+# prefetched during the previous chunk, B/C kept in the register prefetch (pf_bwd 256 + 128 + 48 + 14 = 446):
+# 1.886-1.904 against 1.864-1.882 ms at the benchmark shape (H200), but +0.2-1.0% tokens/s on mamba-1.4b-mb16 and
+# +0.2-0.7% on mamba-130m in three alternating pairs; B/C pipelined as well (pf_bwd 222 at 144 registers) took the
+# benchmark to 1.777 ms but trained 2% slower (its backward 5.09 against 4.86 ms inside the step). docs/kernels.md.
 _CUDA_CONFIG = ScanConfig(
     1, 8, 1, block_d_bwd=2, chunk_bwd=8, num_warps_bwd=1, bwd_impl=5, seg_bwd=16, seg=32, maxnreg_bwd=152, pf=8279,
     pf_bwd=446, maxnreg=72,
