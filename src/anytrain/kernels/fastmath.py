@@ -1,4 +1,4 @@
-"""Approximate fp32 math shared by the Triton kernels (conv SiLU, the scan's gate and softplus' derivative).
+"""Approximate fp32 math shared by the Triton kernels (conv SiLU, the scan's gate).
 
 ``libdevice.fast_expf`` / ``fast_dividef`` (``ex2.approx.ftz`` / ``div.approx.ftz`` on CUDA, their ROCm twins in
 Triton's HIP libdevice), 2 ulp each, without the IEEE division's range checks. The Triton interpreter has no
