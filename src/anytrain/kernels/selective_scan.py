@@ -15,7 +15,8 @@ Backward, five kernels (``ScanConfig.bwd_impl``), all recomputing the states fro
   5: ``_ss_bwd_kernel_v6`` (default on CUDA, ``selective_scan_bwd_v6.py``). v5's algorithm with one channel per thread
      and 8-step segments (one per saved state): the program's 2 channels sit on two 16-lane groups of a warp, so the
      cross-lane scan and the dA sum take 4 rounds over 8 elements instead of 2 x 5; dB/dC are summed over the 2
-     channels by a reduce-scatter across the lane groups before one 4-wide atomic per lane.
+     channels by a reduce-scatter across the lane groups before one 4-wide atomic per lane. On CUDA the saved states
+     reach the state loop through Triton's software pipeliner (``pf_bwd`` bits 16-256, docs/kernels.md scan pass 14).
   4: ``_ss_bwd_kernel_v5`` (``selective_scan_bwd_v5.py``; ROCm default). v4's algorithm with 4-step segments (two per
      saved state; the odd ones start from the even neighbour's end state), lane-reversed so that the adjoint's
      cross-lane scan runs forward, and loads/stores/atomics whose layouts need no conversion on any Triton version:
@@ -417,12 +418,13 @@ def _bwd(dout, u, delta, A, Bg, Cg, D, z, delta_bias, states, softplus: bool, cf
         dA = torch.empty((batch, triton.cdiv(seqlen, sub * cfg.seg_bwd), dim, dstate), device=u.device, dtype=acc)
         q = torch.empty((batch, dim, 2, dstate), device=u.device, dtype=acc)  # adjoint carry scratch
         if cfg.bwd_impl == 5:
+            stages = (cfg.pf_bwd >> 4) & 7  # the per-state loads' pipeline stages (0: register prefetch)
             launch(_ss_bwd_kernel_v6, dA, q, extra_strides=(states.stride(2), states.stride(3), 1), SEG=cfg.seg_bwd,
                    DBDC=not _DIAG_SKIP_DBDC, PIPE=bool(cfg.pf_bwd & 2),
                    LANES=bool(cfg.pf_bwd & 4) and dstate <= cfg.seg_bwd,
-                   FAST=_fast_math(bool(cfg.pf_bwd & 8), u, acc), STAGES=(cfg.pf_bwd >> 4) & 7,
-                   FIRST=bool(cfg.pf_bwd & 128) and bool(cfg.pf_bwd & 2) and (cfg.pf_bwd >> 4) & 7 > 0,
-                   BC_REG=bool(cfg.pf_bwd & 256) and (cfg.pf_bwd >> 4) & 7 > 0)  # fmt: skip
+                   FAST=_fast_math(bool(cfg.pf_bwd & 8), u, acc), STAGES=stages,
+                   FIRST=bool(cfg.pf_bwd & 128) and bool(cfg.pf_bwd & 2) and stages > 0,
+                   BC_REG=bool(cfg.pf_bwd & 256) and stages > 0)  # fmt: skip
         elif cfg.bwd_impl == 4:
             launch(_ss_bwd_kernel_v5, dA, q, extra_strides=(states.stride(2), states.stride(3), 1), SEG=cfg.seg_bwd,
                    DBDC=not _DIAG_SKIP_DBDC, BC_TILE=cfg.num_warps_bwd > 1, LATE=bool(cfg.pf_bwd & 1),
