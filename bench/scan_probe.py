@@ -5,6 +5,12 @@ against the channel count (how the time depends on the number of program waves).
     ncu --clock-control none --kernel-name regex:'_ss_|_conv_' --launch-skip 9 --launch-count 4 \
         python3 bench/scan_probe.py once                      # what bench/device/scan_ncu.sh runs
     PYTHONPATH=src python3 bench/scan_probe.py waves [--dims 4752,5376,6336]
+    PYTHONPATH=src python3 bench/scan_probe.py mixer --configs FIELDS FIELDS ...   # backward at the 1.4b step's layout
+
+``mixer`` times the backward of each given ScanConfig (comma-separated fields) on the fused mixer's layout at a
+training shape (default: mamba-1.4b at micro-batch 16, seqlen 2048): u, delta, z as (batch, dim, seqlen) views of
+(dim, batch * seqlen) matrices and B, C as row blocks of x_dbl, as ``kernels/mamba_inner.py`` passes them. The
+configs are timed in turn, several rounds, so a drift of the machine shows up as a spread, not as a difference.
 
 ``waves`` prints, per dim, the forward and backward launch times (``do_bench`` medians) and the number of program
 waves each kernel needs at the occupancy its registers allow (given by ``--regs``), so a time that steps
@@ -96,9 +102,55 @@ def waves(dims: list[int], regs: dict, out: Path | None) -> None:
         (out / "scan_waves.json").write_text(json.dumps({"device": torch.cuda.get_device_name(0), "rows": rows}))
 
 
+def mixer(configs: list[str], batch: int, dim: int, seqlen: int, rounds: int, out: Path | None, gemm: int) -> None:
+    from anytrain.kernels.selective_scan import ScanConfig
+
+    n, rank, dev = batch * seqlen, math.ceil(dim / 32), "cuda"
+
+    def bct(x2):  # (rows, batch * seqlen) -> (batch, rows, seqlen) view, as the mixer's _bct
+        return x2.view(x2.shape[0], batch, -1).transpose(0, 1)
+
+    torch.manual_seed(0)
+    xz = torch.randn(2 * dim, n, device=dev, dtype=torch.bfloat16)
+    x_dbl = torch.randn(rank + 2 * DSTATE, n, device=dev, dtype=torch.bfloat16)
+    delta = (0.5 * torch.randn(dim, n, device=dev)).to(torch.bfloat16)
+    u, z, dlt = bct(xz[:dim]), bct(xz[dim:]), bct(delta)
+    Bg = bct(x_dbl[rank : rank + DSTATE]).unsqueeze(1)
+    Cg = bct(x_dbl[rank + DSTATE :]).unsqueeze(1)
+    A = -torch.arange(1, DSTATE + 1, device=dev, dtype=torch.float32).repeat(dim, 1)
+    D, bias = torch.ones(dim, device=dev), torch.rand(dim, device=dev) - 4.0
+    dout = bct(torch.randn(dim, n, device=dev, dtype=torch.bfloat16))
+    args, calls = (u, dlt, A, Bg, Cg, D, z, bias), []
+    for c in configs:
+        cfg = ScanConfig(*(int(v) for v in c.split(",")))
+        _, states = scan_mod._fwd(*args, True, cfg)
+        calls.append((c, lambda cfg=cfg, st=states: scan_mod._bwd(dout, *args, st, True, cfg, False)))
+    if gemm:  # each launch after a (gemm, gemm) bf16 matmul, as in the training step; its own time subtracted
+        a = torch.randn(gemm, gemm, device=dev, dtype=torch.bfloat16)
+        mm = lambda: a @ a  # noqa: E731
+        calls = [(c, lambda fn=fn: (mm(), fn())) for c, fn in calls]
+    times: dict[str, list[float]] = {c: [] for c in configs}
+    for _ in range(rounds):
+        base = median_ms(mm) if gemm else 0.0
+        for c, fn in calls:
+            times[c].append(median_ms(fn) - base)
+    print(f"mixer layout: batch {batch}, dim {dim}, seqlen {seqlen}, gemm {gemm}; backward ms per round")
+    for c in configs:
+        print(f"  {' '.join(f'{t:.3f}' for t in times[c])}  {c}")
+    if out:
+        out.mkdir(parents=True, exist_ok=True)
+        rec = {"device": torch.cuda.get_device_name(0), "batch": batch, "dim": dim, "seqlen": seqlen, "gemm": gemm,
+               "ms": times}  # fmt: skip
+        (out / "scan_mixer_bwd.json").write_text(json.dumps(rec, indent=1))
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("mode", choices=("once", "waves"))
+    ap.add_argument("mode", choices=("once", "waves", "mixer"))
+    ap.add_argument("--configs", nargs="+", default=[], metavar="FIELDS", help="mixer: backward ScanConfigs to time")
+    ap.add_argument("--shape", default="16,4096,2048", help="mixer: batch,dim,seqlen")
+    ap.add_argument("--rounds", type=int, default=3, help="mixer: timing rounds over the configs")
+    ap.add_argument("--gemm", type=int, default=0, help="mixer: a (n, n) bf16 matmul before each launch (0: none)")
     ap.add_argument("--dim", type=int, default=5376)
     ap.add_argument("--dims", default="4752,5376,6336")
     ap.add_argument("--out", default=None)
@@ -111,6 +163,10 @@ def main() -> int:
     assert DSTATE == 16
     if a.mode == "once":
         once(a.dim)
+    elif a.mode == "mixer":
+        batch, dim, seqlen = (int(v) for v in a.shape.split(","))
+        mixer(a.configs or [",".join(str(v) for v in vars(scan_mod.default_config()).values())], batch, dim, seqlen,
+              a.rounds, Path(a.out) if a.out else None, a.gemm)  # fmt: skip
     else:
         rf, rb = (int(v) for v in a.regs.split(","))
         regs = {"_ss_fwd_kernel_v3": rf, "_ss_bwd_kernel_v5": rb}

@@ -68,9 +68,10 @@ CFG_PF_NOLANES = ScanConfig(
     block_d=2, chunk=4, num_warps=1, block_d_bwd=2, chunk_bwd=8, num_warps_bwd=1, seg_bwd=4, seg=2, bwd_impl=4,
     pf=0, pf_bwd=3,
 )  # fmt: skip
-# v6 backward (bwd_impl 5): 8-step segments, one channel per thread; 2-channel blocks take the pair reduce-scatter of
-# dB/dC (CFG_V6: 2 segments per chunk; CFG_V6_LANES: 16 segments, the next chunk's inputs loaded early and A / the
-# adjoint carry in lanes, the CUDA default's options), other block sizes the plain channel sum (CFG_V6_ONE, CFG_V6_FOUR)
+# v6 backward (bwd_impl 5): 8-step segments, one channel per thread; blocks of 2, 4 or 8 channels sum dB/dC with the
+# lanes' reduce-scatter (CFG_V6: 2 channels, 2 segments per chunk; CFG_V6_LANES: 16 segments, the next chunk's inputs
+# loaded early and A / the adjoint carry in lanes, the CUDA default's options; CFG_V6_FOUR / CFG_V6_EIGHT: 2 and 3
+# halving rounds), one channel the plain sum (CFG_V6_ONE)
 CFG_V6 = ScanConfig(
     block_d=2, chunk=4, num_warps=1, block_d_bwd=2, chunk_bwd=8, num_warps_bwd=1, seg_bwd=2, seg=2, bwd_impl=5
 )
@@ -84,6 +85,10 @@ CFG_V6_ONE = ScanConfig(
 CFG_V6_FOUR = ScanConfig(
     block_d=2, chunk=4, num_warps=1, block_d_bwd=4, chunk_bwd=8, num_warps_bwd=1, seg_bwd=2, seg=2, bwd_impl=5
 )
+CFG_V6_EIGHT = ScanConfig(
+    block_d=2, chunk=4, num_warps=1, block_d_bwd=8, chunk_bwd=8, num_warps_bwd=1, seg_bwd=4, seg=2, bwd_impl=5,
+    pf_bwd=6,
+)  # fmt: skip
 CFG_V1 = ScanConfig(
     block_d=2, chunk=8, num_warps=1, block_d_bwd=2, chunk_bwd=4, num_warps_bwd=1, bwd_impl=0, fwd_impl=0
 )
@@ -146,11 +151,11 @@ CASES = [
     "cfg",
     [
         CFG, CFG_V4, CFG_V4_ALT, CFG_V5, CFG_V5_ALT, CFG_V5_WARPS, CFG_PF, CFG_PF_NOLANES,
-        CFG_V6, CFG_V6_LANES, CFG_V6_ONE, CFG_V6_FOUR, CFG_V1,
+        CFG_V6, CFG_V6_LANES, CFG_V6_ONE, CFG_V6_FOUR, CFG_V6_EIGHT, CFG_V1,
     ],
     ids=[
         "bwd3", "bwd4", "bwd4alt", "bwd5", "bwd5alt", "bwd5warps", "pf", "pf_nolanes",
-        "bwd6", "bwd6lanes", "bwd6one", "bwd6four", "bwd1",
+        "bwd6", "bwd6lanes", "bwd6one", "bwd6four", "bwd6eight", "bwd1",
     ],
 )  # fmt: skip
 @pytest.mark.parametrize("batch,dim,seqlen,dstate,ngroups,has_z,has_d,has_bias,softplus", CASES)
@@ -173,18 +178,36 @@ _CUDA_PF_BWD = importlib.import_module("anytrain.kernels.selective_scan")._CUDA_
 
 @pytest.mark.parametrize(
     "pf_bwd,dstate",
-    [(6, 16), (6 + 80, 16), (6 + 80 + 128, 16), (_CUDA_PF_BWD, 16), (_CUDA_PF_BWD & ~4, 16), (_CUDA_PF_BWD, 32)],
-    ids=["prefetch", "pipelined", "pipelined-first", "cuda-default", "cuda-default-nolanes", "cuda-default-dstate32"],
+    [(6, 16), (6 + 80, 16), (6 + 80 + 128, 16), (_CUDA_PF_BWD | 4, 16), (_CUDA_PF_BWD & ~4, 16), (_CUDA_PF_BWD, 32)],
+    ids=["prefetch", "pipelined", "pipelined-first", "cuda-loads-lanes", "cuda-loads-nolanes", "cuda-loads-dstate32"],
 )
 def test_v6_carry_across_chunks(pf_bwd, dstate):
     # 128-step backward chunks (16 segments of 8), seqlen 300: the adjoint carry crosses two chunk boundaries for every
     # state, with a partial last chunk; the per-state loads as a register prefetch, through the software pipeliner
     # (5 stages), pipelined with each chunk's state-0 saved states prefetched during the previous chunk, and the CUDA
-    # default's options (only the saved states pipelined), also without lanes (the carry through the scratch) and at a
-    # dstate above seg_bwd (lanes off by the launcher); the interpreter runs the same loads without the pipelining
+    # default's loads (only the saved states pipelined) with and without lanes (the carry through the scratch) and at
+    # a dstate above seg_bwd (lanes off by the launcher); the interpreter runs the same loads without the pipelining
     cfg = dataclasses.replace(CFG_V6_LANES, pf_bwd=pf_bwd)
     vals = make_inputs(1, 3, 300, dstate, None, True, True, True)
     assert_match(*run_both(vals, True, cfg=cfg))
+
+
+V6_WARP_TILES = [(4, 8, 16, 0), (4, 8, 8, 4), (8, 4, 16, 0)]  # channels, lanes per channel, dstate, extra pf_bwd bits
+
+
+@pytest.mark.parametrize("block_d_bwd,seg_bwd,dstate,bits", V6_WARP_TILES, ids=["4x8", "4x8-lanes", "8x4"])
+def test_v6_more_channels_per_warp(block_d_bwd, seg_bwd, dstate, bits):
+    # 4 channels x 8 segments (the CUDA default) or 8 x 4 (one warp's 32 lanes, 64- or 32-step chunks) with the CUDA
+    # default's loads: the dB/dC reduce-scatter in 2 or 3 rounds; dim 10 leaves the last program partly masked,
+    # seqlen 300 crosses 4-9 chunk boundaries; A and the adjoint carry through the scratch, or in lanes (dstate 8)
+    cfg = dataclasses.replace(CFG_V6_LANES, block_d_bwd=block_d_bwd, seg_bwd=seg_bwd, pf_bwd=_CUDA_PF_BWD | bits)
+    vals = make_inputs(1, 10, 300, dstate, None, True, True, True)
+    assert_match(*run_both(vals, True, cfg=cfg))
+
+
+def test_cuda_default_backward_tile_is_tested():
+    cuda = importlib.import_module("anytrain.kernels.selective_scan")._CUDA_CONFIG
+    assert cuda.bwd_impl == 5 and (cuda.block_d_bwd, cuda.seg_bwd, 16, 0) in V6_WARP_TILES
 
 
 def test_v6_load_options_reach_the_kernel(monkeypatch):

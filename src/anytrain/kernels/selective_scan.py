@@ -13,10 +13,11 @@ nsub); entry k is the state after step (k + 1) chunk_bwd - 1, the last one the f
 
 Backward, five kernels (``ScanConfig.bwd_impl``), all recomputing the states from the saved ones:
   5: ``_ss_bwd_kernel_v6`` (default on CUDA, ``selective_scan_bwd_v6.py``). v5's algorithm with one channel per thread
-     and 8-step segments (one per saved state): the program's 2 channels sit on two 16-lane groups of a warp, so the
-     cross-lane scan and the dA sum take 4 rounds over 8 elements instead of 2 x 5; dB/dC are summed over the 2
-     channels by a reduce-scatter across the lane groups before one 4-wide atomic per lane. On CUDA the saved states
-     reach the state loop through Triton's software pipeliner (``pf_bwd`` bits 16-256, docs/kernels.md scan pass 14).
+     and 8-step segments (one per saved state): the program's channels sit on lane groups of one warp (on CUDA 4
+     channels x 8 lanes, 64-step chunks), so the cross-lane scan and the dA sum take 3 rounds over 8 elements instead
+     of 2 x 5; dB/dC are summed over the channels by a reduce-scatter across the lane groups (2 halving rounds) before
+     one 2-wide atomic per lane. On CUDA the saved states reach the state loop through Triton's software pipeliner
+     (``pf_bwd`` bits 16-256, docs/kernels.md scan passes 14-15).
   4: ``_ss_bwd_kernel_v5`` (``selective_scan_bwd_v5.py``; ROCm default). v4's algorithm with 4-step segments (two per
      saved state; the odd ones start from the even neighbour's end state), lane-reversed so that the adjoint's
      cross-lane scan runs forward, and loads/stores/atomics whose layouts need no conversion on any Triton version:
@@ -73,7 +74,8 @@ class ScanConfig:
     conversion-free when ``chunk`` steps are one 16-byte vector (8 for bf16) and ``seg`` x ``num_warps`` = lanes.
     fwd_impl 0 (v2): tiles of ``chunk`` steps x next_pow2(dstate) states x ``block_d`` channels.
     bwd_impl 5 (v6): ``block_d_bwd`` channels, each on ``seg_bwd`` lanes, x 8 steps per thread (needs chunk_bwd == 8;
-    conversion-free when block_d_bwd x seg_bwd = the lanes of one warp, 2 x 16 on CUDA);
+    conversion-free when block_d_bwd x seg_bwd = the lanes of one warp, 4 x 8 on CUDA; 2, 4 or 8 channels take the
+    lanes' dB/dC reduce-scatter);
     bwd_impl 4 (v5): ``block_d_bwd`` channels (``block_d_bwd / num_warps_bwd`` per warp) x ``seg_bwd`` segments x 4
     steps (needs chunk_bwd == 8 and an even seg_bwd);
     bwd_impl 3 (v4): ``block_d_bwd`` channels x ``seg_bwd`` segments x 8 steps (needs chunk_bwd == 8);
@@ -132,9 +134,13 @@ class ScanConfig:
 # 1.886-1.904 against 1.864-1.882 ms at the benchmark shape (H200), but +0.2-1.0% tokens/s on mamba-1.4b-mb16 and
 # +0.2-0.7% on mamba-130m in three alternating pairs; B/C pipelined as well (pf_bwd 222 at 144 registers) took the
 # benchmark to 1.777 ms but trained 2% slower (its backward 5.09 against 4.86 ms inside the step). docs/kernels.md.
+# Backward, scan pass 15: 4 channels per one-warp program on 8 lanes each (64-step chunks), dB/dC reduce-scattered in
+# two rounds to one 2-wide atomic per lane (half the atomic traffic), A and the carry not in lanes (dstate 16 > 8
+# lanes; pf_bwd 442 = 446 - 4): 1.664-1.702 against 1.888-1.890 ms at the benchmark shape, +8-9% tokens/s on
+# mamba-130m, +0.2-0.3% on mamba-1.4b-mb16 (whose step runs at the H200's 700 W power cap) in alternating pairs.
 _CUDA_CONFIG = ScanConfig(
-    1, 8, 1, block_d_bwd=2, chunk_bwd=8, num_warps_bwd=1, bwd_impl=5, seg_bwd=16, seg=32, maxnreg_bwd=152, pf=8279,
-    pf_bwd=446, maxnreg=72,
+    1, 8, 1, block_d_bwd=4, chunk_bwd=8, num_warps_bwd=1, bwd_impl=5, seg_bwd=8, seg=32, maxnreg_bwd=152, pf=8279,
+    pf_bwd=442, maxnreg=72,
 )  # fmt: skip
 _VENDOR_CONFIGS = {
     hardware.CUDA: _CUDA_CONFIG,

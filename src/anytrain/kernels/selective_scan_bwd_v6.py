@@ -12,7 +12,13 @@ channels and 16 segments per channel, lanes 0-15 hold channel 0 and lanes 16-31 
   - the dB / dC sums over the 2 channels cross the lane groups: a reduce-scatter (each lane sends 4 of its 8 steps to
     its partner in the other group, one ``tl.gather`` along the channel axis) leaves each lane 4 summed steps, whose
     (channels, segments, 4) tile is the coalesced layout of one 4-wide fp32 vector atomic per lane (the addresses are
-    built for it, as in v5); other channel counts sum with ``tl.sum`` (correct, not tuned).
+    built for it, as in v5).
+
+With 4 channels on 8 lanes each (the CUDA default since scan pass 15; 64-step chunks, 3-round scans) the
+reduce-scatter takes a second halving round (2 steps sent, 2 kept) and ends with one 2-wide atomic per lane: a warp's
+atomic covers its 64-step chunk (256 contiguous bytes, 8 whole sectors) with sums over 4 channels, so the kernel's
+atomic traffic halves. 8 channels on 4 lanes take 3 rounds and scalar atomics (slower: their 32-step chunks cost more
+than the atomics save). One channel sums with ``tl.sum`` (correct, not tuned).
 
 The global loads go through (BLOCK_D, CHUNK) pointers with runs of 8 contiguous lane-reversed steps (``one`` a runtime
 1, as in v5): lane p of a channel holds time segment SEG - 1 - p, so the reverse-time adjoint is a forward scan.
@@ -53,14 +59,37 @@ def _swap(x, partner, BLOCK_D: tl.constexpr, SEG: tl.constexpr):
 
 
 @triton.jit
-def _pair_sum4(r0, r1, r2, r3, r4, r5, r6, r7, partner, second, BLOCK_D: tl.constexpr, SEG: tl.constexpr):
-    # (2, SEG) per-step values of two channels -> (2 * SEG * 4,) sums over the channels: the lanes of channel 0 keep
-    # steps 0-3 and the lanes of channel 1 steps 4-7; each lane sends the other half to its partner
-    k0 = tl.where(second, r4, r0) + _swap(tl.where(second, r0, r4), partner, BLOCK_D, SEG)
-    k1 = tl.where(second, r5, r1) + _swap(tl.where(second, r1, r5), partner, BLOCK_D, SEG)
-    k2 = tl.where(second, r6, r2) + _swap(tl.where(second, r2, r6), partner, BLOCK_D, SEG)
-    k3 = tl.where(second, r7, r3) + _swap(tl.where(second, r3, r7), partner, BLOCK_D, SEG)
-    return tl.reshape(tl.join(tl.join(k0, k2), tl.join(k1, k3)), (BLOCK_D * SEG * 4,))
+def _rs_step(lo, hi, upper, partner, BLOCK_D: tl.constexpr, SEG: tl.constexpr):
+    # one round of the channel reduce-scatter: the lanes of the `upper` channels keep `hi` and send `lo` to their
+    # partner, the others keep `lo` and send `hi`; each adds what it receives
+    return tl.where(upper, hi, lo) + _swap(tl.where(upper, lo, hi), partner, BLOCK_D, SEG)
+
+
+@triton.jit
+def _chan_sum(r0, r1, r2, r3, r4, r5, r6, r7, ii, chan, BLOCK_D: tl.constexpr, SEG: tl.constexpr):
+    # (BLOCK_D, SEG) per-step values of BLOCK_D = 2, 4 or 8 channels -> their sums over the channels, scattered: after
+    # log2(BLOCK_D) halving rounds (channel bit BLOCK_D / 2 first) the lane of channel c keeps steps V c .. V c + V - 1
+    # of its segment, V = 8 / BLOCK_D; returned flat, (CHUNK,), V consecutive elements per lane
+    M1: tl.constexpr = BLOCK_D // 2
+    up = (chan & M1) != 0
+    pt = ii ^ (M1 * SEG)
+    k0 = _rs_step(r0, r4, up, pt, BLOCK_D, SEG)
+    k1 = _rs_step(r1, r5, up, pt, BLOCK_D, SEG)
+    k2 = _rs_step(r2, r6, up, pt, BLOCK_D, SEG)
+    k3 = _rs_step(r3, r7, up, pt, BLOCK_D, SEG)
+    if BLOCK_D == 2:
+        res = tl.reshape(tl.join(tl.join(k0, k2), tl.join(k1, k3)), (BLOCK_D * SEG * 4,))
+    else:
+        M2: tl.constexpr = BLOCK_D // 4
+        up2 = (chan & M2) != 0
+        pt2 = ii ^ (M2 * SEG)
+        j0 = _rs_step(k0, k2, up2, pt2, BLOCK_D, SEG)
+        j1 = _rs_step(k1, k3, up2, pt2, BLOCK_D, SEG)
+        if BLOCK_D == 4:
+            res = tl.reshape(tl.join(j0, j1), (BLOCK_D * SEG * 2,))
+        else:
+            res = tl.reshape(_rs_step(j0, j1, (chan & 1) != 0, ii ^ SEG, BLOCK_D, SEG), (BLOCK_D * SEG,))
+    return res
 
 
 @triton.jit(do_not_specialize=["s_sk", "one"])
@@ -109,12 +138,12 @@ def _ss_bwd_kernel_v6(
         pid_blk, b, g, dpg, dim, state_ptr, q_ptr, A_ptr, dA_ptr, s_sn, s_ad, DSTATE, BLOCK_D, SEG
     )
     down = tl.maximum(offs_p - 1, 0) + 0 * rows  # gather index: the lane of the next time segment
-    PAIR: tl.constexpr = BLOCK_D == 2
-    if PAIR:  # dB/dC: channel 1's lanes keep steps 4-7 of the channel sum; flat element i -> its time in the chunk
-        second = (tl.arange(0, BLOCK_D)[:, None] + 0 * offs_p) == 1  # (2, SEG): the lanes of channel 1
-        partner = (ii + SEG) % (2 * SEG)  # (2 * SEG,) flat index of the partner lane
-        iq = tl.arange(0, BLOCK_D * SEG * 4)
-        tfr = (SEG - 1 - (iq // 4) % SEG) * (SUB * one) + (iq // (4 * SEG)) * (4 * one) + iq % 4
+    RS: tl.constexpr = BLOCK_D == 2 or BLOCK_D == 4 or BLOCK_D == 8
+    if RS:  # dB/dC: the channel sums scattered over the lanes (_chan_sum); flat element i -> its time in the chunk
+        chan = tl.arange(0, BLOCK_D)[:, None] + 0 * offs_p  # (BLOCK_D, SEG): each lane's channel
+        V: tl.constexpr = SUB // BLOCK_D
+        iq = tl.arange(0, CHUNK)
+        tfr = (SEG - 1 - (iq // V) % SEG) * (SUB * one) + (iq // (V * SEG)) * (V * one) + iq % V
     else:
         tfr = tf0
     dD_acc = tl.zeros((BLOCK_D,), dtype=ACC)
@@ -157,7 +186,7 @@ def _ss_bwd_kernel_v6(
         if HAS_Z:
             dy = dy * zz * _sigmoid_fm(zz, FAST)
         dtu = dt * uu
-        if PAIR:
+        if RS:
             u0, u1, u2, u3, u4, u5, u6, u7 = _split8(dtu, BLOCK_D, SEG)
             y0, y1, y2, y3, y4, y5, y6, y7 = _split8(dy, BLOCK_D, SEG)
         y = tl.zeros((BLOCK_D, SEG, SUB), dtype=ACC)
@@ -236,11 +265,11 @@ def _ss_bwd_kernel_v6(
             sahm += hm * A2
             _store_dA_lane0(hm, dt, dA_flat, (b * nchunks + c) * dim * DSTATE + n, first_lane, BLOCK_D, SEG)
             if DBDC:
-                if PAIR:
-                    dBf = _pair_sum4(g0 * u0, g1 * u1, g2 * u2, g3 * u3, g4 * u4, g5 * u5, g6 * u6, g7 * u7,
-                                     partner, second, BLOCK_D, SEG)  # fmt: skip
-                    dCf = _pair_sum4(h0 * y0, h1 * y1, h2 * y2, h3 * y3, h4 * y4, h5 * y5, h6 * y6, h7 * y7,
-                                     partner, second, BLOCK_D, SEG)  # fmt: skip
+                if RS:
+                    dBf = _chan_sum(g0 * u0, g1 * u1, g2 * u2, g3 * u3, g4 * u4, g5 * u5, g6 * u6, g7 * u7,
+                                    ii, chan, BLOCK_D, SEG)  # fmt: skip
+                    dCf = _chan_sum(h0 * y0, h1 * y1, h2 * y2, h3 * y3, h4 * y4, h5 * y5, h6 * y6, h7 * y7,
+                                    ii, chan, BLOCK_D, SEG)  # fmt: skip
                 else:
                     dBf = tl.reshape(tl.sum(gs * dtu, axis=0), (CHUNK,))
                     dCf = tl.reshape(tl.sum(hs * dy, axis=0), (CHUNK,))
