@@ -69,9 +69,9 @@ CFG_PF_NOLANES = ScanConfig(
     pf=0, pf_bwd=3,
 )  # fmt: skip
 # v6 backward (bwd_impl 5): 8-step segments, one channel per thread; blocks of 2, 4 or 8 channels sum dB/dC with the
-# lanes' reduce-scatter (CFG_V6: 2 channels, 2 segments per chunk; CFG_V6_LANES: 16 segments, the next chunk's inputs
-# loaded early and A / the adjoint carry in lanes, the CUDA default's options; CFG_V6_FOUR / CFG_V6_EIGHT: 2 and 3
-# halving rounds), one channel the plain sum (CFG_V6_ONE)
+# lanes' reduce-scatter (CFG_V6: 2 channels, 2 segments per chunk; CFG_V6_LANES: 2 channels on 16 segments, the next
+# chunk's inputs loaded early and A / the adjoint carry in lanes, the CUDA default's options before scan pass 15;
+# CFG_V6_FOUR / CFG_V6_EIGHT: 2 and 3 halving rounds), one channel the plain sum (CFG_V6_ONE)
 CFG_V6 = ScanConfig(
     block_d=2, chunk=4, num_warps=1, block_d_bwd=2, chunk_bwd=8, num_warps_bwd=1, seg_bwd=2, seg=2, bwd_impl=5
 )
@@ -178,15 +178,17 @@ _CUDA_PF_BWD = importlib.import_module("anytrain.kernels.selective_scan")._CUDA_
 
 @pytest.mark.parametrize(
     "pf_bwd,dstate",
-    [(6, 16), (6 + 80, 16), (6 + 80 + 128, 16), (_CUDA_PF_BWD | 4, 16), (_CUDA_PF_BWD & ~4, 16), (_CUDA_PF_BWD, 32)],
+    [(6, 16), (6 + 80, 16), (6 + 80 + 128, 16), (_CUDA_PF_BWD | 4, 16), (_CUDA_PF_BWD & ~4, 16),
+     (_CUDA_PF_BWD | 4, 32)],
     ids=["prefetch", "pipelined", "pipelined-first", "cuda-loads-lanes", "cuda-loads-nolanes", "cuda-loads-dstate32"],
-)
+)  # fmt: skip
 def test_v6_carry_across_chunks(pf_bwd, dstate):
     # 128-step backward chunks (16 segments of 8), seqlen 300: the adjoint carry crosses two chunk boundaries for every
     # state, with a partial last chunk; the per-state loads as a register prefetch, through the software pipeliner
     # (5 stages), pipelined with each chunk's state-0 saved states prefetched during the previous chunk, and the CUDA
     # default's loads (only the saved states pipelined) with and without lanes (the carry through the scratch) and at
-    # a dstate above seg_bwd (lanes off by the launcher); the interpreter runs the same loads without the pipelining
+    # a dstate above seg_bwd with lanes asked for (the launcher turns them off); the interpreter runs the same loads
+    # without the pipelining
     cfg = dataclasses.replace(CFG_V6_LANES, pf_bwd=pf_bwd)
     vals = make_inputs(1, 3, 300, dstate, None, True, True, True)
     assert_match(*run_both(vals, True, cfg=cfg))
@@ -207,7 +209,8 @@ def test_v6_more_channels_per_warp(block_d_bwd, seg_bwd, dstate, bits):
 
 def test_cuda_default_backward_tile_is_tested():
     cuda = importlib.import_module("anytrain.kernels.selective_scan")._CUDA_CONFIG
-    assert cuda.bwd_impl == 5 and (cuda.block_d_bwd, cuda.seg_bwd, 16, 0) in V6_WARP_TILES
+    assert cuda.bwd_impl == 5 and cuda.num_warps_bwd == 1 and cuda.chunk_bwd == 8
+    assert (cuda.block_d_bwd, cuda.seg_bwd, 16, 0) in V6_WARP_TILES and not cuda.pf_bwd & 4
 
 
 def test_v6_load_options_reach_the_kernel(monkeypatch):
@@ -434,8 +437,8 @@ def test_forward_int32_pairs_need_an_even_chunk():
 
 @pytest.mark.parametrize(
     "cfg",
-    [CFG, CFG_V4, CFG_V4_ALT, CFG_V5, CFG_V6, CFG_V6_FOUR, CFG_V1],
-    ids=["bwd3", "bwd4", "bwd4alt", "bwd5", "bwd6", "bwd6four", "bwd1"],
+    [CFG, CFG_V4, CFG_V4_ALT, CFG_V5, CFG_V6, CFG_V6_FOUR, CFG_V6_EIGHT, CFG_V1],
+    ids=["bwd3", "bwd4", "bwd4alt", "bwd5", "bwd6", "bwd6four", "bwd6eight", "bwd1"],
 )
 def test_deterministic_mode_is_bitwise_reproducible_and_matches_atomics(cfg):
     vals = make_inputs(2, 6, 11, 4, 2, True, True, True, seed=5)

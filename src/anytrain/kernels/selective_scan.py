@@ -118,9 +118,9 @@ class ScanConfig:
 
 
 # Per-vendor defaults. CUDA: fastest of bench/mamba_kernels.py --sweep on an H200 (bench/results/, Triton 3.6):
-# forward 1 channel per one-warp program; backward v6, 2 channels per one-warp program (16 lanes each) capped at 152
-# registers (13 warps per SM), the next chunk's inputs loaded before the epilogue and A / the adjoint carry in lanes
-# (pf_bwd 6): 1.905 / 1.920 ms against 1.972 / 1.992 for v5 (pf_bwd 7, 168 registers) in two H200 calls.
+# forward 1 channel per one-warp program; scan pass 8: backward v6, 2 channels per one-warp program (16 lanes each)
+# capped at 152 registers (13 warps per SM), the next chunk's inputs loaded before the epilogue and A / the adjoint
+# carry in lanes (pf_bwd 6): 1.905 / 1.920 ms against 1.972 / 1.992 for v5 (pf_bwd 7, 168 registers), two H200 calls.
 # Forward: unmasked B/C loads for whole chunks, bf16 B/C read as int32 pairs (pf 6: 0.655 against 0.685 ms, H200).
 # Both: the sigmoids with the approximate exp and division (pf 16, pf_bwd 8): backward 1.873 / 1.874 against 1.918 /
 # 1.918 ms, forward 0.645 against 0.647 / 0.649 (one H200 call, scan pass 11). Forward: B/C loads software-pipelined
@@ -136,8 +136,9 @@ class ScanConfig:
 # benchmark to 1.777 ms but trained 2% slower (its backward 5.09 against 4.86 ms inside the step). docs/kernels.md.
 # Backward, scan pass 15: 4 channels per one-warp program on 8 lanes each (64-step chunks), dB/dC reduce-scattered in
 # two rounds to one 2-wide atomic per lane (half the atomic traffic), A and the carry not in lanes (dstate 16 > 8
-# lanes; pf_bwd 442 = 446 - 4): 1.664-1.702 against 1.888-1.890 ms at the benchmark shape, +8-9% tokens/s on
-# mamba-130m, +0.2-0.3% on mamba-1.4b-mb16 (whose step runs at the H200's 700 W power cap) in alternating pairs.
+# lanes; pf_bwd 442 = 446 - 4): 1.664-1.702 against 1.888-1.892 ms at the benchmark shape, +7.9-9.4% tokens/s on
+# mamba-130m, -0.1 to +0.4% (a tie) on mamba-1.4b-mb16 (whose step runs at the H200's 700 W power limit) in
+# alternating pairs (H200); 1.736 against 1.756 ms and +6.7-7.6% on mamba-130m on an H100.
 _CUDA_CONFIG = ScanConfig(
     1, 8, 1, block_d_bwd=4, chunk_bwd=8, num_warps_bwd=1, bwd_impl=5, seg_bwd=8, seg=32, maxnreg_bwd=152, pf=8279,
     pf_bwd=442, maxnreg=72,

@@ -17,8 +17,9 @@ channels and 16 segments per channel, lanes 0-15 hold channel 0 and lanes 16-31 
 With 4 channels on 8 lanes each (the CUDA default since scan pass 15; 64-step chunks, 3-round scans) the
 reduce-scatter takes a second halving round (2 steps sent, 2 kept) and ends with one 2-wide atomic per lane: a warp's
 atomic covers its 64-step chunk (256 contiguous bytes, 8 whole sectors) with sums over 4 channels, so the kernel's
-atomic traffic halves. 8 channels on 4 lanes take 3 rounds and scalar atomics (slower: their 32-step chunks cost more
-than the atomics save). One channel sums with ``tl.sum`` (correct, not tuned).
+atomic traffic halves. 8 channels on 4 lanes take 3 rounds and scalar atomics: slower (1.758 against 1.668 ms at the
+bench shape), and their dB/dC share is not smaller (0.33 against 0.28 ms). One channel sums with ``tl.sum`` (correct,
+not tuned).
 
 The global loads go through (BLOCK_D, CHUNK) pointers with runs of 8 contiguous lane-reversed steps (``one`` a runtime
 1, as in v5): lane p of a channel holds time segment SEG - 1 - p, so the reverse-time adjoint is a forward scan.
