@@ -103,23 +103,20 @@ def waves(dims: list[int], regs: dict, out: Path | None) -> None:
 
 
 def mixer(configs: list[str], batch: int, dim: int, seqlen: int, rounds: int, out: Path | None, gemm: int) -> None:
+    from anytrain.kernels.mamba_inner import _bct, _scan_inputs
     from anytrain.kernels.selective_scan import ScanConfig
 
     n, rank, dev = batch * seqlen, math.ceil(dim / 32), "cuda"
-
-    def bct(x2):  # (rows, batch * seqlen) -> (batch, rows, seqlen) view, as the mixer's _bct
-        return x2.view(x2.shape[0], batch, -1).transpose(0, 1)
-
+    configs = list(dict.fromkeys(configs))  # one entry per distinct config
     torch.manual_seed(0)
     xz = torch.randn(2 * dim, n, device=dev, dtype=torch.bfloat16)
+    conv_out = torch.randn(dim, n, device=dev, dtype=torch.bfloat16)
     x_dbl = torch.randn(rank + 2 * DSTATE, n, device=dev, dtype=torch.bfloat16)
     delta = (0.5 * torch.randn(dim, n, device=dev)).to(torch.bfloat16)
-    u, z, dlt = bct(xz[:dim]), bct(xz[dim:]), bct(delta)
-    Bg = bct(x_dbl[rank : rank + DSTATE]).unsqueeze(1)
-    Cg = bct(x_dbl[rank + DSTATE :]).unsqueeze(1)
-    A = -torch.arange(1, DSTATE + 1, device=dev, dtype=torch.float32).repeat(dim, 1)
+    A_log = torch.log(torch.arange(1, DSTATE + 1, device=dev, dtype=torch.float32)).repeat(dim, 1)
+    u, dlt, z, Bg, Cg, A = _scan_inputs(xz, x_dbl, conv_out, delta, A_log, batch, rank)  # the mixer's own views
     D, bias = torch.ones(dim, device=dev), torch.rand(dim, device=dev) - 4.0
-    dout = bct(torch.randn(dim, n, device=dev, dtype=torch.bfloat16))
+    dout = _bct(torch.randn(dim, n, device=dev, dtype=torch.bfloat16), batch)
     args, calls = (u, dlt, A, Bg, Cg, D, z, bias), []
     for c in configs:
         cfg = ScanConfig(*(int(v) for v in c.split(",")))
