@@ -194,15 +194,23 @@ def test_v6_carry_across_chunks(pf_bwd, dstate):
     assert_match(*run_both(vals, True, cfg=cfg))
 
 
-V6_WARP_TILES = [(4, 8, 16, 0), (4, 8, 8, 4), (8, 4, 16, 0)]  # channels, lanes per channel, dstate, extra pf_bwd bits
+# (channels, lanes per channel, dstate, pf_bwd): the CUDA default (A, the adjoint carry and dA in two lane registers,
+# states rotated per program), the pass-15 default (scratch, no rotation), the default's bits where the lane carries do
+# not apply (8 x 4 at dstate 16: scratch, rotated), one lane register (4), and the two lane registers partly (12) or
+# not at all (6 <= 8) filled
+V6_WARP_TILES = [(4, 8, 16, _CUDA_PF_BWD), (4, 8, 16, 442), (8, 4, 16, _CUDA_PF_BWD), (4, 8, 8, _CUDA_PF_BWD | 4),
+                 (4, 8, 12, _CUDA_PF_BWD), (8, 4, 6, _CUDA_PF_BWD), (4, 8, 6, _CUDA_PF_BWD)]  # fmt: skip
 
 
-@pytest.mark.parametrize("block_d_bwd,seg_bwd,dstate,bits", V6_WARP_TILES, ids=["4x8", "4x8-lanes", "8x4"])
-def test_v6_more_channels_per_warp(block_d_bwd, seg_bwd, dstate, bits):
-    # 4 channels x 8 segments (the CUDA default) or 8 x 4 (one warp's 32 lanes, 64- or 32-step chunks) with the CUDA
-    # default's loads: the dB/dC reduce-scatter in 2 or 3 rounds; dim 10 leaves the last program partly masked,
-    # seqlen 300 crosses 4-9 chunk boundaries; A and the adjoint carry through the scratch, or in lanes (dstate 8)
-    cfg = dataclasses.replace(CFG_V6_LANES, block_d_bwd=block_d_bwd, seg_bwd=seg_bwd, pf_bwd=_CUDA_PF_BWD | bits)
+@pytest.mark.parametrize(
+    "block_d_bwd,seg_bwd,dstate,pf_bwd", V6_WARP_TILES,
+    ids=["4x8", "4x8-scratch", "8x4", "4x8-lanes", "4x8-lanes2-12", "8x4-lanes2-6", "4x8-lanes2-6"],
+)  # fmt: skip
+def test_v6_more_channels_per_warp(block_d_bwd, seg_bwd, dstate, pf_bwd):
+    # 4 channels x 8 segments (the CUDA default) or 8 x 4 (one warp's 32 lanes, 64- or 32-step chunks): the dB/dC
+    # reduce-scatter in 2 or 3 rounds; dim 10 leaves the last program partly masked and gives 3 or 2 programs (state
+    # loops rotated by 0-2), seqlen 300 crosses 4-9 chunk boundaries
+    cfg = dataclasses.replace(CFG_V6_LANES, block_d_bwd=block_d_bwd, seg_bwd=seg_bwd, pf_bwd=pf_bwd)
     vals = make_inputs(1, 10, 300, dstate, None, True, True, True)
     assert_match(*run_both(vals, True, cfg=cfg))
 
@@ -210,7 +218,30 @@ def test_v6_more_channels_per_warp(block_d_bwd, seg_bwd, dstate, bits):
 def test_cuda_default_backward_tile_is_tested():
     cuda = importlib.import_module("anytrain.kernels.selective_scan")._CUDA_CONFIG
     assert cuda.bwd_impl == 5 and cuda.num_warps_bwd == 1 and cuda.chunk_bwd == 8
-    assert (cuda.block_d_bwd, cuda.seg_bwd, 16, 0) in V6_WARP_TILES and not cuda.pf_bwd & 4
+    assert (cuda.block_d_bwd, cuda.seg_bwd, 16, cuda.pf_bwd) in V6_WARP_TILES
+
+
+def test_v6_lane_carries_and_rotation_reach_the_kernel(monkeypatch):
+    # pf_bwd 512 -> LANES2 where dstate <= 2 seg_bwd and bit 4's one-register lanes do not apply, with one dA partial
+    # per program instead of one per chunk; 1024 -> ROT
+    scan_mod = importlib.import_module("anytrain.kernels.selective_scan")
+    seen = []
+
+    class Recorder:
+        def __getitem__(self, grid):
+            return lambda *a, **kw: seen.append((kw["LANES"], kw["LANES2"], kw["ROT"], a[15].shape[1]))
+
+    monkeypatch.setattr(scan_mod, "_ss_bwd_kernel_v6", Recorder())
+    cuda = scan_mod._CUDA_CONFIG
+    for dstate, pf_bwd in [(16, cuda.pf_bwd), (17, cuda.pf_bwd), (8, cuda.pf_bwd | 4), (16, 442)]:
+        vals = make_inputs(1, 4, 256, dstate, None, True, True, True)
+        v = {k: None if x is None else x.float() for k, x in vals.items()}
+        Bg, Cg = scan_mod._as_groups(v["B"]), scan_mod._as_groups(v["C"])
+        states = torch.zeros(1, 4, dstate, 32)
+        cfg = dataclasses.replace(cuda, pf_bwd=pf_bwd)
+        scan_mod._bwd(v["u"], v["u"], v["delta"], v["A"], Bg, Cg, v["D"], v["z"], v["delta_bias"], states, True, cfg,
+                      False)  # fmt: skip
+    assert seen == [(False, True, True, 1), (False, False, True, 4), (True, False, True, 4), (False, False, False, 4)]
 
 
 def test_v6_load_options_reach_the_kernel(monkeypatch):

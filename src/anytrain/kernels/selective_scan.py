@@ -113,7 +113,9 @@ class ScanConfig:
     # accumulation on a GPU only); bwd_impl 5: bits 16-112 = the software pipeline's stages for the per-state B/C and
     # saved-state loads ((pf_bwd >> 4) & 7; 0: a register prefetch one state ahead), 128 (with 2 and stages) = each
     # chunk's state-0 saved states loaded into a register during the previous chunk, not in the pipeline's prologue,
-    # 256 (with stages) = only the saved states pipelined, B/C kept in the register prefetch (L1-cached loads)
+    # 256 (with stages) = only the saved states pipelined, B/C kept in the register prefetch (L1-cached loads), 512
+    # (dstate <= 2 seg_bwd, without 4's lanes) = A, the adjoint carry and dA in two lane registers each, 1024 = each
+    # program's states visited from its block index on (mod dstate)
     maxnreg: int = 0  # CUDA only: register cap per thread for the forward kernel fwd_impl 1 (0: the compiler's choice)
 
 
@@ -139,9 +141,15 @@ class ScanConfig:
 # lanes; pf_bwd 442 = 446 - 4): 1.664-1.702 against 1.888-1.892 ms at the benchmark shape, +7.9-9.4% tokens/s on
 # mamba-130m, -0.1 to +0.4% (a tie) on mamba-1.4b-mb16 (whose step runs at the H200's 700 W power limit) in
 # alternating pairs (H200); 1.736 against 1.756 ms and +6.7-7.6% on mamba-130m on an H100.
+# Backward, scan pass 16: A, the adjoint carry and dA in two lane registers each (no scratch, no barrier, no per-state
+# A/carry loads or dA stores; pf_bwd 512), each program's state loop rotated by its block index (1024: with the lane
+# carries, programs in lockstep otherwise add dB/dC into the same rows at once: 1.776-1.858 ms without it), the saved
+# states 4 stages deep (1994 = 442 + 512 + 1024 + 16): 1.625-1.626 against 1.666-1.668 ms at the benchmark shape,
+# 4.220 against 4.284 ms at the 1.4b mixer shape, 0.427 against 0.445 at the 130m one, +1.2-1.4% tokens/s end to end
+# (H200, one alternating pair per row; docs/kernels.md).
 _CUDA_CONFIG = ScanConfig(
     1, 8, 1, block_d_bwd=4, chunk_bwd=8, num_warps_bwd=1, bwd_impl=5, seg_bwd=8, seg=32, maxnreg_bwd=152, pf=8279,
-    pf_bwd=442, maxnreg=72,
+    pf_bwd=1994, maxnreg=72,
 )  # fmt: skip
 _VENDOR_CONFIGS = {
     hardware.CUDA: _CUDA_CONFIG,
@@ -422,13 +430,17 @@ def _bwd(dout, u, delta, A, Bg, Cg, D, z, delta_bias, states, softplus: bool, cf
 
     if cfg.bwd_impl in (2, 3, 4, 5):  # v6 / v5 / v4 / v3: per-chunk dA partials (batch, nchunks, dim, N)
         sub = 4 if cfg.bwd_impl == 4 else chunk  # steps per segment (v5: half the saved-state interval)
-        dA = torch.empty((batch, triton.cdiv(seqlen, sub * cfg.seg_bwd), dim, dstate), device=u.device, dtype=acc)
+        # v6: A and the adjoint carry in one lane register (pf_bwd 4, dstate <= seg_bwd), or with dA in two (512)
+        lanes = cfg.bwd_impl == 5 and bool(cfg.pf_bwd & 4) and dstate <= cfg.seg_bwd
+        lanes2 = cfg.bwd_impl == 5 and bool(cfg.pf_bwd & 512) and not lanes and dstate <= 2 * cfg.seg_bwd
+        dA_chunks = 1 if lanes2 else triton.cdiv(seqlen, sub * cfg.seg_bwd)  # (lanes2: summed in the kernel)
+        dA = torch.empty((batch, dA_chunks, dim, dstate), device=u.device, dtype=acc)
         q = torch.empty((batch, dim, 2, dstate), device=u.device, dtype=acc)  # adjoint carry scratch
         if cfg.bwd_impl == 5:
             stages = (cfg.pf_bwd >> 4) & 7  # the per-state loads' pipeline stages (0: register prefetch)
             launch(_ss_bwd_kernel_v6, dA, q, extra_strides=(states.stride(2), states.stride(3), 1), SEG=cfg.seg_bwd,
                    DBDC=not _DIAG_SKIP_DBDC, PIPE=bool(cfg.pf_bwd & 2),
-                   LANES=bool(cfg.pf_bwd & 4) and dstate <= cfg.seg_bwd,
+                   LANES=lanes, LANES2=lanes2, ROT=bool(cfg.pf_bwd & 1024),
                    FAST=_fast_math(bool(cfg.pf_bwd & 8), u, acc), STAGES=stages,
                    FIRST=bool(cfg.pf_bwd & 128) and bool(cfg.pf_bwd & 2) and stages > 0,
                    BC_REG=bool(cfg.pf_bwd & 256) and stages > 0)  # fmt: skip

@@ -21,6 +21,13 @@ atomic traffic halves. 8 channels on 4 lanes take 3 rounds and scalar atomics: s
 bench shape), and their dB/dC share is not smaller (0.33 against 0.28 ms). One channel sums with ``tl.sum`` (correct,
 not tuned).
 
+Since scan pass 16 the CUDA default also keeps A, the adjoint carry and the dA sums in two lane registers each (lane
+p: states p and SEG + p; ``LANES2``), so a chunk needs no scratch, no barrier, no per-state A or carry loads and no
+per-state dA stores; the carries it reads are the previous chunk's (double-buffered), so the per-state picks depend on
+the loop index only. Without the scratch's load latencies the programs run in lockstep and add their dB/dC into the
+same rows at once, which made the kernel slower (1.78-1.86 against 1.67 ms); each program therefore starts its state
+loop at its block index (``ROT``), and then it is faster (1.63 ms with 4 pipeline stages).
+
 The global loads go through (BLOCK_D, CHUNK) pointers with runs of 8 contiguous lane-reversed steps (``one`` a runtime
 1, as in v5): lane p of a channel holds time segment SEG - 1 - p, so the reverse-time adjoint is a forward scan.
 """
@@ -103,7 +110,8 @@ def _ss_bwd_kernel_v6(
     DSTATE: tl.constexpr, BLOCK_D: tl.constexpr, SEG: tl.constexpr, ACC: tl.constexpr,
     HAS_D: tl.constexpr, HAS_Z: tl.constexpr, HAS_BIAS: tl.constexpr, SOFTPLUS: tl.constexpr, ATOMIC: tl.constexpr,
     DBDC: tl.constexpr = True, PIPE: tl.constexpr = False, LANES: tl.constexpr = False, FAST: tl.constexpr = False,
-    STAGES: tl.constexpr = 0, FIRST: tl.constexpr = False, BC_REG: tl.constexpr = False,
+    STAGES: tl.constexpr = 0, FIRST: tl.constexpr = False, BC_REG: tl.constexpr = False, LANES2: tl.constexpr = False,
+    ROT: tl.constexpr = False,
 ):  # fmt: skip
     # Arguments and outputs as _ss_bwd_kernel_v5 (the saved states every 8 steps; dA: (batch, nchunks, dim, N)
     # per-chunk partials, here with chunks of 8 * SEG steps). PIPE and LANES as in v5: the next chunk's inputs loaded
@@ -117,10 +125,19 @@ def _ss_bwd_kernel_v6(
     # (with STAGES): only the saved states go through the pipeline; B/C keep the register prefetch (L1-cached loads,
     # which the asynchronous copies bypass): slower alone, faster inside a training step (docs/kernels.md, pass 14).
     tl.static_assert(not LANES or DSTATE <= SEG, "LANES needs dstate <= seg_bwd (one lane per state)")
+    # LANES2 (DSTATE <= 2 SEG): A, the adjoint carry and dA in two lane registers each (lane p: states p and SEG + p);
+    # the carries read in a chunk are the ones the previous chunk wrote (double-buffered), so the per-state picks
+    # depend on the loop index only; dA is summed over the chunks in lanes and stored once (the launcher then
+    # allocates one dA partial per program instead of one per chunk). No scratch, no barrier, no per-state A/carry
+    # loads or dA stores.
+    tl.static_assert(not LANES2 or (not LANES and DSTATE <= 2 * SEG), "LANES2: dstate <= 2 seg_bwd, without LANES")
     SUB: tl.constexpr = 8
     CHUNK: tl.constexpr = SUB * SEG
     pid_blk, g, b, dim, offs_dl, mask_d, offs_d = _program_block(dpg, BLOCK_D)
     nchunks = tl.cdiv(seqlen, CHUNK)
+    # ROT: the program walks the states from state pid % DSTATE on, so that the programs running side by side add
+    # their dB/dC into different state rows
+    rot = pid_blk % DSTATE if ROT else 0
     md3 = mask_d[:, None, None]
     jj = tl.arange(0, CHUNK)
     tf0 = (SEG - 1 - jj // SUB) * (SUB * one) + jj % SUB  # lane-reversed steps, runs of 8 (see v5)
@@ -155,6 +172,19 @@ def _ss_bwd_kernel_v6(
         A_l = tl.load(A_flat + (lane_f % DSTATE) * s_an, mask=i_m & (lane_f < DSTATE), other=0.0)
         A_l = tl.reshape(A_l, (BLOCK_D, SEG)).to(ACC) * LOG2E
         q_l = tl.zeros((BLOCK_D, SEG), dtype=ACC)  # lane n: state n's carry from the later chunk
+    if LANES2:
+        lane2 = offs_p + 0 * rows
+        lane_f = ii % SEG
+        A_lo = tl.load(A_flat + lane_f * s_an, mask=i_m & (lane_f < DSTATE), other=0.0)
+        A_lo = tl.reshape(A_lo, (BLOCK_D, SEG)).to(ACC) * LOG2E
+        A_hi = tl.load(A_flat + (lane_f + SEG) * s_an, mask=i_m & (lane_f + SEG < DSTATE), other=0.0)
+        A_hi = tl.reshape(A_hi, (BLOCK_D, SEG)).to(ACC) * LOG2E
+        qc_lo = tl.zeros((BLOCK_D, SEG), dtype=ACC)  # this chunk's carries from the later chunk
+        qc_hi = tl.zeros((BLOCK_D, SEG), dtype=ACC)
+        qn_lo = qc_lo  # the carries this chunk passes to the earlier one
+        qn_hi = qc_hi
+        dA_lo = tl.zeros((BLOCK_D, SEG), dtype=ACC)
+        dA_hi = tl.zeros((BLOCK_D, SEG), dtype=ACC)
     if PIPE:
         t2p = (nchunks - 1) * CHUNK + tl2
         r_dt, r_go, r_z, r_u = _chunk_inputs(
@@ -162,10 +192,10 @@ def _ss_bwd_kernel_v6(
         )
     if FIRST:  # the first chunk's state-0 saved states (FIRST: see the launcher)
         kp = (nchunks - 1) * SEG + i_seg - 1
-        h_first = tl.load(st_flat + kp * s_sk, mask=i_m & (kp >= 0) & (kp < nsub), other=0.0)
+        h_first = tl.load(st_flat + rot * s_sn + kp * s_sk, mask=i_m & (kp >= 0) & (kp < nsub), other=0.0)
     for cc in range(0, nchunks):
         c = nchunks - 1 - cc
-        if not LANES:
+        if not LANES and not LANES2:
             tl.debug_barrier()  # the previous chunk's q stores before this chunk's loads
         t = c * CHUNK + tloc
         m3 = md3 & (t < seqlen)
@@ -203,34 +233,40 @@ def _ss_bwd_kernel_v6(
         mt1 = (t2 < seqlen) & (rows >= 0)
         tf = c * CHUNK + tfr
         mf = tf < seqlen
-        if not LANES:
-            A_nx = tl.load(A_flat, mask=i_m, other=0.0)
-            q_nx = tl.load(q_in, mask=mq, other=0.0)
+        if not LANES and not LANES2:
+            A_nx = tl.load(A_flat + rot * s_an, mask=i_m, other=0.0)
+            q_nx = tl.load(q_in + rot, mask=mq, other=0.0)
         if STAGES == 0 or BC_REG:
-            B_nx = tl.load(B_base + tb, mask=mt1, other=0.0)
-            C_nx = tl.load(C_base + tb, mask=mt1, other=0.0)
+            B_nx = tl.load(B_base + rot * s_bn + tb, mask=mt1, other=0.0)
+            C_nx = tl.load(C_base + rot * s_cn + tb, mask=mt1, other=0.0)
         if STAGES == 0:
-            h_nx = tl.load(st_k, mask=mk, other=0.0)
+            h_nx = tl.load(st_k + rot * s_sn, mask=mk, other=0.0)
         for n in tl.range(0, DSTATE, num_stages=STAGES if STAGES > 0 else None):
+            ns = (n + rot) % DSTATE if ROT else n  # the state of this iteration
             if STAGES > 0:  # this state's B/C rows and saved states, left to Triton's software pipeliner
                 if not BC_REG:
-                    B_nx = tl.load(B_base + n * s_bn + tb, mask=mt1, other=0.0)
-                    C_nx = tl.load(C_base + n * s_cn + tb, mask=mt1, other=0.0)
+                    B_nx = tl.load(B_base + ns * s_bn + tb, mask=mt1, other=0.0)
+                    C_nx = tl.load(C_base + ns * s_cn + tb, mask=mt1, other=0.0)
                 if FIRST:  # state 0's saved states come from the register prefetch
-                    h_nx = tl.where(n == 0, h_first, tl.load(st_k + n * s_sn, mask=mk & (n > 0), other=0.0))
+                    h_nx = tl.where(n == 0, h_first, tl.load(st_k + ns * s_sn, mask=mk & (n > 0), other=0.0))
                 else:
-                    h_nx = tl.load(st_k + n * s_sn, mask=mk, other=0.0)
+                    h_nx = tl.load(st_k + ns * s_sn, mask=mk, other=0.0)
             if LANES:
-                A2 = tl.gather(A_l, n + 0 * lane2, axis=1)[:, :, None]
-                q = tl.gather(q_l, n + 0 * lane2, axis=1)
+                A2 = tl.gather(A_l, ns + 0 * lane2, axis=1)[:, :, None]
+                q = tl.gather(q_l, ns + 0 * lane2, axis=1)
+            elif LANES2:
+                n_hi = ns >= SEG
+                n_l = ns - SEG * n_hi.to(tl.int32) + 0 * lane2
+                A2 = tl.gather(tl.where(n_hi, A_hi, A_lo), n_l, axis=1)[:, :, None]
+                q = tl.gather(tl.where(n_hi, qc_hi, qc_lo), n_l, axis=1)
             else:
                 A2 = tl.reshape(A_nx, (BLOCK_D, SEG)).to(ACC)[:, :, None] * LOG2E
                 q = tl.reshape(q_nx, (BLOCK_D, SEG))
             B_n = tl.reshape(B_nx, (BLOCK_D, SEG, SUB)).to(ACC)
             C_n = tl.reshape(C_nx, (BLOCK_D, SEG, SUB)).to(ACC)
             hp = tl.reshape(h_nx, (BLOCK_D, SEG))  # the saved state at each segment's start
-            n1 = (n + 1) % DSTATE  # (the last state prefetches the first one again, unused)
-            if not LANES:
+            n1 = (n + 1 + rot) % DSTATE  # (the last state prefetches the first one again, unused)
+            if not LANES and not LANES2:
                 A_nx = tl.load(A_flat + n1 * s_an, mask=i_m, other=0.0)
                 q_nx = tl.load(q_in + n1, mask=mq, other=0.0)
             if STAGES == 0 or BC_REG:  # one state ahead, loop-carried in registers
@@ -255,16 +291,25 @@ def _ss_bwd_kernel_v6(
             sg = tl.where(offs_p == 0, sg + sa * q, sg)
             _, xf = tl.associative_scan((sa, sg), axis=1, combine_fn=_combine)
             if LANES:
-                q_l = tl.where(lane2 == n, tl.gather(xf, SEG - 1 + 0 * lane2, axis=1), q_l)
+                q_l = tl.where(lane2 == ns, tl.gather(xf, SEG - 1 + 0 * lane2, axis=1), q_l)
+            elif LANES2:
+                x_end = tl.gather(xf, SEG - 1 + 0 * lane2, axis=1)
+                qn_lo = tl.where(lane2 == ns, x_end, qn_lo)
+                qn_hi = tl.where(lane2 + SEG == ns, x_end, qn_hi)
             else:
-                tl.store(q_out + n, tl.reshape(xf, (BLOCK_D * SEG,)), mask=last)
+                tl.store(q_out + ns, tl.reshape(xf, (BLOCK_D * SEG,)), mask=last)
             x = tl.where(offs_p == 0, q, tl.gather(xf, down, axis=1))
             g0, g1, g2, g3, g4, g5, g6, g7 = _adjoint8(a1, a2, a3, a4, a5, a6, a7, w0, w1, w2, w3, w4, w5, w6, w7, x)
             gs = _join8(g0, g1, g2, g3, g4, g5, g6, g7, BLOCK_D, SEG)
             hm = gs * (hs - bu)  # g_t exp(delta_t A) h_{t-1}
             sgb += gs * B_n
             sahm += hm * A2
-            _store_dA_lane0(hm, dt, dA_flat, (b * nchunks + c) * dim * DSTATE + n, first_lane, BLOCK_D, SEG)
+            if LANES2:
+                dA_n = tl.sum(tl.sum(hm * dt, axis=2), axis=1)[:, None]  # (BLOCK_D, 1)
+                dA_lo = tl.where(lane2 == ns, dA_lo + dA_n, dA_lo)
+                dA_hi = tl.where(lane2 + SEG == ns, dA_hi + dA_n, dA_hi)
+            else:
+                _store_dA_lane0(hm, dt, dA_flat, (b * nchunks + c) * dim * DSTATE + ns, first_lane, BLOCK_D, SEG)
             if DBDC:
                 if RS:
                     dBf = _chan_sum(g0 * u0, g1 * u1, g2 * u2, g3 * u3, g4 * u4, g5 * u5, g6 * u6, g7 * u7,
@@ -274,14 +319,14 @@ def _ss_bwd_kernel_v6(
                 else:
                     dBf = tl.reshape(tl.sum(gs * dtu, axis=0), (CHUNK,))
                     dCf = tl.reshape(tl.sum(hs * dy, axis=0), (CHUNK,))
-                _dbdc_out(r_base, rc_base, n * s_rn, tf, dBf, dCf, mf, ATOMIC)
+                _dbdc_out(r_base, rc_base, ns * s_rn, tf, dBf, dCf, mf, ATOMIC)
         if PIPE:  # the next chunk's inputs, issued before this chunk's reloads
             t2n = (c - 1) * CHUNK + tl2
             m2n = mask_d[:, None] & (t2n < seqlen) & (t2n >= 0)
             r_dt, r_go, r_z, r_u = _chunk_inputs(dt_base, go_base, z_base, u_base, t2n, m2n, HAS_Z)
         if FIRST:
             kp = k - SEG
-            h_first = tl.load(st_flat + kp * s_sk, mask=i_m & (kp >= 0) & (kp < nsub), other=0.0)
+            h_first = tl.load(st_flat + rot * s_sn + kp * s_sk, mask=i_m & (kp >= 0) & (kp < nsub), other=0.0)
         dD_c, dbias_c = _chunk_epilogue(
             dt, dy, y, sgb, sahm, t2, m2, m3, Dv, u_base, go_base, z_base, du_base, ddt_base, dz_base,
             BLOCK_D, SEG, SUB, ACC, HAS_D, HAS_Z, SOFTPLUS, FAST
@@ -289,5 +334,12 @@ def _ss_bwd_kernel_v6(
         if HAS_D:
             dD_acc += dD_c
         dbias_acc += dbias_c
+        if LANES2:
+            qc_lo = qn_lo
+            qc_hi = qn_hi
+    if LANES2:  # dA: one partial per program (the launcher's buffer has one chunk), lane p: states p and SEG + p
+        dA_p = dA_flat + b * dim * DSTATE + lane_f
+        tl.store(dA_p, tl.reshape(dA_lo, (BLOCK_D * SEG,)), mask=i_m & (lane_f < DSTATE))
+        tl.store(dA_p + SEG, tl.reshape(dA_hi, (BLOCK_D * SEG,)), mask=i_m & (lane_f + SEG < DSTATE))
     tl.store(dD_ptr + b * dim + offs_d, dD_acc, mask=mask_d)
     tl.store(dbias_ptr + b * dim + offs_d, dbias_acc, mask=mask_d)
