@@ -180,15 +180,15 @@ _CUDA_PF_BWD = importlib.import_module("anytrain.kernels.selective_scan")._CUDA_
     "pf_bwd,dstate",
     [(6, 16), (6 + 80, 16), (6 + 80 + 128, 16), (_CUDA_PF_BWD | 4, 16), (_CUDA_PF_BWD & ~4, 16),
      (_CUDA_PF_BWD | 4, 32)],
-    ids=["prefetch", "pipelined", "pipelined-first", "cuda-loads-lanes", "cuda-loads-nolanes", "cuda-loads-dstate32"],
+    ids=["prefetch", "pipelined", "pipelined-first", "cuda-loads-lanes", "cuda-loads-lanes2", "cuda-loads-lanes2-32"],
 )  # fmt: skip
 def test_v6_carry_across_chunks(pf_bwd, dstate):
     # 128-step backward chunks (16 segments of 8), seqlen 300: the adjoint carry crosses two chunk boundaries for every
     # state, with a partial last chunk; the per-state loads as a register prefetch, through the software pipeliner
-    # (5 stages), pipelined with each chunk's state-0 saved states prefetched during the previous chunk, and the CUDA
-    # default's loads (only the saved states pipelined) with and without lanes (the carry through the scratch) and at
-    # a dstate above seg_bwd with lanes asked for (the launcher turns them off); the interpreter runs the same loads
-    # without the pipelining
+    # (5 stages), pipelined with each chunk's first saved states prefetched during the previous chunk, and the CUDA
+    # default's loads (only the saved states pipelined, states rotated per program) with one lane register (bit 4) and
+    # with the default's two (dstate 16, and 32 = 2 seg_bwd with bit 4 asked for: the launcher takes the two); the
+    # interpreter runs the same loads without the pipelining
     cfg = dataclasses.replace(CFG_V6_LANES, pf_bwd=pf_bwd)
     vals = make_inputs(1, 3, 300, dstate, None, True, True, True)
     assert_match(*run_both(vals, True, cfg=cfg))
@@ -199,19 +199,31 @@ def test_v6_carry_across_chunks(pf_bwd, dstate):
 # not apply (8 x 4 at dstate 16: scratch, rotated), one lane register (4), and the two lane registers partly (12) or
 # not at all (6 <= 8) filled
 V6_WARP_TILES = [(4, 8, 16, _CUDA_PF_BWD), (4, 8, 16, 442), (8, 4, 16, _CUDA_PF_BWD), (4, 8, 8, _CUDA_PF_BWD | 4),
-                 (4, 8, 12, _CUDA_PF_BWD), (8, 4, 6, _CUDA_PF_BWD), (4, 8, 6, _CUDA_PF_BWD)]  # fmt: skip
+                 (4, 8, 12, _CUDA_PF_BWD), (4, 8, 6, _CUDA_PF_BWD)]  # fmt: skip
 
 
 @pytest.mark.parametrize(
     "block_d_bwd,seg_bwd,dstate,pf_bwd", V6_WARP_TILES,
-    ids=["4x8", "4x8-scratch", "8x4", "4x8-lanes", "4x8-lanes2-12", "8x4-lanes2-6", "4x8-lanes2-6"],
+    ids=["4x8", "4x8-scratch", "8x4", "4x8-lanes", "4x8-lanes2-12", "4x8-lanes2-6"],
 )  # fmt: skip
 def test_v6_more_channels_per_warp(block_d_bwd, seg_bwd, dstate, pf_bwd):
     # 4 channels x 8 segments (the CUDA default) or 8 x 4 (one warp's 32 lanes, 64- or 32-step chunks): the dB/dC
     # reduce-scatter in 2 or 3 rounds; dim 10 leaves the last program partly masked and gives 3 or 2 programs (state
-    # loops rotated by 0-2), seqlen 300 crosses 4-9 chunk boundaries
+    # loops rotated by 0-2), seqlen 300 crosses 4-9 chunk boundaries; batch 1 (see the next test for 2)
     cfg = dataclasses.replace(CFG_V6_LANES, block_d_bwd=block_d_bwd, seg_bwd=seg_bwd, pf_bwd=pf_bwd)
     vals = make_inputs(1, 10, 300, dstate, None, True, True, True)
+    assert_match(*run_both(vals, True, cfg=cfg))
+
+
+@pytest.mark.parametrize(
+    "pf_bwd", [_CUDA_PF_BWD, _CUDA_PF_BWD & ~112, _CUDA_PF_BWD & ~1024], ids=["cuda", "no-stages", "no-rotation"]
+)  # fmt: skip
+def test_v6_lane_carries_batches_and_groups(pf_bwd):
+    # the CUDA default's 4 x 8 tile on 2 batches and 2 groups of 6 channels (dA's per-batch offset, the rotation per
+    # program inside each group), also with the saved states loaded without the pipeliner (the rotated first prefetch
+    # of the register path) and without the rotation
+    cfg = dataclasses.replace(CFG_V6_LANES, block_d_bwd=4, seg_bwd=8, pf_bwd=pf_bwd)
+    vals = make_inputs(2, 12, 150, 16, 2, True, True, True)
     assert_match(*run_both(vals, True, cfg=cfg))
 
 

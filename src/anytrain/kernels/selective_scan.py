@@ -112,7 +112,8 @@ class ScanConfig:
     # (bwd_impl 5: bits 2 and 4); 8 (bwd_impl 4, 5) = the gate's sigmoid with the approximate exp and division (fp32
     # accumulation on a GPU only); bwd_impl 5: bits 16-112 = the software pipeline's stages for the per-state B/C and
     # saved-state loads ((pf_bwd >> 4) & 7; 0: a register prefetch one state ahead), 128 (with 2 and stages) = each
-    # chunk's state-0 saved states loaded into a register during the previous chunk, not in the pipeline's prologue,
+    # chunk's first state's saved states loaded into a register during the previous chunk, not in the pipeline's
+    # prologue,
     # 256 (with stages) = only the saved states pipelined, B/C kept in the register prefetch (L1-cached loads), 512
     # (dstate <= 2 seg_bwd, without 4's lanes) = A, the adjoint carry and dA in two lane registers each, 1024 = each
     # program's states visited from its block index on (mod dstate)
@@ -145,8 +146,8 @@ class ScanConfig:
 # A/carry loads or dA stores; pf_bwd 512), each program's state loop rotated by its block index (1024: with the lane
 # carries, programs in lockstep otherwise add dB/dC into the same rows at once: 1.776-1.858 ms without it), the saved
 # states 4 stages deep (1994 = 442 + 512 + 1024 + 16): 1.625-1.626 against 1.666-1.668 ms at the benchmark shape,
-# 4.220 against 4.284 ms at the 1.4b mixer shape, 0.427 against 0.445 at the 130m one, +1.2-1.4% tokens/s end to end
-# (H200, one alternating pair per row; docs/kernels.md).
+# 4.220 against 4.284 ms at the 1.4b mixer shape, 0.427 against 0.445 at the 130m one; end to end +1.4% (mamba-130m)
+# and +1.2% (mamba-1.4b-mb16) on an H200, +2.3% (130m) on an H100, one alternating pair each (docs/kernels.md).
 _CUDA_CONFIG = ScanConfig(
     1, 8, 1, block_d_bwd=4, chunk_bwd=8, num_warps_bwd=1, bwd_impl=5, seg_bwd=8, seg=32, maxnreg_bwd=152, pf=8279,
     pf_bwd=1994, maxnreg=72,

@@ -120,8 +120,9 @@ def _ss_bwd_kernel_v6(
     # B/C rows and saved states are loaded inside the state loop and left to Triton's software pipeliner (asynchronous
     # copies into shared memory, STAGES - 1 states ahead) instead of the register prefetch one state ahead, whose
     # loop-carried copy waited for the load at the end of every state (Nsight Compute, H100: 28% of the stall samples on
-    # that one instruction). FIRST (with STAGES and PIPE): state 0's saved states, which the pipeline's prologue would
-    # load at each chunk's start and wait for at once, come from a register loaded during the previous chunk. BC_REG
+    # that one instruction). FIRST (with STAGES and PIPE): the first state's saved states (state 0, or the rotated
+    # start), which the pipeline's prologue would load at each chunk's start and wait for at once, come from a register
+    # loaded during the previous chunk. BC_REG
     # (with STAGES): only the saved states go through the pipeline; B/C keep the register prefetch (L1-cached loads,
     # which the asynchronous copies bypass): slower alone, faster inside a training step (docs/kernels.md, pass 14).
     tl.static_assert(not LANES or DSTATE <= SEG, "LANES needs dstate <= seg_bwd (one lane per state)")
@@ -190,7 +191,7 @@ def _ss_bwd_kernel_v6(
         r_dt, r_go, r_z, r_u = _chunk_inputs(
             dt_base, go_base, z_base, u_base, t2p, mask_d[:, None] & (t2p < seqlen), HAS_Z
         )
-    if FIRST:  # the first chunk's state-0 saved states (FIRST: see the launcher)
+    if FIRST:  # the first chunk's saved states of the first state visited (FIRST: see the launcher)
         kp = (nchunks - 1) * SEG + i_seg - 1
         h_first = tl.load(st_flat + rot * s_sn + kp * s_sk, mask=i_m & (kp >= 0) & (kp < nsub), other=0.0)
     for cc in range(0, nchunks):
@@ -247,7 +248,7 @@ def _ss_bwd_kernel_v6(
                 if not BC_REG:
                     B_nx = tl.load(B_base + ns * s_bn + tb, mask=mt1, other=0.0)
                     C_nx = tl.load(C_base + ns * s_cn + tb, mask=mt1, other=0.0)
-                if FIRST:  # state 0's saved states come from the register prefetch
+                if FIRST:  # the first state's saved states come from the register prefetch
                     h_nx = tl.where(n == 0, h_first, tl.load(st_k + ns * s_sn, mask=mk & (n > 0), other=0.0))
                 else:
                     h_nx = tl.load(st_k + ns * s_sn, mask=mk, other=0.0)
