@@ -17,7 +17,8 @@ Backward, five kernels (``ScanConfig.bwd_impl``), all recomputing the states fro
      channels x 8 lanes, 64-step chunks), so the cross-lane scan and the dA sum take 3 rounds over 8 elements instead
      of 2 x 5; dB/dC are summed over the channels by a reduce-scatter across the lane groups (2 halving rounds) before
      one 2-wide atomic per lane. On CUDA the saved states reach the state loop through Triton's software pipeliner
-     (``pf_bwd`` bits 16-256, docs/kernels.md scan passes 14-15).
+     (``pf_bwd`` bits 16-256, docs/kernels.md scan passes 14-15), and A, the adjoint carry and dA sit in two lane
+     registers with each program's state loop starting at its block index (512, 1024; scan pass 16).
   4: ``_ss_bwd_kernel_v5`` (``selective_scan_bwd_v5.py``; ROCm default). v4's algorithm with 4-step segments (two per
      saved state; the odd ones start from the even neighbour's end state), lane-reversed so that the adjoint's
      cross-lane scan runs forward, and loads/stores/atomics whose layouts need no conversion on any Triton version:
@@ -113,10 +114,9 @@ class ScanConfig:
     # accumulation on a GPU only); bwd_impl 5: bits 16-112 = the software pipeline's stages for the per-state B/C and
     # saved-state loads ((pf_bwd >> 4) & 7; 0: a register prefetch one state ahead), 128 (with 2 and stages) = each
     # chunk's first state's saved states loaded into a register during the previous chunk, not in the pipeline's
-    # prologue,
-    # 256 (with stages) = only the saved states pipelined, B/C kept in the register prefetch (L1-cached loads), 512
-    # (dstate <= 2 seg_bwd, without 4's lanes) = A, the adjoint carry and dA in two lane registers each, 1024 = each
-    # program's states visited from its block index on (mod dstate)
+    # prologue, 256 (with stages) = only the saved states pipelined, B/C kept in the register prefetch (L1-cached
+    # loads), 512 (dstate <= 2 seg_bwd, without 4's lanes) = A, the adjoint carry and dA in two lane registers each,
+    # 1024 = each program's states visited from its block index on (mod dstate)
     maxnreg: int = 0  # CUDA only: register cap per thread for the forward kernel fwd_impl 1 (0: the compiler's choice)
 
 

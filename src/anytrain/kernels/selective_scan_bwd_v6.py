@@ -122,9 +122,9 @@ def _ss_bwd_kernel_v6(
     # loop-carried copy waited for the load at the end of every state (Nsight Compute, H100: 28% of the stall samples on
     # that one instruction). FIRST (with STAGES and PIPE): the first state's saved states (state 0, or the rotated
     # start), which the pipeline's prologue would load at each chunk's start and wait for at once, come from a register
-    # loaded during the previous chunk. BC_REG
-    # (with STAGES): only the saved states go through the pipeline; B/C keep the register prefetch (L1-cached loads,
-    # which the asynchronous copies bypass): slower alone, faster inside a training step (docs/kernels.md, pass 14).
+    # loaded during the previous chunk. BC_REG (with STAGES): only the saved states go through the pipeline; B/C keep
+    # the register prefetch (L1-cached loads, which the asynchronous copies bypass): slower alone, faster inside a
+    # training step (docs/kernels.md, pass 14).
     tl.static_assert(not LANES or DSTATE <= SEG, "LANES needs dstate <= seg_bwd (one lane per state)")
     # LANES2 (DSTATE <= 2 SEG): A, the adjoint carry and dA in two lane registers each (lane p: states p and SEG + p);
     # the carries read in a chunk are the ones the previous chunk wrote (double-buffered), so the per-state picks
