@@ -436,7 +436,8 @@ def _bwd(dout, u, delta, A, Bg, Cg, D, z, delta_bias, states, softplus: bool, cf
         lanes2 = cfg.bwd_impl == 5 and bool(cfg.pf_bwd & 512) and not lanes and dstate <= 2 * cfg.seg_bwd
         dA_chunks = 1 if lanes2 else triton.cdiv(seqlen, sub * cfg.seg_bwd)  # (lanes2: summed in the kernel)
         dA = torch.empty((batch, dA_chunks, dim, dstate), device=u.device, dtype=acc)
-        q = torch.empty((batch, dim, 2, dstate), device=u.device, dtype=acc)  # adjoint carry scratch
+        # the adjoint carry scratch (unused where v6 holds the carry in lanes)
+        q = torch.empty((batch, dim, 2, dstate) if not (lanes or lanes2) else (1,), device=u.device, dtype=acc)
         if cfg.bwd_impl == 5:
             stages = (cfg.pf_bwd >> 4) & 7  # the per-state loads' pipeline stages (0: register prefetch)
             launch(_ss_bwd_kernel_v6, dA, q, extra_strides=(states.stride(2), states.stride(3), 1), SEG=cfg.seg_bwd,

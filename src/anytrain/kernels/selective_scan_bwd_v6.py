@@ -100,6 +100,14 @@ def _chan_sum(r0, r1, r2, r3, r4, r5, r6, r7, ii, chan, BLOCK_D: tl.constexpr, S
     return res
 
 
+@triton.jit
+def _lane_A(A_flat, lane_f, i_m, first, s_an, DSTATE: tl.constexpr, BLOCK_D: tl.constexpr, SEG: tl.constexpr,
+            ACC: tl.constexpr):  # fmt: skip
+    # A log2(e) of state first + p in lane p of each channel, (BLOCK_D, SEG); 0 where that state does not exist
+    A = tl.load(A_flat + (lane_f + first) * s_an, mask=i_m & (lane_f + first < DSTATE), other=0.0)
+    return tl.reshape(A, (BLOCK_D, SEG)).to(ACC) * LOG2E
+
+
 @triton.jit(do_not_specialize=["s_sk", "one"])
 def _ss_bwd_kernel_v6(
     u_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, D_ptr, z_ptr, bias_ptr, state_ptr, dout_ptr,
@@ -167,19 +175,15 @@ def _ss_bwd_kernel_v6(
         tfr = tf0
     dD_acc = tl.zeros((BLOCK_D,), dtype=ACC)
     dbias_acc = tl.zeros((BLOCK_D,), dtype=ACC)
-    if LANES:
+    if LANES or LANES2:
         lane2 = offs_p + 0 * rows
         lane_f = ii % SEG
-        A_l = tl.load(A_flat + (lane_f % DSTATE) * s_an, mask=i_m & (lane_f < DSTATE), other=0.0)
-        A_l = tl.reshape(A_l, (BLOCK_D, SEG)).to(ACC) * LOG2E
+    if LANES:
+        A_l = _lane_A(A_flat, lane_f, i_m, 0, s_an, DSTATE, BLOCK_D, SEG, ACC)
         q_l = tl.zeros((BLOCK_D, SEG), dtype=ACC)  # lane n: state n's carry from the later chunk
     if LANES2:
-        lane2 = offs_p + 0 * rows
-        lane_f = ii % SEG
-        A_lo = tl.load(A_flat + lane_f * s_an, mask=i_m & (lane_f < DSTATE), other=0.0)
-        A_lo = tl.reshape(A_lo, (BLOCK_D, SEG)).to(ACC) * LOG2E
-        A_hi = tl.load(A_flat + (lane_f + SEG) * s_an, mask=i_m & (lane_f + SEG < DSTATE), other=0.0)
-        A_hi = tl.reshape(A_hi, (BLOCK_D, SEG)).to(ACC) * LOG2E
+        A_lo = _lane_A(A_flat, lane_f, i_m, 0, s_an, DSTATE, BLOCK_D, SEG, ACC)
+        A_hi = _lane_A(A_flat, lane_f, i_m, SEG, s_an, DSTATE, BLOCK_D, SEG, ACC)
         qc_lo = tl.zeros((BLOCK_D, SEG), dtype=ACC)  # this chunk's carries from the later chunk
         qc_hi = tl.zeros((BLOCK_D, SEG), dtype=ACC)
         qn_lo = qc_lo  # the carries this chunk passes to the earlier one
