@@ -70,7 +70,9 @@ def _slots_per_sm(kernel_regs: int, warps: int) -> int:
     props = torch.cuda.get_device_properties(0)
     regs_per_sm = getattr(props, "regs_per_multiprocessor", 65536)
     warp_regs = math.ceil(kernel_regs * 32 / 256) * 256  # allocation unit: 256 registers per warp
-    by_regs = regs_per_sm // (warp_regs * warps)
+    # the register file is split over the SM's 4 schedulers and a warp's registers come from its scheduler's quarter:
+    # 152 registers give 3 warps per scheduler, 12 per SM (Nsight Compute's "Block Limit Registers"), not 65536 // 4864
+    by_regs = 4 * ((regs_per_sm // 4) // warp_regs) // warps
     by_warps = (props.max_threads_per_multi_processor // 32) // warps
     return max(1, min(by_regs, by_warps, 32))
 

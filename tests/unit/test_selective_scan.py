@@ -209,9 +209,10 @@ V6_WARP_TILES = [(4, 8, 16, _CUDA_PF_BWD), (4, 8, 16, 442), (8, 4, 16, _CUDA_PF_
 def test_v6_more_channels_per_warp(block_d_bwd, seg_bwd, dstate, pf_bwd):
     # 4 channels x 8 segments (the CUDA default) or 8 x 4 (one warp's 32 lanes, 64- or 32-step chunks): the dB/dC
     # reduce-scatter in 2 or 3 rounds; dim 10 leaves the last program partly masked and gives 3 or 2 programs (state
-    # loops rotated by 0-2), seqlen 300 crosses 4-9 chunk boundaries; batch 1 (see the next test for 2)
+    # loops rotated by 0-2), seqlen 196 crosses 3-6 chunk boundaries and ends in half a segment; batch 1 (see the next
+    # test for 2)
     cfg = dataclasses.replace(CFG_V6_LANES, block_d_bwd=block_d_bwd, seg_bwd=seg_bwd, pf_bwd=pf_bwd)
-    vals = make_inputs(1, 10, 300, dstate, None, True, True, True)
+    vals = make_inputs(1, 10, 196, dstate, None, True, True, True)
     assert_match(*run_both(vals, True, cfg=cfg))
 
 
@@ -223,7 +224,7 @@ def test_v6_lane_carries_batches_and_groups(pf_bwd):
     # program inside each group), also with the saved states loaded without the pipeliner (the rotated first prefetch
     # of the register path) and without the rotation
     cfg = dataclasses.replace(CFG_V6_LANES, block_d_bwd=4, seg_bwd=8, pf_bwd=pf_bwd)
-    vals = make_inputs(2, 12, 150, 16, 2, True, True, True)
+    vals = make_inputs(2, 12, 78, 16, 2, True, True, True)  # two 64-step chunks (one carry handover), a partial segment
     assert_match(*run_both(vals, True, cfg=cfg))
 
 

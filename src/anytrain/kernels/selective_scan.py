@@ -122,8 +122,9 @@ class ScanConfig:
 
 # Per-vendor defaults. CUDA: fastest of bench/mamba_kernels.py --sweep on an H200 (bench/results/, Triton 3.6):
 # forward 1 channel per one-warp program; scan pass 8: backward v6, 2 channels per one-warp program (16 lanes each)
-# capped at 152 registers (13 warps per SM), the next chunk's inputs loaded before the epilogue and A / the adjoint
-# carry in lanes (pf_bwd 6): 1.905 / 1.920 ms against 1.972 / 1.992 for v5 (pf_bwd 7, 168 registers), two H200 calls.
+# capped at 152 registers (12 warps per SM, see scan pass 17), the next chunk's inputs loaded before the epilogue and A
+# / the adjoint carry in lanes (pf_bwd 6): 1.905 / 1.920 ms against 1.972 / 1.992 for v5 (pf_bwd 7, 168 registers),
+# two H200 calls.
 # Forward: unmasked B/C loads for whole chunks, bf16 B/C read as int32 pairs (pf 6: 0.655 against 0.685 ms, H200).
 # Both: the sigmoids with the approximate exp and division (pf 16, pf_bwd 8): backward 1.873 / 1.874 against 1.918 /
 # 1.918 ms, forward 0.645 against 0.647 / 0.649 (one H200 call, scan pass 11). Forward: B/C loads software-pipelined
@@ -148,8 +149,12 @@ class ScanConfig:
 # states 4 stages deep (1994 = 442 + 512 + 1024 + 16): 1.625-1.626 against 1.666-1.668 ms at the benchmark shape,
 # 4.220 against 4.284 ms at the 1.4b mixer shape, 0.427 against 0.445 at the 130m one; end to end +1.4% (mamba-130m)
 # and +1.2% (mamba-1.4b-mb16) on an H200, +2.3% (130m) on an H100, one alternating pair each (docs/kernels.md).
+# Backward, scan pass 17: the register file is split over the SM's 4 schedulers, so 129-168 registers all give 3 warps
+# per scheduler (12 per SM, Nsight Compute's register block limit; 152 was thought to give 13); the cap is 168, the
+# most that keeps 12: 1.593-1.596 against 1.625-1.630 ms at the benchmark shape, 4.133 against 4.226 ms at the 1.4b
+# mixer shape, 0.418 against 0.427 at the 130m one; end to end a tie (+0.5% / +0.2%, two alternating pairs, H200).
 _CUDA_CONFIG = ScanConfig(
-    1, 8, 1, block_d_bwd=4, chunk_bwd=8, num_warps_bwd=1, bwd_impl=5, seg_bwd=8, seg=32, maxnreg_bwd=152, pf=8279,
+    1, 8, 1, block_d_bwd=4, chunk_bwd=8, num_warps_bwd=1, bwd_impl=5, seg_bwd=8, seg=32, maxnreg_bwd=168, pf=8279,
     pf_bwd=1994, maxnreg=72,
 )  # fmt: skip
 _VENDOR_CONFIGS = {
