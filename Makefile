@@ -3,6 +3,8 @@
 PYTHON ?= python3
 VENV ?= .venv
 TORCH_SPEC ?= torch==2.13.0
+# test processes (pytest-xdist; each takes whole test files, so a file's fixtures are built once)
+TEST_WORKERS ?= 2
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 STAMP := $(VENV)/.installed
@@ -33,7 +35,7 @@ demo: $(STAMP) data/shakespeare/index.json
 
 # pytest exits 5 when it collects no test: treat that as a failure of the suite, not a pass
 test: $(STAMP)
-	$(PY) -m pytest -q -m "not gpu" tests; status=$$?; \
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile -m "not gpu" tests; status=$$?; \
 	if [ $$status -eq 5 ]; then echo "no tests were collected"; exit 1; fi; exit $$status
 
 lint: $(STAMP)
