@@ -85,12 +85,9 @@ def waves(dims: list[int], regs: dict, out: Path | None) -> None:
         sf, sb = _scan_calls(scan_inputs(dim), cfg)
         fwd_ms, bwd_ms = median_ms(sf), median_ms(sb)
         row = {"dim": dim, "fwd_ms": fwd_ms, "bwd_ms": bwd_ms, "regs": regs}
-        for name, key, per_prog, warps in (
-            ("_ss_fwd_kernel_v3", "fwd", cfg.block_d, cfg.num_warps),
-            ("_ss_bwd_kernel_v5", "bwd", cfg.block_d_bwd, cfg.num_warps_bwd),
-        ):
+        for key, per_prog, warps in (("fwd", cfg.block_d, cfg.num_warps), ("bwd", cfg.block_d_bwd, cfg.num_warps_bwd)):
             programs = BATCH * math.ceil(dim / per_prog)
-            slots = _slots_per_sm(regs[name], warps) * sms
+            slots = _slots_per_sm(regs[key], warps) * sms
             row[f"{key}_waves"] = programs / slots
             row[f"{key}_ms_per_wave"] = row[f"{key}_ms"] / math.ceil(programs / slots)
         rows.append(row)
@@ -168,7 +165,7 @@ def main() -> int:
               a.rounds, Path(a.out) if a.out else None, a.gemm)  # fmt: skip
     else:
         rf, rb = (int(v) for v in a.regs.split(","))
-        regs = {"_ss_fwd_kernel_v3": rf, "_ss_bwd_kernel_v5": rb}
+        regs = {"fwd": rf, "bwd": rb}  # the default forward / backward kernel's registers
         waves([int(d) for d in a.dims.split(",")], regs, Path(a.out) if a.out else None)
     return 0
 
