@@ -228,6 +228,45 @@ def test_v6_lane_carries_batches_and_groups(pf_bwd):
     assert_match(*run_both(vals, True, cfg=cfg))
 
 
+@pytest.mark.parametrize("seqlen", [64, 70])
+def test_v6_whole_chunks_and_bf16_pairs_are_bitwise_the_masked_loads(seqlen):
+    # pf_bwd 2048 (no time masks on the B/C loads and dB/dC atomics when seqlen fills whole chunks) and 4096 (with it,
+    # bf16 B/C read as int32 pairs) only change how B/C reach registers and how the atomics are guarded: every output
+    # must be bitwise the masked kernel's, the flags must reach the kernel exactly where they apply, and the fp64 case
+    # must match the reference (4 x 4 tile: 32-step chunks, so seqlen 64 is two whole chunks and 70 is not)
+    scan_mod = importlib.import_module("anytrain.kernels.selective_scan")
+    kernel, flags = scan_mod._ss_bwd_kernel_v6, []
+
+    class Recorder:
+        def __getitem__(self, grid):
+            def launch(*a, **kw):
+                flags.append((kw["EVEN"], kw["BITS"]))
+                return kernel[grid](*a, **kw)
+
+            return launch
+
+    base = dataclasses.replace(CFG_V6_LANES, block_d_bwd=4, seg_bwd=4, pf_bwd=_CUDA_PF_BWD & ~(2048 | 4096))
+    vals = make_inputs(1, 4, seqlen, 16, None, True, True, True)
+    bf = {k: None if v is None else v.to(torch.bfloat16 if k in ("u", "delta", "z", "B", "C") else torch.float32)
+          for k, v in vals.items()}  # fmt: skip
+    scan_mod._ss_bwd_kernel_v6 = Recorder()
+    try:
+        assert_match(*run_both(vals, True, cfg=dataclasses.replace(base, pf_bwd=base.pf_bwd | 2048 | 4096)))
+        grads = []
+        for extra in (0, 2048, 2048 | 4096):
+            leaves = {k: None if v is None else v.clone().requires_grad_() for k, v in bf.items()}
+            cfg = dataclasses.replace(base, pf_bwd=base.pf_bwd | extra)
+            out = selective_scan_triton(**leaves, delta_softplus=True, config=cfg)
+            out.backward(torch.ones_like(out))
+            grads.append([leaves[k].grad for k in ("u", "delta", "A", "B", "C", "D", "z", "delta_bias")])
+    finally:
+        scan_mod._ss_bwd_kernel_v6 = kernel
+    for got in grads[1:]:
+        assert all(torch.equal(x, y) for x, y in zip(got, grads[0], strict=True))
+    even = seqlen % 32 == 0
+    assert flags == [(even, False), (False, False), (even, False), (even, even)]
+
+
 def test_cuda_default_backward_tile_is_tested():
     cuda = importlib.import_module("anytrain.kernels.selective_scan")._CUDA_CONFIG
     assert cuda.bwd_impl == 5 and cuda.num_warps_bwd == 1 and cuda.chunk_bwd == 8

@@ -116,7 +116,9 @@ class ScanConfig:
     # chunk's first state's saved states loaded into a register during the previous chunk, not in the pipeline's
     # prologue, 256 (with stages) = only the saved states pipelined, B/C kept in the register prefetch (L1-cached
     # loads), 512 (dstate <= 2 seg_bwd, without 4's lanes) = A, the adjoint carry and dA in two lane registers each,
-    # 1024 = each program's states visited from its block index on (mod dstate)
+    # 1024 = each program's states visited from its block index on (mod dstate), 2048 = no time masks on the B/C loads
+    # and dB/dC atomics when seqlen fills whole chunks, 4096 = with 2048, bf16 B/C read as int32 pairs (when their
+    # strides allow)
     maxnreg: int = 0  # CUDA only: register cap per thread for the forward kernel fwd_impl 1 (0: the compiler's choice)
 
 
@@ -153,9 +155,13 @@ class ScanConfig:
 # per scheduler (12 per SM, Nsight Compute's register block limit; 152 was thought to give 13); the cap is 168, the
 # most that keeps 12: 1.593-1.596 against 1.625-1.630 ms at the benchmark shape, 4.133 against 4.226 ms at the 1.4b
 # mixer shape, 0.418 against 0.427 at the 130m one; end to end a tie (+0.5% / +0.2%, two alternating pairs, H200).
+# Scan pass 19: backward without time masks for whole chunks and with bf16 B/C as int32 pairs (pf_bwd 8138 = 1994 +
+# 2048 + 4096): 1.562 against 1.594 ms at the benchmark shape, 4.055 against 4.133 at the 1.4b mixer shape, 0.410
+# against 0.418 at the 130m one; forward with the chunk carry folded into the cross-lane scan (no config bit): 0.535
+# against 0.540-0.544 ms (H200, docs/kernels.md).
 _CUDA_CONFIG = ScanConfig(
     1, 8, 1, block_d_bwd=4, chunk_bwd=8, num_warps_bwd=1, bwd_impl=5, seg_bwd=8, seg=32, maxnreg_bwd=168, pf=8279,
-    pf_bwd=1994, maxnreg=72,
+    pf_bwd=8138, maxnreg=72,
 )  # fmt: skip
 _VENDOR_CONFIGS = {
     hardware.CUDA: _CUDA_CONFIG,
@@ -445,12 +451,14 @@ def _bwd(dout, u, delta, A, Bg, Cg, D, z, delta_bias, states, softplus: bool, cf
         q = torch.empty((batch, dim, 2, dstate) if not (lanes or lanes2) else (1,), device=u.device, dtype=acc)
         if cfg.bwd_impl == 5:
             stages = (cfg.pf_bwd >> 4) & 7  # the per-state loads' pipeline stages (0: register prefetch)
+            even = bool(cfg.pf_bwd & 2048) and seqlen % (8 * cfg.seg_bwd) == 0  # whole chunks: no time masks
+            bits = bool(cfg.pf_bwd & 4096) and _bf16_pairs(Bg, Cg)  # (with even) bf16 B/C read as int32 pairs
             launch(_ss_bwd_kernel_v6, dA, q, extra_strides=(states.stride(2), states.stride(3), 1), SEG=cfg.seg_bwd,
                    DBDC=not _DIAG_SKIP_DBDC, PIPE=bool(cfg.pf_bwd & 2),
                    LANES=lanes, LANES2=lanes2, ROT=bool(cfg.pf_bwd & 1024),
                    FAST=_fast_math(bool(cfg.pf_bwd & 8), u, acc), STAGES=stages,
                    FIRST=bool(cfg.pf_bwd & 128) and bool(cfg.pf_bwd & 2) and stages > 0,
-                   BC_REG=bool(cfg.pf_bwd & 256) and stages > 0)  # fmt: skip
+                   BC_REG=bool(cfg.pf_bwd & 256) and stages > 0, EVEN=even, BITS=even and bits)  # fmt: skip
         elif cfg.bwd_impl == 4:
             launch(_ss_bwd_kernel_v5, dA, q, extra_strides=(states.stride(2), states.stride(3), 1), SEG=cfg.seg_bwd,
                    DBDC=not _DIAG_SKIP_DBDC, BC_TILE=cfg.num_warps_bwd > 1, LATE=bool(cfg.pf_bwd & 1),

@@ -111,10 +111,17 @@ def _bc_bases(b, g, pid_blk, B_ptr, C_ptr, dB_ptr, dC_ptr, s_bb, s_bg, s_cb, s_c
 
 
 @triton.jit
-def _dbdc_out(r_base, rc_base, row, t, dB, dC, mask, ATOMIC: tl.constexpr):
+def _dbdc_out(r_base, rc_base, row, t, dB, dC, mask, ATOMIC: tl.constexpr, EVEN: tl.constexpr = False):
     """Add a state's dB / dC sums (state offset ``row``, steps ``t``) to the outputs (relaxed atomics), or store them
-    into this program's partials."""
-    if ATOMIC:
+    into this program's partials. EVEN: every step is inside the sequence (no mask)."""
+    if EVEN:
+        if ATOMIC:
+            tl.atomic_add(r_base + row + t, dB, sem="relaxed")
+            tl.atomic_add(rc_base + row + t, dC, sem="relaxed")
+        else:
+            tl.store(r_base + row + t, dB)
+            tl.store(rc_base + row + t, dC)
+    elif ATOMIC:
         tl.atomic_add(r_base + row + t, dB, mask=mask, sem="relaxed")
         tl.atomic_add(rc_base + row + t, dC, mask=mask, sem="relaxed")
     else:

@@ -108,6 +108,30 @@ def _lane_A(A_flat, lane_f, i_m, first, s_an, DSTATE: tl.constexpr, BLOCK_D: tl.
     return tl.reshape(A, (BLOCK_D, SEG)).to(ACC) * LOG2E
 
 
+@triton.jit
+def _bc_ld(base, row, tb, tbp, mask, EVEN: tl.constexpr, BITS: tl.constexpr):
+    # one state's B or C row of the chunk as a (BLOCK_D, CHUNK) bf16/fp32 tile, or (BITS) a (BLOCK_D, CHUNK // 2)
+    # int32 tile of bf16 pairs (row: the state's offset in elements, even with BITS); EVEN: whole chunks, no mask
+    if BITS:
+        x = tl.load(base.to(tl.pointer_type(tl.int32)) + row // 2 + tbp)
+    elif EVEN:
+        x = tl.load(base + row + tb)
+    else:
+        x = tl.load(base + row + tb, mask=mask, other=0.0)
+    return x
+
+
+@triton.jit
+def _bc_val(x, BLOCK_D: tl.constexpr, SEG: tl.constexpr, BITS: tl.constexpr, ACC: tl.constexpr):
+    if BITS:  # int32 pairs: bf16 step 2i in the low half, 2i + 1 in the high half; one shift or mask per value
+        x = tl.reshape(x, (BLOCK_D, SEG, 4))
+        lo = (x << 16).to(tl.float32, bitcast=True)
+        hi = (x & -65536).to(tl.float32, bitcast=True)
+        return tl.reshape(tl.join(lo, hi), (BLOCK_D, SEG, 8))
+    else:
+        return tl.reshape(x, (BLOCK_D, SEG, 8)).to(ACC)
+
+
 @triton.jit(do_not_specialize=["s_sk", "one"])
 def _ss_bwd_kernel_v6(
     u_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, D_ptr, z_ptr, bias_ptr, state_ptr, dout_ptr,
@@ -119,7 +143,7 @@ def _ss_bwd_kernel_v6(
     HAS_D: tl.constexpr, HAS_Z: tl.constexpr, HAS_BIAS: tl.constexpr, SOFTPLUS: tl.constexpr, ATOMIC: tl.constexpr,
     DBDC: tl.constexpr = True, PIPE: tl.constexpr = False, LANES: tl.constexpr = False, FAST: tl.constexpr = False,
     STAGES: tl.constexpr = 0, FIRST: tl.constexpr = False, BC_REG: tl.constexpr = False, LANES2: tl.constexpr = False,
-    ROT: tl.constexpr = False,
+    ROT: tl.constexpr = False, EVEN: tl.constexpr = False, BITS: tl.constexpr = False,
 ):  # fmt: skip
     # Arguments and outputs as _ss_bwd_kernel_v5 (the saved states every 8 steps; dA: (batch, nchunks, dim, N)
     # per-chunk partials, here with chunks of 8 * SEG steps). PIPE and LANES as in v5: the next chunk's inputs loaded
@@ -132,7 +156,12 @@ def _ss_bwd_kernel_v6(
     # start), which the pipeline's prologue would load at each chunk's start and wait for at once, come from a register
     # loaded during the previous chunk. BC_REG (with STAGES): only the saved states go through the pipeline; B/C keep
     # the register prefetch (L1-cached loads, which the asynchronous copies bypass): slower alone, faster inside a
-    # training step (docs/kernels.md, pass 14).
+    # training step (docs/kernels.md, pass 14). EVEN (seqlen a multiple of the chunk, set by the launcher): no time
+    # masks on the B/C loads and the dB/dC atomics (no zeroed registers and predicated loads, no branch around each
+    # atomic); BITS (with EVEN, bf16 B/C whose rows start on 4-byte boundaries): B/C loaded as int32 pairs and widened
+    # with one shift or mask per value, as in the forward (Triton's bf16 -> fp32 takes 1.5). With both: 300 instead
+    # of 311 instructions per state step and 1.562 against 1.594 ms at the bench shape (H200; scan pass 19).
+    tl.static_assert(not BITS or EVEN, "BITS needs EVEN (masked int32-pair loads are split)")
     tl.static_assert(not LANES or DSTATE <= SEG, "LANES needs dstate <= seg_bwd (one lane per state)")
     # LANES2 (DSTATE <= 2 SEG): A, the adjoint carry and dA in two lane registers each (lane p: states p and SEG + p);
     # the carries read in a chunk are the ones the previous chunk wrote (double-buffered), so the per-state picks
@@ -151,6 +180,8 @@ def _ss_bwd_kernel_v6(
     jj = tl.arange(0, CHUNK)
     tf0 = (SEG - 1 - jj // SUB) * (SUB * one) + jj % SUB  # lane-reversed steps, runs of 8 (see v5)
     tl2 = tf0[None, :]  # (1, CHUNK)
+    jp = tl.arange(0, CHUNK // 2)
+    tlp = ((SEG - 1 - jp // (SUB // 2)) * ((SUB // 2) * one) + jp % (SUB // 2))[None, :]  # the same, as int32 pairs
     tloc = tl.reshape(tl2, (1, SEG, SUB))
     offs_p = tl.arange(0, SEG)[None, :]  # (1, SEG) lane p = time segment SEG - 1 - p
     rows = offs_d[:, None]
@@ -236,22 +267,23 @@ def _ss_bwd_kernel_v6(
         mq = i_m & (ii * 0 + c < nchunks - 1)
         tb = t2 + 0 * rows  # B/C as (BLOCK_D, CHUNK) tiles (zero channel stride): the compute layout, no conversion
         mt1 = (t2 < seqlen) & (rows >= 0)
+        tbp = c * (CHUNK // 2) + tlp + 0 * rows  # (BITS) the int32 pairs' offsets
         tf = c * CHUNK + tfr
         mf = tf < seqlen
         if not LANES and not LANES2:
             A_nx = tl.load(A_flat + rot * s_an, mask=i_m, other=0.0)
             q_nx = tl.load(q_in + rot, mask=mq, other=0.0)
         if STAGES == 0 or BC_REG:
-            B_nx = tl.load(B_base + rot * s_bn + tb, mask=mt1, other=0.0)
-            C_nx = tl.load(C_base + rot * s_cn + tb, mask=mt1, other=0.0)
+            B_nx = _bc_ld(B_base, rot * s_bn, tb, tbp, mt1, EVEN, BITS)
+            C_nx = _bc_ld(C_base, rot * s_cn, tb, tbp, mt1, EVEN, BITS)
         if STAGES == 0:
             h_nx = tl.load(st_k + rot * s_sn, mask=mk, other=0.0)
         for n in tl.range(0, DSTATE, num_stages=STAGES if STAGES > 0 else None):
             ns = (n + rot) % DSTATE if ROT else n  # the state of this iteration
             if STAGES > 0:  # this state's B/C rows and saved states, left to Triton's software pipeliner
                 if not BC_REG:
-                    B_nx = tl.load(B_base + ns * s_bn + tb, mask=mt1, other=0.0)
-                    C_nx = tl.load(C_base + ns * s_cn + tb, mask=mt1, other=0.0)
+                    B_nx = _bc_ld(B_base, ns * s_bn, tb, tbp, mt1, EVEN, BITS)
+                    C_nx = _bc_ld(C_base, ns * s_cn, tb, tbp, mt1, EVEN, BITS)
                 if FIRST:  # the first state's saved states come from the register prefetch
                     h_nx = tl.where(n == 0, h_first, tl.load(st_k + ns * s_sn, mask=mk & (n > 0), other=0.0))
                 else:
@@ -267,16 +299,16 @@ def _ss_bwd_kernel_v6(
             else:
                 A2 = tl.reshape(A_nx, (BLOCK_D, SEG)).to(ACC)[:, :, None] * LOG2E
                 q = tl.reshape(q_nx, (BLOCK_D, SEG))
-            B_n = tl.reshape(B_nx, (BLOCK_D, SEG, SUB)).to(ACC)
-            C_n = tl.reshape(C_nx, (BLOCK_D, SEG, SUB)).to(ACC)
+            B_n = _bc_val(B_nx, BLOCK_D, SEG, BITS, ACC)
+            C_n = _bc_val(C_nx, BLOCK_D, SEG, BITS, ACC)
             hp = tl.reshape(h_nx, (BLOCK_D, SEG))  # the saved state at each segment's start
             n1 = (n + 1 + rot) % DSTATE  # (the last state prefetches the first one again, unused)
             if not LANES and not LANES2:
                 A_nx = tl.load(A_flat + n1 * s_an, mask=i_m, other=0.0)
                 q_nx = tl.load(q_in + n1, mask=mq, other=0.0)
             if STAGES == 0 or BC_REG:  # one state ahead, loop-carried in registers
-                B_nx = tl.load(B_base + n1 * s_bn + tb, mask=mt1, other=0.0)
-                C_nx = tl.load(C_base + n1 * s_cn + tb, mask=mt1, other=0.0)
+                B_nx = _bc_ld(B_base, n1 * s_bn, tb, tbp, mt1, EVEN, BITS)
+                C_nx = _bc_ld(C_base, n1 * s_cn, tb, tbp, mt1, EVEN, BITS)
             if STAGES == 0:
                 h_nx = tl.load(st_k + n1 * s_sn, mask=mk, other=0.0)
             a = tl.exp2(dt * A2)
@@ -324,7 +356,7 @@ def _ss_bwd_kernel_v6(
                 else:
                     dBf = tl.reshape(tl.sum(gs * dtu, axis=0), (CHUNK,))
                     dCf = tl.reshape(tl.sum(hs * dy, axis=0), (CHUNK,))
-                _dbdc_out(r_base, rc_base, ns * s_rn, tf, dBf, dCf, mf, ATOMIC)
+                _dbdc_out(r_base, rc_base, ns * s_rn, tf, dBf, dCf, mf, ATOMIC, EVEN)
         if PIPE:  # the next chunk's inputs, issued before this chunk's reloads
             t2n = (c - 1) * CHUNK + tl2
             m2n = mask_d[:, None] & (t2n < seqlen) & (t2n >= 0)

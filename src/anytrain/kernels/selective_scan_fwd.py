@@ -7,8 +7,9 @@ same in every Triton version; with SUB = the steps of one 16-byte vector (8 for 
 (BLOCK_D, SEG, SUB) is free and puts a segment in one thread and the segments on the lanes of one warp. So:
   - a runtime loop over the states makes y = sum_n C h a register accumulation (no reduction over states);
   - per state, each segment is scanned in-thread from h = 0, the (decay product, end state) aggregates of the SEG
-    segments are combined by one cross-lane scan, and each segment's start state (the previous segment's end state,
-    fetched with ``tl.gather`` one lane down) is folded in with hs = pa h0 + pb;
+    segments (the chunk's carry folded into segment 0's) are combined by one cross-lane scan, and each segment's start
+    state (the previous segment's end state, fetched with ``tl.gather`` one lane down) is folded in with
+    hs = pa h0 + pb;
   - the state at the end of every SUB * SAVE steps (the backward's chunk) is stored to ``states`` (batch, dim, N, nsub)
     by the lane that owns it; the chunk's carry into the next chunk is re-read from there after a barrier.
 The per-state B/C rows reach the state loop through Triton's software pipeliner (``STAGES``), one state per iteration
@@ -54,17 +55,26 @@ def _bc_values(x, SEG: tl.constexpr, SUB: tl.constexpr, BC_BITS: tl.constexpr, A
 
 
 @triton.jit
-def _state_step(dt, dtu, A2, hc, B_n, C_n, y, tloc, offs_s2, prev, SUB: tl.constexpr):
+def _keep_last(x, y):
+    # "keep the later": associative, so a reduction with it over an in-thread axis returns that axis' last element with
+    # no arithmetic (a masked tl.sum of the last element costs an x + 0.0, which does not fold for floats)
+    return y
+
+
+@triton.jit
+def _state_step(dt, dtu, A2, hc, B_n, C_n, y, offs_s2, prev):
     # One state over one chunk: returns y + C h and the state at the end of each segment, (BLOCK_D, SEG). A2: A log2 e
-    # of the state, (BLOCK_D, SEG, 1); hc: the state before the chunk, (BLOCK_D, SEG) (every lane holds it).
+    # of the state, (BLOCK_D, SEG, 1); hc: the state before the chunk, (BLOCK_D, SEG) (read in segment 0 only).
     a = tl.exp2(dt * A2)
     pa, pb = tl.associative_scan((a, dtu * B_n), axis=2, combine_fn=_combine)  # in-thread, from h = 0
     # segment aggregates, (BLOCK_D, SEG): 2-D (not keep_dims) so that no register dimension is broadcast, which
     # Triton 3.6's cross-lane scan lowering does not support
-    la = tl.sum(tl.where(tloc % SUB == SUB - 1, pa, 0.0), axis=2)
-    lb = tl.sum(tl.where(tloc % SUB == SUB - 1, pb, 0.0), axis=2)
-    ia, ib = tl.associative_scan((la, lb), axis=1, combine_fn=_combine)  # across lanes (segments)
-    e = ia * hc + ib  # state at the end of each segment
+    la = tl.reduce(pa, 2, _keep_last)
+    lb = tl.reduce(pb, 2, _keep_last)
+    # the carry folded into segment 0's end state: the cross-lane scan then yields the end states themselves, and its
+    # decay products are dead after the last round (no ia hc + ib per lane, one shuffle and multiply fewer; pass 19)
+    lb = tl.where(offs_s2 == 0, la * hc + lb, lb)
+    _, e = tl.associative_scan((la, lb), axis=1, combine_fn=_combine)  # across lanes (segments)
     h0 = tl.where(offs_s2 == 0, hc, tl.gather(e, prev, axis=1))  # state at the start of each segment
     y += (pa * h0[:, :, None] + pb) * C_n
     return y, e
@@ -171,7 +181,7 @@ def _ss_fwd_kernel_v3(
                     C_n = _bc_values(C_nx, SEG, SUB, BC_BITS, ACC)
                     A2 = tl.gather(A_l, n + 0 * lane_n, axis=1)[:, :, None]
                     hc = tl.gather(carry, n + 0 * lane_n, axis=1)
-                    y, e = _state_step(dt, dtu, A2, hc, B_n, C_n, y, tloc, offs_s2, prev, SUB)
+                    y, e = _state_step(dt, dtu, A2, hc, B_n, C_n, y, offs_s2, prev)
                     tl.store(st_tile + n * s_sn + (kc + ks) * s_sk, e, mask=msave)
                     carry = tl.where(lane_n == n, tl.gather(e, SEG - 1 + 0 * lane_n, axis=1), carry)
         else:
@@ -216,7 +226,7 @@ def _ss_fwd_kernel_v3(
                 if STAGES == 0:
                     B_nx = _ld_bc(B_rows + n1 * s_bn2, mt1, EVEN)
                     C_nx = _ld_bc(C_rows + n1 * s_cn2, mt1, EVEN)
-                y, e = _state_step(dt, dtu, A2, hc, B_n, C_n, y, tloc, offs_s2, prev, SUB)
+                y, e = _state_step(dt, dtu, A2, hc, B_n, C_n, y, offs_s2, prev)
                 tl.store(st_tile + n * s_sn + (kc + ks) * s_sk, e, mask=msave)
                 if LANES:  # the chunk's end state (the last lane's e) becomes lane n's carry
                     carry = tl.where(lane_n == n, tl.gather(e, SEG - 1 + 0 * lane_n, axis=1), carry)
