@@ -157,8 +157,8 @@ class ScanConfig:
 # mixer shape, 0.418 against 0.427 at the 130m one; end to end a tie (+0.5% / +0.2%, two alternating pairs, H200).
 # Scan pass 19: backward without time masks for whole chunks and with bf16 B/C as int32 pairs (pf_bwd 8138 = 1994 +
 # 2048 + 4096): 1.562 against 1.594 ms at the benchmark shape, 4.055 against 4.133 at the 1.4b mixer shape, 0.410
-# against 0.418 at the 130m one; forward with the chunk carry folded into the cross-lane scan (no config bit): 0.535
-# against 0.540-0.544 ms (H200, docs/kernels.md).
+# against 0.418-0.419 at the 130m one; forward with the chunk carry folded into the cross-lane scan (no config bit):
+# 0.535-0.537 against 0.540-0.544 ms (H200, docs/kernels.md).
 _CUDA_CONFIG = ScanConfig(
     1, 8, 1, block_d_bwd=4, chunk_bwd=8, num_warps_bwd=1, bwd_impl=5, seg_bwd=8, seg=32, maxnreg_bwd=168, pf=8279,
     pf_bwd=8138, maxnreg=72,

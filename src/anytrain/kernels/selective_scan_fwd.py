@@ -55,22 +55,27 @@ def _bc_values(x, SEG: tl.constexpr, SUB: tl.constexpr, BC_BITS: tl.constexpr, A
 
 
 @triton.jit
-def _keep_last(x, y):
-    # "keep the later": associative, so a reduction with it over an in-thread axis returns that axis' last element with
-    # no arithmetic (a masked tl.sum of the last element costs an x + 0.0, which does not fold for floats)
-    return y
+def _later(x1, i1, x2, i2):
+    # of two (value, step) pairs the one with the later step: associative and commutative, so a reduction with it
+    # returns the last step's value in any reduction order (lanes included). Over an in-thread axis the steps are
+    # constants per register and the compiler folds the choice: no arithmetic, where a masked tl.sum of the last
+    # element costs an x + 0.0 (it does not fold for floats)
+    later = i2 > i1
+    return tl.where(later, x2, x1), tl.where(later, i2, i1)
 
 
 @triton.jit
 def _state_step(dt, dtu, A2, hc, B_n, C_n, y, offs_s2, prev):
     # One state over one chunk: returns y + C h and the state at the end of each segment, (BLOCK_D, SEG). A2: A log2 e
-    # of the state, (BLOCK_D, SEG, 1); hc: the state before the chunk, (BLOCK_D, SEG) (read in segment 0 only).
+    # of the state, (BLOCK_D, SEG, 1); hc: the state before the chunk, (BLOCK_D, SEG) or (BLOCK_D, 1) (read in segment 0
+    # only).
     a = tl.exp2(dt * A2)
     pa, pb = tl.associative_scan((a, dtu * B_n), axis=2, combine_fn=_combine)  # in-thread, from h = 0
     # segment aggregates, (BLOCK_D, SEG): 2-D (not keep_dims) so that no register dimension is broadcast, which
     # Triton 3.6's cross-lane scan lowering does not support
-    la = tl.reduce(pa, 2, _keep_last)
-    lb = tl.reduce(pb, 2, _keep_last)
+    step = tl.broadcast_to(tl.arange(0, pa.shape[2])[None, None, :], pa.shape)
+    la, _ = tl.reduce((pa, step), 2, _later)
+    lb, _ = tl.reduce((pb, step), 2, _later)
     # the carry folded into segment 0's end state: the cross-lane scan then yields the end states themselves, and its
     # decay products are dead after the last round (no ia hc + ib per lane, one shuffle and multiply fewer; pass 19)
     lb = tl.where(offs_s2 == 0, la * hc + lb, lb)
