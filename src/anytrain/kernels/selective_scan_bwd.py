@@ -111,6 +111,17 @@ def _bc_bases(b, g, pid_blk, B_ptr, C_ptr, dB_ptr, dC_ptr, s_bb, s_bg, s_cb, s_c
 
 
 @triton.jit
+def _widen_bf16_pairs(x, ROWS: tl.constexpr, SEG: tl.constexpr, SUB: tl.constexpr):
+    # (ROWS, SEG * SUB // 2) int32, each the bf16 steps 2i (low half) and 2i + 1 (high half) -> (ROWS, SEG, SUB) fp32:
+    # a bf16 is the top half of the fp32 with the same value, so one shift or mask per value (Triton's own bf16 -> fp32
+    # takes 1.5); the forward's B/C (ROWS 1) and backward v6's (ROWS = its channels)
+    x = tl.reshape(x, (ROWS, SEG, SUB // 2))
+    lo = (x << 16).to(tl.float32, bitcast=True)
+    hi = (x & -65536).to(tl.float32, bitcast=True)
+    return tl.reshape(tl.join(lo, hi), (ROWS, SEG, SUB))
+
+
+@triton.jit
 def _dbdc_out(r_base, rc_base, row, t, dB, dC, mask, ATOMIC: tl.constexpr, EVEN: tl.constexpr = False):
     """Add a state's dB / dC sums (state offset ``row``, steps ``t``) to the outputs (relaxed atomics), or store them
     into this program's partials. EVEN: every step is inside the sequence (no mask)."""

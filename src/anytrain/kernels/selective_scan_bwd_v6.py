@@ -56,6 +56,7 @@ from anytrain.kernels.selective_scan_bwd import (
     _sigmoid_fm,
     _split8,
     _store_dA_lane0,
+    _widen_bf16_pairs,
 )
 
 
@@ -123,11 +124,8 @@ def _bc_ld(base, row, tb, tbp, mask, EVEN: tl.constexpr, BITS: tl.constexpr):
 
 @triton.jit
 def _bc_val(x, BLOCK_D: tl.constexpr, SEG: tl.constexpr, BITS: tl.constexpr, ACC: tl.constexpr):
-    if BITS:  # int32 pairs: bf16 step 2i in the low half, 2i + 1 in the high half; one shift or mask per value
-        x = tl.reshape(x, (BLOCK_D, SEG, 4))
-        lo = (x << 16).to(tl.float32, bitcast=True)
-        hi = (x & -65536).to(tl.float32, bitcast=True)
-        return tl.reshape(tl.join(lo, hi), (BLOCK_D, SEG, 8))
+    if BITS:  # int32 pairs, widened as in the forward
+        return _widen_bf16_pairs(x, BLOCK_D, SEG, 8)
     else:
         return tl.reshape(x, (BLOCK_D, SEG, 8)).to(ACC)
 

@@ -23,7 +23,16 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from anytrain.kernels.selective_scan_bwd import LOG2E, _chan_params, _combine, _delta, _ld2, _program_block, _sigmoid_fm
+from anytrain.kernels.selective_scan_bwd import (
+    LOG2E,
+    _chan_params,
+    _combine,
+    _delta,
+    _ld2,
+    _program_block,
+    _sigmoid_fm,
+    _widen_bf16_pairs,
+)
 
 
 @triton.jit
@@ -36,20 +45,10 @@ def _ld_bc(ptrs, mask, EVEN: tl.constexpr):
 
 
 @triton.jit
-def _widen_bf16_pairs(x, SEG: tl.constexpr, SUB: tl.constexpr):
-    # (1, SEG * SUB // 2) int32, each the bf16 steps 2i (low half) and 2i + 1 (high half) -> (1, SEG, SUB) fp32: a bf16
-    # is the top half of the fp32 with the same value
-    x = tl.reshape(x, (1, SEG, SUB // 2))
-    lo = (x << 16).to(tl.float32, bitcast=True)
-    hi = (x & -65536).to(tl.float32, bitcast=True)
-    return tl.reshape(tl.join(lo, hi), (1, SEG, SUB))
-
-
-@triton.jit
 def _bc_values(x, SEG: tl.constexpr, SUB: tl.constexpr, BC_BITS: tl.constexpr, ACC: tl.constexpr):
     # one state's raw B or C row of the chunk, (1, SEG * SUB) (or int32 pairs) -> (1, SEG, SUB) in the ACC dtype
     if BC_BITS:
-        return _widen_bf16_pairs(x, SEG, SUB)
+        return _widen_bf16_pairs(x, 1, SEG, SUB)
     else:
         return tl.reshape(x, (1, SEG, SUB)).to(ACC)
 
