@@ -54,7 +54,7 @@ class _Recorder:
 def scan_launches(cfg: ScanConfig):
     """The forward and backward launches of the selective scan at the benchmark shape (bf16, z, D, bias, softplus)."""
     sink: list = []
-    names = [n for n in dir(scan_mod) if n.startswith("_ss_") and "kernel" in n]
+    names = [n for n in dir(scan_mod) if n.startswith(("_ss_", "_bc_")) and "kernel" in n]
     saved = {n: getattr(scan_mod, n) for n in [*names, "_fast_math"]}
     try:
         for n in names:

@@ -6,6 +6,7 @@ against the channel count (how the time depends on the number of program waves).
         python3 bench/scan_probe.py once                      # what bench/device/scan_ncu.sh runs
     PYTHONPATH=src python3 bench/scan_probe.py waves [--dims 4752,5376,6336]
     PYTHONPATH=src python3 bench/scan_probe.py mixer --configs FIELDS FIELDS ...   # backward at the 1.4b step's layout
+    PYTHONPATH=src python3 bench/scan_probe.py kernels      # each kernel of the default launchers, GPU time per call
 
 ``mixer`` times the backward of each given ScanConfig (comma-separated fields) on the fused mixer's layout at a
 training shape (default: mamba-1.4b at micro-batch 16, seqlen 2048): u, delta, z as (batch, dim, seqlen) views of
@@ -66,6 +67,35 @@ def once(dim: int) -> None:
     print(f"once: dim {dim}, scan config {cfg}")
 
 
+def kernels(dim: int, calls: int, out: Path | None) -> None:
+    """Each kernel the default scan launchers run (forward, backward), its GPU time per call (CUDA profiler), the sum,
+    and the launcher's do_bench median: what the small kernels around the scan kernel cost."""
+    from torch.profiler import ProfilerActivity, profile
+
+    cfg = scan_mod.default_config()
+    rec: dict = {"device": torch.cuda.get_device_name(0), "dim": dim, "config": vars(cfg)}
+    for name, fn in zip(("fwd", "bwd"), _scan_calls(scan_inputs(dim), cfg), strict=True):
+        for _ in range(3):
+            fn()
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(calls):
+                fn()
+            torch.cuda.synchronize()
+        per: dict[str, float] = {}
+        for e in prof.events():
+            if e.device_type == torch.autograd.DeviceType.CUDA:
+                per[e.name] = per.get(e.name, 0.0) + e.device_time / 1e3 / calls
+        med = median_ms(fn)
+        print(f"scan {name}: do_bench median {med:.4f} ms, kernels' sum {sum(per.values()):.4f} ms")
+        for k, v in sorted(per.items(), key=lambda kv: -kv[1]):
+            print(f"  {v * 1e3:9.2f} us  {k[:110]}")
+        rec[name] = {"do_bench_ms": med, "kernels_ms": per}
+    if out:
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "scan_kernels.json").write_text(json.dumps(rec, indent=1))
+
+
 def _slots_per_sm(kernel_regs: int, warps: int) -> int:
     props = torch.cuda.get_device_properties(0)
     regs_per_sm = getattr(props, "regs_per_multiprocessor", 65536)
@@ -101,7 +131,9 @@ def waves(dims: list[int], regs: dict, out: Path | None) -> None:
         (out / "scan_waves.json").write_text(json.dumps({"device": torch.cuda.get_device_name(0), "rows": rows}))
 
 
-def mixer(configs: list[str], batch: int, dim: int, seqlen: int, rounds: int, out: Path | None, gemm: int) -> None:
+def mixer(
+    configs: list[str], batch: int, dim: int, seqlen: int, rounds: int, out: Path | None, gemm: int, fwd: bool = False
+) -> None:
     from anytrain.kernels.mamba_inner import _bct, _scan_inputs
     from anytrain.kernels.selective_scan import ScanConfig
 
@@ -120,7 +152,10 @@ def mixer(configs: list[str], batch: int, dim: int, seqlen: int, rounds: int, ou
     for c in configs:
         cfg = ScanConfig(*(int(v) for v in c.split(",")))
         _, states = scan_mod._fwd(*args, True, cfg)
-        calls.append((c, lambda cfg=cfg, st=states: scan_mod._bwd(dout, *args, st, True, cfg, False)))
+        if fwd:
+            calls.append((c, lambda cfg=cfg: scan_mod._fwd(*args, True, cfg)))
+        else:
+            calls.append((c, lambda cfg=cfg, st=states: scan_mod._bwd(dout, *args, st, True, cfg, False)))
     if gemm:  # each launch after a (gemm, gemm) bf16 matmul, as in the training step; its own time subtracted
         a = torch.randn(gemm, gemm, device=dev, dtype=torch.bfloat16)
         mm = lambda: a @ a  # noqa: E731
@@ -130,23 +165,25 @@ def mixer(configs: list[str], batch: int, dim: int, seqlen: int, rounds: int, ou
         base = median_ms(mm) if gemm else 0.0
         for c, fn in calls:
             times[c].append(median_ms(fn) - base)
-    print(f"mixer layout: batch {batch}, dim {dim}, seqlen {seqlen}, gemm {gemm}; backward ms per round")
+    which = "forward" if fwd else "backward"
+    print(f"mixer layout: batch {batch}, dim {dim}, seqlen {seqlen}, gemm {gemm}; {which} ms per round")
     for c in configs:
         print(f"  {' '.join(f'{t:.3f}' for t in times[c])}  {c}")
     if out:
         out.mkdir(parents=True, exist_ok=True)
         rec = {"device": torch.cuda.get_device_name(0), "batch": batch, "dim": dim, "seqlen": seqlen, "gemm": gemm,
                "ms": times}  # fmt: skip
-        (out / "scan_mixer_bwd.json").write_text(json.dumps(rec, indent=1))
+        (out / f"scan_mixer_{'fwd' if fwd else 'bwd'}.json").write_text(json.dumps(rec, indent=1))
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("mode", choices=("once", "waves", "mixer"))
+    ap.add_argument("mode", choices=("once", "waves", "mixer", "kernels"))
     ap.add_argument("--configs", nargs="+", default=[], metavar="FIELDS", help="mixer: backward ScanConfigs to time")
     ap.add_argument("--shape", default="16,4096,2048", help="mixer: batch,dim,seqlen")
     ap.add_argument("--rounds", type=int, default=3, help="mixer: timing rounds over the configs")
     ap.add_argument("--gemm", type=int, default=0, help="mixer: a (n, n) bf16 matmul before each launch (0: none)")
+    ap.add_argument("--fwd", action="store_true", help="mixer: time the forward instead of the backward")
     ap.add_argument("--dim", type=int, default=5376)
     ap.add_argument("--dims", default="4752,5376,6336")
     ap.add_argument("--out", default=None)
@@ -159,10 +196,12 @@ def main() -> int:
     assert DSTATE == 16
     if a.mode == "once":
         once(a.dim)
+    elif a.mode == "kernels":
+        kernels(a.dim, 20, Path(a.out) if a.out else None)
     elif a.mode == "mixer":
         batch, dim, seqlen = (int(v) for v in a.shape.split(","))
         mixer(a.configs or [",".join(str(v) for v in vars(scan_mod.default_config()).values())], batch, dim, seqlen,
-              a.rounds, Path(a.out) if a.out else None, a.gemm)  # fmt: skip
+              a.rounds, Path(a.out) if a.out else None, a.gemm, a.fwd)  # fmt: skip
     else:
         rf, rb = (int(v) for v in a.regs.split(","))
         regs = {"fwd": rf, "bwd": rb}  # the default forward / backward kernel's registers

@@ -297,6 +297,32 @@ def test_v6_lane_carries_and_rotation_reach_the_kernel(monkeypatch):
     assert seen == [(False, True, True, 1), (False, False, True, 4), (True, False, True, 4), (False, False, False, 4)]
 
 
+def test_v6_batch_sums_in_the_kernel_only_with_atomics_and_lane_carries(monkeypatch):
+    # pf_bwd 8192 -> BSUM (dA, dD, dbias summed over the batch by atomic adds; the launcher then allocates them without
+    # a batch dimension and zeroes them) only where the kernel's dB/dC are atomic (more than one channel block) and A /
+    # the carries sit in two lane registers (512); its sums are checked by test_v6_lane_carries_batches_and_groups
+    scan_mod = importlib.import_module("anytrain.kernels.selective_scan")
+    seen = []
+
+    class Recorder:
+        def __getitem__(self, grid):
+            return lambda *a, **kw: seen.append((kw["BSUM"], tuple(a[15].shape), tuple(a[16].shape)))
+
+    monkeypatch.setattr(scan_mod, "_ss_bwd_kernel_v6", Recorder())
+    cuda = scan_mod._CUDA_CONFIG
+    assert cuda.pf_bwd & 8192 and cuda.pf_bwd & 512
+    for dim, pf_bwd in [(8, cuda.pf_bwd), (4, cuda.pf_bwd), (8, cuda.pf_bwd & ~8192), (8, cuda.pf_bwd & ~512)]:
+        vals = make_inputs(2, dim, 128, 16, None, True, True, True)
+        v = {k: None if x is None else x.float() for k, x in vals.items()}
+        Bg, Cg = scan_mod._as_groups(v["B"]), scan_mod._as_groups(v["C"])
+        states = torch.zeros(2, dim, 16, 16)
+        cfg = dataclasses.replace(cuda, pf_bwd=pf_bwd)
+        scan_mod._bwd(v["u"], v["u"], v["delta"], v["A"], Bg, Cg, v["D"], v["z"], v["delta_bias"], states, True, cfg,
+                      False)  # fmt: skip
+    assert seen == [(True, (1, 1, 8, 16), (8,)), (False, (2, 1, 4, 16), (2, 4)), (False, (2, 1, 8, 16), (2, 8)),
+                    (False, (2, 2, 8, 16), (2, 8))]  # fmt: skip
+
+
 def test_v6_load_options_reach_the_kernel(monkeypatch):
     # pf_bwd bits -> v6's STAGES ((pf_bwd >> 4) & 7), FIRST (128, needs bit 2 and stages), BC_REG (256, needs stages);
     # the CUDA default pipelines the saved states only, with FIRST

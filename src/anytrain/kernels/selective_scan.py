@@ -118,7 +118,7 @@ class ScanConfig:
     # loads), 512 (dstate <= 2 seg_bwd, without 4's lanes) = A, the adjoint carry and dA in two lane registers each,
     # 1024 = each program's states visited from its block index on (mod dstate), 2048 = no time masks on the B/C loads
     # and dB/dC atomics when seqlen fills whole chunks, 4096 = with 2048, bf16 B/C read as int32 pairs (when their
-    # strides allow)
+    # strides allow), 8192 = with 512 and atomics, dA / dD / dbias summed over the batch by atomic adds in the kernel
     maxnreg: int = 0  # CUDA only: register cap per thread for the forward kernel fwd_impl 1 (0: the compiler's choice)
 
 
@@ -158,10 +158,12 @@ class ScanConfig:
 # Scan pass 19: backward without time masks for whole chunks and with bf16 B/C as int32 pairs (pf_bwd 8138 = 1994 +
 # 2048 + 4096): 1.562 against 1.594 ms at the benchmark shape, 4.055 against 4.133 at the 1.4b mixer shape, 0.410
 # against 0.418-0.419 at the 130m one; forward with the chunk carry folded into the cross-lane scan (no config bit):
-# 0.535-0.537 against 0.540-0.544 ms (H200, docs/kernels.md).
+# 0.535-0.537 against 0.540-0.544 ms (H200, docs/kernels.md). Scan pass 20: dA / dD / dbias summed over the batch
+# by atomic adds in the kernel (pf_bwd 16330 = 8138 + 8192): the launcher 1.551 against 1.560 ms at the benchmark
+# shape (the kernel's time unchanged; one zeroing launch instead of two fills and three reductions).
 _CUDA_CONFIG = ScanConfig(
     1, 8, 1, block_d_bwd=4, chunk_bwd=8, num_warps_bwd=1, bwd_impl=5, seg_bwd=8, seg=32, maxnreg_bwd=168, pf=8279,
-    pf_bwd=8138, maxnreg=72,
+    pf_bwd=16330, maxnreg=72,
 )  # fmt: skip
 _VENDOR_CONFIGS = {
     hardware.CUDA: _CUDA_CONFIG,
@@ -293,19 +295,38 @@ def fwd_group(cfg: ScanConfig, dstate: int) -> int:
     return group if cfg.fwd_impl == 1 and cfg.pf & 1 and dstate <= cfg.seg and dstate % group == 0 else 1
 
 
+@triton.jit
+def _bc_chunk_major_kernel(
+    B_ptr, C_ptr, out_ptr, seqlen, s_bb, s_bg, s_bn, s_cb, s_cg, s_cn,
+    DSTATE: tl.constexpr, BLOCK_N: tl.constexpr, CHUNK: tl.constexpr,
+):  # fmt: skip
+    # one (chunk, batch, group) tile of _chunk_major: the B and C rows of all states, zero past seqlen
+    c = tl.program_id(0)
+    b = tl.program_id(1)
+    g = tl.program_id(2)
+    n = tl.arange(0, BLOCK_N)[:, None]
+    t = c * CHUNK + tl.arange(0, CHUNK)[None, :]
+    m = (n < DSTATE) & (t < seqlen)
+    row = (((b * tl.num_programs(2) + g) * tl.num_programs(0) + c) * DSTATE + n).to(tl.int64)  # (batch, G, nch, N)
+    out = out_ptr + row * (2 * CHUNK) + tl.arange(0, CHUNK)[None, :]
+    x = tl.load(B_ptr + b * s_bb + g * s_bg + n * s_bn + t, mask=m, other=0)
+    tl.store(out, x.to(out_ptr.dtype.element_ty), mask=n < DSTATE)
+    x = tl.load(C_ptr + b * s_cb + g * s_cg + n * s_cn + t, mask=m, other=0)
+    tl.store(out + CHUNK, x.to(out_ptr.dtype.element_ty), mask=n < DSTATE)
+
+
 def _chunk_major(Bg: Tensor, Cg: Tensor, chunk: int) -> Tensor:
     """(batch, G, N, L) B and C -> one (batch, G, nchunks, N, 2, chunk) tensor, zero-padded to whole chunks: the B
     and C rows of all states of a chunk in one contiguous block (the grouped forward loads a group's rows as one tile).
-    Small next to the (batch, dim, L) inputs: 2 x batch x G x N x L elements."""
+    Small next to the (batch, dim, L) inputs: 2 x batch x G x N x L elements; one Triton launch."""
     batch, ngroups, dstate, seqlen = Bg.shape
     nch = triton.cdiv(seqlen, chunk)
     dtype = torch.promote_types(Bg.dtype, Cg.dtype)  # (B and C may differ: neither is rounded to the other's dtype)
     bc = torch.empty((batch, ngroups, nch, dstate, 2, chunk), device=Bg.device, dtype=dtype)
-    pad = nch * chunk - seqlen
-    for i, x in enumerate((Bg, Cg)):
-        if pad:
-            x = torch.nn.functional.pad(x, (0, pad))
-        bc[:, :, :, :, i].copy_(x.reshape(batch, ngroups, dstate, nch, chunk).transpose(2, 3))
+    _bc_chunk_major_kernel[(nch, batch, ngroups)](
+        Bg, Cg, bc, seqlen, Bg.stride(0), Bg.stride(1), Bg.stride(2), Cg.stride(0), Cg.stride(1), Cg.stride(2),
+        DSTATE=dstate, BLOCK_N=triton.next_power_of_2(dstate), CHUNK=chunk, num_warps=4,
+    )  # fmt: skip
     return bc
 
 
@@ -413,12 +434,18 @@ def _bwd(dout, u, delta, A, Bg, Cg, D, z, delta_bias, states, softplus: bool, cf
     ddelta = torch.empty_like(delta)
     dz = torch.empty_like(z) if z is not None else None
     kdim = 1 if atomic else nblk
-    alloc = torch.zeros if atomic else torch.empty
-    dB = alloc((batch, ngroups, kdim, dstate, seqlen), device=u.device, dtype=acc)  # (batch, G, K, N, L)
-    dC = alloc((batch, ngroups, kdim, dstate, seqlen), device=u.device, dtype=acc)
+    # v6: A and the adjoint carry in one lane register (pf_bwd 4, dstate <= seg_bwd), or with dA in two (512)
+    lanes = cfg.bwd_impl == 5 and bool(cfg.pf_bwd & 4) and dstate <= cfg.seg_bwd
+    lanes2 = cfg.bwd_impl == 5 and bool(cfg.pf_bwd & 512) and not lanes and dstate <= 2 * cfg.seg_bwd
+    # v6 with the two-register lane carries and atomics (pf_bwd 8192): dA, dD and dbias summed over the batch in the
+    # kernel by atomic adds, all five atomic targets zeroed by one multi-tensor launch (no per-batch partials summed by
+    # three more kernels afterwards)
+    bsum = atomic and lanes2 and bool(cfg.pf_bwd & 8192)
+    dB = torch.empty((batch, ngroups, kdim, dstate, seqlen), device=u.device, dtype=acc)  # (batch, G, K, N, L)
+    dC = torch.empty((batch, ngroups, kdim, dstate, seqlen), device=u.device, dtype=acc)
     dA = torch.empty((batch, dim, dstate), device=u.device, dtype=acc)
-    dD = torch.empty((batch, dim), device=u.device, dtype=acc)
-    dbias = torch.empty((batch, dim), device=u.device, dtype=acc)
+    dD = torch.empty((dim,) if bsum else (batch, dim), device=u.device, dtype=acc)
+    dbias = torch.empty((dim,) if bsum else (batch, dim), device=u.device, dtype=acc)
     zz, dzz = (z, dz) if z is not None else (u, du)
     grid = (nblk, ngroups, batch)
     common = dict(
@@ -442,11 +469,12 @@ def _bwd(dout, u, delta, A, Bg, Cg, D, z, delta_bias, states, softplus: bool, cf
 
     if cfg.bwd_impl in (2, 3, 4, 5):  # v6 / v5 / v4 / v3: per-chunk dA partials (batch, nchunks, dim, N)
         sub = 4 if cfg.bwd_impl == 4 else chunk  # steps per segment (v5: half the saved-state interval)
-        # v6: A and the adjoint carry in one lane register (pf_bwd 4, dstate <= seg_bwd), or with dA in two (512)
-        lanes = cfg.bwd_impl == 5 and bool(cfg.pf_bwd & 4) and dstate <= cfg.seg_bwd
-        lanes2 = cfg.bwd_impl == 5 and bool(cfg.pf_bwd & 512) and not lanes and dstate <= 2 * cfg.seg_bwd
         dA_chunks = 1 if lanes2 else triton.cdiv(seqlen, sub * cfg.seg_bwd)  # (lanes2: summed in the kernel)
-        dA = torch.empty((batch, dA_chunks, dim, dstate), device=u.device, dtype=acc)
+        dA = torch.empty((1, 1, dim, dstate) if bsum else (batch, dA_chunks, dim, dstate), device=u.device, dtype=acc)
+        if bsum:
+            torch._foreach_zero_([dB, dC, dA, dD, dbias])
+        elif atomic:
+            torch._foreach_zero_([dB, dC])
         # the adjoint carry scratch (unused where v6 holds the carry in lanes)
         q = torch.empty((batch, dim, 2, dstate) if not (lanes or lanes2) else (1,), device=u.device, dtype=acc)
         if cfg.bwd_impl == 5:
@@ -458,7 +486,8 @@ def _bwd(dout, u, delta, A, Bg, Cg, D, z, delta_bias, states, softplus: bool, cf
                    LANES=lanes, LANES2=lanes2, ROT=bool(cfg.pf_bwd & 1024),
                    FAST=_fast_math(bool(cfg.pf_bwd & 8), u, acc), STAGES=stages,
                    FIRST=bool(cfg.pf_bwd & 128) and bool(cfg.pf_bwd & 2) and stages > 0,
-                   BC_REG=bool(cfg.pf_bwd & 256) and stages > 0, EVEN=even, BITS=even and bits)  # fmt: skip
+                   BC_REG=bool(cfg.pf_bwd & 256) and stages > 0, EVEN=even, BITS=even and bits,
+                   BSUM=bsum)  # fmt: skip
         elif cfg.bwd_impl == 4:
             launch(_ss_bwd_kernel_v5, dA, q, extra_strides=(states.stride(2), states.stride(3), 1), SEG=cfg.seg_bwd,
                    DBDC=not _DIAG_SKIP_DBDC, BC_TILE=cfg.num_warps_bwd > 1, LATE=bool(cfg.pf_bwd & 1),
@@ -470,13 +499,17 @@ def _bwd(dout, u, delta, A, Bg, Cg, D, z, delta_bias, states, softplus: bool, cf
                    FLAT=bool(cfg.flat_bwd), BC_TILE=cfg.num_warps_bwd > 1)  # fmt: skip
         else:
             launch(_ss_bwd_kernel_v3, dA, q, SUB=chunk, SEG=cfg.seg_bwd)
-        dA = dA.sum((0, 1))
+        dA = dA[0, 0] if bsum else dA.sum((0, 1))
     else:
+        if atomic:
+            torch._foreach_zero_([dB, dC])
         launch(_ss_bwd_kernel_v1, dA, BLOCK_N=triton.next_power_of_2(dstate), CHUNK=chunk)
         dA = dA.sum(0)
     dB = dB.sum(2) if kdim > 1 else dB.squeeze(2)  # (batch, G, N, L)
     dC = dC.sum(2) if kdim > 1 else dC.squeeze(2)
-    return du, ddelta, dz, dB, dC, dA, dD.sum(0), dbias.sum(0)
+    if not bsum:
+        dD, dbias = dD.sum(0), dbias.sum(0)
+    return du, ddelta, dz, dB, dC, dA, dD, dbias
 
 
 class _SelectiveScanFn(torch.autograd.Function):

@@ -141,7 +141,7 @@ def _ss_bwd_kernel_v6(
     HAS_D: tl.constexpr, HAS_Z: tl.constexpr, HAS_BIAS: tl.constexpr, SOFTPLUS: tl.constexpr, ATOMIC: tl.constexpr,
     DBDC: tl.constexpr = True, PIPE: tl.constexpr = False, LANES: tl.constexpr = False, FAST: tl.constexpr = False,
     STAGES: tl.constexpr = 0, FIRST: tl.constexpr = False, BC_REG: tl.constexpr = False, LANES2: tl.constexpr = False,
-    ROT: tl.constexpr = False, EVEN: tl.constexpr = False, BITS: tl.constexpr = False,
+    ROT: tl.constexpr = False, EVEN: tl.constexpr = False, BITS: tl.constexpr = False, BSUM: tl.constexpr = False,
 ):  # fmt: skip
     # Arguments and outputs as _ss_bwd_kernel_v5 (the saved states every 8 steps; dA: (batch, nchunks, dim, N)
     # per-chunk partials, here with chunks of 8 * SEG steps). PIPE and LANES as in v5: the next chunk's inputs loaded
@@ -160,6 +160,7 @@ def _ss_bwd_kernel_v6(
     # with one shift or mask per value, as in the forward (Triton's bf16 -> fp32 takes 1.5). With both: 300 instead
     # of 311 instructions per state step and 1.562 against 1.594 ms at the bench shape (H200; scan pass 19).
     tl.static_assert(not BITS or EVEN, "BITS needs EVEN (masked int32-pair loads are split)")
+    tl.static_assert(not BSUM or (LANES2 and ATOMIC), "BSUM needs LANES2 and ATOMIC")
     tl.static_assert(not LANES or DSTATE <= SEG, "LANES needs dstate <= seg_bwd (one lane per state)")
     # LANES2 (DSTATE <= 2 SEG): A, the adjoint carry and dA in two lane registers each (lane p: states p and SEG + p);
     # the carries read in a chunk are the ones the previous chunk wrote (double-buffered), so the per-state picks
@@ -372,9 +373,21 @@ def _ss_bwd_kernel_v6(
         if LANES2:
             qc_lo = qn_lo
             qc_hi = qn_hi
+    # BSUM (with LANES2 and ATOMIC; the launcher zeroes dA, dD, dbias): the sums over the batch as atomic adds into
+    # (dim, N) / (dim,), instead of per-batch partials that three more kernels sum afterwards
+    b_off = 0 if BSUM else b
     if LANES2:  # dA: one partial per program (the launcher's buffer has one chunk), lane p: states p and SEG + p
-        dA_p = dA_flat + b * dim * DSTATE + lane_f
-        tl.store(dA_p, tl.reshape(dA_lo, (BLOCK_D * SEG,)), mask=i_m & (lane_f < DSTATE))
-        tl.store(dA_p + SEG, tl.reshape(dA_hi, (BLOCK_D * SEG,)), mask=i_m & (lane_f + SEG < DSTATE))
-    tl.store(dD_ptr + b * dim + offs_d, dD_acc, mask=mask_d)
-    tl.store(dbias_ptr + b * dim + offs_d, dbias_acc, mask=mask_d)
+        dA_p = dA_flat + b_off * dim * DSTATE + lane_f
+        if BSUM:
+            tl.atomic_add(dA_p, tl.reshape(dA_lo, (BLOCK_D * SEG,)), mask=i_m & (lane_f < DSTATE), sem="relaxed")
+            tl.atomic_add(dA_p + SEG, tl.reshape(dA_hi, (BLOCK_D * SEG,)), mask=i_m & (lane_f + SEG < DSTATE),
+                          sem="relaxed")  # fmt: skip
+        else:
+            tl.store(dA_p, tl.reshape(dA_lo, (BLOCK_D * SEG,)), mask=i_m & (lane_f < DSTATE))
+            tl.store(dA_p + SEG, tl.reshape(dA_hi, (BLOCK_D * SEG,)), mask=i_m & (lane_f + SEG < DSTATE))
+    if BSUM:
+        tl.atomic_add(dD_ptr + offs_d, dD_acc, mask=mask_d, sem="relaxed")
+        tl.atomic_add(dbias_ptr + offs_d, dbias_acc, mask=mask_d, sem="relaxed")
+    else:
+        tl.store(dD_ptr + b * dim + offs_d, dD_acc, mask=mask_d)
+        tl.store(dbias_ptr + b * dim + offs_d, dbias_acc, mask=mask_d)

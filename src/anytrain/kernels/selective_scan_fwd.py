@@ -28,9 +28,9 @@ from anytrain.kernels.selective_scan_bwd import (
     _chan_params,
     _combine,
     _delta,
+    _gated,
     _ld2,
     _program_block,
-    _sigmoid_fm,
     _widen_bf16_pairs,
 )
 
@@ -156,7 +156,7 @@ def _ss_fwd_kernel_v3(
         m2 = mask_d[:, None] & (t2 < seqlen)
         u = _ld2(u_base + t2, m2, BLOCK_D, SEG, SUB, ACC)
         dt = _ld2(dt_base + t2, m2, BLOCK_D, SEG, SUB, ACC)
-        dt = _delta(dt, bias, m3, HAS_BIAS, SOFTPLUS)
+        dt = _delta(dt, bias, m3, HAS_BIAS, SOFTPLUS, not EVEN)
         dtu = dt * u
         y = tl.zeros((BLOCK_D, SEG, SUB), dtype=ACC)
         if HAS_D:
@@ -236,5 +236,5 @@ def _ss_fwd_kernel_v3(
                     carry = tl.where(lane_n == n, tl.gather(e, SEG - 1 + 0 * lane_n, axis=1), carry)
         if HAS_Z:
             zz = _ld2(z_base + t2, m2, BLOCK_D, SEG, SUB, ACC)
-            y = y * zz * _sigmoid_fm(zz, FAST)
+            y = _gated(y, zz, FAST)
         tl.store(o_base + t2, tl.reshape(y, (BLOCK_D, CHUNK)).to(out_ptr.dtype.element_ty), mask=m2)
