@@ -8,9 +8,10 @@ against the channel count (how the time depends on the number of program waves).
     PYTHONPATH=src python3 bench/scan_probe.py mixer --configs FIELDS FIELDS ...   # backward at the 1.4b step's layout
     PYTHONPATH=src python3 bench/scan_probe.py kernels      # each kernel of the default launchers, GPU time per call
 
-``mixer`` times the backward of each given ScanConfig (comma-separated fields) on the fused mixer's layout at a
-training shape (default: mamba-1.4b at micro-batch 16, seqlen 2048): u, delta, z as (batch, dim, seqlen) views of
-(dim, batch * seqlen) matrices and B, C as row blocks of x_dbl, as ``kernels/mamba_inner.py`` passes them. The
+``mixer`` times the backward (``--fwd``: the forward) of each given ScanConfig (comma-separated fields) on the fused
+mixer's layout at a training shape (default: mamba-1.4b at micro-batch 16, seqlen 2048): u, delta, z as (batch, dim,
+seqlen) views of (dim, batch * seqlen) matrices and B, C as row blocks of x_dbl, as ``kernels/mamba_inner.py`` passes
+them. The
 configs are timed in turn, several rounds, so a drift of the machine shows up as a spread, not as a difference.
 
 ``waves`` prints, per dim, the forward and backward launch times (``do_bench`` medians) and the number of program
@@ -179,7 +180,7 @@ def mixer(
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("mode", choices=("once", "waves", "mixer", "kernels"))
-    ap.add_argument("--configs", nargs="+", default=[], metavar="FIELDS", help="mixer: backward ScanConfigs to time")
+    ap.add_argument("--configs", nargs="+", default=[], metavar="FIELDS", help="mixer: ScanConfigs to time")
     ap.add_argument("--shape", default="16,4096,2048", help="mixer: batch,dim,seqlen")
     ap.add_argument("--rounds", type=int, default=3, help="mixer: timing rounds over the configs")
     ap.add_argument("--gemm", type=int, default=0, help="mixer: a (n, n) bf16 matmul before each launch (0: none)")

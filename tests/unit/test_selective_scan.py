@@ -306,7 +306,7 @@ def test_v6_batch_sums_in_the_kernel_only_with_atomics_and_lane_carries(monkeypa
 
     class Recorder:
         def __getitem__(self, grid):
-            return lambda *a, **kw: seen.append((kw["BSUM"], tuple(a[15].shape), tuple(a[16].shape)))
+            return lambda *a, **kw: seen.append((kw["BSUM"], *(tuple(x.shape) for x in a[15:18])))
 
     monkeypatch.setattr(scan_mod, "_ss_bwd_kernel_v6", Recorder())
     cuda = scan_mod._CUDA_CONFIG
@@ -319,8 +319,12 @@ def test_v6_batch_sums_in_the_kernel_only_with_atomics_and_lane_carries(monkeypa
         cfg = dataclasses.replace(cuda, pf_bwd=pf_bwd)
         scan_mod._bwd(v["u"], v["u"], v["delta"], v["A"], Bg, Cg, v["D"], v["z"], v["delta_bias"], states, True, cfg,
                       False)  # fmt: skip
-    assert seen == [(True, (1, 1, 8, 16), (8,)), (False, (2, 1, 4, 16), (2, 4)), (False, (2, 1, 8, 16), (2, 8)),
-                    (False, (2, 2, 8, 16), (2, 8))]  # fmt: skip
+    assert seen == [(True, (1, 1, 8, 16), (8,), (8,)), (False, (2, 1, 4, 16), (2, 4), (2, 4)),
+                    (False, (2, 1, 8, 16), (2, 8), (2, 8)), (False, (2, 2, 8, 16), (2, 8), (2, 8))]  # fmt: skip
+    # deterministic (no atomics; at this size v6 itself, with per-block dB/dC partials): never BSUM
+    seen.clear()
+    scan_mod._bwd(v["u"], v["u"], v["delta"], v["A"], Bg, Cg, v["D"], v["z"], v["delta_bias"], states, True, cuda, True)
+    assert seen == [(False, (2, 1, 8, 16), (2, 8), (2, 8))]
 
 
 def test_v6_load_options_reach_the_kernel(monkeypatch):
@@ -369,6 +373,17 @@ def test_forward_groups_of_states(pf, dstate, group, seqlen):
     cfg = dataclasses.replace(CFG_PF, pf=pf)
     assert scan_mod.fwd_group(cfg, dstate) == group
     vals = make_inputs(2, 4, seqlen, dstate, 2, True, True, True)
+    assert_match(*run_both(vals, True, cfg=cfg))
+
+
+@pytest.mark.parametrize("pf", [4 + 1, 8192 + 96 + 4 + 1, 4096 + 4 + 2 + 1])
+def test_forward_whole_chunks_with_a_masked_channel(pf):
+    # pf 4 (whole chunks): no padding mask on delta (_delta's MASK) nor on the B/C loads; dim 3 in 2-channel blocks
+    # leaves the second block's second channel masked, whose delta then stays softplus(0) instead of 0: it must reach
+    # only that channel's own (unstored) states and outputs
+    cfg = dataclasses.replace(CFG_PF, pf=pf)
+    assert 128 % (cfg.chunk * cfg.seg) == 0
+    vals = make_inputs(2, 3, 128, 16, None, True, True, True)
     assert_match(*run_both(vals, True, cfg=cfg))
 
 

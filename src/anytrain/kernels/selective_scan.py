@@ -297,21 +297,21 @@ def fwd_group(cfg: ScanConfig, dstate: int) -> int:
 
 @triton.jit
 def _bc_chunk_major_kernel(
-    B_ptr, C_ptr, out_ptr, seqlen, s_bb, s_bg, s_bn, s_cb, s_cg, s_cn,
+    B_ptr, C_ptr, out_ptr, seqlen, s_bb, s_bg, s_bn, s_bl, s_cb, s_cg, s_cn, s_cl,
     DSTATE: tl.constexpr, BLOCK_N: tl.constexpr, CHUNK: tl.constexpr,
 ):  # fmt: skip
     # one (chunk, batch, group) tile of _chunk_major: the B and C rows of all states, zero past seqlen
-    c = tl.program_id(0)
-    b = tl.program_id(1)
-    g = tl.program_id(2)
+    c = tl.program_id(0).to(tl.int64)
+    b = tl.program_id(1).to(tl.int64)
+    g = tl.program_id(2).to(tl.int64)
     n = tl.arange(0, BLOCK_N)[:, None]
     t = c * CHUNK + tl.arange(0, CHUNK)[None, :]
     m = (n < DSTATE) & (t < seqlen)
-    row = (((b * tl.num_programs(2) + g) * tl.num_programs(0) + c) * DSTATE + n).to(tl.int64)  # (batch, G, nch, N)
+    row = ((b * tl.num_programs(2) + g) * tl.num_programs(0) + c) * DSTATE + n  # the (batch, G, nchunks, N) row
     out = out_ptr + row * (2 * CHUNK) + tl.arange(0, CHUNK)[None, :]
-    x = tl.load(B_ptr + b * s_bb + g * s_bg + n * s_bn + t, mask=m, other=0)
+    x = tl.load(B_ptr + b * s_bb + g * s_bg + n * s_bn + t * s_bl, mask=m, other=0)
     tl.store(out, x.to(out_ptr.dtype.element_ty), mask=n < DSTATE)
-    x = tl.load(C_ptr + b * s_cb + g * s_cg + n * s_cn + t, mask=m, other=0)
+    x = tl.load(C_ptr + b * s_cb + g * s_cg + n * s_cn + t * s_cl, mask=m, other=0)
     tl.store(out + CHUNK, x.to(out_ptr.dtype.element_ty), mask=n < DSTATE)
 
 
@@ -324,7 +324,7 @@ def _chunk_major(Bg: Tensor, Cg: Tensor, chunk: int) -> Tensor:
     dtype = torch.promote_types(Bg.dtype, Cg.dtype)  # (B and C may differ: neither is rounded to the other's dtype)
     bc = torch.empty((batch, ngroups, nch, dstate, 2, chunk), device=Bg.device, dtype=dtype)
     _bc_chunk_major_kernel[(nch, batch, ngroups)](
-        Bg, Cg, bc, seqlen, Bg.stride(0), Bg.stride(1), Bg.stride(2), Cg.stride(0), Cg.stride(1), Cg.stride(2),
+        Bg, Cg, bc, seqlen, *Bg.stride(), *Cg.stride(),
         DSTATE=dstate, BLOCK_N=triton.next_power_of_2(dstate), CHUNK=chunk, num_warps=4,
     )  # fmt: skip
     return bc
@@ -467,7 +467,7 @@ def _bwd(dout, u, delta, A, Bg, Cg, D, z, delta_bias, states, softplus: bool, cf
             dB.stride(0), dB.stride(1), dB.stride(2), dB.stride(3), *extra_strides, **meta, **common,
         )  # fmt: skip
 
-    if cfg.bwd_impl in (2, 3, 4, 5):  # v6 / v5 / v4 / v3: per-chunk dA partials (batch, nchunks, dim, N)
+    if cfg.bwd_impl in (2, 3, 4, 5):  # v6 / v5 / v4 / v3: dA partials (batch, nchunks, dim, N); bsum: (1, 1, dim, N)
         sub = 4 if cfg.bwd_impl == 4 else chunk  # steps per segment (v5: half the saved-state interval)
         dA_chunks = 1 if lanes2 else triton.cdiv(seqlen, sub * cfg.seg_bwd)  # (lanes2: summed in the kernel)
         dA = torch.empty((1, 1, dim, dstate) if bsum else (batch, dA_chunks, dim, dstate), device=u.device, dtype=acc)
