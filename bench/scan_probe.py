@@ -11,8 +11,8 @@ against the channel count (how the time depends on the number of program waves).
 ``mixer`` times the backward (``--fwd``: the forward) of each given ScanConfig (comma-separated fields) on the fused
 mixer's layout at a training shape (default: mamba-1.4b at micro-batch 16, seqlen 2048): u, delta, z as (batch, dim,
 seqlen) views of (dim, batch * seqlen) matrices and B, C as row blocks of x_dbl, as ``kernels/mamba_inner.py`` passes
-them. The
-configs are timed in turn, several rounds, so a drift of the machine shows up as a spread, not as a difference.
+them. The configs are timed in turn, several rounds, so a drift of the machine shows up as a spread, not as a
+difference.
 
 ``waves`` prints, per dim, the forward and backward launch times (``do_bench`` medians) and the number of program
 waves each kernel needs at the occupancy its registers allow (given by ``--regs``), so a time that steps
