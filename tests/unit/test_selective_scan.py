@@ -19,9 +19,14 @@ import torch  # noqa: E402
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
+from tests import triton_interpreter  # noqa: E402
+
+FAST_INTERPRETER = triton_interpreter.install()  # custom-combine reduce / scan on slices (bitwise the same)
+
 from anytrain.kernels.reference import selective_scan_ref  # noqa: E402
 from anytrain.kernels.selective_scan import ScanConfig, _fast_math, selective_scan_triton  # noqa: E402
-from anytrain.kernels.selective_scan_bwd import _softplus, _softplus_grad  # noqa: E402
+from anytrain.kernels.selective_scan_bwd import _combine, _softplus, _softplus_grad  # noqa: E402
+from anytrain.kernels.selective_scan_fwd import _later  # noqa: E402
 
 F64 = torch.float64
 # Small tiles so that seqlen crosses several chunks. CFG / CFG_V4: v3 forward with 4-step segments, 2 per chunk (8
@@ -684,3 +689,79 @@ def test_softplus_derivative_from_delta():
         _softplus_grad_kernel[(triton.cdiv(x.numel(), 1024),)](x.to(dtype), y, x.numel(), BLOCK=1024)
         rel = (y.double() - exact).abs() / exact
         assert (rel < rtol + per_x * x.double().abs()).all(), (dtype, rel.max())
+
+
+@triton.jit
+def _times(a, b):
+    return a * b
+
+
+@triton.jit
+def _reduce_scan_kernel(x_ptr, o_ptr, R: tl.constexpr, K: tl.constexpr):
+    # custom-combine reductions and scans of every shape the interpreter patch handles: 2-D over each axis (the
+    # forward's _later and the scans' _combine), keep_dims, the whole tile (axis None), reverse, and a 1-D scan (its
+    # elements are scalars)
+    rows, cols = tl.arange(0, R)[:, None], tl.arange(0, K)[None, :]
+    x = tl.load(x_ptr + rows * K + cols)
+    y = tl.load(x_ptr + R * K + rows * K + cols)
+    step = cols + 0 * rows
+    last, _ = tl.reduce((x, step), 1, _later)  # (R,)
+    first_col, _ = tl.reduce((y, rows + 0 * cols), 0, _later, keep_dims=True)  # (1, K)
+    pa, pb = tl.associative_scan((x, y), axis=1, combine_fn=_combine)
+    qa, qb = tl.associative_scan((x, y), axis=0, combine_fn=_combine, reverse=True)
+    whole_a = tl.reduce(x, None, _times)  # (one input: the interpreter's own axis-None path takes no tuples)
+    whole_b = tl.reduce(y, None, _times, keep_dims=True)  # (1, 1)
+    line_a, line_b = tl.associative_scan((tl.arange(0, K) * 0.5 + 1.0, tl.arange(0, K) * 0.25), 0, _combine)
+    base = o_ptr + rows * K + cols
+    tl.store(base, pa)
+    tl.store(base + R * K, pb)
+    tl.store(base + 2 * R * K, qa)
+    tl.store(base + 3 * R * K, qb)
+    tl.store(o_ptr + 4 * R * K + tl.arange(0, R), last)
+    tl.store(o_ptr + 4 * R * K + R + tl.arange(0, K)[None, :], first_col)
+    tl.store(o_ptr + 4 * R * K + R + K + tl.arange(0, K), line_a)
+    tl.store(o_ptr + 4 * R * K + R + 2 * K + tl.arange(0, K), line_b)
+    tl.store(o_ptr + 4 * R * K + R + 3 * K, whole_a)
+    tl.store(o_ptr + 4 * R * K + R + 3 * K + 1 + tl.zeros((1, 1), dtype=tl.int32), whole_b)
+
+
+def test_vectorized_interpreter_reduce_and_scan_are_bitwise_the_originals():
+    """tests/triton_interpreter.py runs the interpreter's custom-combine reduce / scan on whole slices and skips its
+    nested language patches: every result must be bitwise the interpreter's own, for a kernel of all the shapes and
+    for a forward + backward of the scan (the CUDA default's options on small tiles: groups, lanes, v6)."""
+    from tests import triton_interpreter
+
+    if not FAST_INTERPRETER:
+        pytest.skip("this Triton's interpreter is not the layout tests/triton_interpreter.py knows: nothing patched")
+    R, K = 4, 8
+    x = torch.rand(2 * R * K, generator=torch.Generator().manual_seed(3)) + 0.5
+
+    def both(fn):
+        got = []
+        for fast in (True, False):
+            if fast:
+                triton_interpreter.install()
+            else:
+                triton_interpreter.uninstall()
+            try:
+                got.append(fn())
+            finally:
+                triton_interpreter.install()
+        return got
+
+    def kernel():
+        out = torch.zeros(4 * R * K + R + 3 * K + 2)
+        _reduce_scan_kernel[(1,)](x, out, R=R, K=K)
+        return [out]
+
+    def scan():
+        cfg = dataclasses.replace(CFG_V6_LANES, pf=importlib.import_module("anytrain.kernels.selective_scan").
+                                  _CUDA_CONFIG.pf, block_d_bwd=4, seg_bwd=8)  # fmt: skip
+        vals = make_inputs(2, 4, 70, 8, 2, True, True, True)
+        ours, _, (out, last), _ = run_both(vals, True, cfg=cfg)
+        return [out, last, *(v.grad for v in ours.values() if v is not None)]
+
+    for fn in (kernel, scan):
+        fast, slow = both(fn)
+        assert len(fast) == len(slow) and all(torch.equal(a, b) for a, b in zip(fast, slow, strict=True)), fn.__name__
+    assert fast[0].abs().sum() > 0

@@ -1,0 +1,149 @@
+"""Faster custom-combine reductions and scans for Triton's CPU interpreter (tests only; kernels are not changed).
+
+The interpreter runs ``tl.reduce`` / ``tl.associative_scan`` with a user combine function (the scan kernels'
+``_combine``, the forward's ``_later``) one element at a time in Python: about 70% of a backward test's time went into
+the forward's segment reductions and scans. Combine functions are elementwise, so applying one to whole slices along
+the reduced axis does the same floating-point operations in the same order (the first element, then each later one
+combined into the running value, as the interpreter's own loop): results are bitwise the interpreter's, which
+``tests/unit/test_selective_scan.py::test_vectorized_interpreter_reduce_and_scan_are_bitwise_the_originals`` checks.
+
+``install()`` patches ``triton.runtime.interpreter.ReduceOps.generic_reduce`` / ``ScanOps.generic_scan`` when they
+exist with the expected shape (Triton 3.6-3.9); with another interpreter it does nothing and returns False (the
+tests then run at the interpreter's own speed). Call it after ``TRITON_INTERPRET=1`` is set and triton is imported.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+_ORIGINALS: dict[str, object] = {}
+
+
+def _at(ndim: int, axis: int, k: int) -> tuple:
+    return tuple(k if i == axis else slice(None) for i in range(ndim))
+
+
+def _wrap(op, data, shape: tuple, dtype):
+    """A slice (shape ``shape``; () for a 1-D input's elements) as the interpreter's tensor, cast to ``dtype``."""
+    data = np.asarray(data)
+    return op.to_tensor(np.broadcast_to(data, shape) if shape else data.reshape(()), dtype)
+
+
+def _combine(op, acc: tuple, cur: tuple, inputs, shape: tuple) -> tuple:
+    """One combine step on whole slices, each result cast back to its input's dtype (as the interpreter stores it)."""
+    import triton.language as tl
+
+    ret = op.combine_fn.fn(*acc, *cur)
+    ret = ret if isinstance(ret, tuple) else (ret,)
+    return tuple(_wrap(op, r.handle.data if isinstance(r, tl.core.tensor) else r, shape, a.dtype)
+                 for r, a in zip(ret, inputs, strict=True))  # fmt: skip
+
+
+def _slices(op, datas, inputs, axis: int, k: int) -> tuple:
+    return tuple(_wrap(op, d[_at(d.ndim, axis, k)], d.shape[:axis] + d.shape[axis + 1 :], a.dtype)
+                 for d, a in zip(datas, inputs, strict=True))  # fmt: skip
+
+
+def _generic_reduce(self, input):
+    original_axis = self.axis
+    input, axis = self.unravel(input, self.axis)
+    datas = [arg.handle.data for arg in input]
+    out_shape = datas[0].shape[:axis] + datas[0].shape[axis + 1 :]
+    acc = _slices(self, datas, input, axis, 0)
+    for k in range(1, datas[0].shape[axis]):
+        acc = _combine(self, acc, _slices(self, datas, input, axis, k), input, out_shape)
+    ret = []
+    for t, arg, d in zip(acc, input, datas, strict=True):
+        data = t.handle.data.reshape(out_shape).astype(d.dtype)
+        if self.keep_dims:
+            if original_axis is not None:
+                data = np.expand_dims(data, axis)
+            else:
+                for _ in range(len(datas[0].shape)):
+                    data = np.expand_dims(data, 0)
+        elif original_axis is None:
+            data = data.item()
+        ret.append(self.to_tensor(data, arg.dtype))
+    return ret
+
+
+def _generic_scan(self, input):
+    datas = [arg.handle.data for arg in input]
+    shape, axis = datas[0].shape, self.axis
+    slice_shape = shape[:axis] + shape[axis + 1 :]
+    outs = [np.zeros(shape, dtype=d.dtype) for d in datas]
+    acc = _slices(self, datas, input, axis, 0)
+    for k in range(shape[axis]):
+        if k:
+            acc = _combine(self, acc, _slices(self, datas, input, axis, k), input, slice_shape)
+        for o, t in zip(outs, acc, strict=True):
+            o[_at(len(shape), axis, k)] = t.handle.data.reshape(slice_shape)
+    return [self.to_tensor(o, arg.dtype) for o, arg in zip(outs, input, strict=True)]
+
+
+_ACTIVE: list[set] = []  # the language modules patched inside the running kernel launch (one entry while it runs)
+
+
+def _lang_ids(fn) -> set:
+    import triton.language as tl
+
+    return {id(v) for v in fn.__globals__.values() if v is tl or v is tl.core}
+
+
+def _patch_lang_once(fn):
+    """The interpreter patches triton.language again on every nested @jit call (``inspect.getmembers`` over the
+    modules: ~1 ms a call, about a third of a backward test); inside a launch that already patched the same modules
+    the nested patch changes nothing, so it is skipped."""
+    from triton.runtime import interpreter
+
+    ids = _lang_ids(fn)
+    if _ACTIVE and ids <= _ACTIVE[-1]:
+        return interpreter._LangPatchScope()  # nothing to restore
+    scope = _ORIGINALS["patch_lang"](fn)
+    if _ACTIVE:  # a nested call (its scope is never restored, as without this module): remember what it patched
+        _ACTIVE[-1] |= ids
+        return scope
+    _ACTIVE.append(ids)
+    restore = scope.restore
+
+    def restore_and_pop() -> None:
+        restore()
+        if _ACTIVE:
+            _ACTIVE.pop()
+
+    scope.restore = restore_and_pop
+    return scope
+
+
+def install() -> bool:
+    """Patch the interpreter's generic reduce / scan with the sliced versions and skip its redundant nested language
+    patches; False if its layout is not the known one (nothing is patched then)."""
+    try:
+        from triton.runtime import interpreter
+    except ImportError:
+        return False
+    reduce_ops, scan_ops = getattr(interpreter, "ReduceOps", None), getattr(interpreter, "ScanOps", None)
+    scope_cls = getattr(interpreter, "_LangPatchScope", None)
+    if reduce_ops is None or scan_ops is None or scope_cls is None or not hasattr(scope_cls, "restore"):
+        return False
+    needed = ("generic_reduce", "unravel", "to_tensor")
+    if not all(hasattr(reduce_ops, n) for n in needed) or not hasattr(scan_ops, "generic_scan"):
+        return False
+    if not callable(getattr(interpreter, "_patch_lang", None)):
+        return False
+    if not _ORIGINALS:
+        _ORIGINALS["reduce"], _ORIGINALS["scan"] = reduce_ops.generic_reduce, scan_ops.generic_scan
+        _ORIGINALS["patch_lang"] = interpreter._patch_lang
+    reduce_ops.generic_reduce, scan_ops.generic_scan = _generic_reduce, _generic_scan
+    interpreter._patch_lang = _patch_lang_once
+    return True
+
+
+def uninstall() -> None:
+    """Put the interpreter's own functions back (for the bitwise comparison test)."""
+    if _ORIGINALS:
+        from triton.runtime import interpreter
+
+        interpreter.ReduceOps.generic_reduce = _ORIGINALS["reduce"]
+        interpreter.ScanOps.generic_scan = _ORIGINALS["scan"]
+        interpreter._patch_lang = _ORIGINALS["patch_lang"]
