@@ -15,7 +15,9 @@ in its ``driver`` field.
 
 The HF row builds ``MambaForCausalLM`` from a ``MambaConfig`` of the same shape (no download). Without mamba-ssm and
 causal-conv1d installed HF runs its pure-PyTorch slow path (a Python loop over time steps), so it gets 1 warm-up and
-2 timed steps of one micro-batch each.
+2 timed steps of one micro-batch each. That slow path needs about 80 GiB at mamba-130m x micro-batch 8: where it runs
+out of memory (an 80 GB H100), the row halves its micro-batch (the same global batch in more micro-steps) and lists
+the micro-batches that did not fit in ``micro_out_of_memory``.
 
 MFU = anytrain's ``Mamba.flops_per_token`` (6·N + the scan's elementwise FLOPs) × tokens/s / the device's dense bf16
 peak (``anytrain.hardware.peak_flops``), the same formula for every row.
@@ -39,7 +41,7 @@ import re
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import torch
@@ -277,6 +279,20 @@ def run_case(case: Case, device: torch.device, profile: bool = False) -> dict:
         if case.stack == "hf":
             step, info, holder = hf_step_fn(case, device, batches)
             row.update(info, driver="hf")
+            while True:  # its slow path needs ~80 GiB at mamba-130m x micro-batch 8: halve the micro-batch on OOM
+                try:
+                    row.update(measure(step, device, case.warmup, case.steps))
+                    break
+                except torch.OutOfMemoryError:
+                    if case.micro == 1 or case.global_batch % (case.micro // 2):
+                        raise
+                # (outside the handler: its traceback, which holds the failed step's activations, is gone)
+                step = holder = None
+                release(device)
+                row.setdefault("micro_out_of_memory", []).append(case.micro)
+                case = replace(case, micro=case.micro // 2)  # the same global batch, more micro-steps
+                row["micro"] = case.micro
+                step, _, holder = hf_step_fn(case, device, batches)
         else:
             try:
                 step, _, holder = trainer_step_fn(case, device, batches)
@@ -286,7 +302,7 @@ def run_case(case: Case, device: torch.device, profile: bool = False) -> dict:
                 release(device)
                 step, _, holder = direct_step_fn(case, device, batches)
                 row["driver"] = "direct (build_model + parallelize + build_optimizer)"
-        row.update(measure(step, device, case.warmup, case.steps))
+            row.update(measure(step, device, case.warmup, case.steps))
         if case.graphs:  # the graph's activations sit in its private pool, which the allocated peak leaves out
             row["peak_mem_gib"], row["peak_mem_kind"] = row["peak_reserved_gib"], "reserved"
         row["tokens_per_s"] = case.steps * row["tokens_per_step"] / row["seconds"]

@@ -26,3 +26,34 @@ def test_mamba_train_bench_drives_the_trainer(tmp_path):
 def test_transformer_bench_smoke_rows_run(tmp_path):
     rows = _bench(tmp_path, "transformer", "--smoke")
     assert rows and all(r.get("error") is None and r.get("tokens_per_s", 0) > 0 for r in rows), rows
+
+
+def test_mamba_train_hf_row_halves_its_micro_batch_when_it_runs_out_of_memory(monkeypatch):
+    # HF's slow path needs ~80 GiB at mamba-130m x micro-batch 8: on an 80 GB card the row must halve its micro-batch
+    # (same global batch) instead of losing the side-by-side baseline. A stand-in for HF's step runs out of memory
+    # above micro-batch 2; the retry logic and the timing are the bench's own.
+    sys.path.insert(0, str(ROOT / "bench"))
+    import mamba_train
+    import torch
+
+    built = []
+
+    def fake_hf_step_fn(case, device, batches):
+        built.append(case.micro)
+
+        def step(i):
+            if case.micro > 2:
+                raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 1.54 GiB")
+
+        return step, {"hf_params": 1}, object()
+
+    monkeypatch.setattr(mamba_train, "hf_step_fn", fake_hf_step_fn)
+    case = mamba_train.Case("hf-x", "debug", 64, 8, 8, "hf", "stand-in", warmup=1, steps=2)
+    row = mamba_train.run_case(case, torch.device("cpu"))
+    assert built == [8, 4, 2] and row["micro_out_of_memory"] == [8, 4] and row["micro"] == 2, row
+    assert "error" not in row and row["tokens_per_s"] > 0 and row["driver"] == "hf", row
+    assert case.micro == 8  # the caller's case is not changed
+
+    # a global batch that the halved micro-batch does not divide (9 / 4): no retry, an error row
+    row = mamba_train.run_case(mamba_train.Case("hf-y", "debug", 64, 9, 9, "hf", "stand-in"), torch.device("cpu"))
+    assert row["error"].startswith("out of memory") and built[3:] == [9], row
