@@ -2,14 +2,19 @@
 
 The interpreter runs ``tl.reduce`` / ``tl.associative_scan`` with a user combine function (the scan kernels'
 ``_combine``, the forward's ``_later``) one element at a time in Python: about 70% of a backward test's time went into
-the forward's segment reductions and scans. Combine functions are elementwise, so applying one to whole slices along
-the reduced axis does the same floating-point operations in the same order (the first element, then each later one
-combined into the running value, as the interpreter's own loop): results are bitwise the interpreter's, which
-``tests/unit/test_selective_scan.py::test_vectorized_interpreter_reduce_and_scan_are_bitwise_the_originals`` checks.
+the forward's segment reductions and scans. For an elementwise combine function (arithmetic and ``tl.where`` only, as
+all of ours are; Python control flow on the values would see a whole slice) applying it to whole slices along the
+reduced axis does the same floating-point operations in the same order as the interpreter's own loop (the first
+element, then each later one combined into the running value, cast back to the inputs' dtypes after every step), so
+the results are bitwise the interpreter's. ``test_vectorized_interpreter_reduce_and_scan_are_bitwise_the_originals``
+(``tests/unit/test_selective_scan.py``) checks that on the Triton the suite runs with.
+The interpreter also re-patches ``triton.language`` on every nested ``@triton.jit`` call; inside a launch that already
+patched the same modules that is skipped.
 
-``install()`` patches ``triton.runtime.interpreter.ReduceOps.generic_reduce`` / ``ScanOps.generic_scan`` when they
-exist with the expected shape (Triton 3.6-3.9); with another interpreter it does nothing and returns False (the
-tests then run at the interpreter's own speed). Call it after ``TRITON_INTERPRET=1`` is set and triton is imported.
+``install()`` patches ``triton.runtime.interpreter`` (``ReduceOps.generic_reduce``, ``ScanOps.generic_scan``,
+``_patch_lang``, ``GridExecutor.__call__``) when those names exist, as in Triton 3.6-3.9, and returns False without
+patching anything otherwise (the tests then run at the interpreter's own speed). Call it after
+``TRITON_INTERPRET=1`` is set and triton is imported.
 """
 
 from __future__ import annotations
@@ -81,7 +86,7 @@ def _generic_scan(self, input):
     return [self.to_tensor(o, arg.dtype) for o, arg in zip(outs, input, strict=True)]
 
 
-_ACTIVE: list[set] = []  # the language modules patched inside the running kernel launch (one entry while it runs)
+_LAUNCHES: list[set] = []  # per running kernel launch: the language modules patched inside it so far
 
 
 def _lang_ids(fn) -> set:
@@ -92,27 +97,26 @@ def _lang_ids(fn) -> set:
 
 def _patch_lang_once(fn):
     """The interpreter patches triton.language again on every nested @jit call (``inspect.getmembers`` over the
-    modules: ~1 ms a call, about a third of a backward test); inside a launch that already patched the same modules
-    the nested patch changes nothing, so it is skipped."""
+    modules: ~1 ms a call, about a third of a backward test). Inside a launch that already patched the same modules
+    the nested patch changes nothing, so it is skipped; outside a launch (a @jit function called from Python) and for
+    modules not patched yet in this launch the interpreter's own function runs."""
     from triton.runtime import interpreter
 
     ids = _lang_ids(fn)
-    if _ACTIVE and ids <= _ACTIVE[-1]:
+    if _LAUNCHES and ids and ids <= _LAUNCHES[-1]:
         return interpreter._LangPatchScope()  # nothing to restore
     scope = _ORIGINALS["patch_lang"](fn)
-    if _ACTIVE:  # a nested call (its scope is never restored, as without this module): remember what it patched
-        _ACTIVE[-1] |= ids
-        return scope
-    _ACTIVE.append(ids)
-    restore = scope.restore
-
-    def restore_and_pop() -> None:
-        restore()
-        if _ACTIVE:
-            _ACTIVE.pop()
-
-    scope.restore = restore_and_pop
+    if _LAUNCHES:
+        _LAUNCHES[-1] |= ids
     return scope
+
+
+def _launch(self, *args, **kwargs):
+    _LAUNCHES.append(set())  # the launch's own patch (its first _patch_lang call) is recorded here
+    try:
+        return _ORIGINALS["launch"](self, *args, **kwargs)
+    finally:
+        _LAUNCHES.pop()
 
 
 def install() -> bool:
@@ -129,14 +133,22 @@ def install() -> bool:
     needed = ("generic_reduce", "unravel", "to_tensor")
     if not all(hasattr(reduce_ops, n) for n in needed) or not hasattr(scan_ops, "generic_scan"):
         return False
-    if not callable(getattr(interpreter, "_patch_lang", None)):
+    executor = getattr(interpreter, "GridExecutor", None)
+    if not callable(getattr(interpreter, "_patch_lang", None)) or executor is None:
         return False
     if not _ORIGINALS:
         _ORIGINALS["reduce"], _ORIGINALS["scan"] = reduce_ops.generic_reduce, scan_ops.generic_scan
-        _ORIGINALS["patch_lang"] = interpreter._patch_lang
+        _ORIGINALS["patch_lang"], _ORIGINALS["launch"] = interpreter._patch_lang, executor.__call__
     reduce_ops.generic_reduce, scan_ops.generic_scan = _generic_reduce, _generic_scan
-    interpreter._patch_lang = _patch_lang_once
+    interpreter._patch_lang, executor.__call__ = _patch_lang_once, _launch
     return True
+
+
+def installed() -> bool:
+    """Whether the interpreter runs this module's functions now."""
+    from triton.runtime import interpreter
+
+    return bool(_ORIGINALS) and interpreter.ReduceOps.generic_reduce is _generic_reduce
 
 
 def uninstall() -> None:
@@ -147,3 +159,4 @@ def uninstall() -> None:
         interpreter.ReduceOps.generic_reduce = _ORIGINALS["reduce"]
         interpreter.ScanOps.generic_scan = _ORIGINALS["scan"]
         interpreter._patch_lang = _ORIGINALS["patch_lang"]
+        interpreter.GridExecutor.__call__ = _ORIGINALS["launch"]

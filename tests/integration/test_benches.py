@@ -32,7 +32,7 @@ def test_mamba_train_hf_row_halves_its_micro_batch_when_it_runs_out_of_memory(mo
     # HF's slow path needs ~80 GiB at mamba-130m x micro-batch 8: on an 80 GB card the row must halve its micro-batch
     # (same global batch) instead of losing the side-by-side baseline. A stand-in for HF's step runs out of memory
     # above micro-batch 2; the retry logic and the timing are the bench's own.
-    sys.path.insert(0, str(ROOT / "bench"))
+    monkeypatch.syspath_prepend(str(ROOT / "bench"))
     import mamba_train
     import torch
 

@@ -697,11 +697,21 @@ def _times(a, b):
 
 
 @triton.jit
-def _reduce_scan_kernel(x_ptr, o_ptr, R: tl.constexpr, K: tl.constexpr):
-    # custom-combine reductions and scans of every shape the interpreter patch handles: 2-D over each axis (the
-    # forward's _later and the scans' _combine), keep_dims, the whole tile (axis None), reverse, and a 1-D scan (its
-    # elements are scalars)
+def _wide_sum(a, b):
+    # returns fp32 for fp16 inputs: the interpreter casts each step's result back to the inputs' dtype (only the
+    # interpreter runs this kernel; compiled Triton wants the inputs' dtype back)
+    return a.to(tl.float32) + b.to(tl.float32)
+
+
+@triton.jit
+def _reduce_scan_kernel(x_ptr, o_ptr, h_ptr, R: tl.constexpr, K: tl.constexpr):
+    # custom-combine reductions and scans of the shapes the interpreter patch handles: 2-D over each axis (the
+    # forward's _later and the scans' _combine), keep_dims, the whole tile (axis None), reverse, a 1-D scan (its
+    # elements are scalars), and fp16 inputs whose combine returns fp32 (the cast back after every step)
     rows, cols = tl.arange(0, R)[:, None], tl.arange(0, K)[None, :]
+    half = (tl.load(x_ptr + rows * K + cols) * 1000.0).to(tl.float16)
+    tl.store(h_ptr + rows * K + cols, tl.associative_scan(half, 1, _wide_sum))
+    tl.store(h_ptr + R * K + tl.arange(0, K), tl.reduce(half, 0, _wide_sum))
     x = tl.load(x_ptr + rows * K + cols)
     y = tl.load(x_ptr + R * K + rows * K + cols)
     step = cols + 0 * rows
@@ -727,8 +737,8 @@ def _reduce_scan_kernel(x_ptr, o_ptr, R: tl.constexpr, K: tl.constexpr):
 
 def test_vectorized_interpreter_reduce_and_scan_are_bitwise_the_originals():
     """tests/triton_interpreter.py runs the interpreter's custom-combine reduce / scan on whole slices and skips its
-    nested language patches: every result must be bitwise the interpreter's own, for a kernel of all the shapes and
-    for a forward + backward of the scan (the CUDA default's options on small tiles: groups, lanes, v6)."""
+    nested language patches: every result must be bitwise the interpreter's own, for a kernel of the shapes it handles
+    and for a forward + backward of the scan (the CUDA default's options on small tiles: groups, lanes, v6)."""
     from tests import triton_interpreter
 
     if not FAST_INTERPRETER:
@@ -744,15 +754,16 @@ def test_vectorized_interpreter_reduce_and_scan_are_bitwise_the_originals():
             else:
                 triton_interpreter.uninstall()
             try:
+                assert triton_interpreter.installed() == fast
                 got.append(fn())
             finally:
                 triton_interpreter.install()
         return got
 
     def kernel():
-        out = torch.zeros(4 * R * K + R + 3 * K + 2)
-        _reduce_scan_kernel[(1,)](x, out, R=R, K=K)
-        return [out]
+        out, half = torch.zeros(4 * R * K + R + 3 * K + 2), torch.zeros(R * K + K, dtype=torch.float16)
+        _reduce_scan_kernel[(1,)](x, out, half, R=R, K=K)
+        return [out, half]
 
     def scan():
         cfg = dataclasses.replace(CFG_V6_LANES, pf=importlib.import_module("anytrain.kernels.selective_scan").
@@ -764,4 +775,4 @@ def test_vectorized_interpreter_reduce_and_scan_are_bitwise_the_originals():
     for fn in (kernel, scan):
         fast, slow = both(fn)
         assert len(fast) == len(slow) and all(torch.equal(a, b) for a, b in zip(fast, slow, strict=True)), fn.__name__
-    assert fast[0].abs().sum() > 0
+        assert all(t.abs().sum() > 0 for t in fast), fn.__name__
