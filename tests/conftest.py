@@ -72,3 +72,15 @@ def shakespeare_data(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("data") / "shakespeare"
     prepare(["shakespeare"], out, vocab_size=8192)
     return out
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _fast_triton_interpreter():
+    """The kernel test modules set TRITON_INTERPRET=1 and import triton at collection; once they have, every test of
+    the session gets the interpreter's faster custom-combine reduce / scan (``tests/triton_interpreter.py``, bitwise
+    the same). Nothing is imported here otherwise: triton must not be imported before those modules set the variable."""
+    if os.environ.get("TRITON_INTERPRET") == "1" and "triton" in sys.modules:
+        from tests import triton_interpreter
+
+        triton_interpreter.install()
+    yield

@@ -14,8 +14,8 @@ patched the same modules that is skipped.
 ``install()`` patches ``triton.runtime.interpreter`` (``ReduceOps.generic_reduce``, ``ScanOps.generic_scan``,
 ``_patch_lang``, ``GridExecutor.__call__``) when those names exist (run with Triton 3.9, the CI's; 3.6 has the same
 names, but its interpreter fails these tests with numpy 2 with or without the patch), and returns False without
-patching anything otherwise (the tests then run at the interpreter's own speed). Call it after
-``TRITON_INTERPRET=1`` is set and triton is imported.
+patching anything otherwise (the tests then run at the interpreter's own speed). ``tests/conftest.py`` calls it once per
+session, after the kernel test modules have set ``TRITON_INTERPRET=1`` and imported triton.
 """
 
 from __future__ import annotations

@@ -16,10 +16,6 @@ if _TRITON_PREIMPORTED:
 
 import torch  # noqa: E402
 
-from tests import triton_interpreter  # noqa: E402
-
-FAST_INTERPRETER = triton_interpreter.install()  # custom-combine reduce / scan on slices (bitwise the same)
-
 from anytrain import kernels  # noqa: E402
 from anytrain.kernels import mamba_inner as mi  # noqa: E402
 from anytrain.models.mamba import MambaArgs, MambaBlock, MambaMixer  # noqa: E402

@@ -19,10 +19,6 @@ import torch  # noqa: E402
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
-from tests import triton_interpreter  # noqa: E402
-
-FAST_INTERPRETER = triton_interpreter.install()  # custom-combine reduce / scan on slices (bitwise the same)
-
 from anytrain.kernels.reference import selective_scan_ref  # noqa: E402
 from anytrain.kernels.selective_scan import ScanConfig, _fast_math, selective_scan_triton  # noqa: E402
 from anytrain.kernels.selective_scan_bwd import _combine, _softplus, _softplus_grad  # noqa: E402
@@ -741,7 +737,7 @@ def test_vectorized_interpreter_reduce_and_scan_are_bitwise_the_originals():
     and for a forward + backward of the scan (the CUDA default's options on small tiles: groups, lanes, v6)."""
     from tests import triton_interpreter
 
-    if not FAST_INTERPRETER:
+    if not triton_interpreter.installed():  # (installed by tests/conftest.py's session fixture)
         pytest.skip("this Triton's interpreter is not the layout tests/triton_interpreter.py knows: nothing patched")
     R, K = 4, 8
     x = torch.rand(2 * R * K, generator=torch.Generator().manual_seed(3)) + 0.5
