@@ -17,6 +17,7 @@ from pathlib import Path
 import numpy as np
 
 from anytrain.data.shards import INDEX, ShardWriter, token_dtype, write_index
+from anytrain.diskio import disk_full_as_error, missing_parents, remove, temp_sibling
 from anytrain.errors import DataError
 
 EOS = "<|endoftext|>"
@@ -27,7 +28,7 @@ EMBEDDED = "shakespeare"
 @dataclass(frozen=True)
 class Document:
     source: str  # "file.txt" or "file.jsonl:17": stable name used for the split hash
-    text: str
+    text: str | None  # None: a null JSONL/Parquet value, skipped and counted
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -54,9 +55,26 @@ def _embedded_documents() -> Iterator[Document]:
         yield Document(file.name, file.read_text(encoding="utf-8", errors="replace"))
 
 
-def _jsonl_documents(file: Path, text_field: str) -> Iterator[Document]:
-    with open(file, encoding="utf-8") as fh:
-        for lineno, line in enumerate(fh, 1):
+ENCODING_ERRORS = ("strict", "replace")
+
+
+def _decode(raw: bytes, where: str, errors: str) -> str:
+    try:
+        return raw.decode("utf-8", errors=errors)
+    except UnicodeDecodeError as exc:
+        raise DataError(f"{where}: not UTF-8 at byte {exc.start}; convert it to UTF-8 or pass "
+                        "--encoding-errors replace to substitute U+FFFD") from None  # fmt: skip
+
+
+def _text_document(file: Path, errors: str) -> Document:
+    return Document(file.name, _decode(file.read_bytes(), str(file), errors))
+
+
+def _jsonl_documents(file: Path, text_field: str, errors: str) -> Iterator[Document]:
+    """One document per line; a null text yields a Document with text None (skipped and counted by the caller)."""
+    with open(file, "rb") as fh:
+        for lineno, raw in enumerate(fh, 1):
+            line = _decode(raw, f"{file}:{lineno}", errors)
             if not line.strip():
                 continue
             try:
@@ -65,22 +83,35 @@ def _jsonl_documents(file: Path, text_field: str) -> Iterator[Document]:
                 raise DataError(f"{file}:{lineno}: not valid JSON ({exc.msg})") from None
             if not isinstance(record, dict) or text_field not in record:
                 raise DataError(f"{file}:{lineno}: no {text_field!r} field; set --text-field to the right key")
-            yield Document(f"{file.name}:{lineno}", str(record[text_field]))
+            text = record[text_field]
+            if text is not None and not isinstance(text, str):
+                raise DataError(f"{file}:{lineno}: field {text_field!r} is a {type(text).__name__}, expected a "
+                                "string; set --text-field to the text key")  # fmt: skip
+            yield Document(f"{file.name}:{lineno}", text)
 
 
 def _parquet_documents(file: Path, text_field: str) -> Iterator[Document]:
+    """One document per row; null texts yield Documents with text None (skipped and counted by the caller)."""
     try:
+        import pyarrow as pa
         import pyarrow.parquet as pq
     except ImportError:
         raise DataError(f"{file}: reading Parquet needs pyarrow: pip install 'anytrain[parquet]'") from None
-    pf = pq.ParquetFile(file)
-    if text_field not in pf.schema_arrow.names:
-        raise DataError(f"{file}: no column {text_field!r} (columns: {', '.join(pf.schema_arrow.names)}); "
+    try:
+        pf = pq.ParquetFile(file)
+    except (pa.ArrowException, OSError) as exc:
+        raise DataError(f"{file}: not a readable Parquet file ({exc})") from None
+    schema = pf.schema_arrow
+    if text_field not in schema.names:
+        raise DataError(f"{file}: no column {text_field!r} (columns: {', '.join(schema.names)}); "
                         "set --text-field")  # fmt: skip
+    kind = schema.field(text_field).type
+    if not (pa.types.is_string(kind) or pa.types.is_large_string(kind)):
+        raise DataError(f"{file}: column {text_field!r} holds {kind}, not strings; set --text-field to a text column")
     row = 0
     for batch in pf.iter_batches(columns=[text_field], batch_size=4096):
         for text in batch.column(0).to_pylist():
-            yield Document(f"{file.name}:{row}", text or "")
+            yield Document(f"{file.name}:{row}", text)
             row += 1
 
 
@@ -105,16 +136,18 @@ def _files(inputs: list[str]) -> list[Path]:
     return files
 
 
-def read_documents(inputs: list[str], text_field: str = "text") -> Iterator[Document]:
-    """Yield documents from inputs; the single input 'shakespeare' means the embedded corpus."""
+def read_documents(inputs: list[str], text_field: str = "text", encoding_errors: str = "strict") -> Iterator[Document]:
+    """Yield documents from inputs; the single input 'shakespeare' means the embedded corpus. Text that is not UTF-8
+    is refused (file and byte offset) unless ``encoding_errors`` is 'replace'. JSONL/Parquet records whose text is
+    null are yielded with ``text=None``; ``prepare`` skips them and records how many in ``meta.skipped_null``."""
     if inputs == [EMBEDDED]:
         yield from _embedded_documents()
         return
     for file in _files(inputs):
         if file.suffix == ".txt":
-            yield Document(file.name, file.read_text(encoding="utf-8", errors="replace"))
+            yield _text_document(file, encoding_errors)
         elif file.suffix == ".jsonl":
-            yield from _jsonl_documents(file, text_field)
+            yield from _jsonl_documents(file, text_field, encoding_errors)
         else:
             yield from _parquet_documents(file, text_field)
 
@@ -170,23 +203,43 @@ def _eos_id(tokenizer, path_hint: str) -> int:
 # ---------------------------------------------------------------------------------------------------------------------
 # Driver
 
+MARKER = ".anytrain-dataset.json"  # written first into every dataset folder; --overwrite replaces only such folders
+MIN_VOCAB = 256 + len(SPECIAL_TOKENS)  # the byte alphabet plus the special tokens
+MAX_VOCAB = 2**32
 
-def prepare(inputs: list[str], out_dir: str | Path, tokenizer_path: str | None = None, vocab_size: int = 8192,
-            val_fraction: float = 0.05, text_field: str = "text", shard_tokens: int = 100_000_000,
-            overwrite: bool = False, batch_docs: int = 256) -> dict:  # fmt: skip
-    """Tokenize ``inputs`` into ``out_dir``; returns the index written. Never overwrites without ``overwrite``."""
-    out = Path(out_dir)
+
+def check_options(vocab_size: int, val_fraction: float, shard_tokens: int, text_field: str, batch_docs: int,
+                  encoding_errors: str, tokenizer_path: str | None) -> None:  # fmt: skip
+    """Refuse out-of-range prepare options before anything is read or written."""
+    if tokenizer_path is None and not MIN_VOCAB <= vocab_size <= MAX_VOCAB:
+        raise DataError(f"--vocab-size: must be at least {MIN_VOCAB} (256 byte tokens + {len(SPECIAL_TOKENS)} "
+                        f"special tokens) and at most {MAX_VOCAB}, got {vocab_size}")  # fmt: skip
     if not 0.0 < val_fraction < 1.0:
         raise DataError(f"--val-fraction: must be in (0, 1), got {val_fraction}")
-    if out.exists() and any(out.iterdir()):
-        if not overwrite:
-            raise DataError(f"{out}: output directory is not empty; pass --overwrite to replace it or pick another")
-        if not (out / INDEX).is_file():
-            raise DataError(f"{out}: not empty and not a prepared dataset; refusing to delete it even with --overwrite")
-        shutil.rmtree(out)
-    documents = list(read_documents(inputs, text_field))
-    if not documents:
-        raise DataError(f"{', '.join(inputs)}: no documents found")
+    if shard_tokens < 1:
+        raise DataError(f"--shard-tokens: must be >= 1, got {shard_tokens}")
+    if batch_docs < 1:
+        raise DataError(f"batch_docs: must be >= 1, got {batch_docs}")
+    if not text_field:
+        raise DataError("--text-field: must not be empty")
+    if encoding_errors not in ENCODING_ERRORS:
+        raise DataError(f"--encoding-errors: expected one of {', '.join(ENCODING_ERRORS)}, got {encoding_errors!r}")
+
+
+def check_out_dir(out: Path, overwrite: bool) -> None:
+    """An output folder may be new, empty, or (with ``overwrite``) a dataset carrying our marker; nothing else."""
+    if out.exists() and not out.is_dir():
+        raise DataError(f"{out}: exists and is not a directory; pick another --out")
+    if not out.is_dir() or not any(out.iterdir()):
+        return
+    if not overwrite:
+        raise DataError(f"{out}: output directory is not empty; pass --overwrite to replace it or pick another")
+    if not (out / MARKER).is_file():
+        raise DataError(f"{out}: not empty and not a dataset written by anytrain prepare (no {MARKER}); refusing to "
+                        "delete it even with --overwrite; pick another --out")  # fmt: skip
+
+
+def _split_documents(documents: list[Document], val_fraction: float, inputs: list[str]):
     val_docs = [d for d in documents if is_validation(d, val_fraction)]
     train_docs = [d for d in documents if not is_validation(d, val_fraction)]
     if not val_docs:  # tiny corpora: hold out the document that hashes lowest, so a validation split always exists
@@ -194,28 +247,79 @@ def prepare(inputs: list[str], out_dir: str | Path, tokenizer_path: str | None =
         val_docs, train_docs = [lowest], [d for d in documents if d is not lowest]
     if not train_docs:
         raise DataError(f"{', '.join(inputs)}: every document went to validation; add data or lower --val-fraction")
+    return train_docs, val_docs
 
-    out.mkdir(parents=True, exist_ok=True)
-    if tokenizer_path:
-        tokenizer = load_tokenizer(tokenizer_path)
-    else:
-        tokenizer = train_tokenizer((d.text for d in train_docs), vocab_size)
+
+def _write_dataset(out: Path, tokenizer, tokenizer_hint: str, splits_docs: dict, shard_tokens: int,
+                   batch_docs: int, meta: dict) -> None:  # fmt: skip
     tokenizer.save(str(out / "tokenizer.json"))
     vocab = tokenizer.get_vocab_size(with_added_tokens=True)
-    eos = _eos_id(tokenizer, tokenizer_path or "trained tokenizer")
+    eos = _eos_id(tokenizer, tokenizer_hint)
     dtype = token_dtype(vocab)
-
-    splits = {}
-    stats = {}
-    for name, docs in (("train", train_docs), ("val", val_docs)):
+    splits, stats = {}, {}
+    for name, docs in splits_docs.items():
         writer = ShardWriter(out, name, dtype, shard_tokens)
-        for start in range(0, len(docs), batch_docs):
-            chunk = docs[start : start + batch_docs]
-            for enc in tokenizer.encode_batch([d.text for d in chunk], add_special_tokens=False):
-                writer.write(np.asarray(enc.ids + [eos], dtype=np.int64))
-        writer.close()
+        try:
+            for start in range(0, len(docs), batch_docs):
+                chunk = docs[start : start + batch_docs]
+                for enc in tokenizer.encode_batch([d.text for d in chunk], add_special_tokens=False):
+                    writer.write(np.asarray(enc.ids + [eos], dtype=np.int64))
+        finally:
+            writer.close()
         splits[name] = writer.shards
         stats[name] = {"documents": len(docs), "tokens": sum(s["tokens"] for s in writer.shards)}
-    meta = {"inputs": inputs, "val_fraction": val_fraction, "stats": stats}
-    write_index(out, dtype, vocab, eos, splits, meta)
+    write_index(out, dtype, vocab, eos, splits, {**meta, "stats": stats})
+
+
+def _move_into_place(tmp: Path, out: Path, overwrite: bool) -> None:
+    """Rename the finished folder onto ``out``; a replaced dataset is removed only after the new one is in place."""
+    try:
+        check_out_dir(out, overwrite)  # again: the folder may have changed while we tokenized
+    except BaseException:
+        remove(tmp)
+        raise
+    old = None
+    if out.is_dir() and any(out.iterdir()):
+        old = temp_sibling(out, "old")
+        out.rename(old)
+    elif out.is_dir():
+        out.rmdir()
+    tmp.rename(out)
+    if old is not None:
+        shutil.rmtree(old)
+
+
+def prepare(inputs: list[str], out_dir: str | Path, tokenizer_path: str | None = None, vocab_size: int = 8192,
+            val_fraction: float = 0.05, text_field: str = "text", shard_tokens: int = 100_000_000,
+            overwrite: bool = False, batch_docs: int = 256, encoding_errors: str = "strict") -> dict:  # fmt: skip
+    """Tokenize ``inputs`` into ``out_dir``; returns the index written. The dataset is built in a hidden sibling
+    folder and renamed onto ``out_dir`` when complete: a failure or interrupt leaves ``out_dir`` as it was. An
+    existing non-empty ``out_dir`` is replaced only with ``overwrite`` and only if it carries :data:`MARKER`."""
+    out = Path(out_dir)
+    check_options(vocab_size, val_fraction, shard_tokens, text_field, batch_docs, encoding_errors, tokenizer_path)
+    check_out_dir(out, overwrite)
+    tokenizer = load_tokenizer(tokenizer_path) if tokenizer_path else None
+    documents = list(read_documents(inputs, text_field, encoding_errors))
+    present = [d for d in documents if d.text is not None]
+    if not present:
+        raise DataError(f"{', '.join(inputs)}: no documents found")
+    train_docs, val_docs = _split_documents(present, val_fraction, inputs)
+    if tokenizer is None:
+        tokenizer = train_tokenizer((d.text for d in train_docs), vocab_size)
+    meta = {"inputs": inputs, "val_fraction": val_fraction, "skipped_null": len(documents) - len(present)}
+    created = missing_parents(out)
+    tmp = temp_sibling(out, "prepare")
+    try:
+        with disk_full_as_error(out):
+            out.parent.mkdir(parents=True, exist_ok=True)
+            tmp.mkdir()
+            (tmp / MARKER).write_text(json.dumps({"written_by": "anytrain prepare", "format": 1}) + "\n")
+            _write_dataset(tmp, tokenizer, tokenizer_path or "trained tokenizer",
+                           {"train": train_docs, "val": val_docs}, shard_tokens, batch_docs, meta)  # fmt: skip
+    except BaseException:
+        remove(tmp)
+        if created is not None:
+            remove(created)
+        raise
+    _move_into_place(tmp, out, overwrite)
     return json.loads((out / INDEX).read_text())

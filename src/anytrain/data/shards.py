@@ -2,10 +2,11 @@
 
 Layout of a prepared dataset directory::
 
-    index.json        {"format": 1, "dtype": "uint16", "vocab_size": ..., "eos_id": ..., "splits": {
-                        "train": [{"file": "train_00000.bin", "tokens": N}, ...], "val": [...]}}
-    tokenizer.json    the HF tokenizers file used to make the shards
-    train_00000.bin   documents' tokens back to back, each document followed by EOS
+    .anytrain-dataset.json   marker: this folder was written by ``anytrain prepare`` (``--overwrite`` may replace it)
+    index.json               {"format": 1, "dtype": "uint16", "vocab_size": ..., "eos_id": ..., "splits": {
+                               "train": [{"file": "train_00000.bin", "tokens": N, "max_id": M}, ...], "val": [...]}}
+    tokenizer.json           the HF tokenizers file used to make the shards
+    train_00000.bin          documents' tokens back to back, each document followed by EOS
 """
 
 from __future__ import annotations
@@ -20,6 +21,8 @@ from anytrain.errors import DataError
 
 INDEX = "index.json"
 FORMAT_VERSION = 1
+DTYPES = ("uint16", "uint32")
+SAMPLE_TOKENS = 4096  # tokens read from each end of a shard at open to catch ids outside the vocabulary
 
 
 def token_dtype(vocab_size: int) -> np.dtype:
@@ -39,7 +42,7 @@ class ShardWriter:
     def _open_next(self) -> None:
         self.close()
         name = f"{self.split}_{len(self.shards):05d}.bin"
-        self.shards.append({"file": name, "tokens": 0})
+        self.shards.append({"file": name, "tokens": 0, "max_id": -1})
         self._file = open(self.out_dir / name, "wb")  # noqa: SIM115 - closed in close()
         self._count = 0
 
@@ -55,6 +58,7 @@ class ShardWriter:
             self._file.write(tokens[:take].tobytes())
             self._count += take
             self.shards[-1]["tokens"] = self._count
+            self.shards[-1]["max_id"] = max(self.shards[-1]["max_id"], int(tokens[:take].max()))
             tokens = tokens[take:]
 
     def close(self) -> None:
@@ -84,43 +88,92 @@ class Split:
 
 
 class TokenDataset:
-    """Read side of a prepared dataset directory."""
+    """Read side of a prepared dataset directory. Opening checks index.json's fields, each shard's size against it,
+    and the token ids against the vocabulary (the recorded maximum and a sample from both ends of each shard)."""
 
     def __init__(self, path: str | Path) -> None:
         self.path = Path(path)
-        index_file = self.path / INDEX
-        if not index_file.is_file():
+        self.index_file = self.path / INDEX
+        if not self.index_file.is_file():
             raise DataError(
                 f"data.path: {self.path} has no {INDEX}; run `anytrain prepare` first (or `make demo` for the corpus)"
             )
-        try:
-            self.index = json.loads(index_file.read_text())
-        except json.JSONDecodeError as exc:
-            raise DataError(f"{index_file}: not valid JSON ({exc})") from None
-        if self.index.get("format") != FORMAT_VERSION:
-            raise DataError(f"{index_file}: unsupported format {self.index.get('format')!r}; re-run anytrain prepare")
+        self.index = _read_index(self.index_file)
         self.dtype = np.dtype(self.index["dtype"])
-        self.vocab_size = int(self.index["vocab_size"])
-        self.eos_id = int(self.index["eos_id"])
+        self.vocab_size = self.index["vocab_size"]
+        self.eos_id = self.index["eos_id"]
         self._splits: dict[str, Split] = {}
 
     def split(self, name: str) -> Split:
         if name not in self._splits:
             entries = self.index["splits"].get(name)
             if not entries:
-                raise DataError(f"{self.path / INDEX}: no {name!r} split; re-run anytrain prepare")
-            arrays = []
-            for entry in entries:
-                file = self.path / entry["file"]
-                if not file.is_file():
-                    raise DataError(f"{file}: shard listed in {INDEX} is missing")
-                expected = entry["tokens"] * self.dtype.itemsize
-                if file.stat().st_size != expected:
-                    raise DataError(f"{file}: size {file.stat().st_size} bytes, index says {expected}; re-run prepare")
-                arrays.append(np.memmap(file, dtype=self.dtype, mode="r"))
-            self._splits[name] = Split(arrays)
+                raise DataError(f"{self.index_file}: no {name!r} split; re-run anytrain prepare")
+            self._splits[name] = Split([self._open_shard(entry) for entry in entries])
         return self._splits[name]
+
+    def _open_shard(self, entry: dict) -> np.memmap:
+        file = self.path / entry["file"]
+        if not file.is_file():
+            raise DataError(f"{file}: shard listed in {INDEX} is missing; re-run anytrain prepare")
+        expected = entry["tokens"] * self.dtype.itemsize
+        if file.stat().st_size != expected:
+            raise DataError(f"{file}: size {file.stat().st_size} bytes, index says {expected}; re-run prepare")
+        if expected == 0:
+            return np.zeros(0, dtype=self.dtype)
+        array = np.memmap(file, dtype=self.dtype, mode="r")
+        sample = max(int(array[:SAMPLE_TOKENS].max()), int(array[-SAMPLE_TOKENS:].max()))
+        if sample >= self.vocab_size:
+            raise DataError(f"{file}: token id {sample} is outside the vocabulary of {self.vocab_size} in {INDEX}; "
+                            "the shard does not belong to this tokenizer: re-run anytrain prepare")  # fmt: skip
+        return array
 
     @property
     def tokenizer_path(self) -> Path:
         return self.path / "tokenizer.json"
+
+    def longest_shard(self, split: str) -> int:
+        """Tokens of the split's longest shard per index.json (a window never crosses shards); 0 if absent."""
+        return max((entry["tokens"] for entry in self.index["splits"].get(split) or []), default=0)
+
+
+def _read_index(index_file: Path) -> dict:
+    """index.json, parsed and checked field by field; any problem is one DataError naming the file and the field."""
+    try:
+        index = json.loads(index_file.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise DataError(f"{index_file}: not valid JSON ({exc}); re-run anytrain prepare") from None
+    if not isinstance(index, dict):
+        raise DataError(f"{index_file}: expected a JSON object; re-run anytrain prepare")
+    if index.get("format") != FORMAT_VERSION:
+        raise DataError(f"{index_file}: unsupported format {index.get('format')!r}; re-run anytrain prepare")
+    if index.get("dtype") not in DTYPES:
+        raise DataError(f"{index_file}: dtype must be one of {', '.join(DTYPES)}, got {index.get('dtype')!r}")
+    vocab = _index_int(index, "vocab_size", index_file, 1, np.iinfo(index["dtype"]).max + 1)
+    _index_int(index, "eos_id", index_file, 0, vocab - 1)
+    splits = index.get("splits")
+    if not isinstance(splits, dict):
+        raise DataError(f"{index_file}: 'splits' missing or not an object; re-run anytrain prepare")
+    for name, entries in splits.items():
+        if not isinstance(entries, list):
+            raise DataError(f"{index_file}: splits.{name} is not a list of shards; re-run anytrain prepare")
+        for i, entry in enumerate(entries):
+            _check_entry(entry, f"splits.{name}[{i}]", index_file, vocab)
+    return index
+
+
+def _index_int(obj: dict, key: str, index_file: Path, low: int, high: int, where: str = "") -> int:
+    value = obj.get(key)
+    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+        raise DataError(f"{index_file}: {where}{key} must be an integer in [{low}, {high}], got {value!r}; "
+                        "re-run anytrain prepare")  # fmt: skip
+    return value
+
+
+def _check_entry(entry: object, where: str, index_file: Path, vocab: int) -> None:
+    file = entry.get("file") if isinstance(entry, dict) else None
+    if not isinstance(file, str) or not file or Path(file).name != file:
+        raise DataError(f"{index_file}: {where}.file must be a shard file name; re-run anytrain prepare")
+    _index_int(entry, "tokens", index_file, 0, 2**62, f"{where}.")
+    if "max_id" in entry:
+        _index_int(entry, "max_id", index_file, -1, vocab - 1, f"{where}.")

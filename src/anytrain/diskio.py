@@ -1,0 +1,69 @@
+"""Writing outputs safely: a full disk becomes one error line, and files appear only once complete.
+
+``disk_full_as_error`` turns the ways a full filesystem surfaces (``OSError`` ENOSPC/EDQUOT, torch's
+``PytorchStreamWriter`` / ``inline_container.cc`` RuntimeError, safetensors' I/O error text) into
+:class:`DiskFullError` naming what was being written. ``temp_sibling`` names a hidden file or folder next to the
+target, to be renamed onto it when complete (a rename within one folder is atomic).
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import shutil
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+from anytrain.errors import AnytrainError
+
+_FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
+_FULL_TEXTS = ("no space left", "inline_container", "file write failed", "disk quota", "file too large")
+
+
+class DiskFullError(AnytrainError):
+    """The filesystem ran out of space (or quota) while an output was being written."""
+
+
+def _is_disk_full(exc: BaseException) -> bool:
+    if isinstance(exc, OSError) and exc.errno in _FULL_ERRNOS:
+        return True
+    text = str(exc).lower()
+    return isinstance(exc, (OSError, RuntimeError)) and any(t in text for t in _FULL_TEXTS)
+
+
+@contextmanager
+def disk_full_as_error(what: str | Path) -> Iterator[None]:
+    """Re-raise a disk-full failure inside the block as ``DiskFullError("disk full while writing <what>...")``."""
+    try:
+        yield
+    except AnytrainError:
+        raise
+    except Exception as exc:
+        if _is_disk_full(exc) or _is_disk_full(exc.__cause__ or exc):
+            raise DiskFullError(f"disk full while writing {what}; free space on that filesystem or write "
+                                "elsewhere (nothing was replaced)") from None  # fmt: skip
+        raise
+
+
+def temp_sibling(path: Path, tag: str = "tmp") -> Path:
+    """A hidden name next to ``path`` for its in-progress version: ``.<name>.<tag>-<pid>``."""
+    return path.parent / f".{path.name}.{tag}-{os.getpid()}"
+
+
+def remove(path: Path) -> None:
+    """Delete a file or folder this process created, ignoring one that is already gone."""
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        path.unlink(missing_ok=True)
+
+
+def missing_parents(path: Path) -> Path | None:
+    """The outermost ancestor of ``path`` that does not exist yet (to remove it again on failure), or None."""
+    top = None
+    for parent in path.absolute().parents:
+        if parent.exists():
+            break
+        top = parent
+    return top
