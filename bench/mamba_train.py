@@ -344,7 +344,7 @@ def cpu_scan_rows(repeats: int = 3) -> list[dict]:
     """Forward + backward seconds of tiny-mamba-width LMs on CPU, reference scan loop vs chunked (best of repeats)."""
     from functools import partial
 
-    import anytrain.models.mamba as mamba_module
+    import anytrain.models.mamba.model as mamba_module
     from anytrain.kernels.reference import selective_scan_ref
 
     rows = []

@@ -336,7 +336,8 @@ def hf_worker(args: argparse.Namespace) -> None:
     dist.all_reduce(peak, op=dist.ReduceOp.MAX)
     if rank == 0:
         from anytrain.config import ModelConfig
-        from anytrain.models import resolve_args, transformer
+        from anytrain.models import resolve_args
+        from anytrain.models.llama import model as transformer
 
         with torch.device("meta"):
             fpt = transformer.Transformer(resolve_args(ModelConfig(flavour="1.1b"))).flops_per_token(args.seq)

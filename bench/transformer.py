@@ -46,7 +46,8 @@ from bench_common import RandomBatches, release, row_error, versions  # noqa: E4
 
 from anytrain import hardware  # noqa: E402
 from anytrain.config import ModelConfig, RunConfig, plan_batches  # noqa: E402
-from anytrain.models import losses, resolve_args, transformer  # noqa: E402
+from anytrain.models import losses, resolve_args  # noqa: E402
+from anytrain.models.llama import model as transformer  # noqa: E402
 from anytrain.parallel import DistInfo  # noqa: E402
 from anytrain.train import trainer as trainer_module  # noqa: E402
 from anytrain.train.guard import StepGuard  # noqa: E402

@@ -33,7 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_common import RandomBatches, versions  # noqa: E402
 
-from anytrain.models.transformer import apply_rope, rope_tables  # noqa: E402
+from anytrain.models.llama.model import apply_rope, rope_tables  # noqa: E402
 
 TOKENS = 32768  # micro-batch 16 x 2048
 PROJECTIONS = {"q/o": (2048, 2048), "k/v": (2048, 256), "w1/w3": (2048, 5632), "w2": (5632, 2048)}

@@ -14,7 +14,8 @@ if not torch.cuda.is_available():
     pytest.skip("needs a CUDA/ROCm GPU", allow_module_level=True)
 
 from anytrain.kernels import fused_linear_ce as flce  # noqa: E402
-from anytrain.models import losses, transformer  # noqa: E402
+from anytrain.models import losses  # noqa: E402
+from anytrain.models.llama import model as transformer  # noqa: E402
 
 
 def _rel_err(got: torch.Tensor, ref: torch.Tensor) -> float:

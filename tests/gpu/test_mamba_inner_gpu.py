@@ -16,7 +16,7 @@ if not torch.cuda.is_available():
 pytest.importorskip("triton")
 
 from anytrain.kernels import mamba_inner, wide_mm  # noqa: E402
-from anytrain.models.mamba import MambaArgs, MambaMixer  # noqa: E402
+from anytrain.models.mamba.model import MambaArgs, MambaMixer  # noqa: E402
 
 TOL = {torch.float32: (6e-4, 2e-3), torch.bfloat16: (3e-2, 5e-2)}
 

@@ -283,7 +283,7 @@ def test_saved_tensors_match_the_formula(mode, residual_fp32, compiled):
     """A 2-block Transformer on CPU: autocast over fp32 params ('amp'), bf16 params without autocast (FSDP2's
     'bf16') or plain fp32; the bytes autograd saves = L·N·A + N·(head) + 4·V·d (the loss's fp32 dW) + the blocks'
     bf16 weight copies (autocast) + the token ids (8·N, the embedding's backward)."""
-    from anytrain.models.transformer import Transformer, TransformerArgs
+    from anytrain.models.llama.model import Transformer, TransformerArgs
 
     torch.manual_seed(0)
     model = Transformer(TransformerArgs(**TINY_ARGS, residual_in_fp32=residual_fp32))
@@ -319,7 +319,7 @@ def test_saved_tensors_of_the_fused_mamba_mixer():
     if os.environ.get("TRITON_INTERPRET") != "1":
         pytest.skip("triton was imported before TRITON_INTERPRET=1 could be set")
     from anytrain.kernels import mamba_inner
-    from anytrain.models.mamba import MambaArgs, MambaMixer
+    from anytrain.models.mamba.model import MambaArgs, MambaMixer
 
     args = MambaArgs(d_model=32, d_state=8, d_conv=4, expand=2, dt_rank=4, vocab_size=100)
     torch.manual_seed(0)
@@ -338,7 +338,7 @@ def test_eager_ops_per_block():
     """The host's work per eager block: ATen ops (views excluded) one block adds to forward + backward."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
-    from anytrain.models.transformer import Transformer, TransformerArgs
+    from anytrain.models.llama.model import Transformer, TransformerArgs
 
     views = {"view", "_unsafe_view", "t", "transpose", "expand", "unsqueeze", "squeeze", "permute", "slice", "select",
              "split", "split_with_sizes", "unbind", "as_strided", "alias", "detach", "reshape", "unflatten",

@@ -13,7 +13,7 @@ from torch import nn
 
 from anytrain.kernels import fused_linear_ce as flce
 from anytrain.models import losses
-from anytrain.models.transformer import Transformer, TransformerArgs
+from anytrain.models.llama.model import Transformer, TransformerArgs
 
 _TRITON_PREIMPORTED = "triton" in sys.modules and os.environ.get("TRITON_INTERPRET") != "1"
 
@@ -123,7 +123,7 @@ def test_lm_loss_under_autocast_matches_naive():
 
 @pytest.mark.parametrize("native_gqa", [True, False])
 def test_transformer_loss_and_grads_match_naive_path(monkeypatch, native_gqa):
-    from anytrain.models import transformer
+    from anytrain.models.llama import model as transformer
 
     monkeypatch.setattr(transformer, "SDPA_NATIVE_GQA", native_gqa)
     args = TransformerArgs(vocab_size=50, dim=16, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=24, max_seq_len=16)
@@ -214,7 +214,7 @@ def test_wide_grad_linear_matches_autocast_linear(compiled, monkeypatch):
     from torch._dynamo.testing import AotEagerAndRecordGraphs
 
     from anytrain.kernels import wide_mm
-    from anytrain.models import transformer
+    from anytrain.models.llama import model as transformer
 
     torch.manual_seed(0)
     wide, plain = transformer.Linear(24, 40, bias=False), nn.Linear(24, 40, bias=False)
@@ -237,7 +237,7 @@ def test_wide_grad_linear_matches_autocast_linear(compiled, monkeypatch):
 def test_wide_grad_linear_applies_only_to_fp32_weights_under_autocast(monkeypatch):
     """The plain F.linear path everywhere else: no autocast, a bf16 weight (FSDP mixed precision), a bias, the switch
     off."""
-    from anytrain.models import transformer
+    from anytrain.models.llama import model as transformer
 
     x = torch.randn(2, 8)
     for kwargs, setup, autocast in (({}, None, False), ({}, "bf16", True), ({"bias": True}, None, True),
@@ -259,7 +259,7 @@ def test_weight_gradients_accumulate_in_the_gemm(backend):
     ``.grad`` keeps its storage (AccumulateGrad takes the sum back, no copy). Outside the context, or with it
     disabled, nothing is accumulated that way."""
     from anytrain.kernels import wide_mm
-    from anytrain.models import transformer
+    from anytrain.models.llama import model as transformer
 
     torch.manual_seed(0)
     mod = nn.Sequential(transformer.Linear(24, 40, bias=False), nn.GELU(), transformer.Linear(40, 8, bias=False))
@@ -297,7 +297,7 @@ def test_gemm_accumulation_only_where_accumulate_grad_takes_the_sum_back():
     is: ``torch.autograd.grad`` and ``backward(inputs=...)`` (no AccumulateGrad for the weight), a tensor hook on the
     weight (it would see, and could rescale, the running sum), and a backward with grad mode on (``create_graph``)."""
     from anytrain.kernels import wide_mm
-    from anytrain.models import transformer
+    from anytrain.models.llama import model as transformer
 
     torch.manual_seed(1)
     lin = transformer.Linear(6, 5, bias=False)

@@ -18,7 +18,7 @@ import torch  # noqa: E402
 
 from anytrain import kernels  # noqa: E402
 from anytrain.kernels import mamba_inner as mi  # noqa: E402
-from anytrain.models.mamba import MambaArgs, MambaBlock, MambaMixer  # noqa: E402
+from anytrain.models.mamba.model import MambaArgs, MambaBlock, MambaMixer  # noqa: E402
 
 F64 = torch.float64
 WEIGHTS = (

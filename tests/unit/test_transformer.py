@@ -4,7 +4,7 @@ import torch
 from anytrain.config import ModelConfig
 from anytrain.errors import ConfigError
 from anytrain.models import build_model, list_flavours, resolve_args
-from anytrain.models.transformer import Transformer, TransformerArgs, apply_rope, rope_tables
+from anytrain.models.llama.model import Transformer, TransformerArgs, apply_rope, rope_tables
 from tests.conftest import autocast_block_outputs
 
 

@@ -16,7 +16,7 @@ from torch import nn
 
 from anytrain.config import ModelConfig, from_dict
 from anytrain.errors import ConfigError
-from anytrain.models.transformer import Transformer, TransformerArgs
+from anytrain.models.llama.model import Transformer, TransformerArgs
 
 
 @dataclass(frozen=True)
@@ -80,7 +80,7 @@ def args_dict(args: Any) -> dict[str, Any]:
 
 
 def _register_builtin() -> None:
-    from anytrain.models.mamba import spec as mamba_spec
+    from anytrain.models.mamba.model import spec as mamba_spec
 
     register(mamba_spec())
 

@@ -35,7 +35,7 @@ from anytrain.kernels import causal_conv1d, selective_scan
 from anytrain.kernels.mamba_inner import mamba_inner_triton, mixer_composition, use_mamba_inner
 from anytrain.models.losses import lm_cross_entropy
 from anytrain.models.sampling import sample
-from anytrain.models.transformer import RMSNorm, residual_stream
+from anytrain.models.llama.model import RMSNorm, residual_stream
 
 if TYPE_CHECKING:
     from anytrain.models import ModelSpec
