@@ -14,8 +14,9 @@ from pathlib import Path
 import typer
 
 from anytrain.cost.devices import get_device, load_efficiency_table
-from anytrain.cost.model import PRECISIONS, STRATEGIES, MambaShape, ModelShape, Workload
+from anytrain.cost.model import PRECISIONS, STRATEGIES, ModelShape, Workload
 from anytrain.cost.planner import RUNNABLE_STRATEGIES, PlanResult, plan
+from anytrain.cost.shapes import shape_from_config
 from anytrain.errors import ConfigError
 
 # Published shapes for bare parameter counts: (layers, hidden, heads, mlp, ffn, vocab).
@@ -76,19 +77,6 @@ def shape_from_params(
                 f"(embeddings and attention alone exceed it)"
             )
     return ModelShape(layers, hidden, heads, kv_heads, ffn, vocab, name=f"{params / 1e9:.3g}B")
-
-
-def shape_from_config(cfg: object) -> ModelShape:
-    """Shape of the model a RunConfig builds, read from its resolved args (exact parameter count as built)."""
-    from anytrain.models import resolve_args
-
-    args = resolve_args(cfg.model)
-    name = f"{cfg.model.arch}/{cfg.model.flavour}"
-    if hasattr(args, "d_state"):
-        return MambaShape.from_args(args, name=name)
-    if not hasattr(args, "n_heads"):
-        raise ConfigError(f"model.arch: the cost model covers transformer and mamba models, not {cfg.model.arch!r}")
-    return ModelShape.from_args(args, name=name)
 
 
 def count_params_on_meta(cfg: object) -> int:

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 from anytrain.cost.devices import DEVICES, Device
 from anytrain.cost.model import STRATEGIES, Estimate, Layout, ModelShape, Precision, Workload, estimate
+from anytrain.cost.shapes import shape_from_config
 from anytrain.errors import ConfigError
 
 # What anytrain's trainer can run today (no TP/PP yet): used by choose_layout.
@@ -277,7 +278,6 @@ def choose_layout(cfg: object, world_size: int, device_spec: object, gpus_per_no
     """
     import os
 
-    from anytrain.cost.cli import shape_from_config
     from anytrain.cost.devices import from_spec
 
     device = from_spec(device_spec)

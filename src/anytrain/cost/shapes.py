@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from anytrain.errors import ConfigError
+
 GIB = 2**30
 MIB = 2**20
 STRATEGIES = ("ddp", "zero1", "zero2", "fsdp", "hsdp")
@@ -261,3 +263,16 @@ class Workload:
     fragmentation: float = 0.05
     overhead_gib: float = 1.0  # CUDA/HIP context, NCCL buffers: outside the allocator (not in its peak)
     ddp_bucket_mib: float = 25.0  # DDP's bucket cap (torch default); torch.compile splits blocks at its buckets
+
+
+def shape_from_config(cfg: object) -> ModelShape | MambaShape:
+    """Shape of the model a RunConfig builds, read from its resolved args (exact parameter count as built)."""
+    from anytrain.models import resolve_args
+
+    args = resolve_args(cfg.model)
+    name = f"{cfg.model.arch}/{cfg.model.flavour}"
+    if hasattr(args, "d_state"):
+        return MambaShape.from_args(args, name=name)
+    if not hasattr(args, "n_heads"):
+        raise ConfigError(f"model.arch: the cost model covers transformer and mamba models, not {cfg.model.arch!r}")
+    return ModelShape.from_args(args, name=name)
