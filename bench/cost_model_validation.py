@@ -12,7 +12,7 @@ Calibration — two constants, each fitted on ONE run, every other row is a pred
     (``--calibrate-host``, default v-tiny-1: the only host-bound run).
 Memory has no fitted constant. Pass criteria (issue #7): peak memory (allocator peak,
 ``torch.cuda.max_memory_allocated`` of rank 0) within ±10%, step time within ±20%. The fitted table is written as
-an efficiency file that ``anytrain plan --efficiency-table`` and ``$ANYTRAIN_EFFICIENCY_TABLE`` read.
+an efficiency file that ``anytrain plan --efficiency-table`` reads.
 
     R=bench/results; PYTHONPATH=src python bench/cost_model_validation.py --reuse-only --reuse \\
         $R/scaling_nvidia-h200_2gpu_main.json $R/scaling_nvidia-h200_2gpu_rerun.json $R/scaling_nvidia-h200_4gpu.json \\

@@ -94,7 +94,7 @@ def device_name(device: torch.device) -> str:
 
 
 def device_spec(device: torch.device) -> DeviceSpec | None:
-    """Catalogue entry for this device, or None (CPU or unknown GPU). Override peak with ANYTRAIN_PEAK_TFLOPS."""
+    """Catalogue entry for this device, or None (CPU or unknown GPU)."""
     if not is_gpu(device):
         return None
     name = torch.cuda.get_device_name(device)
@@ -108,14 +108,14 @@ def lookup_spec(name: str) -> DeviceSpec | None:
     return None
 
 
-def peak_flops(device: torch.device) -> float | None:
+def peak_flops(device: torch.device, override_tflops: float | None = None) -> float | None:
     """Dense bf16 peak FLOP/s of one device for MFU; None where no honest peak exists (CPU, unknown GPU).
 
-    ``ANYTRAIN_PEAK_TFLOPS`` overrides (e.g. for a GPU missing from the catalogue).
+    ``override_tflops`` (the config's ``train.peak_tflops``; None or 0 = the catalogue) replaces the catalogue value,
+    e.g. for a GPU missing from it.
     """
-    override = os.environ.get("ANYTRAIN_PEAK_TFLOPS")
-    if override:
-        return float(override) * 1e12
+    if override_tflops:
+        return float(override_tflops) * 1e12
     spec = device_spec(device)
     return spec.peak_bf16_tflops * 1e12 if spec else None
 
@@ -229,15 +229,15 @@ def apply_env_defaults() -> None:
         os.environ.setdefault("TORCH_BLAS_PREFER_HIPBLASLT", "1")
 
 
-def summary(device: torch.device) -> dict:
-    """Versions and device facts recorded with every run and benchmark."""
+def summary(device: torch.device, peak_tflops: float | None = None) -> dict:
+    """Versions and device facts recorded with every run and benchmark (``peak_tflops``: as for ``peak_flops``)."""
     info = {
         "vendor": vendor() if is_gpu(device) else CPU,
         "device": device_name(device),
         "torch": torch.__version__,
         "cuda": torch.version.cuda,
         "hip": getattr(torch.version, "hip", None),
-        "peak_bf16_tflops": (peak_flops(device) or 0.0) / 1e12 or None,
+        "peak_bf16_tflops": (peak_flops(device, peak_tflops) or 0.0) / 1e12 or None,
     }
     try:
         import triton

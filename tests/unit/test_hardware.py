@@ -73,3 +73,14 @@ def test_env_switch_is_on_unless_turned_off(monkeypatch):
     for value, on in (("0", False), (" Off ", False), ("no", False), ("FALSE", False), ("1", True), ("yes", True)):
         monkeypatch.setenv("ANYTRAIN_TEST_SWITCH", value)
         assert hardware.env_switch("ANYTRAIN_TEST_SWITCH") is on, value
+
+
+def test_peak_flops_override_is_an_argument(monkeypatch):
+    """The MFU peak comes from the catalogue or the caller's override (train.peak_tflops), never the environment."""
+    monkeypatch.setenv("ANYTRAIN_PEAK_TFLOPS", "123")
+    cpu = torch.device("cpu")
+    assert hardware.peak_flops(cpu) is None
+    assert hardware.peak_flops(cpu, None) is None and hardware.peak_flops(cpu, 0.0) is None
+    assert hardware.peak_flops(cpu, 500.0) == pytest.approx(500e12)
+    assert hardware.summary(cpu, 500.0)["peak_bf16_tflops"] == pytest.approx(500.0)
+    assert hardware.summary(cpu)["peak_bf16_tflops"] is None

@@ -175,3 +175,17 @@ def test_plan_command_defaults_to_layouts_the_trainer_runs():
     assert "zero2" not in strategies and {"ddp", "zero1", "fsdp"} <= strategies
     asked = json.loads(CliRunner().invoke(_app(), [*base, "--strategy", "zero2"]).output)
     assert {row["strategy"] for row in asked["ranked"]} == {"zero2"}
+
+
+def test_efficiency_table_is_an_option_not_the_environment(tmp_path, monkeypatch):
+    """`anytrain plan --efficiency-table FILE` overrides the device figures; an environment variable does not."""
+    table = tmp_path / "eff.json"
+    table.write_text(json.dumps({"h200": {"efficiency": 0.123}}))
+    monkeypatch.setenv("ANYTRAIN_EFFICIENCY_TABLE", str(table))
+    assert get_device("h200").efficiency != pytest.approx(0.123)
+    args = ["--model", "configs/1.1b.yaml", "--gpu", "h200", "--gpus", "8", "--json"]
+    plain = CliRunner().invoke(_app(), args)
+    tabled = CliRunner().invoke(_app(), [*args, "--efficiency-table", str(table)])
+    assert plain.exit_code == 0 and tabled.exit_code == 0, plain.output + tabled.output
+    assert json.loads(tabled.output)["device"]["efficiency"] == pytest.approx(0.123)
+    assert json.loads(plain.output)["device"]["efficiency"] == pytest.approx(get_device("h200").efficiency)

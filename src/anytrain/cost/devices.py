@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -124,8 +123,6 @@ SYSTEMS: dict[str, tuple[str, dict[str, float | int]]] = {
     "dgx-h200": ("h200", {"gpus_per_node": 8, "inter_node_gb_per_s": 50.0}),
 }
 
-EFFICIENCY_ENV = "ANYTRAIN_EFFICIENCY_TABLE"
-
 
 def load_efficiency_table(path: str | Path) -> dict[str, dict[str, float]]:
     """JSON ``{"h100": {"efficiency": 0.47, "power_fraction": 0.85}, ...}`` (a validation run writes this)."""
@@ -144,7 +141,7 @@ def load_efficiency_table(path: str | Path) -> dict[str, dict[str, float]]:
 def get_device(kind: str, table: dict[str, dict[str, float]] | None = None, **overrides: float | int) -> Device:
     """Device by short key (``h100``), alias, system name (``frontier``) or a GPU name as torch reports it.
 
-    Overrides apply last: explicit keyword overrides > ``table`` > ``$ANYTRAIN_EFFICIENCY_TABLE`` > defaults.
+    Overrides apply last: explicit keyword overrides > ``table`` (``anytrain plan --efficiency-table``) > defaults.
     """
     key = kind.strip().lower()
     system_overrides: dict[str, float | int] = {}
@@ -159,10 +156,8 @@ def get_device(kind: str, table: dict[str, dict[str, float]] | None = None, **ov
         choices = ", ".join([*DEVICES, *SYSTEMS])
         raise ConfigError(f"--gpu: unknown device {kind!r}; choose from {choices}")
     merged: dict[str, float | int] = dict(system_overrides)
-    env_table = os.environ.get(EFFICIENCY_ENV)
-    for source in (load_efficiency_table(env_table) if env_table else None, table):
-        if source and device.key in source:
-            merged.update(source[device.key])
+    if table and device.key in table:
+        merged.update(table[device.key])
     merged.update({k: v for k, v in overrides.items() if v is not None})
     return device.replace(**merged) if merged else device
 
