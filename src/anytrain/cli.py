@@ -46,6 +46,13 @@ def train(
     run_dir: str = typer.Option(None, "--run-dir", help="Output directory (default runs/<name>-<time>)."),
     resume: bool = typer.Option(False, "--resume", help="Continue the run in --run-dir from its newest checkpoint."),
     overwrite: bool = typer.Option(False, "--overwrite", help="Delete an existing run in --run-dir first."),
+    resume_allow_changes: str = typer.Option(
+        "",
+        "--resume-allow-changes",
+        metavar="FIELD[,FIELD]",
+        help="With --resume: accept these changed model / data-order / dtype fields (e.g. model.args.n_layers); "
+        "other changed fields are always accepted and reported.",
+    ),  # fmt: skip
 ) -> None:
     """Train. Extra arguments override config fields: --train.steps 20 --model.args.dim 128."""
     from anytrain.config import load_config
@@ -56,7 +63,8 @@ def train(
         raise AnytrainError("--resume and --overwrite: choose one")
     cfg = load_config(config, ctx.args)
     try:
-        summary = run_training(cfg, run_dir=run_dir, resume=resume, overwrite=overwrite)
+        allow = tuple(f.strip() for f in resume_allow_changes.split(",") if f.strip())
+        summary = run_training(cfg, run_dir=run_dir, resume=resume, overwrite=overwrite, resume_allow=allow)
     finally:
         shutdown()
     if summary.get("world_size", 1) == 1 or _rank() == 0:
@@ -81,6 +89,17 @@ def _print_summary(summary: dict) -> None:
     lines.append(f"throughput:  {summary['tokens_per_s']:,.0f} tokens/s ({summary['world_size']} x "
                  f"{summary['hardware']['device']}), MFU {mfu}")  # fmt: skip
     typer.echo("\n".join(lines))
+
+
+@app.command()
+def status(run_dir: str = typer.Argument(..., help="A run directory written by `anytrain train`.")) -> None:
+    """How the run's last invocation ended, as one line and the exit code: 0 finished, 143 / 130 preempted (saved;
+    requeue it with checkpoint.auto_resume or --resume), 3 stopped on an error, 1 crashed or still running."""
+    from anytrain.train.rundir import describe_status
+
+    line, code = describe_status(Path(run_dir))
+    typer.echo(line)
+    raise typer.Exit(code)
 
 
 @app.command("eval")
@@ -157,9 +176,9 @@ def info() -> None:
 
 def main() -> None:
     try:
-        app(standalone_mode=False)
-    except AnytrainError as exc:
-        print(f"error: {exc}", file=sys.stderr)
+        code = app(standalone_mode=False)  # a command's typer.Exit(code) comes back as its return value
+    except AnytrainError as exc:  # a clean stop (SIGTERM / SIGINT, checkpoint saved) is not an error: "stopped: ..."
+        print(f"{'stopped' if getattr(exc, 'clean_stop', False) else 'error'}: {exc}", file=sys.stderr)
         sys.exit(exc.exit_code)
     except (typer.Abort, KeyboardInterrupt):
         print("aborted", file=sys.stderr)
@@ -173,6 +192,8 @@ def main() -> None:
             exc.show()
             sys.exit(exc.exit_code)
         raise
+    if isinstance(code, int) and code:
+        sys.exit(code)
 
 
 if __name__ == "__main__":

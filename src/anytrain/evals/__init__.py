@@ -3,11 +3,10 @@
 from __future__ import annotations
 
 import math
-import warnings
+import sys
 from pathlib import Path
 
 import torch
-import torch.distributed.checkpoint as dcp
 import torch.nn.functional as F
 from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
@@ -18,7 +17,7 @@ from anytrain.data.prepare import load_tokenizer
 from anytrain.data.shards import TokenDataset
 from anytrain.errors import RunDirError
 from anytrain.models import build_model
-from anytrain.train.checkpoint import Checkpointer
+from anytrain.train.checkpoint import COMMIT_MARKER, Checkpointer, CheckpointUnusable, is_committed
 
 
 def load_run_model(run_dir: str | Path, device: torch.device, checkpoint: str | Path | None = None):
@@ -28,17 +27,32 @@ def load_run_model(run_dir: str | Path, device: torch.device, checkpoint: str | 
     if not config_file.is_file():
         raise RunDirError(f"{run_dir}: no config.yaml; is this a directory written by `anytrain train`?")
     cfg = load_config(config_file)
-    path = Path(checkpoint) if checkpoint else Checkpointer(run_dir / "checkpoints", 1, True).latest()
-    if path is None:
-        raise RunDirError(f"{run_dir}/checkpoints: no committed checkpoint to evaluate")
     model = build_model(cfg.model).to(device)
     state = {"model": get_model_state_dict(model)}
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
-        dcp.load({"train": state}, checkpoint_id=str(path))
+    path = _load_checkpoint(run_dir, state, checkpoint)
     model.load_state_dict(state["model"])
     model.eval()
     return cfg, model, path
+
+
+def _load_checkpoint(run_dir: Path, state: dict, checkpoint: str | Path | None) -> Path:
+    """Load ``checkpoint``, or the newest committed checkpoint that loads (a damaged newest one is named in a warning
+    and the previous one used, as on resume); one-line RunDirError when none can be."""
+    checkpointer = Checkpointer(run_dir / "checkpoints", 1, True, log=lambda m: print(m, file=sys.stderr))
+    if not checkpoint:
+        path = checkpointer.load_newest(state)
+        if path is None:
+            raise RunDirError(f"{run_dir}/checkpoints: no committed checkpoint to evaluate")
+        return path
+    path = Path(checkpoint)
+    if not is_committed(path):
+        raise RunDirError(f"{path}: not a committed checkpoint (no {COMMIT_MARKER} in it); pass a step_N directory "
+                          "of the run's checkpoints/")  # fmt: skip
+    try:
+        checkpointer.load(path, state)
+    except CheckpointUnusable as exc:
+        raise RunDirError(f"{path}: cannot be loaded ({exc})") from None
+    return path
 
 
 @torch.no_grad()

@@ -4,10 +4,14 @@
 rank 0 has written ``COMMITTED`` into it, after every rank finished writing. Model and optimizer state go through
 ``torch.distributed.checkpoint.state_dict`` so the same checkpoint loads under DDP, FSDP or a single process, at
 another world size, and on another device type (tensors are read into the live model's own tensors).
+
+``COMMITTED`` lists every file of the checkpoint with its size (and, with ``checkpoint.checksums``, its sha256);
+loading verifies them and falls back from a damaged newest checkpoint to the next older committed one.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import shutil
 import time
@@ -17,6 +21,7 @@ from pathlib import Path
 import torch
 import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -26,7 +31,8 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.checkpoint.stateful import Stateful
 
-from anytrain.parallel import barrier
+from anytrain.errors import RunDirError
+from anytrain.parallel import barrier, broadcast_object
 from anytrain.train.optim import IMPLEMENTATION_KEYS
 
 COMMIT_MARKER = "COMMITTED"
@@ -44,9 +50,14 @@ class TrainState(Stateful):
     """
 
     OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
+    # the running metric state (the log window's per-rank loss sums and step count, the spike guard's running mean):
+    # plain Python values, set by the trainer before a save and read by it after a load
+    METRICS = {"window_loss": [], "window_steps": 0, "loss_ranks": 1, "spike": []}
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, scheduler, progress: dict) -> None:
         self.model, self.optimizer, self.scheduler, self.progress = model, optimizer, scheduler, progress
+        self.metrics: dict | None = None  # None: not saved / not in the loaded checkpoint (written by older versions)
+        self.expect_metrics = True  # whether the checkpoint being loaded holds "metrics"
 
     def state_dict(self) -> dict:
         model_sd = get_model_state_dict(self.model)  # first: its hooks reshard FSDP modules left unsharded by eval
@@ -60,6 +71,7 @@ class TrainState(Stateful):
             "scheduler": self.scheduler.state_dict(),
             "progress": dict(self.progress),
             "rng_cpu": torch.get_rng_state(),
+            **({"metrics": dict(self.metrics or self.METRICS)} if self.expect_metrics else {}),
         }
 
     def load_state_dict(self, state: dict) -> None:
@@ -77,6 +89,7 @@ class TrainState(Stateful):
         self.progress.clear()
         self.progress.update(state["progress"])
         torch.set_rng_state(state["rng_cpu"])
+        self.metrics = state.get("metrics")
 
 
 def step_of(path: Path) -> int:
@@ -87,9 +100,58 @@ def is_committed(path: Path) -> bool:
     return (path / COMMIT_MARKER).is_file()
 
 
+class CheckpointUnusable(Exception):
+    """A committed checkpoint that cannot be loaded (damaged, or not matching the model); the message is one line."""
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 20):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def file_manifest(path: Path, checksums: bool) -> dict:
+    """{file name: {"size": bytes[, "sha256": hex]}} of a checkpoint directory's files (but the marker)."""
+    out = {}
+    for file in sorted(p for p in path.iterdir() if p.is_file() and p.name != COMMIT_MARKER):
+        out[file.name] = {"size": file.stat().st_size, **({"sha256": _sha256(file)} if checksums else {})}
+    return out
+
+
+def verify(path: Path) -> str | None:
+    """Why a committed checkpoint is damaged (a listed file missing, of another size or checksum), or None."""
+    if not (path / ".metadata").is_file():
+        return "its .metadata file is missing"
+    try:
+        files = json.loads((path / COMMIT_MARKER).read_text()).get("files")
+    except (OSError, ValueError, AttributeError) as exc:
+        return f"its {COMMIT_MARKER} marker is unreadable ({exc})"
+    for name, expected in (files or {}).items():
+        file = path / name
+        if not file.is_file():
+            return f"{name} is missing"
+        if file.stat().st_size != expected["size"]:
+            return f"{name} has {file.stat().st_size} bytes, {expected['size']} were written"
+        if "sha256" in expected and _sha256(file) != expected["sha256"]:
+            return f"{name} does not match its sha256 checksum"
+    return None
+
+
+def _one_line(exc: BaseException) -> str:
+    """A DCP failure as one line: the first failing rank's exception, not the gathered tracebacks."""
+    failures = getattr(exc, "failures", None)
+    if failures:
+        exc = next(iter(failures.values()))[0]
+    text = f"{type(exc).__name__}: {str(exc).strip() or 'a file ends early or cannot be read'}".splitlines()[0]
+    return text if len(text) <= 300 else text[:297] + "..."
+
+
 class Checkpointer:
-    def __init__(self, directory: Path, keep_last: int, is_main: bool, log=print) -> None:
+    def __init__(self, directory: Path, keep_last: int, is_main: bool, log=print, checksums: bool = True) -> None:
         self.dir, self.keep_last, self.is_main, self.log = directory, keep_last, is_main, log
+        self.checksums = checksums
         self._pending = None
         self._gloo = None
 
@@ -171,14 +233,61 @@ class Checkpointer:
 
     def _commit(self, path: Path, step: int, started: float) -> None:
         if self.is_main:
-            marker = {"step": step, "time": time.time(), "seconds": round(time.perf_counter() - started, 3)}
-            (path / COMMIT_MARKER).write_text(json.dumps(marker))
+            marker = {"step": step, "time": time.time(), "seconds": round(time.perf_counter() - started, 3),
+                      "files": file_manifest(path, self.checksums)}  # fmt: skip
+            tmp = path / f".{COMMIT_MARKER}.tmp"
+            tmp.write_text(json.dumps(marker))
+            tmp.replace(path / COMMIT_MARKER)
             self._prune()
 
-    def load(self, path: Path, state: TrainState) -> None:
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
-            dcp.load({"train": state}, checkpoint_id=str(path))
+    def load(self, path: Path, target) -> None:
+        """Load checkpoint ``path`` into ``target`` (a TrainState, or a dict of state dicts such as {"model": ...}).
+        Raises CheckpointUnusable (on every rank alike) when it is damaged or does not fit the target."""
+        reason = broadcast_object(verify(path) if self.is_main else None)
+        if reason:
+            raise CheckpointUnusable(reason)
+        try:
+            if isinstance(target, TrainState):
+                keys = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+                target.expect_metrics = any(k.startswith("train.metrics.") for k in keys)
+            with warnings.catch_warnings():
+                warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
+                dcp.load({"train": target}, checkpoint_id=str(path))
+        except (Exception, CheckpointException) as exc:
+            raise CheckpointUnusable(_one_line(exc)) from exc
+        finally:
+            if isinstance(target, TrainState):
+                target.expect_metrics = True
+
+    def load_newest(self, target, set_aside: bool = False) -> Path | None:
+        """Load the newest committed checkpoint that loads, falling back to older ones with a warning naming each
+        skipped one and why. ``set_aside`` (training): once one loaded, the unusable newer ones are renamed
+        ``damaged_step_N_<time>`` (rank 0) so that the run saves those steps again. None when there is no committed
+        checkpoint; RunDirError (one line, nothing renamed) when none loads."""
+        self.latest()  # names torn (uncommitted) newer ones
+        failed: list[tuple[Path, str]] = []
+        for path in reversed(self.committed()):
+            try:
+                self.load(path, target)
+            except CheckpointUnusable as exc:
+                failed.append((path, str(exc)))
+                continue
+            for bad, reason in failed:
+                self.log(f"warning: cannot load {bad} ({reason}); using the previous committed checkpoint {path}")
+                if set_aside:
+                    self._set_aside(bad)
+            return path
+        if failed:
+            reasons = {reason for _, reason in failed}
+            listed = "; ".join(f"{p.name}: {reason}" for p, reason in failed) if len(reasons) > 1 else (
+                f"{', '.join(p.name for p, _ in failed)}: {reasons.pop()}")  # fmt: skip
+            raise RunDirError(f"{self.dir}: no committed checkpoint can be loaded ({listed})")
+        return None
+
+    def _set_aside(self, path: Path) -> None:
+        if self.is_main:
+            path.rename(path.with_name(f"damaged_{path.name}_{time.strftime('%Y%m%d-%H%M%S')}"))
+        barrier()
 
     def _prune(self) -> None:
         """Keep the newest ``keep_last`` committed checkpoints; a failed delete is reported, never fatal."""

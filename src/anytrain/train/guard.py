@@ -32,7 +32,10 @@ EXIT_CODES = {signal.SIGTERM: 143, signal.SIGINT: 130}
 
 
 class Preempted(AnytrainError):
-    """Training stopped on SIGTERM/SIGINT after saving a checkpoint; exit 143 / 130 like a killed process."""
+    """Training stopped on SIGTERM/SIGINT after saving a checkpoint; exit 143 / 130 like a killed process. Not an
+    error: the CLI prints it as ``stopped: ...``."""
+
+    clean_stop = True
 
     def __init__(self, message: str, exit_code: int) -> None:
         super().__init__(message)
@@ -90,6 +93,9 @@ class StepGuard:
 
     def exit_code(self) -> int:
         return EXIT_CODES.get(self.signal, 143)
+
+    def signal_name(self) -> str:
+        return signal.Signals(self.signal).name if self.signal is not None else "SIGTERM"
 
     # timed checkpoints ----------------------------------------------------------------------------------------------
 
@@ -162,6 +168,13 @@ class StepGuard:
         if event is not None:
             event.synchronize()
         return self._status(out.tolist(), step)
+
+    def spike_state(self) -> list:
+        """The spike guard's running state (saved in checkpoints: a resumed run skips the same steps)."""
+        return [self._loss_mean, self._loss_count, self.skipped_steps]
+
+    def load_spike_state(self, state: list) -> None:
+        self._loss_mean, self._loss_count, self.skipped_steps = state
 
     def _is_spike(self, loss: float) -> bool:
         """Loss above spike_factor × the running mean of accepted losses (after 10 accepted steps)."""

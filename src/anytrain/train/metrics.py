@@ -12,6 +12,7 @@ import sys
 import time
 from pathlib import Path
 
+import torch
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
@@ -45,10 +46,44 @@ class ThroughputMeter:
         self._t0, self._tokens = time.perf_counter(), 0
 
 
+class MetricWindow:
+    """This rank's loss sum and step count since the last log line. Saved in checkpoints (TrainState.metrics), so
+    that the first record after a resume averages the same steps as the uninterrupted run."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.loss = torch.zeros((), device=device)
+        self.steps = 0
+
+    def add(self, loss: torch.Tensor) -> None:
+        self.loss += loss
+        self.steps += 1
+
+    def mean(self) -> torch.Tensor:
+        return self.loss / max(self.steps, 1)
+
+    def reset(self) -> None:
+        self.loss.zero_()
+        self.steps = 0
+
+    def restore(self, loss_sum: float, steps: int) -> None:
+        self.loss.fill_(loss_sum)
+        self.steps = steps
+
+
 def _clean(value):
     if isinstance(value, float) and not math.isfinite(value):
         return str(value)
     return value
+
+
+def _num(value, spec: str) -> str:
+    """``value`` formatted with ``spec``; a non-finite value (kept as the string 'nan' / 'inf' in the records) or
+    None prints as it is."""
+    if value is None:
+        return "n/a"
+    if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
+        return format(value, spec)
+    return str(value)
 
 
 class MetricsLogger:
@@ -96,14 +131,17 @@ class MetricsLogger:
 
     def _format(self, r: dict, kind: str) -> str:
         if kind == "eval":
-            return f"step {r['step']:>6} | val_loss {r['val_loss']:.4f} | val_ppl {r['val_ppl']:.2f}"
+            return f"step {r['step']:>6} | val_loss {_num(r['val_loss'], '.4f')} | val_ppl {_num(r['val_ppl'], '.2f')}"
         if kind != "train":
             return f"step {r['step']:>6} | {kind}: " + ", ".join(f"{k}={v}" for k, v in r.items() if k != "step")
-        mfu_text = "n/a" if r.get("mfu") is None else f"{100 * r['mfu']:.1f}%"
-        text = (f"step {r['step']:>6} | loss {r['loss']:.4f} | lr {r['lr']:.2e} | gnorm {r['grad_norm']:.3f} | "
-                f"{r['tokens_per_s']:,.0f} tok/s | mfu {mfu_text} | mem {r['peak_mem_gib']:.2f} GiB")  # fmt: skip
+        mfu = r.get("mfu")
+        mfu_text = _num(100 * mfu, ".1f") + "%" if isinstance(mfu, (int, float)) else _num(mfu, "")
+        tok_s = _num(r.get("tokens_per_s"), ",.0f")
+        text = (f"step {r['step']:>6} | loss {_num(r.get('loss'), '.4f')} | lr {_num(r.get('lr'), '.2e')} | gnorm "
+                f"{_num(r.get('grad_norm'), '.3f')} | {tok_s} tok/s | mfu {mfu_text} | mem "
+                f"{_num(r.get('peak_mem_gib'), '.2f')} GiB")  # fmt: skip
         if self._progress is not None:
-            stats = f"loss {r['loss']:.3f} {r['tokens_per_s']:,.0f} tok/s mfu {mfu_text}"
+            stats = f"loss {_num(r.get('loss'), '.3f')} {tok_s} tok/s mfu {mfu_text}"
             self._progress.update(self._task, completed=r["step"], stats=stats)
         return text
 

@@ -12,9 +12,7 @@ import inspect
 import json
 import math
 import os
-import shutil
 import time
-from datetime import datetime
 from pathlib import Path
 
 import torch
@@ -23,7 +21,7 @@ import torch.nn.functional as F
 from torch.distributed.fsdp import FSDPModule
 
 from anytrain import hardware
-from anytrain.config import RunConfig, plan_batches, save_config, to_dict
+from anytrain.config import RunConfig, plan_batches, to_dict
 from anytrain.data.loader import BatchSource, SampleIndex
 from anytrain.data.shards import TokenDataset
 from anytrain.errors import ConfigError, RunDirError, TrainingError
@@ -32,7 +30,7 @@ from anytrain.models import build_model, get_spec, resolve_args
 from anytrain.parallel import (
     DistInfo,
     all_reduce_mean,
-    broadcast_object,
+    barrier,
     dp_mesh_1d,
     gather_object,
     gradient_sync,
@@ -49,38 +47,13 @@ from anytrain.parallel.pipeline import (
     rank_stages,
     step_accepts_return_outputs,
 )
-from anytrain.train import cuda_graph
+from anytrain.train import cuda_graph, rundir
 from anytrain.train.checkpoint import Checkpointer, TrainState
 from anytrain.train.energy import EnergyMeter, energy_metrics
 from anytrain.train.guard import Preempted, StepGuard, StepStatus
-from anytrain.train.metrics import MetricsLogger, ThroughputMeter, mfu
+from anytrain.train.metrics import MetricsLogger, MetricWindow, ThroughputMeter, mfu
 from anytrain.train.optim import Zero1AdamW, build_optimizer, build_scheduler
 from anytrain.train.profiling import StepProfiler, format_summary
-
-RUN_MARKERS = ("config.yaml", "metrics.jsonl", "checkpoints")
-
-
-def _decide_run_dir(cfg: RunConfig, run_dir: str | None, resume: bool, overwrite: bool) -> Path:
-    """Pick and validate the run directory (rank 0). Never reuses a run dir unless told to."""
-    path = Path(run_dir or cfg.run_dir or f"runs/{cfg.name}-{datetime.now():%Y%m%d-%H%M%S}")
-    if path.exists() and not path.is_dir():
-        raise RunDirError(f"{path}: run dir exists and is a file; choose another --run-dir")
-    if path.is_dir() and any(path.iterdir()):
-        is_run = any((path / m).exists() for m in RUN_MARKERS)
-        if resume:
-            if not is_run:
-                raise RunDirError(f"{path}: --resume given but the directory holds no anytrain run")
-        elif overwrite:
-            if not is_run:
-                raise RunDirError(f"{path}: not an anytrain run dir; refusing to delete it even with --overwrite")
-            shutil.rmtree(path)
-        else:
-            raise RunDirError(
-                f"{path}: run dir already holds a run; pass --resume to continue it, --overwrite to replace it, "
-                "or choose another --run-dir"
-            )
-    path.mkdir(parents=True, exist_ok=True)
-    return path
 
 
 def compute_dtype(cfg: RunConfig, device: torch.device) -> torch.dtype:
@@ -93,7 +66,7 @@ def compute_dtype(cfg: RunConfig, device: torch.device) -> torch.dtype:
 
 class Trainer:
     def __init__(self, cfg: RunConfig, run_dir: str | None = None, resume: bool = False,
-                 overwrite: bool = False) -> None:  # fmt: skip
+                 overwrite: bool = False, resume_allow: tuple[str, ...] = ()) -> None:  # fmt: skip
         self.cfg = cfg
         self.info, self.device = init_distributed(cfg.device, cpu_affinity=cfg.parallel.cpu_affinity)
         self._affinity_per_rank = self._gather_affinity() if cfg.parallel.cpu_affinity == "cores" else None
@@ -108,7 +81,7 @@ class Trainer:
                            getattr(self.model_args, "tie_embeddings", False))  # fmt: skip
         self.dataset = TokenDataset(cfg.data.path)
         self._check_data_fits_model()
-        self.run_dir = self._setup_run_dir(run_dir, resume or cfg.checkpoint.auto_resume, overwrite)
+        self.run_dir = self._setup_run_dir(run_dir, resume or cfg.checkpoint.auto_resume, overwrite, resume_allow)
         self.log = MetricsLogger(self.run_dir, self.info.is_main, cfg.train.steps)
         if getattr(self, "_auto_reason", None):
             self.log.print(f"parallel.auto: {self._auto_reason}")
@@ -116,8 +89,8 @@ class Trainer:
         self._build_model()
         self.progress: dict = {"step": 0, "tokens_seen": 0}
         self.state = TrainState(self.model, self.optimizer, self.scheduler, self.progress)
-        self.checkpointer = Checkpointer(self.run_dir / "checkpoints", cfg.checkpoint.keep_last,
-                                         self.info.is_main, log=self.log.print)  # fmt: skip
+        self.checkpointer = Checkpointer(self.run_dir / "checkpoints", cfg.checkpoint.keep_last, self.info.is_main,
+                                         log=self.log.print, checksums=cfg.checkpoint.checksums)  # fmt: skip
         if resume or cfg.checkpoint.auto_resume:
             self._resume()
         seq_len = cfg.data.seq_len
@@ -170,23 +143,10 @@ class Trainer:
             raise ConfigError(f"data.seq_len: {self.cfg.data.seq_len} exceeds model.args.max_seq_len "
                               f"{self.model_args.max_seq_len}")  # fmt: skip
 
-    def _setup_run_dir(self, run_dir: str | None, resume: bool, overwrite: bool) -> Path:
-        result: tuple[str | None, str | None] = (None, None)
-        if self.info.is_main:
-            try:
-                result = (str(_decide_run_dir(self.cfg, run_dir, resume, overwrite)), None)
-            except RunDirError as exc:
-                result = (None, str(exc))
-        path, error = broadcast_object(result)
-        if error:
-            raise RunDirError(error)
-        path = Path(path)
-        if self.info.is_main:
-            config_file = path / "config.yaml"
-            if config_file.exists():  # resuming: keep the previous resolved config next to the new one
-                config_file.rename(path / f"config.{datetime.now():%Y%m%d-%H%M%S}.yaml")
-            save_config(self.cfg, config_file)
-        return path
+    def _setup_run_dir(self, run_dir: str | None, resume: bool, overwrite: bool, allow: tuple[str, ...]) -> Path:
+        """Marker, lock (rank 0, for the run's lifetime) and, on resume, the config comparison: train/rundir.py."""
+        self._run = rundir.setup_run_dir(self.cfg, run_dir, resume, overwrite, allow, self.info.is_main)
+        return self._run.path
 
     def _build_model(self) -> None:
         # train.attention_backend: the SDPA kernel order, set before any block is compiled (a compiled graph keeps the
@@ -271,11 +231,17 @@ class Trainer:
             self.optimizer.zero_grad(set_to_none=True)
 
     def _resume(self) -> None:
-        latest = self.checkpointer.latest()
+        for change in self._run.changes:
+            self.log.print(f"resume: changed {change}")
+        try:
+            latest = self.checkpointer.load_newest(self.state, set_aside=True)
+        except RunDirError:
+            if self.info.is_main:
+                self._run.restore_config()
+            raise
         if latest is None:
             self.log.print(f"no committed checkpoint in {self.checkpointer.dir}: starting from step 0")
             return
-        self.checkpointer.load(latest, self.state)
         self.log.print(f"resumed from {latest} (step {self.progress['step']})")
         self.log.log({"step": self.progress["step"], "checkpoint": str(latest)}, kind="resume")
 
@@ -452,8 +418,7 @@ class Trainer:
         step = self.progress["step"]
         first_val = self._eval_and_log(step) if step == 0 and cfg.eval_batches else None
         meter = ThroughputMeter()
-        window_loss = torch.zeros((), device=self.device)
-        window_steps = 0
+        self.window = self._metric_window()
         hardware.reset_peak_memory(self.device)
         last_val = first_val
         rates: list[float] = []
@@ -485,8 +450,7 @@ class Trainer:
                 step += 1
                 self.progress["step"] = step
                 self.progress["tokens_seen"] += self.tokens_per_step
-                window_loss += loss
-                window_steps += 1
+                self.window.add(loss)
                 meter.add(self.tokens_per_step)
                 if self.guard.uses_lag() and self._sync_point(step, end, status):
                     late = self.guard.resolve()  # this step's own flags, before anything is logged or saved
@@ -496,9 +460,8 @@ class Trainer:
                         status.stop = status.stop or late.stop
                         status.checkpoint_due = status.checkpoint_due or late.checkpoint_due
                 if step % cfg.log_interval == 0 or step == end:
-                    rates.append(self._log_train(step, window_loss / window_steps, grad_norm, meter))
-                    window_loss.zero_()
-                    window_steps = 0
+                    rates.append(self._log_train(step, self.window.mean(), grad_norm, meter))
+                    self.window.reset()
                 else:
                     self.log.advance(step)
                 eval_due = cfg.eval_interval and step % cfg.eval_interval == 0
@@ -517,7 +480,31 @@ class Trainer:
             self.checkpointer.wait()
         return self._finish(first_val, last_val, rates)
 
+    def _metric_window(self) -> MetricWindow:
+        """The log window, and the spike guard's state, as a resumed checkpoint left them (empty on a fresh run).
+        At the saving world size each rank takes its own loss sum back (exact); otherwise the ranks share the total
+        so that the logged global mean is the same."""
+        window, saved = MetricWindow(self.device), self.state.metrics
+        if saved and saved["window_steps"]:
+            sums, world = saved["window_loss"], self.info.world_size
+            if len(sums) == world and saved["loss_ranks"] == self.loss_ranks:
+                window.restore(sums[self.info.rank], saved["window_steps"])
+            else:
+                window.restore(sum(sums) * self.loss_ranks / (saved["loss_ranks"] * world), saved["window_steps"])
+        if saved and saved["spike"]:
+            self.guard.load_spike_state(saved["spike"])
+        return window
+
+    def _metrics_state(self) -> dict:
+        """What ``_metric_window`` restores: every rank's window loss sum (a collective: all ranks save together)."""
+        window = getattr(self, "window", None)
+        sums = gather_object(window.loss.item() if window is not None else 0.0)
+        steps = window.steps if window is not None else 0
+        return {"window_loss": sums, "window_steps": steps, "loss_ranks": self.loss_ranks,
+                "spike": self.guard.spike_state()}  # fmt: skip
+
     def _save(self, step: int, final: bool = False) -> None:
+        self.state.metrics = self._metrics_state()
         self.checkpointer.save(step, self.state, asynchronous=self.cfg.checkpoint.async_save and not final)
         self.guard.saved()
 
@@ -555,13 +542,22 @@ class Trainer:
         if step > 0:  # Checkpointer.save finishes a save in flight first and keeps a committed one as it is
             self._save(step, final=True)
             saved = f"; the state before it is saved as {self.checkpointer.path_for(step)}"
-        raise TrainingError(f"step {step + 1}: non-finite loss or gradient norm ({grad_norm}) on at least one "
-                            f"rank; stopped before the optimizer step{saved}")  # fmt: skip
+        message = (f"step {step + 1}: non-finite loss or gradient norm ({grad_norm}) on at least one rank; stopped "
+                   f"before the optimizer step{saved}")  # fmt: skip
+        if self.info.is_main:
+            rundir.write_status(self.run_dir, "failed", step=step, message=message)
+        raise TrainingError(message)
 
     def _stop_preempted(self, step: int) -> None:
-        code = self.guard.exit_code()
-        raise Preempted(f"stopped by signal at step {step} (exit {code}); checkpoint "
-                        f"{self.checkpointer.path_for(step)} saved: continue with --resume", code)  # fmt: skip
+        """Every rank saved ``step``: record the preemption in RUN/status.json (before any rank exits: torchrun stops
+        the other workers as soon as one exits), then exit 143 / 130."""
+        code, checkpoint, name = self.guard.exit_code(), self.checkpointer.path_for(step), self.guard.signal_name()
+        if self.info.is_main:
+            rundir.write_status(self.run_dir, "preempted", step=step, signal=name, exit_code=code,
+                                checkpoint=str(checkpoint))  # fmt: skip
+        barrier()
+        raise Preempted(f"{name} at step {step}: checkpoint {checkpoint} saved (exit {code}); continue with --resume "
+                        "or checkpoint.auto_resume", code)  # fmt: skip
 
     def _checkpoint_due(self, step: int) -> bool:
         c = self.cfg.checkpoint
@@ -642,6 +638,7 @@ class Trainer:
         }
         if self.info.is_main:
             (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
+            rundir.write_status(self.run_dir, "finished", step=self.progress["step"], checkpoint=summary["checkpoint"])
         return summary
 
     def close(self) -> None:
@@ -650,6 +647,8 @@ class Trainer:
         self.log.close()
         if self._sample_log is not None:
             self._sample_log.close()
+        if self._run.lock is not None:
+            self._run.lock.release()
 
 
 _CLIP_IN_OPTIMIZER = hardware.env_switch("ANYTRAIN_CLIP_IN_OPTIMIZER")
@@ -670,8 +669,9 @@ def lagged_checks_apply(cfg: RunConfig, optimizer: torch.optim.Optimizer) -> boo
     return bool(cfg.train.lagged_checks and fused and not cfg.train.spike_factor)
 
 
-def run_training(cfg: RunConfig, run_dir: str | None = None, resume: bool = False, overwrite: bool = False) -> dict:
-    trainer = Trainer(cfg, run_dir=run_dir, resume=resume, overwrite=overwrite)
+def run_training(cfg: RunConfig, run_dir: str | None = None, resume: bool = False, overwrite: bool = False,
+                 resume_allow: tuple[str, ...] = ()) -> dict:  # fmt: skip
+    trainer = Trainer(cfg, run_dir=run_dir, resume=resume, overwrite=overwrite, resume_allow=resume_allow)
     try:
         return trainer.train()
     finally:
