@@ -11,11 +11,8 @@ import torch.nn.functional as F
 from anytrain import models
 from anytrain.config import ModelConfig
 from anytrain.errors import ConfigError
-from anytrain.models.mamba.model import MAMBA_FLAVOURS, Mamba, MambaArgs, spec
+from anytrain.models.mamba import MAMBA_FLAVOURS, Mamba, MambaArgs
 from tests.conftest import autocast_block_outputs
-
-if "mamba" not in models.REGISTRY:  # until anytrain.models registers the spec itself
-    models.register(spec())
 
 
 def small_args(**kw) -> MambaArgs:

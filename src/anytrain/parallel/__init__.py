@@ -20,6 +20,7 @@ from torch import nn
 from anytrain import hardware
 from anytrain.config import RunConfig, check_fsdp_only_options
 from anytrain.errors import ConfigError
+from anytrain.models import spec_of
 from anytrain.parallel.dims import ParallelDims
 
 
@@ -39,24 +40,13 @@ class DistInfo:
 
 
 def launch_env() -> DistInfo:
-    """Rank facts from torchrun, else SLURM (srun), else Open MPI / MPICH (mpirun); single process otherwise."""
-    env = os.environ
-    if "WORLD_SIZE" in env and "RANK" in env:
-        return DistInfo(int(env["RANK"]), int(env["WORLD_SIZE"]), int(env.get("LOCAL_RANK", 0)))
-    for rank_key, world_key, local_key in (
-        ("SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID"),
-        ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK"),
-        ("PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID"),
-    ):
-        if rank_key in env and world_key in env and int(env[world_key]) > 1:
-            info = DistInfo(int(env[rank_key]), int(env[world_key]), int(env.get(local_key, 0)))
-            os.environ.setdefault("RANK", str(info.rank))
-            os.environ.setdefault("WORLD_SIZE", str(info.world_size))
-            os.environ.setdefault("LOCAL_RANK", str(info.local_rank))
-            if "MASTER_ADDR" not in env:
-                raise ConfigError(f"{rank_key} is set but MASTER_ADDR is not; export MASTER_ADDR and MASTER_PORT")
-            return info
-    return DistInfo()
+    """Rank facts from torchrun, MPI (mpirun) or SLURM (srun), exported as RANK / WORLD_SIZE / LOCAL_RANK /
+    MASTER_ADDR / MASTER_PORT for ``init_process_group``; single process otherwise (``anytrain.launch.env``)."""
+    from anytrain.launch.env import discover
+
+    found = discover()
+    found.export()
+    return DistInfo(found.rank, found.world_size, found.local_rank)
 
 
 def local_world_size() -> int:
@@ -173,14 +163,29 @@ def resolve_strategy(cfg: RunConfig, dims: ParallelDims) -> str:
     return cfg.parallel.strategy
 
 
-def apply_activation_checkpointing(model: nn.Module) -> None:
-    """Recompute every block in backward (non-reentrant checkpointing; state-dict keys unchanged for DCP)."""
+AC_POLICIES = ("none", "selective", "full")
+
+
+def checkpointed_blocks(blocks: list[nn.Module], policy: str) -> list[nn.Module]:
+    """The blocks ``train.activation_checkpointing`` recomputes: none, every block (full), or every other block
+    starting from the second (selective: torchtitan's layer-level policy with frequency 2, so half of the blocks
+    keep their activations and half save only their input)."""
+    if policy not in AC_POLICIES:
+        raise ConfigError(f"train.activation_checkpointing: expected one of {', '.join(AC_POLICIES)}, got {policy!r}")
+    if policy == "none":
+        return []
+    return list(blocks) if policy == "full" else list(blocks)[1::2]
+
+
+def apply_activation_checkpointing(model: nn.Module, policy: str = "full") -> None:
+    """Recompute the blocks ``policy`` selects in backward (non-reentrant checkpointing; state-dict keys unchanged
+    for DCP)."""
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 
-    blocks = {id(b) for b in model.blocks()}
+    chosen = {id(b) for b in checkpointed_blocks(model.blocks(), policy)}
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
-            if id(child) in blocks:
+            if id(child) in chosen:
                 parent.register_module(name, checkpoint_wrapper(child, preserve_rng_state=False))
 
 
@@ -196,13 +201,13 @@ def resolve_compile_scope(scope: str, strategy: str) -> str:
 
 def apply_compile(model: nn.Module, scope: str = "blocks") -> None:
     """Compile each block separately (same-shaped blocks share one compiled graph and compile fast), or with scope
-    "model" the model's whole body (embedding, blocks, final norm: ``forward_hidden`` / ``backbone``) as one graph;
-    the loss stays outside (the chunked linear + cross-entropy runs its own kernels)."""
+    "model" the model's whole body (embedding, blocks, final norm) as one graph, as its family's plan says; the loss
+    stays outside (the chunked linear + cross-entropy runs its own kernels)."""
     if scope == "model":
-        if hasattr(model, "backbone"):  # Mamba: embeddings, layers, final norm
-            model.backbone.compile(fullgraph=False)
-        else:  # Transformer
-            model.forward_hidden = torch.compile(model.forward_hidden, fullgraph=False)
+        spec = spec_of(model)
+        if spec.parallelize_plan.compile_model is None:
+            raise ConfigError(f"train.compile_scope: 'model' is not implemented for {spec.name}; use blocks")
+        spec.parallelize_plan.compile_model(model)
         return
     for block in model.blocks():
         block.compile(fullgraph=False)
@@ -243,18 +248,20 @@ def apply_fsdp(model: nn.Module, dims: ParallelDims, device: torch.device, mp_dt
 
 def parallelize(model: nn.Module, cfg: RunConfig, dims: ParallelDims, device: torch.device,
                 compute_dtype: torch.dtype) -> tuple[nn.Module, str]:  # fmt: skip
-    """Apply AC -> compile -> DDP/FSDP in place order; returns (the model to call, strategy used)."""
+    """Apply TP -> AC -> compile -> DDP/FSDP in this order, in place; returns (the model to call, strategy used).
+    The family-specific steps (TP plan, whole-model compile) come from the model's ``ModelSpec.parallelize_plan``."""
     strategy = resolve_strategy(cfg, dims)
     check_fsdp_only_options(cfg.parallel, strategy)
     if (dims.tp > 1 or dims.pp > 1) and strategy in ("ddp", "zero1"):
         raise ConfigError("parallel.strategy: tensor/pipeline parallelism combine with fsdp (or no data "
                           "parallelism); set --parallel.strategy fsdp")  # fmt: skip
     if dims.tp > 1:
-        from anytrain.parallel.tensor_parallel import apply_tensor_parallel
-
-        apply_tensor_parallel(model, dims.build_mesh(device.type)["tp"])
-    if cfg.train.activation_checkpointing == "full":
-        apply_activation_checkpointing(model)
+        spec = spec_of(model)
+        if spec.parallelize_plan.tensor_parallel is None:
+            raise ConfigError(f"parallel.tp: tensor parallelism is not implemented for {spec.name}; set tp 1")
+        spec.parallelize_plan.tensor_parallel(model, dims.build_mesh(device.type)["tp"])
+    if cfg.train.activation_checkpointing != "none":
+        apply_activation_checkpointing(model, cfg.train.activation_checkpointing)
     if cfg.train.compile:
         apply_compile(model, resolve_compile_scope(cfg.train.compile_scope, strategy))
     if strategy == "fsdp":

@@ -3,7 +3,8 @@
 The layers split into ``pp × virtual`` contiguous stages; pipeline rank r holds stages r, r + pp, r + 2·pp, ...
 (round-robin, what ``ScheduleInterleaved1F1B`` expects; one stage per rank for 1F1B and GPipe). Each stage is a
 *part*: a copy of the model holding only that stage's layers (layers live in a ModuleDict keyed by global index), the
-first stage also the embedding, the last the final norm and LM head. Parameter names equal the full model's, so
+first stage also the embedding, the last the final norm and LM head; the family's ``pipeline_split``
+(``ModelSpec.parallelize_plan``) makes it. Parameter names equal the full model's, so
 checkpoints move between layouts. The last stage's forward takes the targets and returns the mean token loss of its
 micro-batch (the fused linear + cross-entropy, as without pipelining); the schedule's loss function passes it through
 and the schedule divides gradients by the number of micro-batches, so the step's gradient is the mean over the batch.
@@ -18,7 +19,7 @@ import torch
 from torch import nn
 
 from anytrain.errors import ConfigError
-from anytrain.models.losses import lm_cross_entropy
+from anytrain.models import spec_of
 
 SCHEDULES = ("1F1B", "GPipe", "Interleaved1F1B")
 
@@ -71,83 +72,39 @@ def check_pipeline_layout(n_layers: int, pp: int, virtual: int, schedule: str, n
 # stage modules
 
 
-def _check_pipelineable(model: nn.Module) -> None:
-    args = getattr(model, "args", None)
-    if not (hasattr(model, "forward_hidden") or hasattr(model, "backbone")):
-        raise ConfigError("parallel.pp: pipeline parallelism supports the transformer and mamba models; set pp 1")
-    if getattr(args, "tie_embeddings", False):
+def _pipeline_split(model: nn.Module):
+    """The family's pipeline split of ``model``, after checking that the model can be split."""
+    spec = spec_of(model)
+    split = spec.parallelize_plan.pipeline_split
+    if split is None:
+        raise ConfigError(f"parallel.pp: pipeline parallelism is not implemented for {spec.name}; set pp 1")
+    if model.tie_embeddings:
         raise ConfigError("parallel.pp: tied embeddings put the embedding and the head on one stage; "
                           "set --model.args.tie_embeddings false (or pp 1)")  # fmt: skip
-
-
-class MambaStage(nn.Module):
-    """A pipeline stage of the Mamba LM: ``backbone`` (embeddings on the first stage, its layers, norm_f on the last)
-    and ``lm_head`` on the last, under the full model's parameter names. The forward repeats ``MambaBackbone`` and
-    ``Mamba.forward`` for the modules this stage holds (Mamba's own forward needs every piece)."""
-
-    def __init__(self, model: nn.Module) -> None:
-        super().__init__()
-        self.args = model.args
-        self.backbone = model.backbone
-        self.lm_head = model.lm_head
-
-    def forward(self, x: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
-        """Token ids (B, T) on the first stage, hidden states (B, T, D) later; returns hidden states, or on the last
-        stage logits (B, T, V) / the mean token loss when ``targets`` (B, T) are given."""
-        bb = self.backbone
-        h = bb.stream(bb.embeddings(x) if bb.embeddings is not None else x)  # (B, T, D); stages pass it in fp32
-        for block in bb.layers.values():
-            h = block(h)
-        if bb.norm_f is None:
-            return h
-        h = bb.final_norm(h)
-        if targets is not None:
-            return lm_cross_entropy(h, self.lm_head.weight, targets)
-        return self.lm_head(h)
-
-    def blocks(self) -> list[nn.Module]:
-        return list(self.backbone.layers.values())
-
-
-def _layer_dict(model: nn.Module) -> nn.ModuleDict:
-    return model.layers if hasattr(model, "forward_hidden") else model.backbone.layers
+    return split
 
 
 def prune_to_stage(model: nn.Module, stage: int, n_stages: int, copy_model: bool = True) -> nn.Module:
     """Stage ``stage`` of ``model`` (a copy unless ``copy_model`` is False): only its layers; the embedding on the
-    first stage, the final norm and head on the last (others set to None). Parameter names stay the full model's."""
-    _check_pipelineable(model)
+    first stage, the final norm and head on the last (the family's ``pipeline_split``). Parameter names stay the
+    full model's."""
+    split = _pipeline_split(model)
+    layers = stage_layer_ranges(len(model.blocks()), n_stages)[stage]
     model = copy.deepcopy(model) if copy_model else model
-    layers = _layer_dict(model)
-    keep = {str(i) for i in stage_layer_ranges(len(layers), n_stages)[stage]}
-    for name in list(layers.keys()):
-        if name not in keep:
-            del layers[name]
-    first, last = stage == 0, stage == n_stages - 1
-    if hasattr(model, "forward_hidden"):  # Transformer: its forward skips the modules that are None
-        if not first:
-            model.tok_embeddings = None
-        if not last:
-            model.norm = model.output = None
-        return model
-    if not first:
-        model.backbone.embeddings = None
-    if not last:
-        model.backbone.norm_f = model.lm_head = None
-    return MambaStage(model)
+    return split(model, layers, stage == 0, stage == n_stages - 1)
 
 
 def build_stage_parts(build, stages: list[int], n_stages: int, device: torch.device, seed: int) -> list[nn.Module]:
     """Initialised stage modules for ``stages`` on ``device``; weights equal the same stages of an unsplit model.
 
-    Models whose ``init_weights`` takes a seed draw each parameter from its own stream: their stages are built on
-    the meta device and only the stage's parameters are allocated. Others (Mamba) draw from the global generator in
+    Families whose plan says ``stage_init`` draw each parameter from its own stream: their stages are built on the
+    meta device and only the stage's parameters are allocated. Others (Mamba) draw from the global generator in
     order, so the whole model is initialised on ``device`` first and then cut (the full model is held briefly).
     """
     torch.manual_seed(seed)  # the global generator's state is the same in every run (it is checkpointed: rng_cpu)
     with torch.device("meta"):
         full = build()
-    if "seed" in inspect.signature(full.init_weights).parameters:
+    if spec_of(full).parallelize_plan.stage_init:
         parts = []
         for stage in stages:
             part = prune_to_stage(full, stage, n_stages)
@@ -155,10 +112,9 @@ def build_stage_parts(build, stages: list[int], n_stages: int, device: torch.dev
             part.init_weights(seed=seed)
             parts.append(part)
         return parts
-    _check_pipelineable(full)
+    _pipeline_split(full)
     full.to_empty(device=device)
-    torch.manual_seed(seed)
-    full.init_weights()
+    full.init_weights(seed=seed)
     parts = [prune_to_stage(full, stage, n_stages, copy_model=i < len(stages) - 1) for i, stage in enumerate(stages)]
     return parts
 

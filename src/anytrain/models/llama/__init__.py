@@ -1,6 +1,8 @@
-"""Llama-style decoder-only Transformer: the single-device model (``model``) and its parallelize plans."""
+"""Llama-style decoder-only Transformer: the single-device model (``model``) and how it is parallelized
+(``parallelize``); ``SPEC`` is its registry entry ("transformer")."""
 
 from anytrain.models.llama.model import (
+    TRANSFORMER_FLAVOURS,
     Attention,
     FeedForward,
     Linear,
@@ -10,8 +12,14 @@ from anytrain.models.llama.model import (
     apply_rope,
     rope_tables,
 )
+from anytrain.models.llama.parallelize import PLAN
+from anytrain.models.protocol import ModelSpec
+
+SPEC = ModelSpec("transformer", TransformerArgs, Transformer, TRANSFORMER_FLAVOURS, PLAN)
 
 __all__ = [
+    "SPEC",
+    "TRANSFORMER_FLAVOURS",
     "Attention",
     "FeedForward",
     "Linear",

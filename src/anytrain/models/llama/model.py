@@ -1,7 +1,8 @@
 """Llama-style decoder: RMSNorm pre-norm blocks, rotary position embeddings, grouped-query SDPA attention, SwiGLU.
 
-Single-device ``nn.Module`` only: parallelism is applied from outside (``anytrain.parallel``). Shapes in comments:
-B batch, T sequence, D model width, H query heads, K key/value heads, E head dim (D = H*E), F FFN width, V vocab.
+Single-device ``nn.Module`` only: parallelism is applied from outside (``anytrain.parallel`` with this family's
+``parallelize.py``). Shapes in comments: B batch, T sequence, D model width, H query heads, K key/value heads,
+E head dim (D = H*E), F FFN width, V vocab.
 """
 
 from __future__ import annotations
@@ -9,6 +10,7 @@ from __future__ import annotations
 import math
 import zlib
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -16,6 +18,7 @@ from torch import nn
 
 from anytrain import hardware
 from anytrain.kernels import wide_mm
+from anytrain.models.layers import RMSNorm, residual_stream
 from anytrain.models.losses import lm_cross_entropy
 from anytrain.models.sampling import sample
 
@@ -89,30 +92,17 @@ class TransformerArgs:
         return self.dim // self.n_heads
 
 
-class RMSNorm(nn.Module):
-    """x / rms(x) * weight, computed in fp32 and cast back to the input dtype."""
-
-    def __init__(self, dim: int, eps: float = 1e-5) -> None:
-        super().__init__()
-        self.eps = eps
-        self.weight = nn.Parameter(torch.ones(dim))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x32 = x.float()
-        normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (normed * self.weight.float()).type_as(x)
-
-    def reset_parameters(self) -> None:
-        nn.init.ones_(self.weight)
-
-
-def residual_stream(h: torch.Tensor, keep_fp32: bool) -> torch.Tensor:
-    """Hidden states entering the blocks in the residual stream's dtype: the autocast dtype unless ``keep_fp32`` (the
-    models' ``residual_in_fp32``) or autocast is off. Shared by the Transformer and Mamba."""
-    device_type = h.device.type
-    if keep_fp32 or not torch.is_autocast_enabled(device_type):
-        return h
-    return h.to(torch.get_autocast_dtype(device_type))
+TRANSFORMER_FLAVOURS: dict[str, dict[str, Any]] = {
+    # For unit and multi-process tests: builds and steps in milliseconds.
+    "debug": dict(vocab_size=512, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, max_seq_len=256),
+    # The CPU demo model (~7M parameters with an 8k vocabulary).
+    "tiny": dict(vocab_size=8192, dim=256, n_layers=4, n_heads=8, n_kv_heads=4, ffn_dim=768, max_seq_len=512),
+    "125m": dict(vocab_size=32000, dim=768, n_layers=12, n_heads=12, ffn_dim=2048, max_seq_len=4096),
+    "350m": dict(vocab_size=32000, dim=1024, n_layers=24, n_heads=16, ffn_dim=2816, max_seq_len=4096),
+    # TinyLlama-1.1B shape: the reference shape of the throughput benchmarks.
+    "1.1b": dict(vocab_size=32000, dim=2048, n_layers=22, n_heads=32, n_kv_heads=4, ffn_dim=5632, max_seq_len=4096),
+    "llama-7b": dict(vocab_size=32000, dim=4096, n_layers=32, n_heads=32, ffn_dim=11008, max_seq_len=4096),
+}
 
 
 def rope_tables(head_dim: int, max_seq_len: int, theta: float, device=None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -296,6 +286,14 @@ class Transformer(nn.Module):
     def blocks(self) -> list[nn.Module]:
         """The repeated units that parallelism wraps (FSDP units, checkpointing, compile)."""
         return list(self.layers.values())
+
+    @property
+    def hidden_size(self) -> int:
+        return self.args.dim
+
+    @property
+    def tie_embeddings(self) -> bool:
+        return self.args.tie_embeddings
 
     @torch.no_grad()
     def generate(self, prompt: torch.Tensor, max_new_tokens: int, temperature: float = 0.8, top_k: int = 50,

@@ -1,7 +1,8 @@
 """Mamba-1 language model (Gu & Dao 2023), numerically and by state-dict names the same as HF ``MambaForCausalLM``.
 
-Single-device ``nn.Module`` only: parallelism is applied from outside (``anytrain.parallel``). The selective scan and
-the causal depthwise conv come from ``anytrain.kernels`` (Triton on GPU tensors, the PyTorch reference on CPU).
+Single-device ``nn.Module`` only: parallelism is applied from outside (``anytrain.parallel`` with this family's
+``parallelize.py``). The selective scan and the causal depthwise conv come from ``anytrain.kernels`` (Triton on GPU
+tensors, the PyTorch reference on CPU).
 
 State-dict keys equal HF's (export is a rename-free copy)::
 
@@ -25,7 +26,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import nn
@@ -33,12 +34,9 @@ from torch import nn
 from anytrain.errors import ConfigError
 from anytrain.kernels import causal_conv1d, selective_scan
 from anytrain.kernels.mamba_inner import mamba_inner_triton, mixer_composition, use_mamba_inner
+from anytrain.models.layers import RMSNorm, residual_stream
 from anytrain.models.losses import lm_cross_entropy
 from anytrain.models.sampling import sample
-from anytrain.models.llama.model import RMSNorm, residual_stream
-
-if TYPE_CHECKING:
-    from anytrain.models import ModelSpec
 
 
 @dataclass
@@ -221,14 +219,17 @@ class Mamba(nn.Module):
             self.lm_head.weight = self.backbone.embeddings.weight
 
     @torch.no_grad()
-    def init_weights(self) -> None:
-        """(Re)initialise every parameter as mamba-ssm does.
+    def init_weights(self, seed: int | None = None) -> None:
+        """(Re)initialise every parameter as mamba-ssm does, drawing in module order from the global generator
+        (seeded with ``seed`` first when given): a pipeline stage's weights come from initialising the whole model.
 
         Embedding N(0, init_std); in_proj / x_proj / conv1d PyTorch defaults; dt_proj and A_log / D as in
         ``MambaMixer.reset_parameters``; out_proj default init divided by sqrt(L) (mamba-ssm's
         ``rescale_prenorm_residual`` with one residual per layer); norms to 1; an untied LM head PyTorch's default.
         Re-ties the LM head first, because ``to_empty`` from the meta device gives the two names separate tensors.
         """
+        if seed is not None:
+            torch.manual_seed(seed)
         self._tie()
         nn.init.normal_(self.backbone.embeddings.weight, std=self.args.init_std)
         for block in self.backbone.layers.values():
@@ -293,15 +294,16 @@ class Mamba(nn.Module):
         """The repeated units that parallelism wraps (FSDP units, checkpointing, compile)."""
         return list(self.backbone.layers.values())
 
+    @property
+    def hidden_size(self) -> int:
+        return self.args.d_model
+
+    @property
+    def tie_embeddings(self) -> bool:
+        return self.args.tie_embeddings
+
     @torch.no_grad()
     def generate(self, prompt: torch.Tensor, max_new_tokens: int, temperature: float = 0.8, top_k: int = 50,
                  generator: torch.Generator | None = None) -> torch.Tensor:  # fmt: skip
         """Sample continuations of ``prompt`` (B, T0) by re-running the whole prefix (no recurrent cache; demos)."""
         return sample(self, prompt, max_new_tokens, self.args.max_seq_len, temperature, top_k, generator)
-
-
-def spec() -> ModelSpec:
-    """The registry entry; ``anytrain.models`` registers it (imported lazily: that package imports this module)."""
-    from anytrain.models import ModelSpec
-
-    return ModelSpec("mamba", MambaArgs, Mamba, MAMBA_FLAVOURS)
