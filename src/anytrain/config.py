@@ -9,6 +9,8 @@ The resolved config (defaults filled in) is written into the run directory as ``
 from __future__ import annotations
 
 import dataclasses
+import math
+import os
 import types
 import typing
 from dataclasses import dataclass, field
@@ -28,12 +30,20 @@ class ModelConfig:
     """Named size of the family (see ``anytrain.models.list_flavours()``), e.g. debug, tiny, 125m, 1.1b."""
     args: dict[str, Any] = field(default_factory=dict)
     """Overrides of the flavour's architecture fields (validated by the family's own args class)."""
+    init_from: str = ""
+    """A local Hugging Face model folder (config.json + safetensors; LlamaForCausalLM for 'transformer',
+    MambaForCausalLM for 'mamba') to start training from: its weights replace the initial ones before step 0, and its
+    config.json sets ``model.args`` (an explicit field that disagrees is an error; max_seq_len may be changed). The
+    data must be prepared with the same tokenizer (``anytrain prepare --tokenizer DIR/tokenizer.json``). Empty = random
+    init. See docs/evaluation.md."""
 
 
 @dataclass
 class DataConfig:
     path: str = "data/shakespeare"
-    """Directory written by ``anytrain prepare`` (holds index.json, tokenizer.json and token shards)."""
+    """Directory written by ``anytrain prepare`` (holds index.json, tokenizer.json and token shards). A relative path
+    is resolved against the current working directory when the config is loaded, and the run's config.yaml records
+    the absolute path, so ``anytrain eval RUN`` works from any folder (``--data`` points it elsewhere)."""
     seq_len: int = 256
     """Tokens per training sequence (the model sees seq_len tokens and predicts the next one for each)."""
 
@@ -117,6 +127,9 @@ class TrainConfig:
     """Python's automatic garbage collection is off during training and a young-generation collection runs every
     this many steps on every rank at once (torchtitan's gc_freq): an automatic collection pauses one rank at a random
     moment and its peers wait for it in the next collective. 0 = leave Python's automatic collection on."""
+    clip_in_optimizer: bool = True
+    """Clip the gradient norm inside the optimizer step where the run allows it (one process or DDP on one mesh and
+    torch's fused AdamW: no separate clip pass); false = ``torch.nn.utils.clip_grad_norm_`` before the step."""
 
 
 @dataclass
@@ -172,10 +185,6 @@ class CheckpointConfig:
     """Write checkpoints in the background (dcp.async_save), at most one in flight; the final save is synchronous."""
     save_final: bool = True
     """Save a checkpoint at the last step."""
-    checksums: bool = True
-    """Record a sha256 of every checkpoint file in its COMMITTED marker (sizes are always recorded) and verify them
-    before loading; a damaged checkpoint is skipped for the previous committed one. Costs one read of the files by
-    rank 0 at each commit and load (about 1-2 s per GB)."""
 
 
 @dataclass
@@ -190,6 +199,28 @@ class ProfileConfig:
 
 
 @dataclass
+class KernelsConfig:
+    """Process-wide kernel options, applied by ``anytrain.kernels.configure`` when the trainer builds the model."""
+
+    backend: Literal["auto", "triton", "reference"] = "auto"
+    """Mamba scan/conv kernels and the chunked cross-entropy's row kernel: auto = Triton on GPU tensors and the
+    PyTorch reference on CPU (the reference also where Triton is not importable); triton = always Triton (an error where
+    it cannot run); reference = always the PyTorch reference (slow; for cross-checks)."""
+    deterministic: bool = False
+    """Bitwise-reproducible selective-scan gradients: dB/dC summed through per-program partials instead of atomics
+    (slower; the partials take dim / 4 times the memory of dB and dC)."""
+    fused_mamba_inner: bool = True
+    """Run each Mamba mixer as one fused op (in_proj -> conv -> x_proj -> dt_proj -> scan -> out_proj, one autograd
+    node) where the Triton kernels run; false = the unfused composition of the public ops."""
+    cast_cache: bool = True
+    """The fused Mamba mixer casts each weight to the compute dtype once per optimizer step and reuses the copy across
+    the micro-batches (more memory: a bf16 copy of the projections); false = cast in every forward and backward."""
+    gemm_accumulate: bool = True
+    """One-process runs without CUDA graphs: from the second micro-batch of a step, weight gradients are added to
+    ``.grad`` by their GEMM (one pass over the gradient instead of three); false = the plain autograd accumulation."""
+
+
+@dataclass
 class RunConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
@@ -197,6 +228,7 @@ class RunConfig:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     profile: ProfileConfig = field(default_factory=ProfileConfig)
+    kernels: KernelsConfig = field(default_factory=KernelsConfig)
     device: str = "auto"
     """auto (GPU if present), cpu, or gpu."""
     run_dir: str = ""
@@ -337,8 +369,14 @@ def deep_merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def resolve_data_path(path: str) -> str:
+    """``data.path`` as an absolute path: a relative one is taken from the current working directory."""
+    return os.path.abspath(os.path.expanduser(path)) if path else path
+
+
 def load_config(path: str | Path | None, overrides: list[str] | None = None) -> RunConfig:
-    """Read a YAML recipe (or start from defaults when ``path`` is None), apply overrides, validate."""
+    """Read a YAML recipe (or start from defaults when ``path`` is None), apply overrides, make ``data.path``
+    absolute (relative to the current working directory), validate."""
     data: dict[str, Any] = {}
     if path is not None:
         path = Path(path)
@@ -354,8 +392,16 @@ def load_config(path: str | Path | None, overrides: list[str] | None = None) -> 
     cfg = from_dict(RunConfig, data)
     if not cfg.name:
         cfg.name = path.stem if path is not None else "run"
+    cfg.data.path = resolve_data_path(cfg.data.path)
+    if cfg.model.init_from:  # HF config.json -> model.args before validation (evals/hf.py)
+        from anytrain.evals.hf import apply_init_from
+
+        apply_init_from(cfg)
     validate(cfg)
     return cfg
+
+
+MAX_SEQ_LEN = 2**20  # tokens; larger sequences (and RoPE tables) do not fit any accelerator's memory
 
 
 def _positive(value: float, where: str, allow_zero: bool = False) -> None:
@@ -363,9 +409,25 @@ def _positive(value: float, where: str, allow_zero: bool = False) -> None:
         raise ConfigError(f"{where}: must be {'>= 0' if allow_zero else '> 0'}, got {value}")
 
 
-def validate(cfg: RunConfig) -> None:
-    """Range and cross-field checks that do not need the world size (those live in ``batching``)."""
-    t = cfg.train
+def _in_range(value: float, where: str, low: float, high: float, closed: str = "[]") -> None:
+    """``low <= value <= high`` with the ends open or closed as in ``closed`` ('[)', '(]', '()' or '[]')."""
+    above = value >= low if closed[0] == "[" else value > low
+    below = value <= high if closed[1] == "]" else value < high
+    if not (above and below):
+        raise ConfigError(f"{where}: must be in {closed[0]}{low}, {high}{closed[1]}, got {value}")
+
+
+def _check_finite(obj: Any, prefix: str = "") -> None:
+    """Every float field of every section (and of model.args) must be a finite number: YAML reads .nan / .inf."""
+    values = dataclasses.asdict(obj) if dataclasses.is_dataclass(obj) else obj
+    for key, value in values.items():
+        if isinstance(value, dict):
+            _check_finite(value, f"{prefix}{key}.")
+        elif isinstance(value, float) and not math.isfinite(value):
+            raise ConfigError(f"{prefix}{key}: must be a finite number, got {value}")
+
+
+def _validate_train(t: TrainConfig) -> None:
     _positive(t.steps, "train.steps")
     _positive(t.global_batch, "train.global_batch")
     _positive(t.stop_at_step, "train.stop_at_step", allow_zero=True)
@@ -378,19 +440,61 @@ def validate(cfg: RunConfig) -> None:
     _positive(t.grad_clip, "train.grad_clip", allow_zero=True)
     _positive(t.spike_factor, "train.spike_factor", allow_zero=True)
     _positive(t.gc_interval, "train.gc_interval", allow_zero=True)
-    _positive(cfg.checkpoint.interval_minutes, "checkpoint.interval_minutes", allow_zero=True)
     _positive(t.weight_decay, "train.weight_decay", allow_zero=True)
-    if not 0.0 <= t.min_lr_ratio <= 1.0:
-        raise ConfigError(f"train.min_lr_ratio: must be in [0, 1], got {t.min_lr_ratio}")
-    if not 0.0 < t.decay_fraction <= 1.0:
-        raise ConfigError(f"train.decay_fraction: must be in (0, 1], got {t.decay_fraction}")
-    _positive(cfg.data.seq_len, "data.seq_len")
+    _positive(t.eps, "train.eps")
+    _in_range(t.beta1, "train.beta1", 0.0, 1.0, "[)")
+    _in_range(t.beta2, "train.beta2", 0.0, 1.0, "[)")
+    _in_range(t.min_lr_ratio, "train.min_lr_ratio", 0.0, 1.0)
+    _in_range(t.decay_fraction, "train.decay_fraction", 0.0, 1.0, "(]")
+    _in_range(t.seed, "train.seed", 0, 2**63 - 1)
+    if t.micro_batch > t.global_batch:
+        raise ConfigError(f"train.micro_batch: {t.micro_batch} is larger than train.global_batch {t.global_batch}")
+    if 0 < t.spike_factor <= 1:
+        raise ConfigError(f"train.spike_factor: must be 0 (off) or > 1 (a multiple of the mean loss), got "
+                          f"{t.spike_factor}")  # fmt: skip
+
+
+def _validate_others(cfg: RunConfig) -> None:
     _positive(cfg.checkpoint.interval, "checkpoint.interval", allow_zero=True)
+    _positive(cfg.checkpoint.interval_minutes, "checkpoint.interval_minutes", allow_zero=True)
     _positive(cfg.checkpoint.keep_last, "checkpoint.keep_last")
     _positive(cfg.profile.steps, "profile.steps", allow_zero=True)
     _positive(cfg.profile.start_step, "profile.start_step", allow_zero=True)
+    p = cfg.parallel
+    for name in ("dp_replicate", "tp", "pp", "pp_virtual_stages"):
+        if getattr(p, name) < 1:
+            raise ConfigError(f"parallel.{name}: must be >= 1, got {getattr(p, name)}")
+    if p.dp_shard == 0 or p.dp_shard < -1:
+        raise ConfigError(f"parallel.dp_shard: must be >= 1 or -1 (infer), got {p.dp_shard}")
     if cfg.device not in ("auto", "cpu", "gpu", "cuda"):
         raise ConfigError(f"device: expected auto, cpu or gpu, got {cfg.device!r}")
+
+
+def _validate_seq_len(cfg: RunConfig) -> None:
+    """data.seq_len against the model's max_seq_len, a sane bound, and (when it is there) the prepared dataset."""
+    from anytrain.models import resolve_args  # the registry imports this module
+
+    args = resolve_args(cfg.model)
+    _check_finite(dataclasses.asdict(args), "model.args.")
+    _in_range(args.max_seq_len, "model.args.max_seq_len", 1, MAX_SEQ_LEN)
+    _positive(cfg.data.seq_len, "data.seq_len")
+    if cfg.data.seq_len > args.max_seq_len:
+        raise ConfigError(f"data.seq_len: {cfg.data.seq_len} exceeds model.args.max_seq_len {args.max_seq_len}; "
+                          "lower data.seq_len or raise model.args.max_seq_len")  # fmt: skip
+    from anytrain.data.shards import check_seq_len
+
+    check_seq_len(cfg.data.path, cfg.data.seq_len)
+
+
+def validate(cfg: RunConfig) -> None:
+    """Every numeric field's domain and the cross-field checks that do not need the world size (those live in
+    ``batching``); runs at load, before anything is written."""
+    _check_finite(cfg)
+    _validate_train(cfg.train)
+    _validate_others(cfg)
+    if not cfg.data.path:
+        raise ConfigError("data.path: must name the folder written by `anytrain prepare`")
+    _validate_seq_len(cfg)
     check_fsdp_only_options(cfg.parallel, cfg.parallel.strategy)
 
 

@@ -1,7 +1,7 @@
 """Writing outputs safely: a full disk becomes one error line, and files appear only once complete.
 
 ``disk_full_as_error`` turns the ways a full filesystem surfaces (``OSError`` ENOSPC/EDQUOT, torch's
-``PytorchStreamWriter`` / ``inline_container.cc`` RuntimeError, safetensors' I/O error text) into
+``PytorchStreamWriter`` / ``inline_container.cc`` RuntimeError, safetensors' "os error 28") into
 :class:`DiskFullError` naming what was being written. ``temp_sibling`` names a hidden file or folder next to the
 target, to be renamed onto it when complete (a rename within one folder is atomic).
 """
@@ -18,7 +18,7 @@ from pathlib import Path
 from anytrain.errors import AnytrainError
 
 _FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
-_FULL_TEXTS = ("no space left", "inline_container", "file write failed", "disk quota", "file too large")
+_FULL_TEXTS = ("no space left", "os error 28", "inline_container", "file write failed", "disk quota exceeded")
 
 
 class DiskFullError(AnytrainError):
@@ -28,8 +28,8 @@ class DiskFullError(AnytrainError):
 def _is_disk_full(exc: BaseException) -> bool:
     if isinstance(exc, OSError) and exc.errno in _FULL_ERRNOS:
         return True
-    text = str(exc).lower()
-    return isinstance(exc, (OSError, RuntimeError)) and any(t in text for t in _FULL_TEXTS)
+    text = str(exc).lower()  # torch and safetensors wrap the OSError in their own exception types
+    return any(t in text for t in _FULL_TEXTS)
 
 
 @contextmanager

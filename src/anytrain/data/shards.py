@@ -103,6 +103,9 @@ class TokenDataset:
         self.vocab_size = self.index["vocab_size"]
         self.eos_id = self.index["eos_id"]
         self._splits: dict[str, Split] = {}
+        for name, entries in self.index["splits"].items():  # every shard checked now, before anything is written
+            if entries:
+                self.split(name)
 
     def split(self, name: str) -> Split:
         if name not in self._splits:
@@ -131,10 +134,6 @@ class TokenDataset:
     @property
     def tokenizer_path(self) -> Path:
         return self.path / "tokenizer.json"
-
-    def longest_shard(self, split: str) -> int:
-        """Tokens of the split's longest shard per index.json (a window never crosses shards); 0 if absent."""
-        return max((entry["tokens"] for entry in self.index["splits"].get(split) or []), default=0)
 
 
 def _read_index(index_file: Path) -> dict:
@@ -177,3 +176,21 @@ def _check_entry(entry: object, where: str, index_file: Path, vocab: int) -> Non
     _index_int(entry, "tokens", index_file, 0, 2**62, f"{where}.")
     if "max_id" in entry:
         _index_int(entry, "max_id", index_file, -1, vocab - 1, f"{where}.")
+
+
+def check_seq_len(path: str | Path, seq_len: int) -> None:
+    """Refuse a ``seq_len`` that no shard of a split can hold (windows never cross shards), from index.json alone.
+    A missing or unreadable dataset is left for :class:`TokenDataset` to report when it is opened."""
+    index_file = Path(path) / INDEX
+    if not index_file.is_file():
+        return
+    try:
+        index = _read_index(index_file)
+    except DataError:
+        return
+    for name, entries in index["splits"].items():
+        longest = max((entry["tokens"] for entry in entries), default=0)
+        if entries and longest - 1 < seq_len:
+            raise DataError(f"data.seq_len: {seq_len} is too long for the {name} split of {path} (longest shard "
+                            f"{longest} tokens, a sequence needs {seq_len + 1}); lower data.seq_len or prepare more "
+                            "data")  # fmt: skip
