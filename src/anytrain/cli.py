@@ -25,17 +25,20 @@ def prepare(
     val_fraction: float = typer.Option(0.05, help="Fraction of documents held out for validation."),
     text_field: str = typer.Option("text", help="Field/column holding the text in .jsonl and .parquet inputs."),
     shard_tokens: int = typer.Option(100_000_000, help="Maximum tokens per shard file."),
-    overwrite: bool = typer.Option(False, help="Replace an existing prepared dataset in --out."),
+    overwrite: bool = typer.Option(False, help="Replace an existing dataset that `anytrain prepare` wrote in --out."),
+    encoding_errors: str = typer.Option("strict", help="Text that is not UTF-8: strict (refuse) or replace (U+FFFD)."),
 ) -> None:
-    """Tokenize raw text into memory-mapped token shards with a validation split."""
+    """Tokenize raw text into memory-mapped token shards with a validation split. Null texts are skipped."""
     from anytrain.data.prepare import prepare as run_prepare
 
-    index = run_prepare(inputs, out, tokenizer, vocab_size, val_fraction, text_field, shard_tokens, overwrite)
-    stats = index["meta"]["stats"]
+    index = run_prepare(inputs, out, tokenizer, vocab_size, val_fraction, text_field, shard_tokens, overwrite,
+                        encoding_errors=encoding_errors)  # fmt: skip
+    stats, skipped = index["meta"]["stats"], index["meta"]["skipped_null"]
     typer.echo(
         f"prepared {out}: vocab {index['vocab_size']} ({index['dtype']}), "
         f"train {stats['train']['tokens']:,} tokens / {stats['train']['documents']} docs, "
         f"val {stats['val']['tokens']:,} tokens / {stats['val']['documents']} docs"
+        + (f", {skipped} null texts skipped" if skipped else "")
     )
 
 
@@ -110,11 +113,13 @@ def evaluate(
     batches: int = typer.Option(0, help="Validation batches (0 = the run's train.eval_batches)."),
     seed: int = typer.Option(0, help="Sampling seed."),
     json_out: bool = typer.Option(False, "--json", help="Print the result as JSON."),
+    data: str = typer.Option(None, "--data", help="Prepared dataset to evaluate on (default: the run's data.path)."),
 ) -> None:
     """Validation loss of a run's newest checkpoint, and a generated sample."""
     from anytrain.evals import evaluate_run
 
-    result = evaluate_run(run_dir, prompt=prompt, max_new_tokens=max_new_tokens, batches=batches, seed=seed)
+    result = evaluate_run(run_dir, prompt=prompt, max_new_tokens=max_new_tokens, batches=batches, seed=seed,
+                          data=data)  # fmt: skip
     if json_out:
         typer.echo(json.dumps(result, indent=1))
         return
@@ -127,10 +132,10 @@ def evaluate(
 @app.command("export-checkpoint")
 def export_checkpoint(
     run_dir: str = typer.Argument(..., help="A run directory written by `anytrain train`."),
-    out: str = typer.Option(..., "--out", "-o", help="Output .safetensors file."),
+    out: str = typer.Option(..., "--out", "-o", help="Output file, ending in .safetensors (config: <name>.json)."),
     checkpoint: str = typer.Option(None, help="A specific checkpoint directory (default: the newest committed)."),
     dtype: str = typer.Option("fp32", help="Weights dtype in the file: fp32 or bf16."),
-    overwrite: bool = typer.Option(False, help="Replace an existing output file."),
+    overwrite: bool = typer.Option(False, help="Replace an existing output file and its .json."),
 ) -> None:
     """Consolidate a sharded DCP checkpoint into one safetensors file (plus <out>.json with the model config)."""
     from anytrain.evals import export_run

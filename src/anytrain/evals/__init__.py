@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 import sys
 from pathlib import Path
@@ -14,9 +15,10 @@ from anytrain import hardware
 from anytrain.config import load_config
 from anytrain.data.loader import BatchSource, SampleIndex
 from anytrain.data.prepare import load_tokenizer
-from anytrain.data.shards import TokenDataset
-from anytrain.errors import RunDirError
-from anytrain.models import build_model
+from anytrain.data.shards import INDEX, TokenDataset
+from anytrain.diskio import disk_full_as_error, missing_parents, remove, temp_sibling
+from anytrain.errors import ConfigError, DataError, RunDirError
+from anytrain.models import build_model, resolve_args
 from anytrain.train.checkpoint import COMMIT_MARKER, Checkpointer, CheckpointUnusable, is_committed
 
 
@@ -70,11 +72,34 @@ def validation_loss(model, dataset: TokenDataset, seq_len: int, batches: int, ba
     return loss_sum / count, count
 
 
+def open_eval_data(cfg, run_dir: str | Path, data: str | Path | None) -> TokenDataset:
+    """The prepared dataset to evaluate on: ``data`` if given, else the run's recorded ``data.path``; a missing one
+    is one line naming the path and the way to point eval elsewhere."""
+    if data is not None:
+        path, origin = Path(data), "--data"
+    else:
+        path, origin = Path(cfg.data.path), f"data.path in {Path(run_dir) / 'config.yaml'}"
+    if not (path / INDEX).is_file():
+        raise DataError(f"{origin}: {path} has no {INDEX} (no prepared dataset there); pass --data PATH with the "
+                        "folder `anytrain prepare` wrote")  # fmt: skip
+    dataset = TokenDataset(path)
+    vocab = resolve_args(cfg.model).vocab_size
+    if dataset.vocab_size > vocab:
+        raise DataError(f"{origin}: {path} has a vocabulary of {dataset.vocab_size}, larger than the model's "
+                        f"{vocab}; pass --data with the dataset the run trained on")  # fmt: skip
+    return dataset
+
+
 def evaluate_run(run_dir: str | Path, prompt: str = "ROMEO.\n", max_new_tokens: int = 60, batches: int = 0,
-                 seed: int = 0) -> dict:  # fmt: skip
+                 seed: int = 0, data: str | Path | None = None) -> dict:  # fmt: skip
+    """Validation loss of the newest checkpoint on the run's data (or ``data``) and a sample continuing ``prompt``."""
+    if batches < 0:
+        raise ConfigError(f"--batches: must be >= 0 (0 = the run's train.eval_batches), got {batches}")
+    if max_new_tokens < 0:
+        raise ConfigError(f"--max-new-tokens: must be >= 0, got {max_new_tokens}")
     device = hardware.resolve_device("auto")
     cfg, model, path = load_run_model(run_dir, device)
-    dataset = TokenDataset(cfg.data.path)
+    dataset = open_eval_data(cfg, run_dir, data)
     dtype = torch.bfloat16 if hardware.supports_bf16(device) else torch.float32
     loss, tokens = validation_loss(model, dataset, cfg.data.seq_len, batches or cfg.train.eval_batches or 1,
                                    cfg.train.global_batch, device, dtype)  # fmt: skip
@@ -92,26 +117,60 @@ def evaluate_run(run_dir: str | Path, prompt: str = "ROMEO.\n", max_new_tokens: 
     }
 
 
+def _export_paths(out: str | Path, overwrite: bool) -> tuple[Path, Path]:
+    """(weights file, JSON sidecar) for ``--out``; refuses another suffix and, without ``overwrite``, existing files."""
+    out = Path(out)
+    if out.suffix != ".safetensors":
+        raise RunDirError(f"--out: {out} must end in .safetensors (the model config goes next to it as "
+                          f"{out.with_suffix('.json').name})")  # fmt: skip
+    sidecar = out.with_suffix(".json")
+    for path in (out, sidecar):
+        if path.is_dir():
+            raise RunDirError(f"{path}: is a directory; pick another --out")
+        if path.exists() and not overwrite:
+            raise RunDirError(f"{path}: exists; pass --overwrite to replace it")
+    return out, sidecar
+
+
+def _checkpoint_path(run_dir: str | Path, checkpoint: str | Path | None) -> Path | None:
+    if checkpoint is None:
+        return None
+    for path in (Path(checkpoint), Path(run_dir) / checkpoint, Path(run_dir) / "checkpoints" / checkpoint):
+        if path.is_dir():
+            return path
+    raise RunDirError(f"--checkpoint: {checkpoint} is not a checkpoint directory; pass one of "
+                      f"{Path(run_dir) / 'checkpoints'}/step_* (or leave it out for the newest)")  # fmt: skip
+
+
 def export_run(run_dir: str | Path, out: str | Path, checkpoint: str | Path | None = None, dtype: str = "fp32",
                overwrite: bool = False) -> Path:  # fmt: skip
-    """Write the weights of a run's checkpoint as one safetensors file (shared tensors stored once)."""
-    import json
-
+    """Write the weights of a run's checkpoint as one safetensors file (shared tensors stored once) and the model
+    config next to it as ``<name>.json``. Both are written to hidden temporary files and renamed into place, so a
+    failure leaves any previous export as it was."""
     from safetensors.torch import save_model
 
-    from anytrain.models import args_dict, resolve_args
+    from anytrain.models import args_dict
 
-    out = Path(out)
     if dtype not in ("fp32", "bf16"):
         raise RunDirError(f"--dtype: expected fp32 or bf16, got {dtype!r}")
-    if out.exists() and not overwrite:
-        raise RunDirError(f"{out}: exists; pass --overwrite to replace it")
-    cfg, model, path = load_run_model(run_dir, torch.device("cpu"), checkpoint)
+    out, sidecar = _export_paths(out, overwrite)
+    cfg, model, path = load_run_model(run_dir, torch.device("cpu"), _checkpoint_path(run_dir, checkpoint))
     if dtype == "bf16":
         model = model.to(torch.bfloat16)
-    out.parent.mkdir(parents=True, exist_ok=True)
     meta = {"arch": cfg.model.arch, "checkpoint": str(path), "format": "anytrain"}
-    save_model(model, str(out), metadata=meta)
     info = {**meta, "args": args_dict(resolve_args(cfg.model)), "dtype": dtype}
-    out.with_suffix(".json").write_text(json.dumps(info, indent=1))
+    created = missing_parents(out)
+    temps = [temp_sibling(out), temp_sibling(sidecar)]
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        with disk_full_as_error(out):
+            save_model(model, str(temps[0]), metadata=meta)
+        with disk_full_as_error(sidecar):
+            temps[1].write_text(json.dumps(info, indent=1))
+        temps[0].replace(out)
+        temps[1].replace(sidecar)
+    except BaseException:
+        for temp in temps + ([created] if created is not None else []):
+            remove(temp)
+        raise
     return out
