@@ -2,15 +2,16 @@
 
 Shape (mamba-2.8b-like): batch 2, seqlen 4096, dim 5376, dstate 16; bf16 u/delta/z/B/C, fp32 A/D/delta_bias, with z, D,
 delta_bias and delta_softplus. Times are ``triton.testing.do_bench`` medians over rotating input sets (each set is
-several times the L2), in ms. Writes bench/results/mamba_kernels_<device-slug>.json (or under --out).
+several times the L2), in ms. The scan rows time the launchers (``_fwd`` / ``_bwd``); the ``scan_op`` rows time the
+public op (forward without grad, backward through autograd) next to mamba-ssm's CUDA ``selective_scan_fn`` where
+mamba-ssm is importable. Writes bench/results/mamba_kernels_<device-slug>.json (or under --out).
 
-    PYTHONPATH=src python3 bench/mamba_kernels.py [--out DIR] [--sweep [--no-conv-sweep] [--conv-configs F,F,... ...]]
+    PYTHONPATH=src python3 bench/mamba_kernels.py [--out DIR] [--sweep [--conv-configs F,F,... ...]]
 """
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import datetime
 import importlib
 import json
@@ -23,12 +24,11 @@ import torch.nn.functional as F
 import triton
 from triton.testing import do_bench
 
+from anytrain.kernels import selective_scan_triton as scan_mod
 from anytrain.kernels.causal_conv1d import ConvConfig
 from anytrain.kernels.reference import selective_scan_ref
-from anytrain.kernels.selective_scan import ScanConfig
+from anytrain.kernels.selective_scan_triton import ScanConfig
 
-# importlib, not "from anytrain.kernels import selective_scan": that name is the public function
-scan_mod = importlib.import_module("anytrain.kernels.selective_scan")
 conv_mod = importlib.import_module("anytrain.kernels.causal_conv1d")
 
 BATCH, SEQLEN, DIM, DSTATE, WIDTH = 2, 4096, 5376, 16, 4
@@ -87,41 +87,59 @@ def scan_inputs(dim: int = DIM, seqlen: int = SEQLEN):
     return dict(u=u, delta=delta, A=A, B=B, C=C, D=D, z=z, delta_bias=bias)
 
 
-def bench_scan(cfg: ScanConfig, sets, deterministic: bool = False, fwd_cfg: ScanConfig | None = None, which="both"):
-    """(fwd ms, bwd ms) of cfg (nan for the one ``which`` leaves out); fwd_cfg (default cfg) makes the saved states
-    for the backward timing."""
+def bench_scan(cfg: ScanConfig, sets, deterministic: bool = False) -> tuple[float, float]:
+    """(fwd ms, bwd ms) of the launchers ``_fwd`` / ``_bwd`` (no autograd engine)."""
     fwds, bwds = [], []
     for s in sets:
         Bg, Cg = scan_mod._as_groups(s["B"]), scan_mod._as_groups(s["C"])
         args = (s["u"], s["delta"], s["A"], Bg, Cg, s["D"], s["z"], s["delta_bias"], True)
-        _, states = scan_mod._fwd(*args, fwd_cfg or cfg)
+        _, states = scan_mod._fwd(*args, cfg)
         dout = torch.randn_like(s["u"])
         fwds.append(lambda args=args: scan_mod._fwd(*args, cfg))
         bwds.append(
             lambda a=args, st=states, g=dout: scan_mod._bwd(g, *a[:8], st, True, cfg, deterministic)  # noqa: B023
         )
-    nan = float("nan")
-    return (
-        median_ms(rotating(fwds)) if which != "bwd" else nan,
-        median_ms(rotating(bwds)) if which != "fwd" else nan,
-    )
+    return median_ms(rotating(fwds)), median_ms(rotating(bwds))
 
 
-def scan_check(cfg: ScanConfig, s, ref) -> float:
-    """Largest relative error (max |x - ref| / max |ref|) of out and all gradients vs ``ref`` (a trusted config's)."""
-    got = scan_grads(cfg, s)
+def mamba_ssm_scan():
+    """mamba-ssm's CUDA ``selective_scan_fn``, or None where it is not importable."""
+    try:
+        from mamba_ssm.ops.selective_scan_interface import selective_scan_fn
+    except Exception:  # not installed, or built for another torch / CUDA
+        return None
+    return selective_scan_fn
+
+
+def bench_scan_op(fn, sets) -> tuple[float, float]:
+    """(fwd ms, bwd ms) of a ``selective_scan_fn``-signature op: the forward without grad, the backward through
+    ``torch.autograd.grad`` of every input (what a model's step pays per call)."""
+    fwds, bwds = [], []
+    for s in sets:
+        fwds.append(lambda s=s: fn(**s, delta_softplus=True))
+        leaves = {k: v.detach().clone().requires_grad_() for k, v in s.items()}
+        out = fn(**leaves, delta_softplus=True)
+        g = torch.randn_like(out)
+        inputs = list(leaves.values())
+        bwds.append(lambda out=out, g=g, inputs=inputs: torch.autograd.grad(out, inputs, g, retain_graph=True))
+    with torch.no_grad():
+        f = median_ms(rotating(fwds))
+    return f, median_ms(rotating(bwds))
+
+
+def scan_op_max_rel_err(fn, ref_fn, s) -> float:
+    """Largest relative error (max |x - ref| / max |ref|) of out and all gradients of ``fn`` against ``ref_fn``."""
+    res = []
+    for f in (fn, ref_fn):
+        leaves = {k: v.detach().clone().requires_grad_() for k, v in s.items()}
+        out = f(**leaves, delta_softplus=True)
+        g = torch.randn(out.shape, device=out.device, generator=torch.Generator(out.device).manual_seed(1))
+        out.backward(g.to(out.dtype))
+        res.append([out.detach()] + [leaves[k].grad for k in ("u", "delta", "A", "B", "C", "D", "z", "delta_bias")])
     return max(
-        float((g.float() - r.float()).abs().max() / r.float().abs().max().clamp_min(1e-30))
-        for g, r in zip(got, ref, strict=True)
+        float((a.float() - b.float()).abs().max() / b.float().abs().max().clamp_min(1e-30))
+        for a, b in zip(*res, strict=True)
     )
-
-
-def scan_grads(cfg: ScanConfig, s):
-    leaves = {k: v.detach().clone().requires_grad_() for k, v in s.items()}
-    out = scan_mod.selective_scan_triton(**leaves, delta_softplus=True, config=cfg)
-    g = torch.randn(out.shape, device=out.device, generator=torch.Generator(out.device).manual_seed(1)).to(out.dtype)
-    out.backward(g)
-    return [out.detach()] + [leaves[k].grad for k in ("u", "delta", "A", "B", "C", "D", "z", "delta_bias")]
 
 
 def bench_conv_launch(cfg: ConvConfig, xs, gpu: bool = False) -> tuple[float, float]:
@@ -190,35 +208,13 @@ def slug(name: str) -> str:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default=str(Path(__file__).resolve().parent / "results"))
-    ap.add_argument("--sweep", action="store_true", help="also time alternative tile configs")
-    ap.add_argument("--no-conv-sweep", action="store_true", help="with --sweep: scan configs only")
-    ap.add_argument("--no-scan-sweep", action="store_true", help="with --sweep: conv configs only")
-    ap.add_argument(
-        "--bwd-configs",
-        nargs="+",
-        default=None,
-        metavar="FIELDS",
-        help="with --sweep: time these backward ScanConfigs (comma-separated fields) instead of the list",
-    )
-    ap.add_argument(
-        "--fwd-configs",
-        nargs="+",
-        default=None,
-        metavar="FIELDS",
-        help="with --sweep: time these forward ScanConfigs (comma-separated fields) instead of the list",
-    )
+    ap.add_argument("--sweep", action="store_true", help="also time alternative conv tile configs")
     ap.add_argument(
         "--conv-configs",
         nargs="+",
         default=None,
         metavar="FIELDS",
         help="with --sweep: time the default and these ConvConfigs (comma-separated fields) instead of the list",
-    )
-    ap.add_argument(
-        "--diag",
-        type=int,
-        default=2,
-        help="with --bwd-configs: time the first N given backward configs without their dB/dC atomics too",
     )
     args = ap.parse_args()
     conv_given = None
@@ -254,53 +250,6 @@ def main() -> int:
     sweep: list[dict] = []
     scan_cfg, conv_cfg = scan_mod.default_config(), conv_mod.default_config()
     if args.sweep:
-        # ScanConfig fields: block_d, chunk, num_warps, block_d_bwd, chunk_bwd, num_warps_bwd, bwd_impl, seg_bwd,
-        # fwd_impl, seg, rot_bwd, flat_bwd, maxnreg_bwd, unroll, bc_f32, pf, pf_bwd, maxnreg. Forward variants are
-        # timed on the forward only, backward variants on the backward only (their states from a compatible
-        # forward); each is checked against the v2 forward / v3 backward.
-        trusted = ScanConfig(16, 16, 2, 4, 16, 4, 2, 32, 0, 32)
-        ref = scan_grads(trusted, sets[0])
-        fwd_variants = [trusted, ScanConfig(1, 8, 1, 2, 8, 1, 3, 32, 1, 32)]
-        # backward: channels per program x warps, flat (coalesced) dB/dC atomics, register cap (bench/kernel_asm.py)
-        bwd_variants = [
-            trusted, ScanConfig(1, 8, 1, 2, 8, 1, 3, 32, 1, 32), ScanConfig(1, 8, 1, 1, 8, 1, 3, 32, 1, 32, 0, 1),
-            ScanConfig(1, 8, 1, 2, 8, 1, 3, 32, 1, 32, 0, 1), ScanConfig(1, 8, 1, 2, 8, 2, 3, 32, 1, 32, 0, 1, 160),
-            ScanConfig(1, 8, 1, 2, 8, 2, 3, 32, 1, 32, 0, 1), ScanConfig(1, 8, 1, 4, 8, 4, 3, 32, 1, 32, 0, 1, 160),
-            ScanConfig(1, 8, 1, 4, 8, 4, 3, 32, 1, 32, 0, 1, 128), ScanConfig(1, 8, 1, 4, 8, 4, 3, 32, 1, 32, 0, 1),
-            ScanConfig(1, 8, 1, 8, 8, 8, 3, 32, 1, 32, 0, 1, 160), ScanConfig(1, 8, 1, 4, 8, 2, 3, 32, 1, 32, 0, 1),
-            ScanConfig(1, 8, 1, 8, 8, 4, 3, 32, 1, 32, 0, 1),
-        ]  # fmt: skip
-        if args.bwd_configs:
-            bwd_variants = [trusted] + [ScanConfig(*(int(v) for v in c.split(","))) for c in args.bwd_configs]
-        if args.fwd_configs:
-            fwd_variants = [trusted] + [ScanConfig(*(int(v) for v in c.split(","))) for c in args.fwd_configs]
-        if args.no_scan_sweep:
-            fwd_variants, bwd_variants = [], []
-        for which, variants in (("fwd", fwd_variants), ("bwd", bwd_variants)):
-            for cfg in variants:
-                try:
-                    err = scan_check(cfg, sets[0], ref)
-                    fcfg = dataclasses.replace(cfg, chunk=min(cfg.chunk, cfg.chunk_bwd)) if which == "bwd" else cfg
-                    f, b = bench_scan(cfg, sets, fwd_cfg=fcfg, which=which)
-                except Exception as e:  # a config that does not compile (registers, shared memory) is skipped
-                    print(f"scan {which} {cfg}: failed {type(e).__name__}: {str(e)[:200]}")
-                    continue
-                ms = f if which == "fwd" else b
-                sweep.append({"op": f"scan_{which}", "config": vars(cfg), "ms": ms, "max_rel_err": err})
-                print(f"scan {which} {ms:.3f} ms  err {err:.1e}  {tuple(vars(cfg).values())}", flush=True)
-        # diagnostic: 2-, 1- and 4-channel backwards without their dB/dC atomics (dB/dC then wrong; not candidates)
-        scan_mod._DIAG_SKIP_DBDC = True
-        try:
-            if args.no_scan_sweep:
-                diag = []
-            else:
-                diag = bwd_variants[1 : 1 + args.diag] if args.bwd_configs else [bwd_variants[i] for i in (1, 2, 6)]
-            for cfg in diag:
-                _, b = bench_scan(cfg, sets, which="bwd")
-                sweep.append({"op": "diag_scan_bwd_no_dBdC", "config": vars(cfg), "ms": b})
-                print(f"scan bwd without dB/dC (diagnostic) {b:.3f} ms  {tuple(vars(cfg).values())}", flush=True)
-        finally:
-            scan_mod._DIAG_SKIP_DBDC = False
         conv_variants = [
             ConvConfig(),  # runs of 4 in the backward: the default before the seventh session
             ConvConfig(4, 256, 4, 4, 256, 4), ConvConfig(8, 256, 4, 8, 256, 4), ConvConfig(4, 512, 4, 4, 512, 4),
@@ -322,7 +271,7 @@ def main() -> int:
         ]  # fmt: skip
         if conv_given is not None:
             conv_variants = [conv_mod.default_config(), *conv_given]
-        for cfg in [] if args.no_conv_sweep else conv_variants:
+        for cfg in conv_variants:
             try:
                 f, b = bench_conv(cfg, xs)
                 fl, bl = bench_conv_launch(cfg, xs)
@@ -334,29 +283,27 @@ def main() -> int:
                           "fwd_launch_ms": fl, "bwd_launch_ms": bl, "fwd_gpu_ms": fg, "bwd_gpu_ms": bg})  # fmt: skip
             print(f"conv {cfg}: fwd {f:.4f} ms bwd {b:.4f} ms; launchers alone fwd {fl:.4f} bwd {bl:.4f}; "
                   f"GPU time fwd {fg:.4f} bwd {bg:.4f}", flush=True)  # fmt: skip
-    if sweep:  # use the fastest swept configs (scan: the fastest forward's tiles with the fastest backward's)
-        best_f = min((r for r in sweep if r["op"] == "scan_fwd"), key=lambda r: r["ms"], default=None)
-        best_b = min((r for r in sweep if r["op"] == "scan_bwd"), key=lambda r: r["ms"], default=None)
-        if best_f and best_b:
-            f_, b_ = best_f["config"], best_b["config"]
-            # bc_f32 is the backward's
-            fwd_fields = ("block_d", "chunk", "num_warps", "fwd_impl", "seg", "unroll", "pf", "maxnreg")
-            scan_cfg = ScanConfig(**{**b_, **{k: f_[k] for k in fwd_fields}})
-            if scan_cfg.fwd_impl == 1 and scan_cfg.chunk_bwd % scan_cfg.chunk:
-                scan_cfg = dataclasses.replace(scan_cfg, chunk=scan_cfg.chunk_bwd)
+    if sweep:  # use the fastest swept conv config
         convs = [r for r in sweep if r["op"] == "conv"]
         if convs:
             # by the kernels' GPU time (the launchers' host overhead is the same for every config)
             conv_cfg = ConvConfig(**min(convs, key=lambda r: r["fwd_gpu_ms"] + r["bwd_gpu_ms"])["config"])
-        env = (
-            f"export ANYTRAIN_SCAN_CONFIG={','.join(str(v) for v in vars(scan_cfg).values())}\n"
-            f"export ANYTRAIN_CONV_CONFIG={','.join(str(v) for v in vars(conv_cfg).values())}\n"
-        )
+        env = f"export ANYTRAIN_CONV_CONFIG={','.join(str(v) for v in vars(conv_cfg).values())}\n"
         Path(args.out).mkdir(parents=True, exist_ok=True)
         (Path(args.out) / "chosen.env").write_text(env)
-        print(f"chosen: {scan_cfg} {conv_cfg}")
+        print(f"chosen: {conv_cfg}")
     f, b = bench_scan(scan_cfg, sets)
     _, bd = bench_scan(scan_cfg, sets, deterministic=True)
+    ours_op = scan_mod.selective_scan_triton
+    of, ob = bench_scan_op(ours_op, sets)
+    results["scan_op_fwd"] = {"ms": of}
+    results["scan_op_bwd"] = {"ms": ob}
+    ssm = mamba_ssm_scan()
+    if ssm is not None:
+        mf, mb = bench_scan_op(ssm, sets)
+        err = scan_op_max_rel_err(ours_op, ssm, sets[0])
+        results["scan_op_fwd"].update(baseline="mamba-ssm selective_scan_fn", baseline_ms=mf)
+        results["scan_op_bwd"].update(baseline="mamba-ssm selective_scan_fn", baseline_ms=mb, max_rel_err=err)
     cf, cb = bench_conv(conv_cfg, xs)
     cfl, cbl = bench_conv_launch(conv_cfg, xs)
     cfgm, cbgm = bench_conv_launch(conv_cfg, xs, gpu=True)
@@ -386,6 +333,12 @@ def main() -> int:
             f"{r['baseline_ms']:>13.3f}  {r['baseline']}"
         )
     print(f"scan_bwd deterministic: {bd:.4f} ms")
+    for k in ("scan_op_fwd", "scan_op_bwd"):
+        r = results[k]
+        base = f"{r['baseline_ms']:.4f} ms {r['baseline']}" if "baseline" in r else "mamba-ssm not importable"
+        print(f"{k} (public op, autograd): {r['ms']:.4f} ms; {base}")
+    if "max_rel_err" in results["scan_op_bwd"]:
+        print(f"largest relative difference to mamba-ssm (out, gradients): {results['scan_op_bwd']['max_rel_err']:.1e}")
     print(f"conv launchers alone (no autograd, as the scan rows): fwd {cfl:.4f} ms, bwd {cbl:.4f} ms")
     print(f"conv kernels' GPU time (profiler, per call): fwd {cfgm:.4f} ms, bwd {cbgm:.4f} ms")
     record = {

@@ -11,6 +11,7 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 import anytrain.kernels as K  # noqa: E402
+from anytrain.kernels import ops  # noqa: E402
 from anytrain.kernels.reference import causal_conv1d_ref, selective_scan_ref  # noqa: E402
 
 F64 = torch.float64
@@ -75,6 +76,7 @@ def test_reference_keeps_input_dtype():
 
 
 def test_backend_and_deterministic_switches(monkeypatch):
+    # ops.causal_conv1d: the package attribute is the Triton module wherever a test imported that module directly
     old_backend, old_det = K.get_backend(), K.is_deterministic()
     try:
         with pytest.raises(ValueError):
@@ -82,19 +84,49 @@ def test_backend_and_deterministic_switches(monkeypatch):
         K.set_backend("reference")
         assert K.get_backend() == "reference"
         x, w = torch.randn(1, 2, 5), torch.randn(2, 4)
-        torch.testing.assert_close(K.causal_conv1d(x, w, activation="silu"), causal_conv1d_ref(x, w, activation="silu"))
+        torch.testing.assert_close(
+            ops.causal_conv1d(x, w, activation="silu"), causal_conv1d_ref(x, w, activation="silu")
+        )
         K.set_backend("auto")  # CPU tensors: the reference, whether or not triton is installed
-        torch.testing.assert_close(K.causal_conv1d(x, w), causal_conv1d_ref(x, w))
+        torch.testing.assert_close(ops.causal_conv1d(x, w), causal_conv1d_ref(x, w))
         K.set_deterministic(True)
         assert K.is_deterministic()
         K.triton_available()  # import triton (if installed) now, while TRITON_INTERPRET=1
         K.set_backend("triton")
         monkeypatch.setenv("TRITON_INTERPRET", "0")
         with pytest.raises(RuntimeError, match="triton"):
-            K.causal_conv1d(x, w)
+            ops.causal_conv1d(x, w)
     finally:
         K.set_backend(old_backend)
         K.set_deterministic(old_det)
+
+
+def test_configure_sets_every_kernel_option(monkeypatch):
+    """``configure(KernelsConfig)`` reaches the backend (the chunked cross-entropy's row kernel too), deterministic
+    mode, the fused mixer, the cast cache and the GEMM accumulation; the defaults are the unconfigured state."""
+    from anytrain.config import KernelsConfig
+    from anytrain.kernels import fused_linear_ce, mamba_inner, wide_mm
+
+    for mod, name in ((ops, "_backend"), (ops, "_deterministic"), (mamba_inner, "_enabled"),
+                      (mamba_inner, "_cache_casts"), (wide_mm, "_accumulate_on")):  # fmt: skip
+        monkeypatch.setattr(mod, name, getattr(mod, name))  # restored after the test
+    monkeypatch.setattr(fused_linear_ce, "triton_importable", lambda: True)
+    gpu = torch.empty(0, device="meta")
+    monkeypatch.setattr(type(gpu), "is_cuda", property(lambda t: True))
+    K.configure(KernelsConfig(backend="reference", deterministic=True, fused_mamba_inner=False, cast_cache=False,
+                              gemm_accumulate=False))  # fmt: skip
+    assert (K.get_backend(), K.is_deterministic()) == ("reference", True)
+    assert not mamba_inner._enabled and not mamba_inner._cache_casts and not wide_mm._accumulate_on
+    assert not fused_linear_ce._use_triton(gpu)
+    K.configure(KernelsConfig())
+    assert (K.get_backend(), K.is_deterministic()) == ("auto", False)
+    assert mamba_inner._enabled and mamba_inner._cache_casts and wide_mm._accumulate_on
+    assert fused_linear_ce._use_triton(gpu)
+
+
+def test_package_attributes_are_the_public_ops_after_the_lazy_import():
+    K.triton_available()
+    assert K.selective_scan is ops.selective_scan and K.causal_conv1d is ops.causal_conv1d
 
 
 @pytest.mark.parametrize("seqlen", [1, 5, 16, 37])

@@ -1,28 +1,38 @@
-"""Mamba kernels: selective scan and causal depthwise conv1d, with Triton and pure-PyTorch backends.
+"""Mamba kernels (selective scan, causal depthwise conv1d) with Triton and pure-PyTorch backends, the fused Mamba
+mixer, the chunked linear + cross-entropy and the wide weight-gradient GEMMs.
 
-Backend choice ("auto" by default): Triton for GPU tensors (CUDA and ROCm), the PyTorch reference for CPU tensors.
-Override with ``set_backend("triton" | "reference" | "auto")`` or env ``ANYTRAIN_KERNELS``. Triton on CPU tensors only
-runs under ``TRITON_INTERPRET=1`` (tests). If Triton is not importable, "auto" silently uses the reference; an explicit
-"triton" raises. ``set_deterministic(True)`` / env ``ANYTRAIN_DETERMINISTIC=1`` makes the Triton backward reduce dB/dC
-through per-block partials instead of atomics (bitwise reproducible gradients).
+The public ops and options live in ``anytrain.kernels.ops`` (see there for the backend rules). ``configure`` sets
+every process-wide kernel option from a ``KernelsConfig`` (the trainer calls it with ``RunConfig.kernels``, so the run
+directory's config.yaml records them).
+
+Importing the Triton module ``anytrain.kernels.causal_conv1d`` directly binds that module as this package's
+``causal_conv1d`` attribute; ``anytrain.kernels.ops.causal_conv1d`` is the op under every import order.
 """
 
 from __future__ import annotations
 
-import importlib
-import os
-import sys
-import warnings
-from types import ModuleType
+from typing import TYPE_CHECKING
 
-from torch import Tensor
-
-from anytrain import hardware
+from anytrain.kernels.ops import (
+    BACKENDS,
+    causal_conv1d,
+    get_backend,
+    is_deterministic,
+    selective_scan,
+    set_backend,
+    set_deterministic,
+    triton_available,
+)
 from anytrain.kernels.reference import causal_conv1d_ref, selective_scan_ref
 
+if TYPE_CHECKING:
+    from anytrain.config import KernelsConfig
+
 __all__ = [
+    "BACKENDS",
     "causal_conv1d",
     "causal_conv1d_ref",
+    "configure",
     "get_backend",
     "is_deterministic",
     "selective_scan",
@@ -32,140 +42,18 @@ __all__ = [
     "triton_available",
 ]
 
-BACKENDS = ("auto", "triton", "reference")
 
+def configure(cfg: KernelsConfig) -> None:
+    """Set every process-wide kernel option from ``cfg``: the backend (also of the chunked cross-entropy's row
+    kernel), deterministic scan gradients, the fused Mamba mixer, the weight-cast cache and the GEMM accumulation."""
+    from anytrain.kernels import mamba_inner, wide_mm
 
-def _check_backend(name: str) -> str:
-    if name not in BACKENDS:
-        raise ValueError(f"kernel backend must be one of {BACKENDS}, got {name!r}")
-    return name
-
-
-_backend: str = _check_backend(os.environ.get("ANYTRAIN_KERNELS", "auto").strip().lower() or "auto")
-_deterministic: bool = os.environ.get("ANYTRAIN_DETERMINISTIC", "0").strip().lower() in ("1", "true", "yes", "on")
-_warned_gpu_fallback = False
-
-
-def set_backend(name: str) -> None:
-    """'auto' (Triton on GPU tensors, reference on CPU), 'triton' or 'reference'."""
-    global _backend
-    _backend = _check_backend(name)
-
-
-def get_backend() -> str:
-    return _backend
-
-
-def set_deterministic(flag: bool = True) -> None:
-    """Deterministic Triton backward: dB/dC reduced via per-block partials (no atomics)."""
-    global _deterministic
-    _deterministic = bool(flag)
-
-
-def is_deterministic() -> bool:
-    return _deterministic
-
-
-class _CallableKernelModule(ModuleType):
-    """Class of the Triton submodules ``selective_scan`` / ``causal_conv1d``.
-
-    Importing a submodule sets the package attribute of the same name, which would shadow the public function of that
-    name; the submodules therefore stay callable as that function (and ``_triton_modules`` restores the attributes).
-    """
-
-    def __call__(self, *args, **kwargs):
-        return _PUBLIC[self.__name__.rsplit(".", 1)[1]](*args, **kwargs)
+    set_backend(cfg.backend)
+    set_deterministic(cfg.deterministic)
+    mamba_inner.set_mamba_inner(cfg.fused_mamba_inner)
+    mamba_inner.set_cast_cache(cfg.cast_cache)
+    wide_mm.set_gemm_accumulate(cfg.gemm_accumulate)
 
 
 def _make_callable(module_name: str) -> None:
-    sys.modules[module_name].__class__ = _CallableKernelModule
-
-
-_modules: tuple[ModuleType, ModuleType] | None | bool = False  # False: not tried yet
-
-
-def _triton_modules() -> tuple[ModuleType, ModuleType] | None:
-    """Import the Triton kernels lazily (so TRITON_INTERPRET can still be set by tests before triton loads)."""
-    global _modules
-    if _modules is False:
-        try:
-            _modules = (
-                importlib.import_module("anytrain.kernels.selective_scan"),
-                importlib.import_module("anytrain.kernels.causal_conv1d"),
-            )
-        except ImportError:
-            _modules = None
-        globals().update(_PUBLIC)
-    return _modules  # type: ignore[return-value]
-
-
-def _constant_under_compile(fn):
-    """``fn``'s result taken as a constant by torch.compile: dynamo calls it once while tracing instead of tracing
-    into it (an import inside a traced frame is a graph break: it split every compiled Mamba block in three). This is
-    what ``torch.compiler.assume_constant_result`` does, without importing dynamo (and with it triton) here: tests set
-    TRITON_INTERPRET after importing this package."""
-    fn._dynamo_marked_constant = True
-    return fn
-
-
-@_constant_under_compile
-def triton_available() -> bool:
-    return _triton_modules() is not None
-
-
-def _use_triton(x: Tensor) -> bool:
-    global _warned_gpu_fallback
-    if _backend == "reference" or (_backend == "auto" and not x.is_cuda):
-        return False  # CPU tensors under "auto" never import triton
-    if not triton_available():
-        if _backend == "triton":
-            raise RuntimeError(
-                "kernel backend 'triton' was requested (ANYTRAIN_KERNELS/set_backend) but is not importable"
-            )
-        if not _warned_gpu_fallback:
-            warnings.warn(
-                "triton is not importable: Mamba kernels fall back to the slow PyTorch reference", stacklevel=3
-            )
-            _warned_gpu_fallback = True
-        return False
-    if not x.is_cuda and not hardware.triton_interpreted():
-        raise RuntimeError("kernel backend 'triton' on CPU tensors needs TRITON_INTERPRET=1 (slow; for tests)")
-    return True
-
-
-def selective_scan(
-    u: Tensor,
-    delta: Tensor,
-    A: Tensor,
-    B: Tensor,
-    C: Tensor,
-    D: Tensor | None = None,
-    z: Tensor | None = None,
-    delta_bias: Tensor | None = None,
-    delta_softplus: bool = False,
-    return_last_state: bool = False,
-) -> Tensor | tuple[Tensor, Tensor]:
-    """Mamba-1 selective scan (mamba-ssm ``selective_scan_fn`` semantics).
-
-    u, delta, z: (batch, dim, L); A: (dim, dstate); B, C: (batch, dstate, L) or (batch, ngroups, dstate, L);
-    D, delta_bias: (dim,). Returns out (batch, dim, L) in u's dtype [, last_state (batch, dim, dstate) fp32].
-    """
-    if _use_triton(u):
-        scan_mod, _ = _triton_modules()  # type: ignore[misc]
-        return scan_mod.selective_scan_triton(
-            u, delta, A, B, C, D, z, delta_bias, delta_softplus, return_last_state, deterministic=_deterministic
-        )
-    return selective_scan_ref(u, delta, A, B, C, D, z, delta_bias, delta_softplus, return_last_state)
-
-
-def causal_conv1d(x: Tensor, weight: Tensor, bias: Tensor | None = None, activation: str | None = None) -> Tensor:
-    """Causal depthwise conv1d (causal_conv1d_fn semantics). x: (batch, dim, L); weight: (dim, width), width 2..4."""
-    if activation not in (None, "silu"):
-        raise ValueError(f"causal_conv1d: activation must be None or 'silu', got {activation!r}")
-    if _use_triton(x):
-        _, conv_mod = _triton_modules()  # type: ignore[misc]
-        return conv_mod.causal_conv1d_triton(x, weight, bias, activation)
-    return causal_conv1d_ref(x, weight, bias, activation)
-
-
-_PUBLIC = {"selective_scan": selective_scan, "causal_conv1d": causal_conv1d}
+    """No-op kept for ``causal_conv1d.py``, which still calls it at import; remove with that call."""

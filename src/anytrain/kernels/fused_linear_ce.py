@@ -9,7 +9,8 @@ kept for backward and none is recomputed. Peak extra memory: one chunk of logits
 weight-gradient accumulator, instead of the (N, V) logits in bf16 + fp32 + fp32 log-softmax + fp32 gradient.
 
 Row op backends: the Triton kernel ``_ce_rows_kernel`` on GPU tensors (CUDA and ROCm), the pure-PyTorch twin
-``ce_rows_ref`` on CPU or with ``ANYTRAIN_KERNELS=reference``; tests run the kernel on CPU under ``TRITON_INTERPRET=1``.
+``ce_rows_ref`` on CPU or with the kernel backend "reference" (``anytrain.kernels.set_backend``); tests run the kernel
+on CPU under ``TRITON_INTERPRET=1``.
 Shapes: N rows (tokens), D model width, V vocabulary.
 """
 
@@ -17,11 +18,11 @@ from __future__ import annotations
 
 import importlib.util
 import math
-import os
 from typing import Any
 
 import torch
 
+from anytrain.kernels import ops
 from anytrain.kernels.wide_mm import add_mm_, grad_mm
 
 # Triton ships with CUDA/ROCm torch wheels; on CPU it is optional (interpreter tests). It is imported at first kernel
@@ -60,8 +61,8 @@ def ce_rows_ref(logits: torch.Tensor, targets: torch.Tensor, scale: torch.Tensor
 
 def _ce_rows_kernel(logits_ptr, stride_row, targets_ptr, loss_ptr, scale_ptr, V, ignore_index,
                     BLOCK_V: tl.constexpr, WRITE_GRAD: tl.constexpr):  # fmt: skip
-    """One program per row: online max / sum-exp over V (pass 1), loss = lse - x[target]; then (pass 2) the
-    row is overwritten with (exp(x - lse) - onehot) * scale. Loads in the logits dtype, math in fp32."""
+    """One program per row: online max / sum-exp over V (first sweep), loss = lse - x[target]; then (second sweep)
+    the row is overwritten with (exp(x - lse) - onehot) * scale. Loads in the logits dtype, math in fp32."""
     row = tl.program_id(0).to(tl.int64)
     base = logits_ptr + row * stride_row
     target = tl.load(targets_ptr + row)
@@ -124,7 +125,7 @@ def ce_rows_triton(logits: torch.Tensor, targets: torch.Tensor, scale: torch.Ten
 
 
 def _use_triton(t: torch.Tensor) -> bool:
-    if os.environ.get("ANYTRAIN_KERNELS", "auto").strip().lower() == "reference" or not triton_importable():
+    if ops.get_backend() == "reference" or not triton_importable():
         return False
     return t.is_cuda  # CUDA and ROCm tensors; the interpreter is for tests, which call ce_rows_triton directly
 

@@ -4,9 +4,9 @@ dt_proj -> selective scan (D skip, SiLU(z) gate) -> out_proj as ONE autograd nod
 Layout: every (batch, channels, time) activation is stored channel-major with the batch folded into time, i.e. as a
 (C, B·T) matrix, and handed to the kernels as the (B, C, T) view with strides (T, B·T, 1) (unit stride in time, which
 is all the conv/scan kernels need; their batch and channel strides are kernel arguments). The kernels run through the
-launchers ``causal_conv1d._fwd`` / ``_bwd`` and ``selective_scan._fwd`` / ``_bwd`` (the forwards write into this op's
-buffers via ``out=``). Every projection, forward and backward, is then one plain 2-D GEMM whose operands are row-major
-or transposed (cuBLAS reads both, no copy):
+launchers ``causal_conv1d._fwd`` / ``_bwd`` and ``selective_scan_triton._fwd`` / ``_bwd`` (the forwards write into
+this op's buffers via ``out=``). Every projection, forward and backward, is then one plain 2-D GEMM whose operands
+are row-major or transposed (cuBLAS reads both, no copy):
 
     xz    (2E, N) = W_in (2E, D) @ h^T           (N = B·T; h (N, D) row-major, read transposed)
     x_dbl (R+2S, N) = W_x @ conv_out (E, N)      (dt, B, C are row blocks: B, C reach the scan unit-stride in time)
@@ -26,7 +26,8 @@ kernel).
 Two entry points share ``_forward`` / ``_backward``: eagerly a plain ``torch.autograd.Function`` (least host
 overhead), under ``torch.compile`` the custom ops ``anytrain::mamba_inner_fwd`` / ``_bwd`` (``torch.library``,
 opaque to the compiler, with fake kernels), so that a compiled block can fuse the norm and residual around it.
-``ANYTRAIN_MAMBA_INNER=0`` makes ``use_mamba_inner`` false (the model then runs the unfused composition).
+``set_mamba_inner(False)`` (``KernelsConfig.fused_mamba_inner``) makes ``use_mamba_inner`` false (the model then runs
+the unfused composition).
 """
 
 from __future__ import annotations
@@ -37,11 +38,11 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from anytrain import hardware, kernels
+from anytrain.kernels import ops
 from anytrain.kernels.reference import causal_conv1d_ref, selective_scan_ref
 from anytrain.kernels.wide_mm import grad_mm
 
-_enabled = hardware.env_switch("ANYTRAIN_MAMBA_INNER")
+_enabled = True
 
 
 MAX_ELEMENTS = 2**31 - 1
@@ -53,11 +54,11 @@ def use_mamba_inner(x: Tensor, d_inner: int | None = None) -> bool:
     and (given ``d_inner``) the (2·d_inner, B·T) activations fit 32-bit offsets; otherwise the unfused composition."""
     if d_inner is not None and 2 * d_inner * x.shape[0] * x.shape[1] > MAX_ELEMENTS:
         return False
-    return _enabled and kernels._use_triton(x)
+    return _enabled and ops._use_triton(x)
 
 
 def set_mamba_inner(flag: bool) -> None:
-    """Enable / disable the fused op in the model (default: env ANYTRAIN_MAMBA_INNER, on)."""
+    """Enable / disable the fused op in the model (default on; ``KernelsConfig.fused_mamba_inner``)."""
     global _enabled
     _enabled = bool(flag)
 
@@ -68,7 +69,13 @@ def at_least_fp32(t: Tensor) -> Tensor:
 
 
 _casts: dict | None = None  # inside cached_weight_casts(): id(weight) -> (weight, its version, dtype, the cast)
-_cache_casts = hardware.env_switch("ANYTRAIN_CAST_CACHE")
+_cache_casts = True
+
+
+def set_cast_cache(flag: bool) -> None:
+    """Enable / disable ``cached_weight_casts`` (default on; ``KernelsConfig.cast_cache``)."""
+    global _cache_casts
+    _cache_casts = bool(flag)
 
 
 @contextlib.contextmanager
@@ -79,7 +86,7 @@ def cached_weight_casts():
     micro-batches (2.5 GB at mamba-1.4b). A copy is reused only for the same tensor at the same version counter; never
     while a CUDA graph is being captured (a replay must cast the weights of its own step). The block must not span an
     optimizer step: fused / foreach optimizers and ``.data`` writes change weights without bumping their version
-    counter. Nested calls share the outer cache; ``ANYTRAIN_CAST_CACHE=0`` turns it off."""
+    counter. Nested calls share the outer cache; ``set_cast_cache(False)`` turns it off."""
     global _casts
     outer = _casts
     _casts = outer if outer is not None or not _cache_casts else {}
@@ -117,7 +124,7 @@ def _flat(x: Tensor) -> Tensor:
 
 
 def _modules():
-    return kernels._triton_modules()  # (selective_scan, causal_conv1d) modules; imports triton on first use
+    return ops._triton_modules()  # (selective_scan_triton, causal_conv1d) modules; imports triton on first use
 
 
 def _scan_inputs(xz: Tensor, x_dbl: Tensor, conv_out: Tensor, delta: Tensor, A_log: Tensor, batch: int, R: int):
@@ -232,7 +239,7 @@ def _register_custom_ops() -> bool:
     @fwd_op.register_fake
     def _(h, w_in, conv_w, conv_b, w_x, w_dt, dt_bias, A_log, D, w_out, deterministic):
         (batch, T, _), E, S, N = h.shape, w_in.shape[0] // 2, A_log.shape[1], h.shape[0] * h.shape[1]
-        nsub = _cdiv(T, _modules()[0].default_config().chunk_bwd)
+        nsub = _cdiv(T, _modules()[0].SAVE_EVERY)
         acc = torch.float64 if torch.float64 in (h.dtype, A_log.dtype) else torch.float32
         return (
             h.new_empty(batch, T, w_out.shape[0]), h.new_empty(2 * E, N), h.new_empty(w_x.shape[0], N),
@@ -280,10 +287,10 @@ def mamba_inner_triton(
     deterministic: bool | None = None,
 ) -> Tensor:
     """The fused op on the Triton kernels (see ``mamba_inner`` for the arguments). ``deterministic``: default
-    ``anytrain.kernels.is_deterministic()``."""
+    ``anytrain.ops.is_deterministic()``."""
     dtype = _autocast_dtype(h)
     h = h if dtype is None else h.to(dtype)
-    det = kernels.is_deterministic() if deterministic is None else bool(deterministic)
+    det = ops.is_deterministic() if deterministic is None else bool(deterministic)
     args = (h, in_proj_weight, conv1d_weight, conv1d_bias, x_proj_weight, dt_proj_weight, dt_proj_bias, A_log, D)
     if HAS_CUSTOM_OP and torch.compiler.is_compiling():
         return torch.ops.anytrain.mamba_inner_fwd(*args, out_proj_weight, det)[0]
@@ -334,6 +341,6 @@ def mamba_inner(
     out_proj (D, E); no in/out_proj biases; delta_softplus always on. Triton (fused, one autograd node) per the
     ``anytrain.kernels`` backend rules, else ``mamba_inner_ref``."""
     args = (h, in_proj_weight, conv1d_weight, conv1d_bias, x_proj_weight, dt_proj_weight, dt_proj_bias, A_log, D)
-    if kernels._use_triton(h):
+    if ops._use_triton(h):
         return mamba_inner_triton(*args, out_proj_weight)
     return mamba_inner_ref(*args, out_proj_weight)

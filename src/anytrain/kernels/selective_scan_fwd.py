@@ -1,4 +1,4 @@
-"""Forward kernel v3 of the Triton selective scan (``ScanConfig.fwd_impl=1``, default); see ``selective_scan.py``.
+"""Forward kernel of the Triton selective scan; see ``selective_scan_triton.py`` for the launcher.
 
 Program = (block of BLOCK_D channels, group, batch); it walks the sequence in chunks of SEG x SUB steps held as
 (channel, segment, step) tiles, t = chunk start + s * SUB + r. The global loads and stores go through
@@ -13,8 +13,11 @@ same in every Triton version; with SUB = the steps of one 16-byte vector (8 for 
   - the state at the end of every SUB * SAVE steps (the backward's chunk) is stored to ``states`` (batch, dim, N, nsub)
     by the lane that owns it; the chunk's carry into the next chunk is re-read from there after a barrier.
 The per-state B/C rows reach the state loop through Triton's software pipeliner (``STAGES``), one state per iteration
-or, with ``GROUP`` > 1 (the CUDA default: 4), a group of states per iteration from a chunk-major copy of B and C that
-the launcher makes (one (2 GROUP, chunk) tile per group: fewer pipeline and address instructions per state).
+or, with ``GROUP`` > 1 (``ScanConfig.states_per_iteration``), a group of states per iteration from a chunk-major copy
+of B and C that the launcher makes (one (2 GROUP, chunk) tile per group: fewer pipeline and address instructions per
+state). With ``LANES`` (dstate <= SEG) A and the carry between chunks are held in lanes (lane n: state n) and
+broadcast with ``tl.gather`` per state; a larger dstate loads them per state (the carry re-read from the saved states
+after a barrier).
 Other SUB / SEG / BLOCK_D values are correct too (the compiler then converts layouts).
 """
 
@@ -23,7 +26,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from anytrain.kernels.selective_scan_bwd import (
+from anytrain.kernels.selective_scan_common import (
     LOG2E,
     _chan_params,
     _combine,
@@ -76,7 +79,7 @@ def _state_step(dt, dtu, A2, hc, B_n, C_n, y, offs_s2, prev):
     la, _ = tl.reduce((pa, step), 2, _later)
     lb, _ = tl.reduce((pb, step), 2, _later)
     # the carry folded into segment 0's end state: the cross-lane scan then yields the end states themselves, and its
-    # decay products are dead after the last round (no ia hc + ib per lane, one shuffle and multiply fewer; pass 19)
+    # decay products are dead after the last round (no ia hc + ib per lane: one shuffle and multiply fewer)
     lb = tl.where(offs_s2 == 0, la * hc + lb, lb)
     _, e = tl.associative_scan((la, lb), axis=1, combine_fn=_combine)  # across lanes (segments)
     h0 = tl.where(offs_s2 == 0, hc, tl.gather(e, prev, axis=1))  # state at the start of each segment
@@ -85,32 +88,21 @@ def _state_step(dt, dtu, A2, hc, B_n, C_n, y, offs_s2, prev):
 
 
 @triton.jit(do_not_specialize=["s_sk"])
-def _ss_fwd_kernel_v3(
+def _ss_fwd_kernel(
     u_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, D_ptr, z_ptr, bias_ptr, out_ptr, state_ptr,
     dpg, seqlen, nsub,
     s_ub, s_ud, s_tb, s_td, s_ad, s_an, s_bb, s_bg, s_bn, s_cb, s_cg, s_cn, s_zb, s_zd, s_ob, s_od, s_sn, s_sk,
     DSTATE: tl.constexpr, BLOCK_D: tl.constexpr, SUB: tl.constexpr, SEG: tl.constexpr, SAVE: tl.constexpr,
     ACC: tl.constexpr, HAS_D: tl.constexpr, HAS_Z: tl.constexpr, HAS_BIAS: tl.constexpr, SOFTPLUS: tl.constexpr,
-    UNROLL: tl.constexpr = 1, LANES: tl.constexpr = False, BC_BITS: tl.constexpr = False, EVEN: tl.constexpr = False,
-    FAST: tl.constexpr = False, STAGES: tl.constexpr = 0, GROUP: tl.constexpr = 1,
+    LANES: tl.constexpr, BC_BITS: tl.constexpr, EVEN: tl.constexpr, FAST: tl.constexpr, STAGES: tl.constexpr,
+    GROUP: tl.constexpr,
 ):  # fmt: skip
-    # BC_BITS (bf16 B/C, even strides and seqlen; set with EVEN only): B and C are loaded as int32 pairs and widened
+    # BC_BITS (bf16 B/C, even strides and seqlen; with EVEN or GROUP): B and C are loaded as int32 pairs and widened
     # to fp32 with one shift or mask per value (the bf16 -> fp32 conversion costs 1.5 instructions per value
     # otherwise). EVEN (seqlen a multiple of the chunk): the per-state B/C loads need no time mask.
-    # UNROLL: the state loop's unroll factor (two states' serial chains interleaved by the compiler at UNROLL 2).
-    # LANES (needs DSTATE <= SEG): A and the carry between chunks are held in lanes (lane n: state n) and broadcast
-    # with ``tl.gather`` per state, instead of a per-state load of A and of the carry (re-read from the saved states
-    # after a barrier). Measured equal to the register prefetch on an H200 (0.688 against 0.686 ms, scan pass 7), but
-    # with STAGES (below) it removes the last per-state loads: part of the CUDA default since scan pass 11. Loading B/C
-    # two states ahead in registers was slower (0.787: register copies at the loop end).
     # FAST (fp32 on a GPU, set by the launcher): the gate's sigmoid with the approximate exp and division.
-    # STAGES > 0: each state's B/C rows are loaded inside the state loop and left to Triton's software pipeliner with
-    # ``num_stages`` = STAGES (asynchronous copies into shared memory, STAGES - 1 states ahead) instead of the
-    # register prefetch one state ahead; with LANES (no per-state A/carry loads left): 0.575 against 0.645 ms on an
-    # H200 at 4 stages (docs/kernels.md, scan pass 11).
-    # GROUP > 1 (needs LANES; B_ptr then the launcher's chunk-major B/C copy, C_ptr unused): GROUP states per pipelined
-    # iteration, their B/C rows one tile; the CUDA default is 4 at 2 stages and 72 registers: 0.541-0.542 ms against
-    # 0.575-0.579 without groups (one H200 call; docs/kernels.md, scan pass 13).
+    # GROUP > 1 (needs LANES; B_ptr then the launcher's chunk-major B/C copy, C_ptr unused): GROUP states per
+    # pipelined iteration, their B/C rows one tile.
     # states: (batch, dim, N, nsub) (s_sn, s_sk: strides of N and nsub; s_sk is 1 but not specialised, so the state
     # stores are not vectorised across segments); entry k is the state after step (k + 1) * SUB * SAVE - 1 (the last
     # entry: the final state).
@@ -174,7 +166,7 @@ def _ss_fwd_kernel_v3(
                 g_rows = B_base + c * (DSTATE * 2 * CHUNK)
             rid = tl.arange(0, 2 * GROUP)[:, None]
             g_rows = g_rows + rid * ROW + tl.arange(0, ROW)[None, :]  # row 2i: B of the group's state i, 2i + 1: C
-            for j in tl.range(0, DSTATE // GROUP, num_stages=STAGES if STAGES > 0 else None):
+            for j in tl.range(0, DSTATE // GROUP, num_stages=STAGES):
                 tile = tl.load(g_rows + j * (2 * GROUP * ROW))
                 for i in tl.static_range(GROUP):
                     n = j * GROUP + i
@@ -203,33 +195,25 @@ def _ss_fwd_kernel_v3(
                 C_rows = C_base + t2
                 s_bn2 = s_bn
                 s_cn2 = s_cn
-            # per-state loads are issued one state ahead (loop-carried), so their latency overlaps a state's compute
-            # (B/C: with STAGES 0; otherwise the pipeliner issues them STAGES - 1 states ahead)
+            # without LANES, A and the carry are loaded one state ahead (loop-carried), so their latency overlaps a
+            # state's compute; the B/C rows are left to the software pipeliner
             if not LANES:
                 A_nx = tl.load(A_rows, mask=mask_d, other=0.0)
                 h_nx = tl.load(st_rows + (kc - 1) * s_sk, mask=mc, other=0.0)
-            if STAGES == 0:
-                B_nx = _ld_bc(B_rows, mt1, EVEN)
-                C_nx = _ld_bc(C_rows, mt1, EVEN)
-            for n in tl.range(0, DSTATE, loop_unroll_factor=UNROLL, num_stages=STAGES if STAGES > 0 else None):
-                if STAGES > 0:  # this state's B/C rows, left to Triton's software pipeliner (asynchronous copies)
-                    B_nx = _ld_bc(B_rows + n * s_bn2, mt1, EVEN)
-                    C_nx = _ld_bc(C_rows + n * s_cn2, mt1, EVEN)
+            for n in tl.range(0, DSTATE, num_stages=STAGES):
+                B_nx = _ld_bc(B_rows + n * s_bn2, mt1, EVEN)
+                C_nx = _ld_bc(C_rows + n * s_cn2, mt1, EVEN)
                 if LANES:
                     A2 = tl.gather(A_l, n + 0 * lane_n, axis=1)[:, :, None]  # (BLOCK_D, SEG, 1): A[d, n] in every lane
                     hc = tl.gather(carry, n + 0 * lane_n, axis=1)  # (BLOCK_D, SEG): the state before the chunk
                 else:
                     A2 = A_nx.to(ACC)[:, None, None] * LOG2E
                     hc = h_nx[:, None]  # the state before the chunk
-                B_n = _bc_values(B_nx, SEG, SUB, BC_BITS, ACC)
-                C_n = _bc_values(C_nx, SEG, SUB, BC_BITS, ACC)
-                n1 = (n + 1) % DSTATE  # (the last state prefetches state 0 again, unused)
-                if not LANES:
+                    n1 = (n + 1) % DSTATE  # (the last state prefetches state 0 again, unused)
                     A_nx = tl.load(A_rows + n1 * s_an, mask=mask_d, other=0.0)
                     h_nx = tl.load(st_rows + n1 * s_sn + (kc - 1) * s_sk, mask=mc, other=0.0)
-                if STAGES == 0:
-                    B_nx = _ld_bc(B_rows + n1 * s_bn2, mt1, EVEN)
-                    C_nx = _ld_bc(C_rows + n1 * s_cn2, mt1, EVEN)
+                B_n = _bc_values(B_nx, SEG, SUB, BC_BITS, ACC)
+                C_n = _bc_values(C_nx, SEG, SUB, BC_BITS, ACC)
                 y, e = _state_step(dt, dtu, A2, hc, B_n, C_n, y, offs_s2, prev)
                 tl.store(st_tile + n * s_sn + (kc + ks) * s_sk, e, mask=msave)
                 if LANES:  # the chunk's end state (the last lane's e) becomes lane n's carry

@@ -17,8 +17,6 @@ import warnings
 import torch
 from torch import Tensor
 
-from anytrain import hardware
-
 _ok = {"mm": True, "addmm": True}  # cleared if this build/device cannot run the overload with out_dtype
 _NARROW = (torch.bfloat16, torch.float16)
 
@@ -72,7 +70,7 @@ def add_mm_(acc: Tensor, a: Tensor, b: Tensor) -> Tensor:
 # of an optimizer step in a one-process run, is summed by the GEMM as well)
 
 _accumulate = False  # process-wide (the trainer's one training thread), not thread-local
-_accumulate_on = hardware.env_switch("ANYTRAIN_GEMM_ACCUM")
+_accumulate_on = True  # set_gemm_accumulate / KernelsConfig.gemm_accumulate
 accumulated = 0  # weight gradients summed into .grad by their GEMM since import (read by the tests)
 
 
@@ -91,7 +89,7 @@ def accumulate_in_gemm(enabled: bool = True):
     ``.grad``: those layers keep the plain path (same result). A backward that fails part-way leaves the parameters
     it reached with ``.grad`` None (the step is lost either way). The trainer enters it around ``loss.backward()`` of
     one-process runs without CUDA graphs (no DDP reducer hooks, no captured ``.grad`` buffers).
-    ``ANYTRAIN_GEMM_ACCUM=0`` turns it off; a nested ``accumulate_in_gemm(False)`` does not turn off an enclosing
+    ``set_gemm_accumulate(False)`` turns it off; a nested ``accumulate_in_gemm(False)`` does not turn off an enclosing
     one."""
     global _accumulate
     outer = _accumulate
@@ -100,6 +98,12 @@ def accumulate_in_gemm(enabled: bool = True):
         yield
     finally:
         _accumulate = outer
+
+
+def set_gemm_accumulate(flag: bool) -> None:
+    """Enable / disable ``accumulate_in_gemm`` (default on; ``KernelsConfig.gemm_accumulate``)."""
+    global _accumulate_on
+    _accumulate_on = bool(flag)
 
 
 def weight_grad(a: Tensor, b: Tensor, weight: Tensor) -> Tensor:
