@@ -121,6 +121,9 @@ class TrainConfig:
     """Python's automatic garbage collection is off during training and a young-generation collection runs every
     this many steps on every rank at once (torchtitan's gc_freq): an automatic collection pauses one rank at a random
     moment and its peers wait for it in the next collective. 0 = leave Python's automatic collection on."""
+    clip_in_optimizer: bool = True
+    """Clip the gradient norm inside the optimizer step where the run allows it (one process or DDP on one mesh and
+    torch's fused AdamW: no separate clip pass); false = ``torch.nn.utils.clip_grad_norm_`` before the step."""
 
 
 @dataclass
@@ -194,6 +197,28 @@ class ProfileConfig:
 
 
 @dataclass
+class KernelsConfig:
+    """Process-wide kernel options, applied by ``anytrain.kernels.configure`` when the trainer builds the model."""
+
+    backend: Literal["auto", "triton", "reference"] = "auto"
+    """Mamba scan/conv kernels and the chunked cross-entropy's row kernel: auto = Triton on GPU tensors and the
+    PyTorch reference on CPU (the reference also where Triton is not importable); triton = always Triton (an error where
+    it cannot run); reference = always the PyTorch reference (slow; for cross-checks)."""
+    deterministic: bool = False
+    """Bitwise-reproducible selective-scan gradients: dB/dC summed through per-program partials instead of atomics
+    (slower; the partials take dim / 4 times the memory of dB and dC)."""
+    fused_mamba_inner: bool = True
+    """Run each Mamba mixer as one fused op (in_proj -> conv -> x_proj -> dt_proj -> scan -> out_proj, one autograd
+    node) where the Triton kernels run; false = the unfused composition of the public ops."""
+    cast_cache: bool = True
+    """The fused Mamba mixer casts each weight to the compute dtype once per optimizer step and reuses the copy across
+    the micro-batches (more memory: a bf16 copy of the projections); false = cast in every forward and backward."""
+    gemm_accumulate: bool = True
+    """One-process runs without CUDA graphs: from the second micro-batch of a step, weight gradients are added to
+    ``.grad`` by their GEMM (one pass over the gradient instead of three); false = the plain autograd accumulation."""
+
+
+@dataclass
 class RunConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
@@ -201,6 +226,7 @@ class RunConfig:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     profile: ProfileConfig = field(default_factory=ProfileConfig)
+    kernels: KernelsConfig = field(default_factory=KernelsConfig)
     device: str = "auto"
     """auto (GPU if present), cpu, or gpu."""
     run_dir: str = ""

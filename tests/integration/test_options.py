@@ -220,7 +220,7 @@ def _params_after(trainer) -> dict:
 def test_bf16_micro_batches_accumulate_weight_gradients_in_the_gemm(small_data, tmp_path, monkeypatch):
     """A one-process bf16 (autocast) run with 2 micro-batches per step: from the second micro-batch on, the
     projections' weight gradients are summed into .grad by the GEMM, and the weights after 2 steps are those of the
-    same run with the path turned off (ANYTRAIN_GEMM_ACCUM=0)."""
+    same run with the path turned off (kernels.gemm_accumulate false)."""
     from anytrain.kernels import wide_mm
 
     args = ("--train.steps", "2", "--train.micro_batch", "2", "--train.dtype", "bf16")
@@ -228,8 +228,8 @@ def test_bf16_micro_batches_accumulate_weight_gradients_in_the_gemm(small_data, 
     on = _params_after(_cpu_trainer(small_data, tmp_path / "on", *args))
     # debug Transformer: 2 layers x 7 projections, 1 later micro-batch per step, 2 steps
     assert wide_mm.accumulated - before == 2 * 7 * 2
-    monkeypatch.setattr(wide_mm, "_accumulate_on", False)
-    off = _params_after(_cpu_trainer(small_data, tmp_path / "off", *args))
+    monkeypatch.setattr(wide_mm, "_accumulate_on", wide_mm._accumulate_on)  # restored after the test
+    off = _params_after(_cpu_trainer(small_data, tmp_path / "off", *args, "--kernels.gemm_accumulate", "false"))
     assert wide_mm.accumulated - before == 2 * 7 * 2
     assert on.keys() == off.keys() and all(torch.equal(on[k], off[k]) for k in on)
 
@@ -238,9 +238,7 @@ def test_bf16_micro_batches_accumulate_weight_gradients_in_the_gemm(small_data, 
 def test_clipping_factor_goes_to_the_fused_optimizer(small_data, tmp_path, monkeypatch, lagged):
     """With torch's fused AdamW, clipping computes the norm and hands 1 / factor to the optimizer (grad_scale, used
     for that step only) instead of scaling the gradients itself: the weights equal those of torch's
-    clip_grad_norm_ (ANYTRAIN_CLIP_IN_OPTIMIZER=0) to float rounding, and differ from an unclipped run."""
-    from anytrain.train import trainer as trainer_module
-
+    clip_grad_norm_ (train.clip_in_optimizer false) to float rounding, and differ from an unclipped run."""
     args = ("--train.steps", "3", "--train.optimizer_impl", "fused", "--train.lagged_checks", lagged,
             "--train.grad_clip", "0.05")  # fmt: skip
     calls, seen = [], []
@@ -255,8 +253,8 @@ def test_clipping_factor_goes_to_the_fused_optimizer(small_data, tmp_path, monke
     folded = _params_after(trainer)
     assert not calls and len(seen) == 3 and all(s > 1.0 for s in seen)  # clipping was active
     assert "grad_scale" not in trainer.optimizer.__dict__
-    monkeypatch.setattr(trainer_module, "_CLIP_IN_OPTIMIZER", False)
-    torch_clip = _params_after(_cpu_trainer(small_data, tmp_path / "torch", *args))
+    no_fold = ("--train.clip_in_optimizer", "false")
+    torch_clip = _params_after(_cpu_trainer(small_data, tmp_path / "torch", *args, *no_fold))
     assert len(calls) == 3
     unclipped = _params_after(_cpu_trainer(small_data, tmp_path / "none", *args[:6], "--train.grad_clip", "0"))
     for k in folded:

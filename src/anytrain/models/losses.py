@@ -2,17 +2,15 @@
 
 from __future__ import annotations
 
-import os
-
 import torch
 import torch.nn.functional as F
 
 from anytrain.kernels.fused_linear_ce import IGNORE_INDEX, linear_cross_entropy
 
 LOSS_IMPLS = ("chunked", "naive")
-LOSS_IMPL: str = os.environ.get("ANYTRAIN_LM_LOSS", "chunked").strip().lower() or "chunked"
-"""'chunked' (default): fused chunked linear + cross-entropy; 'naive': full logits then F.cross_entropy (for
-benchmarks and as a cross-check). Set with env ANYTRAIN_LM_LOSS or by assigning this attribute."""
+LOSS_IMPL: str = "chunked"
+"""'chunked': fused chunked linear + cross-entropy (what training runs); 'naive': full logits then F.cross_entropy,
+the cross-check of tests and benchmarks, which assign this attribute."""
 
 
 def lm_cross_entropy(hidden: torch.Tensor, head_weight: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -23,7 +21,7 @@ def lm_cross_entropy(hidden: torch.Tensor, head_weight: torch.Tensor, targets: t
     never holds fp32 logits for the whole batch (see ``anytrain.kernels.fused_linear_ce``). Returns an fp32 scalar.
     """
     if LOSS_IMPL not in LOSS_IMPLS:
-        raise ValueError(f"ANYTRAIN_LM_LOSS must be one of {LOSS_IMPLS}, got {LOSS_IMPL!r}")
+        raise ValueError(f"losses.LOSS_IMPL must be one of {LOSS_IMPLS}, got {LOSS_IMPL!r}")
     if LOSS_IMPL == "naive":
         logits = F.linear(hidden, head_weight)  # (B, T, V)
         return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), ignore_index=IGNORE_INDEX)

@@ -25,6 +25,7 @@ from anytrain.config import RunConfig, plan_batches, to_dict
 from anytrain.data.loader import BatchSource, SampleIndex
 from anytrain.data.shards import TokenDataset
 from anytrain.errors import ConfigError, RunDirError, TrainingError
+from anytrain.kernels import configure as configure_kernels
 from anytrain.kernels import mamba_inner, wide_mm
 from anytrain.models import build_model, get_spec, resolve_args
 from anytrain.parallel import (
@@ -152,6 +153,7 @@ class Trainer:
         # train.attention_backend: the SDPA kernel order, set before any block is compiled (a compiled graph keeps the
         # kernel chosen while it was traced); nothing to set for auto and on CPU
         hardware.set_attention_backend(self.cfg.train.attention_backend)
+        configure_kernels(self.cfg.kernels)  # the kernels' process-wide options (RunConfig.kernels)
         spec = get_spec(self.cfg.model.arch)
         with torch.device("meta"):
             full = spec.build(self.model_args)
@@ -355,7 +357,8 @@ class Trainer:
         (``clip_in_optimizer``) by this step's fused AdamW, which divides the gradients by ``optimizer.grad_scale`` as
         it reads them (until then, and on a skipped step, ``.grad`` stays unclipped)."""
         max_norm = self.cfg.train.grad_clip or math.inf
-        if math.isfinite(max_norm) and clip_in_optimizer(self.optimizer, self.strategy, self.dims):
+        in_optimizer = self.cfg.train.clip_in_optimizer and clip_in_optimizer(self.optimizer, self.strategy, self.dims)
+        if math.isfinite(max_norm) and in_optimizer:
             # the fused AdamW divides each gradient by its grad_scale as it reads it (written back, as clipping would):
             # no separate pass that scales every gradient in place
             grads = [p.grad for p in self.model.parameters() if p.grad is not None]
@@ -651,15 +654,12 @@ class Trainer:
             self._run.lock.release()
 
 
-_CLIP_IN_OPTIMIZER = hardware.env_switch("ANYTRAIN_CLIP_IN_OPTIMIZER")
-
-
 def clip_in_optimizer(optimizer: torch.optim.Optimizer, strategy: str, dims: ParallelDims) -> bool:
     """Whether gradient clipping hands its factor to the fused AdamW (``grad_scale``, which the kernel divides each
     gradient by as it reads it) instead of scaling every gradient in a pass of its own: plain (non-DTensor) gradients
-    on one mesh (one process or DDP) and torch's fused AdamW. ``ANYTRAIN_CLIP_IN_OPTIMIZER=0`` turns it off."""
+    on one mesh (one process or DDP) and torch's fused AdamW. The trainer asks only with ``train.clip_in_optimizer``."""
     fused = type(optimizer) is torch.optim.AdamW and all(g.get("fused") for g in optimizer.param_groups)
-    return _CLIP_IN_OPTIMIZER and fused and strategy in ("single", "ddp") and dims.tp == 1 and dims.pp == 1
+    return fused and strategy in ("single", "ddp") and dims.tp == 1 and dims.pp == 1
 
 
 def lagged_checks_apply(cfg: RunConfig, optimizer: torch.optim.Optimizer) -> bool:
