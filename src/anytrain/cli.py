@@ -155,6 +155,15 @@ def _register_plan() -> None:
 _register_plan()
 
 
+def _register_evals() -> None:
+    from anytrain.evals.commands import register
+
+    register(app)  # export, compare
+
+
+_register_evals()
+
+
 @app.command()
 def doctor(
     out: str = typer.Option(None, "--out", help="Write the report as JSON here (rank 0)."),

@@ -30,6 +30,12 @@ class ModelConfig:
     """Named size of the family (see ``anytrain.models.list_flavours()``), e.g. debug, tiny, 125m, 1.1b."""
     args: dict[str, Any] = field(default_factory=dict)
     """Overrides of the flavour's architecture fields (validated by the family's own args class)."""
+    init_from: str = ""
+    """A local Hugging Face model folder (config.json + safetensors; LlamaForCausalLM for 'transformer',
+    MambaForCausalLM for 'mamba') to start training from: its weights replace the initial ones before step 0, and its
+    config.json sets ``model.args`` (an explicit field that disagrees is an error; max_seq_len may be changed). The
+    data must be prepared with the same tokenizer (``anytrain prepare --tokenizer DIR/tokenizer.json``). Empty = random
+    init. See docs/evaluation.md."""
 
 
 @dataclass
@@ -391,6 +397,10 @@ def load_config(path: str | Path | None, overrides: list[str] | None = None) -> 
     if not cfg.name:
         cfg.name = path.stem if path is not None else "run"
     cfg.data.path = resolve_data_path(cfg.data.path)
+    if cfg.model.init_from:  # HF config.json -> model.args before validation (evals/hf.py)
+        from anytrain.evals.hf import apply_init_from
+
+        apply_init_from(cfg)
     validate(cfg)
     return cfg
 

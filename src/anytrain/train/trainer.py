@@ -25,6 +25,7 @@ from anytrain.config import RunConfig, plan_batches, to_dict
 from anytrain.data.loader import BatchSource, SampleIndex
 from anytrain.data.shards import TokenDataset
 from anytrain.errors import ConfigError, RunDirError, TrainingError
+from anytrain.evals.hf import init_from_hf
 from anytrain.kernels import configure as configure_kernels
 from anytrain.kernels import mamba_inner, wide_mm
 from anytrain.models import build_model, get_spec, resolve_args
@@ -170,6 +171,7 @@ class Trainer:
             else:
                 model.init_weights()
             self.raw_model = model
+            init_from_hf(model, self.cfg.model, self.log.print)  # model.init_from: HF weights (evals/hf.py)
             self.model, self.strategy = parallelize(model, self.cfg, self.dims, self.device, self.dtype)
         # ranks holding a copy of the loss: all but the non-final pipeline stages (TP peers hold equal copies)
         self.loss_ranks = self.info.world_size // self.dims.pp

@@ -1,0 +1,444 @@
+"""Hugging Face format in and out: ``anytrain export --format hf`` and ``model.init_from``.
+
+Export writes a directory that ``transformers.AutoModelForCausalLM`` / ``AutoTokenizer`` load: safetensors weights
+(sharded with ``model.safetensors.index.json`` above ``max_shard_bytes``), ``config.json``, ``generation_config.json``
+and the run's tokenizer as a ``PreTrainedTokenizerFast``. The JSON files are written here, without ``transformers``
+(it is needed only to load the result), with the keys of both transformers 4.x and 5.x (``rope_theta`` and
+``rope_parameters``).
+
+Names and layouts (Transformer -> ``LlamaForCausalLM``; Mamba -> ``MambaForCausalLM`` with equal names)::
+
+    tok_embeddings.weight                   model.embed_tokens.weight
+    layers.{i}.attention.w{q,k,v,o}.weight  model.layers.{i}.self_attn.{q,k,v,o}_proj.weight
+    layers.{i}.feed_forward.w1/w3/w2.weight model.layers.{i}.mlp.gate_proj/up_proj/down_proj.weight
+    layers.{i}.attention_norm.weight        model.layers.{i}.input_layernorm.weight
+    layers.{i}.ffn_norm.weight              model.layers.{i}.post_attention_layernorm.weight
+    norm.weight / output.weight             model.norm.weight / lm_head.weight (left out when tied)
+
+RoPE: anytrain rotates interleaved pairs (x[2i], x[2i+1]) of each head, HF Llama the halves (x[i], x[i + E/2]), both
+by angle t·theta^(-2i/E). Permuting the rows of each head of wq and wk (anytrain row 2i + p is HF row p·E/2 + i)
+makes the two the same function: q·k is unchanged by a permutation applied to both.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from anytrain.diskio import disk_full_as_error, missing_parents, remove, temp_sibling
+from anytrain.errors import ConfigError, RunDirError
+
+MARKER = "anytrain_export.json"
+"""Written into every export directory: ``--overwrite`` replaces only a directory holding it (or an empty one)."""
+SINGLE_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+DEFAULT_SHARD_BYTES = 5 * 1024**3
+HF_INSTALL_HINT = "pip install 'anytrain[hf]'"
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# RoPE layout
+
+
+def interleaved_to_halves(weight: torch.Tensor, n_heads: int) -> torch.Tensor:
+    """Rows of a q/k projection (H·E, D) from anytrain's pair order to HF's half order, head by head."""
+    rows, cols = weight.shape
+    return weight.view(n_heads, rows // n_heads // 2, 2, cols).transpose(1, 2).reshape(rows, cols)
+
+
+def halves_to_interleaved(weight: torch.Tensor, n_heads: int) -> torch.Tensor:
+    """The inverse of ``interleaved_to_halves``."""
+    rows, cols = weight.shape
+    return weight.view(n_heads, 2, rows // n_heads // 2, cols).transpose(1, 2).reshape(rows, cols)
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# names
+
+
+_LLAMA_LAYER = {
+    "attention.wq.weight": "self_attn.q_proj.weight",
+    "attention.wk.weight": "self_attn.k_proj.weight",
+    "attention.wv.weight": "self_attn.v_proj.weight",
+    "attention.wo.weight": "self_attn.o_proj.weight",
+    "feed_forward.w1.weight": "mlp.gate_proj.weight",
+    "feed_forward.w3.weight": "mlp.up_proj.weight",
+    "feed_forward.w2.weight": "mlp.down_proj.weight",
+    "attention_norm.weight": "input_layernorm.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+}
+_LLAMA_TOP = {"tok_embeddings.weight": "model.embed_tokens.weight", "norm.weight": "model.norm.weight",
+              "output.weight": "lm_head.weight"}  # fmt: skip
+
+
+def hf_name(arch: str, name: str) -> str:
+    """The HF tensor name of an anytrain parameter name."""
+    if arch == "mamba":
+        return name
+    if name in _LLAMA_TOP:
+        return _LLAMA_TOP[name]
+    _, index, rest = name.split(".", 2)  # layers.{i}.<rest>
+    return f"model.layers.{index}.{_LLAMA_LAYER[rest]}"
+
+
+def _head_count(arch: str, name: str, args: Any) -> int | None:
+    """Heads to permute for a q/k projection, else None."""
+    if arch != "transformer":
+        return None
+    if name.endswith("attention.wq.weight"):
+        return args.n_heads
+    if name.endswith("attention.wk.weight"):
+        return args.n_kv_heads
+    return None
+
+
+def to_hf_tensors(arch: str, args: Any, state: dict[str, torch.Tensor]) -> Iterator[tuple[str, torch.Tensor]]:
+    """(HF name, tensor) for each anytrain parameter; the LM head is left out when tied (HF re-ties it)."""
+    head = "output.weight" if arch == "transformer" else "lm_head.weight"
+    for name, tensor in state.items():
+        if name == head and args.tie_embeddings:
+            continue
+        heads = _head_count(arch, name, args)
+        yield hf_name(arch, name), interleaved_to_halves(tensor, heads) if heads else tensor
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# config.json
+
+
+def hf_config(arch: str, args: Any, eos_id: int, pad_id: int | None, dtype: str) -> dict[str, Any]:
+    """config.json of the HF model equal to anytrain's ``arch`` with ``args``."""
+    common = {"vocab_size": args.vocab_size, "tie_word_embeddings": args.tie_embeddings, "bos_token_id": eos_id,
+              "eos_token_id": eos_id, "pad_token_id": pad_id, "initializer_range": args.init_std, "use_cache": True,
+              "torch_dtype": dtype, "dtype": dtype}  # fmt: skip
+    if arch == "transformer":
+        return {"architectures": ["LlamaForCausalLM"], "model_type": "llama", **common, "hidden_size": args.dim,
+                "intermediate_size": args.ffn_dim, "num_hidden_layers": args.n_layers,
+                "num_attention_heads": args.n_heads, "num_key_value_heads": args.n_kv_heads,
+                "head_dim": args.head_dim, "hidden_act": "silu", "max_position_embeddings": args.max_seq_len,
+                "rms_norm_eps": args.norm_eps, "rope_theta": args.rope_theta,
+                "rope_parameters": {"rope_type": "default", "rope_theta": args.rope_theta}, "rope_scaling": None,
+                "attention_bias": False, "attention_dropout": 0.0, "mlp_bias": False, "pretraining_tp": 1}  # fmt: skip
+    return {"architectures": ["MambaForCausalLM"], "model_type": "mamba", **common, "hidden_size": args.d_model,
+            "state_size": args.d_state, "num_hidden_layers": args.n_layers, "layer_norm_epsilon": args.norm_eps,
+            "expand": args.expand, "intermediate_size": args.d_inner, "conv_kernel": args.d_conv, "use_bias": False,
+            "use_conv_bias": True, "hidden_act": "silu", "residual_in_fp32": args.residual_in_fp32,
+            "time_step_rank": args.dt_rank, "time_step_scale": 1.0, "time_step_min": args.dt_min,
+            "time_step_max": args.dt_max, "time_step_init_scheme": "random", "time_step_floor": args.dt_init_floor,
+            "rescale_prenorm_residual": False, "use_mambapy": False}  # fmt: skip
+
+
+def _require(config: dict, key: str, expected: Any, where: str) -> None:
+    value = config.get(key, expected)
+    if value != expected:
+        raise ConfigError(f"model.init_from: {where} has {key}={value!r}; anytrain's model needs {expected!r}")
+
+
+def _rope_theta(config: dict, where: str) -> float:
+    rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
+    kind = rope.get("rope_type", rope.get("type", "default"))
+    if kind != "default":
+        raise ConfigError(f"model.init_from: {where} uses RoPE scaling {kind!r}; only the default RoPE is supported")
+    return float(rope.get("rope_theta", config.get("rope_theta", 10000.0)))
+
+
+def args_from_hf_config(config: dict, where: str) -> tuple[str, dict[str, Any]]:
+    """(anytrain arch, model.args fields) of an HF config.json; one ConfigError naming the field for an architecture
+    anytrain's models cannot represent."""
+    kind = config.get("model_type")
+    if kind == "llama":
+        heads, hidden = config["num_attention_heads"], config["hidden_size"]
+        for key, expected in (("hidden_act", "silu"), ("attention_bias", False), ("mlp_bias", False),
+                              ("pretraining_tp", 1), ("head_dim", hidden // heads)):  # fmt: skip
+            _require(config, key, expected, where)
+        return "transformer", {
+            "vocab_size": config["vocab_size"], "dim": hidden, "n_layers": config["num_hidden_layers"],
+            "n_heads": heads, "n_kv_heads": config.get("num_key_value_heads") or heads,
+            "ffn_dim": config["intermediate_size"], "rope_theta": _rope_theta(config, where),
+            "norm_eps": float(config.get("rms_norm_eps", 1e-6)),
+            "tie_embeddings": bool(config.get("tie_word_embeddings", False)),
+            "max_seq_len": config.get("max_position_embeddings", 2048),
+        }  # fmt: skip
+    if kind == "mamba":
+        hidden, expand = config["hidden_size"], config.get("expand", 2)
+        for key, expected in (("hidden_act", "silu"), ("use_bias", False), ("use_conv_bias", True),
+                              ("intermediate_size", expand * hidden)):  # fmt: skip
+            _require(config, key, expected, where)
+        rank = config.get("time_step_rank", "auto")
+        return "mamba", {
+            "vocab_size": config["vocab_size"], "d_model": hidden, "n_layers": config["num_hidden_layers"],
+            "d_state": config.get("state_size", 16), "d_conv": config.get("conv_kernel", 4), "expand": expand,
+            "dt_rank": math.ceil(hidden / 16) if rank == "auto" else rank,
+            "norm_eps": float(config.get("layer_norm_epsilon", 1e-5)),
+            "residual_in_fp32": bool(config.get("residual_in_fp32", True)),
+            "tie_embeddings": bool(config.get("tie_word_embeddings", True)),
+        }  # fmt: skip
+    raise ConfigError(f"model.init_from: {where} has model_type {kind!r}; anytrain imports 'llama' and 'mamba'")
+
+
+# fields an explicit model.args value may change without changing the weights' meaning or shapes
+_FREE_FIELDS = ("max_seq_len",)
+
+
+def read_hf_config(directory: str | Path) -> dict[str, Any]:
+    config_file = Path(directory) / "config.json"
+    if not config_file.is_file():
+        raise ConfigError(f"model.init_from: {directory} has no config.json (expected a Hugging Face model folder)")
+    try:
+        return json.loads(config_file.read_text())
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"model.init_from: {config_file} is not readable JSON ({exc})") from None
+
+
+def apply_init_from(cfg: Any) -> None:
+    """At config load: make ``model.init_from`` absolute and fill ``model.args`` from its config.json (so the saved
+    config.yaml records the shape); an explicit ``model.args`` field or ``model.arch`` that disagrees is one
+    ConfigError naming it. A resolved run config whose folder is gone keeps its recorded args."""
+    model = cfg.model
+    directory = Path(model.init_from).expanduser().absolute()
+    model.init_from = str(directory)
+    if cfg.parallel.pp > 1:
+        raise ConfigError("model.init_from: not supported with pipeline parallelism (parallel.pp > 1) yet")
+    if not (directory / "config.json").is_file() and model.args.get("vocab_size"):
+        return  # a run's resolved config.yaml (eval, resume): the shape is recorded in model.args
+    where = f"{directory}/config.json"
+    arch, fields = args_from_hf_config(read_hf_config(directory), where)
+    if model.arch != arch:
+        raise ConfigError(f"model.arch: {model.arch!r}, but model.init_from {directory} holds a {arch!r} model; "
+                          f"set --model.arch {arch}")  # fmt: skip
+    for key, value in fields.items():
+        given = model.args.get(key)
+        if given is not None and given != value and key not in _FREE_FIELDS:
+            raise ConfigError(f"model.args.{key}: {given!r} differs from {value!r} in {where} (model.init_from); "
+                              "drop the override")  # fmt: skip
+    model.args = {**fields, **model.args}
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# import
+
+
+def _safetensors_files(directory: Path) -> list[Path]:
+    index = directory / INDEX_FILE
+    if index.is_file():
+        return sorted({directory / name for name in json.loads(index.read_text())["weight_map"].values()})
+    if (directory / SINGLE_FILE).is_file():
+        return [directory / SINGLE_FILE]
+    raise ConfigError(f"model.init_from: {directory} has neither {SINGLE_FILE} nor {INDEX_FILE} (only safetensors "
+                      "weights are read)")  # fmt: skip
+
+
+def read_hf_weights(directory: str | Path, arch: str, args: Any, names: list[str]) -> dict[str, torch.Tensor]:
+    """The HF model in ``directory`` as anytrain tensors on the CPU, keyed by anytrain's ``names`` (rows of q/k
+    permuted back to pair order; a tied LM head read from the embedding), read one tensor at a time."""
+    from safetensors import safe_open
+
+    directory = Path(directory)
+    wanted = {hf_name(arch, name): name for name in names}
+    head = "output.weight" if arch == "transformer" else "lm_head.weight"
+    out: dict[str, torch.Tensor] = {}
+    for file in _safetensors_files(directory):
+        with safe_open(str(file), framework="pt", device="cpu") as handle:
+            for key in handle.keys():  # noqa: SIM118 - safe_open is not a mapping
+                if key not in wanted:
+                    if key == "lm_head.weight" and args.tie_embeddings:
+                        continue  # a tied head stored anyway
+                    raise ConfigError(f"model.init_from: {file.name} holds {key}, which {arch} has no place for")
+                name = wanted[key]
+                tensor = handle.get_tensor(key)
+                heads = _head_count(arch, name, args)
+                out[name] = halves_to_interleaved(tensor, heads) if heads else tensor
+    if args.tie_embeddings:
+        out[head] = out.get("tok_embeddings.weight" if arch == "transformer" else "backbone.embeddings.weight")
+    missing = [hf for hf, name in wanted.items() if out.get(name) is None]
+    if missing:
+        raise ConfigError(f"model.init_from: {directory} lacks {missing[0]}" + (f" (and {len(missing) - 1} more)"
+                          if len(missing) > 1 else ""))  # fmt: skip
+    return out
+
+
+@torch.no_grad()
+def init_from_hf(model: nn.Module, model_cfg: Any, log: Any = print) -> None:
+    """Trainer hook, after weight init and before parallelisation: copy the weights of ``model.init_from`` (an HF
+    folder) into ``model`` (full, unsharded, on its device; DDP/FSDP then replicate or shard them as usual). Every
+    rank reads the files itself (on the CPU) and ``log`` gets one line. Nothing happens when ``init_from`` is empty."""
+    if not getattr(model_cfg, "init_from", ""):
+        return
+    from anytrain.models import resolve_args
+
+    args, arch = resolve_args(model_cfg), model_cfg.arch
+    params = dict(model.named_parameters(remove_duplicate=False))
+    tensors = read_hf_weights(model_cfg.init_from, arch, args, list(params))
+    for name, param in params.items():
+        tensor = tensors[name]
+        if tensor.shape != param.shape:
+            raise ConfigError(f"model.init_from: {hf_name(arch, name)} has shape {tuple(tensor.shape)}, the model "
+                              f"expects {tuple(param.shape)}")  # fmt: skip
+        param.copy_(tensor)
+    log(f"model.init_from: weights of {model_cfg.init_from} ({len(params)} tensors)")
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# export
+
+
+def _tokenizer_files(tokenizer_file: Path, max_len: int) -> tuple[dict[str, str], int, int | None]:
+    """({file name: text}, eos id, pad id) of the run's tokenizer as a ``PreTrainedTokenizerFast``: BOS = EOS =
+    the end-of-text token that separates documents in the prepared data (the GPT-2 convention); no BOS is added."""
+    from anytrain.data.prepare import _eos_id, load_tokenizer
+
+    tokenizer = load_tokenizer(tokenizer_file)
+    eos_id = _eos_id(tokenizer, str(tokenizer_file))
+    eos = tokenizer.id_to_token(eos_id)
+    pad = "<|pad|>" if tokenizer.token_to_id("<|pad|>") is not None else None
+    special = {"bos_token": eos, "eos_token": eos, "unk_token": None, **({"pad_token": pad} if pad else {})}
+    config = {"tokenizer_class": "PreTrainedTokenizerFast", **special, "add_bos_token": False,
+              "add_eos_token": False, "clean_up_tokenization_spaces": False, "model_max_length": max_len}  # fmt: skip
+    files = {"tokenizer.json": tokenizer.to_str(), "tokenizer_config.json": json.dumps(config, indent=2),
+             "special_tokens_map.json": json.dumps({k: v for k, v in special.items() if v}, indent=2)}  # fmt: skip
+    return files, eos_id, tokenizer.token_to_id(pad) if pad else None
+
+
+def _shards(tensors: list[tuple[str, torch.Tensor]], max_bytes: int) -> list[list[tuple[str, torch.Tensor]]]:
+    shards: list[list[tuple[str, torch.Tensor]]] = [[]]
+    size = 0
+    for name, tensor in tensors:
+        nbytes = tensor.numel() * tensor.element_size()
+        if shards[-1] and size + nbytes > max_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append((name, tensor))
+        size += nbytes
+    return shards
+
+
+def write_weights(directory: Path, tensors: list[tuple[str, torch.Tensor]], max_bytes: int) -> list[str]:
+    """safetensors file(s) in ``directory``: one ``model.safetensors``, or numbered shards plus the index json."""
+    from safetensors.torch import save_file
+
+    shards = _shards(tensors, max_bytes)
+    names = [SINGLE_FILE] if len(shards) == 1 else [
+        f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]  # fmt: skip
+    weight_map, total = {}, 0
+    for name, shard in zip(names, shards, strict=True):
+        save_file({k: t.contiguous() for k, t in shard}, str(directory / name), metadata={"format": "pt"})
+        for key, tensor in shard:
+            weight_map[key] = name
+            total += tensor.numel() * tensor.element_size()
+    if len(shards) > 1:
+        index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+        (directory / INDEX_FILE).write_text(json.dumps(index, indent=2))
+    return names
+
+
+def _resolve_source(source: str | Path) -> tuple[Path, Path | None]:
+    """(run dir, checkpoint dir or None for the newest) of ``RUN_OR_CHECKPOINT``."""
+    from anytrain.train.checkpoint import COMMIT_MARKER
+
+    path = Path(source)
+    if (path / COMMIT_MARKER).is_file() or path.parent.name == "checkpoints":
+        return path.parent.parent, path
+    if not path.is_dir():
+        raise RunDirError(f"{path}: not a run directory or a checkpoint directory")
+    return path, None
+
+
+def _check_out(out: Path, overwrite: bool) -> None:
+    if not out.exists():
+        return
+    if not out.is_dir():
+        raise RunDirError(f"--out: {out} exists and is not a directory; pick another --out")
+    if not any(out.iterdir()):
+        return
+    if not overwrite:
+        raise RunDirError(f"--out: {out} exists and is not empty; pass --overwrite to replace an earlier export")
+    if not (out / MARKER).is_file():
+        raise RunDirError(f"--out: {out} holds files that `anytrain export` did not write (no {MARKER}); "
+                          "refusing to replace it")  # fmt: skip
+
+
+def parse_size(text: str | int) -> int:
+    """'5GB', '500MB', '1.5GiB' or a byte count -> bytes."""
+    if isinstance(text, int):
+        return text
+    value = text.strip().upper()
+    for suffix, scale in (("GIB", 1024**3), ("MIB", 1024**2), ("KIB", 1024), ("GB", 10**9), ("MB", 10**6),
+                          ("KB", 10**3), ("B", 1)):  # fmt: skip
+        if value.endswith(suffix):
+            value, unit = value[: -len(suffix)], scale
+            break
+    else:
+        unit = 1
+    try:
+        size = int(float(value) * unit)
+    except ValueError:
+        raise RunDirError(f"--max-shard-size: expected a size such as 5GB or 500MB, got {text!r}") from None
+    if size <= 0:
+        raise RunDirError(f"--max-shard-size: must be > 0, got {text!r}")
+    return size
+
+
+def export_hf(source: str | Path, out: str | Path, dtype: str = "fp32", overwrite: bool = False,
+              tokenizer: str | Path | None = None, max_shard_bytes: int = DEFAULT_SHARD_BYTES) -> Path:  # fmt: skip
+    """Write the run's (or checkpoint's) model as an HF folder at ``out`` (see the module docstring). The folder is
+    assembled next to ``out`` and renamed into place, so a failure leaves any earlier export as it was."""
+    from anytrain.data.shards import TokenDataset
+    from anytrain.evals import load_run_model
+    from anytrain.models import args_dict, resolve_args
+
+    if dtype not in ("fp32", "bf16"):
+        raise RunDirError(f"--dtype: expected fp32 or bf16, got {dtype!r}")
+    out = Path(out)
+    _check_out(out, overwrite)
+    run_dir, checkpoint = _resolve_source(source)
+    cfg, model, path = load_run_model(run_dir, torch.device("cpu"), checkpoint)
+    args, arch = resolve_args(cfg.model), cfg.model.arch
+    tokenizer_file = Path(tokenizer) if tokenizer else TokenDataset(cfg.data.path).tokenizer_path if (
+        Path(cfg.data.path) / "index.json").is_file() else None  # fmt: skip
+    if tokenizer_file is None or not tokenizer_file.is_file():
+        raise RunDirError(f"{tokenizer_file or Path(cfg.data.path) / 'tokenizer.json'}: the run's tokenizer is not "
+                          "there; pass --tokenizer FILE (the tokenizer.json the data was prepared with)")  # fmt: skip
+    files, eos_id, pad_id = _tokenizer_files(tokenizer_file, args.max_seq_len)
+    torch_dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[dtype]
+    state = {name: t.detach().to(torch_dtype) for name, t in model.state_dict().items()}
+    tensors = list(to_hf_tensors(arch, args, state))
+    config = hf_config(arch, args, eos_id, pad_id, {"fp32": "float32", "bf16": "bfloat16"}[dtype])
+    generation = {"bos_token_id": eos_id, "eos_token_id": eos_id, "pad_token_id": pad_id}
+    marker = {"source": str(path), "arch": arch, "args": args_dict(args), "dtype": dtype, "format": "hf"}
+    created, temp = missing_parents(out), temp_sibling(out)
+    try:
+        temp.mkdir(parents=True)
+        with disk_full_as_error(out):
+            shards = write_weights(temp, tensors, max_shard_bytes)
+            for name, text in {**files, "config.json": json.dumps(config, indent=2),
+                               "generation_config.json": json.dumps(generation, indent=2),
+                               MARKER: json.dumps({**marker, "weights": shards}, indent=1)}.items():  # fmt: skip
+                (temp / name).write_text(text)
+        _swap_into_place(temp, out)
+    except BaseException:
+        for leftover in [temp] + ([created] if created is not None else []):
+            remove(leftover)
+        raise
+    return out
+
+
+def _swap_into_place(temp: Path, out: Path) -> None:
+    """Rename the finished folder onto ``out``; an earlier export (or empty folder) is moved aside first and deleted
+    only once the new one is in place."""
+    old = temp_sibling(out, "old")
+    if out.exists():
+        out.replace(old)
+    try:
+        temp.replace(out)
+    except BaseException:
+        if old.exists():
+            old.replace(out)
+        raise
+    shutil.rmtree(old, ignore_errors=True)
