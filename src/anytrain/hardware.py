@@ -129,11 +129,6 @@ def fused_adamw_available(device: torch.device) -> bool:
     return is_gpu(device)
 
 
-def env_switch(name: str) -> bool:
-    """An on-by-default ``ANYTRAIN_*`` switch: False when the variable is 0 / false / no / off (any case)."""
-    return os.environ.get(name, "1").strip().lower() not in ("0", "false", "no", "off")
-
-
 def triton_interpreted() -> bool:
     """Triton's interpreter is on (TRITON_INTERPRET=1: kernels run as Python on CPU tensors; tests)."""
     return os.environ.get("TRITON_INTERPRET") == "1"

@@ -65,16 +65,6 @@ def test_math_only_and_cpu_and_bad_name(monkeypatch, restore_sdpa):
     assert hardware.set_attention_backend("cudnn") == []  # CPU: nothing to choose
 
 
-def test_env_switch_is_on_unless_turned_off(monkeypatch):
-    from anytrain import hardware
-
-    monkeypatch.delenv("ANYTRAIN_TEST_SWITCH", raising=False)
-    assert hardware.env_switch("ANYTRAIN_TEST_SWITCH")
-    for value, on in (("0", False), (" Off ", False), ("no", False), ("FALSE", False), ("1", True), ("yes", True)):
-        monkeypatch.setenv("ANYTRAIN_TEST_SWITCH", value)
-        assert hardware.env_switch("ANYTRAIN_TEST_SWITCH") is on, value
-
-
 def test_peak_flops_override_is_an_argument(monkeypatch):
     """The MFU peak comes from the catalogue or the caller's override (train.peak_tflops), never the environment."""
     monkeypatch.setenv("ANYTRAIN_PEAK_TFLOPS", "123")
