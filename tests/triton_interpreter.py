@@ -8,6 +8,9 @@ reduced axis does the same floating-point operations in the same order as the in
 element, then each later one combined into the running value, cast back to the inputs' dtypes after every step), so
 the results are bitwise the interpreter's. ``test_vectorized_interpreter_reduce_and_scan_are_bitwise_the_originals``
 (``tests/unit/test_selective_scan.py``) checks that on the Triton the suite runs with.
+The scan kernels' own combine functions (``_combine``, ``_later``) run as the same numpy operations on the slices,
+without the interpreter's per-operation type checks (the same operations in the same order: still bitwise).
+
 The interpreter also re-patches ``triton.language`` on every nested ``@triton.jit`` call; inside a launch that already
 patched the same modules that is skipped.
 
@@ -35,6 +38,44 @@ def _wrap(op, data, shape: tuple, dtype):
     return op.to_tensor(np.broadcast_to(data, shape) if shape else data.reshape(()), dtype)
 
 
+def _np_combine(a1, b1, a2, b2):
+    # anytrain.kernels.selective_scan_common._combine on numpy arrays
+    return a1 * a2, a2 * b1 + b2
+
+
+def _np_later(x1, i1, x2, i2):
+    # anytrain.kernels.selective_scan_fwd._later on numpy arrays
+    later = i2 > i1
+    return np.where(later, x2, x1), np.where(later, i2, i1)
+
+
+_NUMPY_COMBINES = {
+    ("anytrain.kernels.selective_scan_common", "_combine"): _np_combine,
+    ("anytrain.kernels.selective_scan_fwd", "_later"): _np_later,
+}
+
+
+def _numpy_combine(op):
+    """The numpy twin of ``op``'s combine function, or None."""
+    fn = op.combine_fn.fn
+    return _NUMPY_COMBINES.get((getattr(fn, "__module__", None), getattr(fn, "__name__", None)))
+
+
+def _fold(fn, datas, axis: int, scan: bool):
+    """The interpreter's loop (the first slice, then each later one combined into the running value, cast back to the
+    inputs' dtypes) on numpy slices with the numpy twin ``fn``: the running values, or (scan) every step's."""
+    acc = [np.asarray(d[_at(d.ndim, axis, 0)]) for d in datas]
+    outs = [np.zeros(d.shape, dtype=d.dtype) for d in datas] if scan else None
+    for k in range(datas[0].shape[axis]):
+        if k:
+            cur = [d[_at(d.ndim, axis, k)] for d in datas]
+            acc = [np.asarray(r).astype(d.dtype, copy=False) for r, d in zip(fn(*acc, *cur), datas, strict=True)]
+        if scan:
+            for o, a in zip(outs, acc, strict=True):
+                o[_at(o.ndim, axis, k)] = a
+    return outs if scan else acc
+
+
 def _combine(op, acc: tuple, cur: tuple, inputs, shape: tuple) -> tuple:
     """One combine step on whole slices, each result cast back to its input's dtype (as the interpreter stores it)."""
     import triton.language as tl
@@ -55,12 +96,17 @@ def _generic_reduce(self, input):
     input, axis = self.unravel(input, self.axis)
     datas = [arg.handle.data for arg in input]
     out_shape = datas[0].shape[:axis] + datas[0].shape[axis + 1 :]
-    acc = _slices(self, datas, input, axis, 0)
-    for k in range(1, datas[0].shape[axis]):
-        acc = _combine(self, acc, _slices(self, datas, input, axis, k), input, out_shape)
+    fn = _numpy_combine(self)
+    if fn is not None:
+        acc = _fold(fn, datas, axis, scan=False)
+    else:
+        acc = _slices(self, datas, input, axis, 0)
+        for k in range(1, datas[0].shape[axis]):
+            acc = _combine(self, acc, _slices(self, datas, input, axis, k), input, out_shape)
+        acc = [t.handle.data for t in acc]
     ret = []
-    for t, arg, d in zip(acc, input, datas, strict=True):
-        data = t.handle.data.reshape(out_shape).astype(d.dtype)
+    for a, arg, d in zip(acc, input, datas, strict=True):
+        data = a.reshape(out_shape).astype(d.dtype)
         if self.keep_dims:
             if original_axis is not None:
                 data = np.expand_dims(data, axis)
@@ -77,6 +123,9 @@ def _generic_scan(self, input):
     datas = [arg.handle.data for arg in input]
     shape, axis = datas[0].shape, self.axis
     slice_shape = shape[:axis] + shape[axis + 1 :]
+    fn = _numpy_combine(self)
+    if fn is not None:
+        return [self.to_tensor(o, arg.dtype) for o, arg in zip(_fold(fn, datas, axis, scan=True), input, strict=True)]
     outs = [np.zeros(shape, dtype=d.dtype) for d in datas]
     acc = _slices(self, datas, input, axis, 0)
     for k in range(shape[axis]):
