@@ -1,20 +1,24 @@
 """Triton causal depthwise conv1d (width 2-4) with optional SiLU, forward and backward.
 
-The kernels read the weight (dim, width) in place as 4 taps, the missing leading taps masked to zero, so one kernel
-serves every width: out_t = bias + sum_{k<4} w4[k] x_{t-3+k}. The forward's programs own (BLOCK_D channels, BLOCK_T
-timesteps) tiles; the shifted x tiles are re-read through L1/L2, so DRAM sees x once and out once (the memory floor).
+The kernels read the weight (dim, width) as 4 taps, the missing leading taps masked to zero, so one kernel serves every
+width: out_t = bias + sum_{k<4} w4[k] x_{t-3+k}. The forward's programs own (BLOCK_D channels, BLOCK_T timesteps)
+tiles; the shifted x tiles are re-read through L1/L2, so DRAM sees x once and out once (the memory floor).
 
-Backward (v3) recomputes the pre-activation instead of saving it (only x is kept): dx_t = sum_j w4[3-j] dpre_{t+j}
-with dpre_s = dout_s * silu'(pre_s), pre_s recomputed from x_{s-3..s} (7 sigmoids per 4 outputs). One program per
-channel block loops over every (batch, time block) and accumulates dweight/dbias in registers, so it writes the final
-dweight/dbias itself: one launch, no partial buffers, no torch reduction, deterministic. Only when dim / block_d_bwd
-gives fewer than ``min_programs_bwd`` programs is the loop split over more programs, whose per-split partials torch
-sums (still deterministic).
+The backward recomputes the pre-activation instead of saving it (only x is kept): dx_t = sum_j w4[3-j] dpre_{t+j}
+with dpre_s = dout_s * silu'(pre_s), pre_s recomputed from x_{s-3..s}. One program per channel block loops over
+every (batch, time block) and accumulates dweight/dbias in registers, so it writes the final dweight/dbias itself, in
+the parameters' dtypes: one launch, no partial buffers, deterministic. Only when dim / block_d_bwd gives fewer than
+``min_programs_bwd`` programs is the loop split over more programs; a second small kernel then sums their partials
+(still deterministic).
+
+Host side, per call: the launch parameters (grids, constexprs, split counts) are computed once per (shapes, dtypes,
+activation, config) and kept in a dict; a call checks x's time stride, allocates its outputs with ``torch.empty`` and
+launches one kernel (two for a split backward). Without autograd (no_grad or no input requiring grad) the forward
+skips the autograd Function.
 """
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
@@ -23,20 +27,24 @@ import triton.language as tl
 from torch import Tensor
 
 from anytrain import hardware
-from anytrain.kernels import _make_callable
 from anytrain.kernels.fastmath import fast_math_ok, fast_sigmoid
 
 _TAPS = 4
-TAPS = tl.constexpr(_TAPS)  # globals read inside @triton.jit must be constexpr
 
 
 @dataclass(frozen=True)
 class ConvConfig:
+    """Tiles and launch parameters of the conv kernels (chosen per vendor in ``_VENDOR_CONFIGS``)."""
+
     block_d: int = 2
+    """Forward: channels per program (a power of 2)."""
     block_t: int = 1024
+    """Forward: timesteps per program (a power of 2 >= 4)."""
     num_warps: int = 4
     block_d_bwd: int = 1
+    """Backward: channels per program (a power of 2)."""
     block_t_bwd: int = 1024
+    """Backward: timesteps per loop iteration (a power of 2 >= slots_bwd)."""
     num_warps_bwd: int = 4
     min_programs_bwd: int = 1024
     """Backward: split the (batch, time) loop over more programs only when dim / block_d_bwd gives fewer."""
@@ -48,26 +56,36 @@ class ConvConfig:
     3 timesteps after its run (the next run's first 3), so 8 does 11 instead of 14 of them per 8 outputs and loads
     28 instead of 40 values."""
 
-    def __post_init__(self) -> None:  # every path (the public op, the fused mixer, ANYTRAIN_CONV_CONFIG) builds one
+    def __post_init__(self) -> None:
+        for name in ("block_d", "block_t", "block_d_bwd", "block_t_bwd"):
+            v = getattr(self, name)
+            if v < (4 if name.startswith("block_t") else 1) or v & (v - 1):
+                raise ValueError(f"ConvConfig: {name} must be a power of 2 (block_t* >= 4), got {v}")
         if self.slots_bwd not in (4, 8) or self.block_t_bwd < self.slots_bwd:
             raise ValueError(f"ConvConfig: slots_bwd must be 4 or 8 and at most block_t_bwd ({self.block_t_bwd}), "
                              f"got {self.slots_bwd}")  # fmt: skip
 
 
-_VENDOR_CONFIGS = {  # CUDA: fastest GPU time of the H200 sweeps (bench/results/mamba_kernels_nvidia-h200_conv8.json)
-    hardware.CUDA: ConvConfig(slots_bwd=8),  # backward 0.075 ms of GPU time (twelfth session; runs of 4: +18% in 7th)
-    hardware.ROCM: ConvConfig(block_d_bwd=2),  # not run; 64-wide wavefronts: 8+ elements per lane either way
+_VENDOR_CONFIGS = {
+    # the fastest GPU time of the H200 tile sweep at (2, 5376, 4096) bf16, width 4, SiLU: forward 0.047 ms,
+    # backward 0.075 ms (bench/results/mamba_kernels_nvidia-h200.json)
+    hardware.CUDA: ConvConfig(slots_bwd=8),
+    # not measured; 64-wide wavefronts: 8+ elements per lane either way
+    hardware.ROCM: ConvConfig(block_d_bwd=2),
+    # CPU tensors run only under the Triton interpreter (tests): small tiles, few ops per program
     hardware.CPU: ConvConfig(block_d=2, block_t=8, num_warps=1, block_d_bwd=2, block_t_bwd=8, num_warps_bwd=1),
 }
+_VENDOR: list[str] = []  # hardware.vendor(), looked up once
 
 
-def default_config() -> ConvConfig:
-    """Per-vendor tiles; env ANYTRAIN_CONV_CONFIG="block_d,block_t,warps,block_d_bwd,block_t_bwd,warps_bwd" with
-    optional 7th-9th values, min_programs_bwd, stages_bwd and slots_bwd."""
-    env = os.environ.get("ANYTRAIN_CONV_CONFIG")
-    if env:
-        return ConvConfig(*(int(v) for v in env.split(",")))
-    return _VENDOR_CONFIGS[hardware.vendor()]
+def default_config(device: torch.device | None = None) -> ConvConfig:
+    """The tiles for tensors on ``device``: the CPU tiles for CPU tensors, else (and without a device) the tiles of
+    this process's GPU vendor."""
+    if device is not None and device.type == "cpu":
+        return _VENDOR_CONFIGS[hardware.CPU]
+    if not _VENDOR:
+        _VENDOR.append(hardware.vendor())
+    return _VENDOR_CONFIGS[_VENDOR[0]]
 
 
 @triton.jit
@@ -129,12 +147,13 @@ def _dsilu(d, p, SILU: tl.constexpr):
 
 
 @triton.jit
-def _load_taps(w_ptr, offs_d, mask_d, s_wd, s_ww, PADW: tl.constexpr, ACC: tl.constexpr):
-    # the weight (dim, width) as 4 taps (BLOCK_D, 1) each, zero-padded in front: tap k is weight[:, k - PADW]
-    w0 = tl.load(w_ptr + offs_d * s_wd + (0 - PADW) * s_ww, mask=mask_d & (PADW <= 0), other=0.0).to(ACC)[:, None]
-    w1 = tl.load(w_ptr + offs_d * s_wd + (1 - PADW) * s_ww, mask=mask_d & (PADW <= 1), other=0.0).to(ACC)[:, None]
-    w2 = tl.load(w_ptr + offs_d * s_wd + (2 - PADW) * s_ww, mask=mask_d & (PADW <= 2), other=0.0).to(ACC)[:, None]
-    w3 = tl.load(w_ptr + offs_d * s_wd + (3 - PADW) * s_ww, mask=mask_d, other=0.0).to(ACC)[:, None]
+def _load_taps(w_ptr, offs_d, mask_d, PADW: tl.constexpr, ACC: tl.constexpr):
+    # the contiguous weight (dim, width) as 4 taps (BLOCK_D, 1) each, zero-padded in front: tap k is weight[:, k - PADW]
+    rows = w_ptr + offs_d * (4 - PADW) - PADW
+    w0 = tl.load(rows + 0, mask=mask_d & (PADW <= 0), other=0.0).to(ACC)[:, None]
+    w1 = tl.load(rows + 1, mask=mask_d & (PADW <= 1), other=0.0).to(ACC)[:, None]
+    w2 = tl.load(rows + 2, mask=mask_d & (PADW <= 2), other=0.0).to(ACC)[:, None]
+    w3 = tl.load(rows + 3, mask=mask_d, other=0.0).to(ACC)[:, None]
     return w0, w1, w2, w3
 
 
@@ -160,22 +179,24 @@ def _bias_col(bias_ptr, offs_d, mask_d, HAS_BIAS: tl.constexpr, BLOCK_D: tl.cons
 @triton.jit
 def _store_dw_db(dw_ptr, db_ptr, row, mask_d, acc0, acc1, acc2, acc3, accb, PADW: tl.constexpr,
                  HAS_BIAS: tl.constexpr):  # fmt: skip
-    # the backward's per-thread tap / bias sums, reduced over time and written to row ``row`` of dw (., width) / db
-    width = 4 - PADW
+    # the backward's per-thread tap / bias sums, reduced over time and written (in the outputs' dtypes) to row ``row``
+    # of dw (., width) / db (.,)
+    rows = dw_ptr + row * (4 - PADW) - PADW
+    ty = dw_ptr.dtype.element_ty
     if PADW <= 0:
-        tl.store(dw_ptr + row * width + (0 - PADW), tl.sum(acc0, axis=1), mask=mask_d)
+        tl.store(rows + 0, tl.sum(acc0, axis=1).to(ty), mask=mask_d)
     if PADW <= 1:
-        tl.store(dw_ptr + row * width + (1 - PADW), tl.sum(acc1, axis=1), mask=mask_d)
+        tl.store(rows + 1, tl.sum(acc1, axis=1).to(ty), mask=mask_d)
     if PADW <= 2:
-        tl.store(dw_ptr + row * width + (2 - PADW), tl.sum(acc2, axis=1), mask=mask_d)
-    tl.store(dw_ptr + row * width + (3 - PADW), tl.sum(acc3, axis=1), mask=mask_d)
+        tl.store(rows + 2, tl.sum(acc2, axis=1).to(ty), mask=mask_d)
+    tl.store(rows + 3, tl.sum(acc3, axis=1).to(ty), mask=mask_d)
     if HAS_BIAS:
-        tl.store(db_ptr + row, tl.sum(accb, axis=1), mask=mask_d)
+        tl.store(db_ptr + row, tl.sum(accb, axis=1).to(db_ptr.dtype.element_ty), mask=mask_d)
 
 
 @triton.jit
 def _conv_fwd_kernel(
-    x_ptr, w_ptr, bias_ptr, out_ptr, dim, seqlen, s_xb, s_xd, s_ob, s_od, s_wd, s_ww,
+    x_ptr, w_ptr, bias_ptr, out_ptr, dim, seqlen, s_xb, s_xd, s_ob, s_od,
     BLOCK_D: tl.constexpr, BLOCK_T: tl.constexpr, PADW: tl.constexpr, HAS_BIAS: tl.constexpr, SILU: tl.constexpr,
     ACC: tl.constexpr, EVEN: tl.constexpr,
 ):  # fmt: skip
@@ -188,7 +209,7 @@ def _conv_fwd_kernel(
     mask_d = offs_d < dim
     j = pid_t * (BLOCK_T // 4) + tl.arange(0, BLOCK_T // 4)
     x_rows = x_ptr + b * s_xb + offs_d * s_xd
-    w0, w1, w2, w3 = _load_taps(w_ptr, offs_d, mask_d, s_wd, s_ww, PADW, ACC)
+    w0, w1, w2, w3 = _load_taps(w_ptr, offs_d, mask_d, PADW, ACC)
     bias = _bias_col(bias_ptr, offs_d, mask_d, HAS_BIAS, BLOCK_D, ACC)
     x0, x1, x2, x3 = _split4(_load4(x_rows, j, mask_d, seqlen, ACC, EVEN))
     _, p1, p2, p3 = _split4(_load4(x_rows, j - 1, mask_d, seqlen, ACC, EVEN))
@@ -205,7 +226,7 @@ def _conv_fwd_kernel(
 @triton.jit
 def _conv_bwd_kernel(
     x_ptr, w_ptr, bias_ptr, dout_ptr, dx_ptr, dw_ptr, db_ptr, dim, seqlen, n_tblocks, n_iters, iters_per_program,
-    s_xb, s_xd, s_gb, s_gd, s_db, s_dd, s_wd, s_ww,
+    s_xb, s_xd, s_gb, s_gd, s_db, s_dd,
     BLOCK_D: tl.constexpr, BLOCK_T: tl.constexpr, PADW: tl.constexpr, HAS_BIAS: tl.constexpr, SILU: tl.constexpr,
     ACC: tl.constexpr, EVEN: tl.constexpr, STAGES: tl.constexpr = None,
 ):  # fmt: skip
@@ -218,7 +239,7 @@ def _conv_bwd_kernel(
     pid_s = tl.program_id(1)
     offs_d = pid_d * BLOCK_D + tl.arange(0, BLOCK_D)
     mask_d = offs_d < dim
-    w0, w1, w2, w3 = _load_taps(w_ptr, offs_d, mask_d, s_wd, s_ww, PADW, ACC)
+    w0, w1, w2, w3 = _load_taps(w_ptr, offs_d, mask_d, PADW, ACC)
     bias = _bias_col(bias_ptr, offs_d, mask_d, HAS_BIAS, BLOCK_D, ACC)
     acc0 = tl.zeros((BLOCK_D, BLOCK_T // 4), dtype=ACC)
     acc1 = tl.zeros((BLOCK_D, BLOCK_T // 4), dtype=ACC)
@@ -302,7 +323,7 @@ def _run8(rows, jl, t0, mask_d, seqlen, ACC: tl.constexpr, EVEN: tl.constexpr):
 @triton.jit
 def _conv_bwd8_kernel(
     x_ptr, w_ptr, bias_ptr, dout_ptr, dx_ptr, dw_ptr, db_ptr, dim, seqlen, n_tblocks, n_iters, iters_per_program,
-    s_xb, s_xd, s_gb, s_gd, s_db, s_dd, s_wd, s_ww,
+    s_xb, s_xd, s_gb, s_gd, s_db, s_dd,
     BLOCK_D: tl.constexpr, BLOCK_T: tl.constexpr, PADW: tl.constexpr, HAS_BIAS: tl.constexpr, SILU: tl.constexpr,
     ACC: tl.constexpr, EVEN: tl.constexpr, STAGES: tl.constexpr = None,
 ):  # fmt: skip
@@ -314,7 +335,7 @@ def _conv_bwd8_kernel(
     pid_s = tl.program_id(1)
     offs_d = pid_d * BLOCK_D + tl.arange(0, BLOCK_D)
     mask_d = offs_d < dim
-    w0, w1, w2, w3 = _load_taps(w_ptr, offs_d, mask_d, s_wd, s_ww, PADW, ACC)
+    w0, w1, w2, w3 = _load_taps(w_ptr, offs_d, mask_d, PADW, ACC)
     bias = _bias_col(bias_ptr, offs_d, mask_d, HAS_BIAS, BLOCK_D, ACC)
     acc0 = tl.zeros((BLOCK_D, BLOCK_T // 8), dtype=ACC)
     acc1 = tl.zeros((BLOCK_D, BLOCK_T // 8), dtype=ACC)
@@ -382,52 +403,144 @@ def _conv_bwd8_kernel(
     _store_dw_db(dw_ptr, db_ptr, row, mask_d, acc0, acc1, acc2, acc3, accb, PADW, HAS_BIAS)
 
 
-def _unit_last(x: Tensor) -> Tensor:
-    return x if x.stride(-1) == 1 else x.contiguous()
+@triton.jit
+def _sum_splits_kernel(pw_ptr, pb_ptr, dw_ptr, db_ptr, n_w, n_b, splits, BLOCK: tl.constexpr, HAS_BIAS: tl.constexpr):
+    # the split backward's partials summed over the splits: pw (splits, n_w) -> dw (n_w,) and pb (splits, n_b) -> db,
+    # in the outputs' dtypes; elements [0, n_w) of the grid are dw's, [n_w, n_w + n_b) db's
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    in_w = offs < n_w
+    acc = tl.zeros((BLOCK,), dtype=pw_ptr.dtype.element_ty)
+    if HAS_BIAS:
+        ob = offs - n_w
+        in_b = (ob >= 0) & (ob < n_b)
+        for s in range(splits):
+            acc += tl.load(pw_ptr + s * n_w + offs, mask=in_w, other=0.0)
+            acc += tl.load(pb_ptr + s * n_b + ob, mask=in_b, other=0.0)
+        tl.store(db_ptr + ob, acc.to(db_ptr.dtype.element_ty), mask=in_b)
+    else:
+        for s in range(splits):
+            acc += tl.load(pw_ptr + s * n_w + offs, mask=in_w, other=0.0)
+    tl.store(dw_ptr + offs, acc.to(dw_ptr.dtype.element_ty), mask=in_w)
 
 
-def _acc(*tensors: Tensor | None) -> tuple[torch.dtype, tl.dtype]:
-    if any(t is not None and t.dtype == torch.float64 for t in tensors):
-        return torch.float64, tl.float64
-    return torch.float32, tl.float32
+_SUM_BLOCK = 1024
 
 
 def _bwd_splits(cfg: ConvConfig, dim: int, n_iters: int) -> tuple[int, int]:
     """(splits, iterations per program) of the backward: one program per channel block over all (batch, time
-    blocks) when that already gives ``cfg.min_programs_bwd`` programs (no partials, no reduction launch); otherwise
-    the iterations are split so that about that many programs run, and torch sums the per-split dweight/dbias."""
+    blocks) when that already gives ``cfg.min_programs_bwd`` programs; otherwise the iterations are split so that
+    about that many programs run, and ``_sum_splits_kernel`` sums the per-split dweight/dbias."""
     d_blocks = triton.cdiv(dim, cfg.block_d_bwd)
     splits = max(1, min(n_iters, triton.cdiv(cfg.min_programs_bwd, d_blocks)))
     per = triton.cdiv(n_iters, splits)
     return triton.cdiv(n_iters, per), per
 
 
-def _silu_mode(silu: bool, x: Tensor, acc) -> int:
-    """The kernels' SILU constexpr: 0 none, 1 SiLU, 2 SiLU with the fast fp32 sigmoid (GPU tensors, not under the
-    Triton interpreter, which has no libdevice)."""
-    if not silu:
-        return 0
-    return 2 if fast_math_ok(x, acc == tl.float32) else 1
+class _Plan:
+    """Everything a call's launches need that depends only on (shapes, dtypes, device type, activation, config)."""
+
+    __slots__ = (
+        "dim", "seqlen", "out_shape", "out_strides", "fwd_grid", "fwd_meta", "bwd_kernel", "bwd_grid", "bwd_args",
+        "bwd_meta", "splits", "dw_shape", "dw_dtype", "db_dtype", "partial_dtype", "sum_grid",
+    )  # fmt: skip
+
+    def __init__(self, x: Tensor, weight: Tensor, bias: Tensor | None, activation: str | None, cfg: ConvConfig):
+        if activation not in (None, "silu"):
+            raise ValueError(f"causal_conv1d: activation must be None or 'silu', got {activation!r}")
+        if x.dim() != 3 or weight.dim() != 2 or weight.shape[0] != x.shape[1]:
+            raise ValueError(f"causal_conv1d: bad shapes x {tuple(x.shape)} weight {tuple(weight.shape)}")
+        batch, dim, seqlen = x.shape
+        width = weight.shape[1]
+        if not 2 <= width <= _TAPS:
+            raise ValueError(f"causal_conv1d: width must be 2..{_TAPS}, got {width}")
+        if bias is not None and tuple(bias.shape) != (dim,):
+            raise ValueError(f"causal_conv1d: bias must have shape ({dim},), got {tuple(bias.shape)}")
+        f64 = any(t is not None and t.dtype == torch.float64 for t in (x, weight, bias))
+        acc = tl.float64 if f64 else tl.float32
+        silu = 0 if activation is None else (2 if fast_math_ok(x, not f64) else 1)  # 2: the fast fp32 sigmoid
+        has_bias, padw = bias is not None, _TAPS - width
+        self.dim, self.seqlen = dim, seqlen
+        self.out_shape, self.out_strides = (batch, dim, seqlen), (dim * seqlen, seqlen)
+        self.fwd_grid = (triton.cdiv(seqlen, cfg.block_t), triton.cdiv(dim, cfg.block_d), batch)
+        self.fwd_meta = dict(BLOCK_D=cfg.block_d, BLOCK_T=cfg.block_t, PADW=padw, HAS_BIAS=has_bias, SILU=silu,
+                             ACC=acc, EVEN=seqlen % 4 == 0, num_warps=cfg.num_warps)  # fmt: skip
+        eight = cfg.slots_bwd == 8
+        n_tblocks = triton.cdiv(seqlen, cfg.block_t_bwd)
+        n_iters = batch * n_tblocks
+        self.splits, per = _bwd_splits(cfg, dim, n_iters)
+        self.bwd_kernel = _conv_bwd8_kernel if eight else _conv_bwd_kernel
+        self.bwd_grid = (triton.cdiv(dim, cfg.block_d_bwd), self.splits)
+        self.bwd_args = (dim, seqlen, n_tblocks, n_iters, per)
+        self.bwd_meta = dict(BLOCK_D=cfg.block_d_bwd, BLOCK_T=cfg.block_t_bwd, PADW=padw, HAS_BIAS=has_bias, SILU=silu,
+                             ACC=acc, EVEN=seqlen % (8 if eight else 4) == 0, STAGES=cfg.stages_bwd or None,
+                             num_warps=cfg.num_warps_bwd)  # fmt: skip
+        self.dw_shape, self.dw_dtype = (dim, width), weight.dtype
+        self.db_dtype = None if bias is None else bias.dtype
+        self.partial_dtype = torch.float64 if f64 else torch.float32
+        self.sum_grid = (triton.cdiv(dim * (width + has_bias), _SUM_BLOCK),)
+
+
+_PLANS: dict[tuple, _Plan] = {}
+
+
+def _plan(x: Tensor, weight: Tensor, bias: Tensor | None, activation: str | None, config: ConvConfig | None) -> _Plan:
+    """The cached ``_Plan`` of these arguments (made, and the arguments checked, on the first call with them)."""
+    key = (x.shape, weight.shape, x.dtype, weight.dtype, None if bias is None else (bias.shape, bias.dtype),
+           activation, x.is_cuda, config)  # fmt: skip
+    plan = _PLANS.get(key)
+    if plan is None:
+        if len(_PLANS) >= 4096:  # many distinct shapes (e.g. variable-length evaluation): start over
+            _PLANS.clear()
+        plan = _PLANS[key] = _Plan(x, weight, bias, activation, config or default_config(x.device))
+    return plan
+
+
+def _launch_fwd(p: _Plan, x: Tensor, weight: Tensor, bias: Tensor | None, out: Tensor | None = None) -> Tensor:
+    sx = x.stride()
+    if out is None:
+        out = torch.empty(p.out_shape, device=x.device, dtype=x.dtype)
+        so = p.out_strides
+    else:
+        so = out.stride()
+    _conv_fwd_kernel[p.fwd_grid](x, weight, weight if bias is None else bias, out, p.dim, p.seqlen, sx[0], sx[1],
+                                 so[0], so[1], **p.fwd_meta)  # fmt: skip
+    return out
+
+
+def _launch_bwd(
+    p: _Plan, x: Tensor, weight: Tensor, bias: Tensor | None, dout: Tensor
+) -> tuple[Tensor, Tensor, Tensor | None]:
+    dx = torch.empty_like(x)
+    if p.splits == 1:  # the kernel writes the final dweight / dbias
+        dw = torch.empty(p.dw_shape, device=x.device, dtype=p.dw_dtype)
+        db = None if bias is None else torch.empty(p.dim, device=x.device, dtype=p.db_dtype)
+    else:  # per-split partials, summed below
+        dw = torch.empty((p.splits, *p.dw_shape), device=x.device, dtype=p.partial_dtype)
+        db = None if bias is None else torch.empty((p.splits, p.dim), device=x.device, dtype=p.partial_dtype)
+    sx, sg, sd = x.stride(), dout.stride(), dx.stride()
+    p.bwd_kernel[p.bwd_grid](x, weight, dw if bias is None else bias, dout, dx, dw, dw if db is None else db,
+                             *p.bwd_args, sx[0], sx[1], sg[0], sg[1], sd[0], sd[1], **p.bwd_meta)  # fmt: skip
+    if p.splits == 1:
+        return dx, dw, db
+    dweight = torch.empty(p.dw_shape, device=x.device, dtype=p.dw_dtype)
+    dbias = None if bias is None else torch.empty(p.dim, device=x.device, dtype=p.db_dtype)
+    pb, ob = (dw, dweight) if bias is None else (db, dbias)
+    _sum_splits_kernel[p.sum_grid](dw, pb, dweight, ob, dweight.numel(), p.dim, p.splits, BLOCK=_SUM_BLOCK,
+                                   HAS_BIAS=bias is not None)  # fmt: skip
+    return dx, dweight, dbias
+
+
+def _unit_last(t: Tensor) -> Tensor:
+    return t if t.stride(-1) == 1 else t.contiguous()
 
 
 def _fwd(
     x: Tensor, weight: Tensor, bias: Tensor | None, silu: bool, cfg: ConvConfig, *, out: Tensor | None = None
 ) -> Tensor:
     """Launch the forward: ``out`` = conv(x) (+ SiLU), (batch, dim, L). x and out: any batch/channel strides, unit
-    stride in time (out defaults to a new contiguous tensor; it must not overlap x); bias: unit stride or None."""
-    batch, dim, seqlen = x.shape
-    if out is None:
-        out = torch.empty((batch, dim, seqlen), device=x.device, dtype=x.dtype)
-    _, acc = _acc(x, weight, bias)
-    grid = (triton.cdiv(seqlen, cfg.block_t), triton.cdiv(dim, cfg.block_d), batch)
-    _conv_fwd_kernel[grid](
-        x, weight, bias if bias is not None else weight, out, dim, seqlen,
-        x.stride(0), x.stride(1), out.stride(0), out.stride(1), weight.stride(0), weight.stride(1),
-        BLOCK_D=cfg.block_d, BLOCK_T=cfg.block_t, PADW=_TAPS - weight.shape[1], HAS_BIAS=bias is not None,
-        SILU=_silu_mode(silu, x, acc), ACC=acc, EVEN=seqlen % 4 == 0,
-        num_warps=cfg.num_warps,
-    )  # fmt: skip
-    return out
+    stride in time (out defaults to a new contiguous tensor; it must not overlap x); weight contiguous; bias: unit
+    stride or None."""
+    return _launch_fwd(_plan(x, weight, bias, "silu" if silu else None, cfg), x, weight, bias, out)
 
 
 def _bwd(
@@ -435,45 +548,21 @@ def _bwd(
 ) -> tuple[Tensor, Tensor, Tensor | None]:
     """Launch the backward of ``_fwd``: dx (``empty_like(x)``: x's layout when x is dense), dweight and dbias (None
     without bias) in the parameters' dtypes. x, dout: any batch/channel strides, unit stride in time."""
-    batch, dim, seqlen = x.shape
-    width = weight.shape[1]
-    acc_t, acc = _acc(x, weight, bias)
-    n_tblocks = triton.cdiv(seqlen, cfg.block_t_bwd)
-    splits, per = _bwd_splits(cfg, dim, batch * n_tblocks)
-    dx = torch.empty_like(x)
-    dw = torch.empty((splits, dim, width), device=x.device, dtype=acc_t)
-    db = torch.empty((splits, dim), device=x.device, dtype=acc_t) if bias is not None else dw
-    grid = (triton.cdiv(dim, cfg.block_d_bwd), splits)
-    eight = cfg.slots_bwd == 8
-    (_conv_bwd8_kernel if eight else _conv_bwd_kernel)[grid](
-        x, weight, bias if bias is not None else weight, dout, dx, dw, db, dim, seqlen, n_tblocks,
-        batch * n_tblocks, per,
-        x.stride(0), x.stride(1), dout.stride(0), dout.stride(1), dx.stride(0), dx.stride(1),
-        weight.stride(0), weight.stride(1),
-        BLOCK_D=cfg.block_d_bwd, BLOCK_T=cfg.block_t_bwd, PADW=_TAPS - width, HAS_BIAS=bias is not None,
-        SILU=_silu_mode(silu, x, acc), ACC=acc, EVEN=seqlen % (8 if eight else 4) == 0, STAGES=cfg.stages_bwd or None,
-        num_warps=cfg.num_warps_bwd,
-    )  # fmt: skip
-    dweight = dw[0] if splits == 1 else dw.sum(0)
-    dbias = None if bias is None else (db[0] if splits == 1 else db.sum(0))
-    dweight = dweight.to(weight.dtype)  # no-ops for fp32 parameters (the training case)
-    dbias = None if dbias is None else dbias.to(bias.dtype)
-    return dx, dweight, dbias
+    return _launch_bwd(_plan(x, weight, bias, "silu" if silu else None, cfg), x, weight, bias, dout)
 
 
 class _CausalConv1dFn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, bias, silu, cfg):
-        out = _fwd(x, weight, bias, silu, cfg)
+    def forward(ctx, x, weight, bias, plan):
         ctx.save_for_backward(x, weight, bias)
-        ctx.silu, ctx.cfg = silu, cfg
-        return out
+        ctx.plan = plan
+        return _launch_fwd(plan, x, weight, bias)
 
     @staticmethod
     def backward(ctx, dout):
         x, weight, bias = ctx.saved_tensors
-        dx, dweight, dbias = _bwd(x, weight, bias, _unit_last(dout), ctx.silu, ctx.cfg)
-        return dx, dweight, dbias, None, None
+        dx, dweight, dbias = _launch_bwd(ctx.plan, x, weight, bias, _unit_last(dout))
+        return dx, dweight, dbias, None
 
 
 def causal_conv1d_triton(
@@ -483,20 +572,16 @@ def causal_conv1d_triton(
     activation: str | None = None,
     config: ConvConfig | None = None,
 ) -> Tensor:
-    """Triton causal depthwise conv1d. x: (batch, dim, L); weight: (dim, width), width 2..4; bias: (dim,)."""
-    if activation not in (None, "silu"):
-        raise ValueError(f"causal_conv1d: activation must be None or 'silu', got {activation!r}")
-    if x.dim() != 3 or weight.dim() != 2 or weight.shape[0] != x.shape[1]:
-        raise ValueError(f"causal_conv1d: bad shapes x {tuple(x.shape)} weight {tuple(weight.shape)}")
-    if not 2 <= weight.shape[1] <= _TAPS:
-        raise ValueError(f"causal_conv1d: width must be 2..{_TAPS}, got {weight.shape[1]}")
-    cfg = config or default_config()
-    for cfg_t in cfg.block_t, cfg.block_t_bwd:
-        if cfg_t < 4 or cfg_t & (cfg_t - 1):
-            raise ValueError(f"ConvConfig: block_t must be a power of 2 >= 4, got {cfg_t}")
+    """Triton causal depthwise conv1d. x: (batch, dim, L); weight: (dim, width), width 2..4; bias: (dim,);
+    activation None or "silu". ``config``: the tiles (default ``default_config(x.device)``)."""
+    plan = _plan(x, weight, bias, activation, config)
     x = _unit_last(x)
-    bias = None if bias is None else bias.contiguous()
-    return _CausalConv1dFn.apply(x, weight, bias, activation == "silu", config or default_config())
-
-
-_make_callable(__name__)  # this module's package attribute also acts as the public op (see kernels/__init__.py)
+    if not weight.is_contiguous():
+        weight = weight.contiguous()
+    if bias is not None and bias.stride(0) != 1:
+        bias = bias.contiguous()
+    if torch.is_grad_enabled() and (
+        x.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad)
+    ):
+        return _CausalConv1dFn.apply(x, weight, bias, plan)
+    return _launch_fwd(plan, x, weight, bias)
