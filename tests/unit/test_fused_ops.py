@@ -251,7 +251,7 @@ def test_wide_grad_linear_applies_only_to_fp32_weights_under_autocast(monkeypatc
         assert dw.dtype == mod.weight.dtype
 
 
-@pytest.mark.parametrize("backend", ["eager", "aot_eager", "inductor"])
+@pytest.mark.parametrize("backend", ["eager", "aot_eager", pytest.param("inductor", marks=pytest.mark.slow)])
 def test_weight_gradients_accumulate_in_the_gemm(backend):
     """Inside ``wide_mm.accumulate_in_gemm`` the second and later micro-batches' weight gradients are summed into
     ``.grad`` by the GEMM (counted by ``wide_mm.accumulated``) and handed back through autograd, eagerly and from a

@@ -95,7 +95,7 @@ def test_fused_op_is_one_autograd_node():
 def test_mixer_dispatches_to_the_fused_op_on_the_triton_path():
     mixer = make_mixer()
     ws = weights(mixer)
-    h = torch.randn(2, 7, 2, dtype=F64)
+    h = torch.randn(2, 4, 2, dtype=F64)
     kernels.set_backend("triton")
     assert mi.use_mamba_inner(h)
     assert mi.use_mamba_inner(h, d_inner=4) and not mi.use_mamba_inner(h, d_inner=2**31 // h.shape[1])  # 32-bit guard
@@ -132,7 +132,7 @@ def test_cached_weight_casts_reuse_one_cast_per_weight_until_it_changes(monkeypa
     (a new version) is cast again; the cache is gone after the block; off with ``set_cast_cache(False)``."""
     mixer = make_mixer(dtype=torch.float32)
     ws = weights(mixer)
-    h = torch.randn(2, 8, 2)
+    h = torch.randn(1, 4, 2)
     casts = []
     cast = mi._cast
 
@@ -169,10 +169,10 @@ def test_cached_weight_casts_reuse_one_cast_per_weight_until_it_changes(monkeypa
 def test_custom_ops_pass_opcheck():
     """Schema, fake kernels, autograd registration and AOT dispatch (dynamic shapes) of both torch.library ops."""
     ws = weights(make_mixer())
-    h = torch.randn(2, 7, 2, dtype=F64, requires_grad=True)
+    h = torch.randn(2, 3, 2, dtype=F64, requires_grad=True)
     out, *residuals = torch.ops.anytrain.mamba_inner_fwd(h, *ws, False)
     assert out.requires_grad and not any(r.requires_grad for r in residuals)  # no zero grads materialised for them
-    assert [tuple(r.shape) for r in residuals] == [(8, 14), (2 + 8, 14), (4, 14), (2, 4, 4, 1)]  # N = 2 x 7
+    assert [tuple(r.shape) for r in residuals] == [(8, 6), (2 + 8, 6), (4, 6), (2, 4, 4, 1)]  # N = 2 x 3
     ok = {k: "SUCCESS" for k in ("test_schema", "test_autograd_registration", "test_faketensor")}
     ok["test_aot_dispatch_dynamic"] = "SUCCESS"
     assert torch.library.opcheck(torch.ops.anytrain.mamba_inner_fwd.default, (h, *ws, False)) == ok
@@ -189,7 +189,7 @@ def test_compiled_block_uses_the_opaque_op_and_matches_eager(monkeypatch):
     block = MambaBlock(MambaArgs(d_model=2, d_state=4, expand=2, dt_rank=2)).to(F64)
     block.mixer.reset_parameters()
     params = list(block.parameters())
-    h = torch.randn(2, 7, 2, dtype=F64)
+    h = torch.randn(2, 4, 2, dtype=F64)
     kernels.set_backend("triton")
     eager = run(block, h, params)
     graph_ops: list[str] = []

@@ -101,8 +101,8 @@ PATH_CASES = [
     ((1, 1, 9, 36, None, True, True, True, True), (False, 1, False), (False, False, False)),  # forward per-state loads
 ]
 SLOW_CASES = [
-    (1, 2, 300, 40, None, True, True, True, True),  # dstate 40: forward per-state loads, carry across forward chunks
-    (1, 3, 512, 16, None, True, True, True, True),  # two whole forward chunks (unmasked, carries in lanes)
+    (1, 1, 260, 33, None, True, True, True, True),  # dstate 33: forward per-state loads, carry across forward chunks
+    (1, 1, 512, 8, None, True, True, True, True),  # two whole forward chunks (unmasked, carries in lanes)
 ]
 
 

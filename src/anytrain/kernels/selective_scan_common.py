@@ -209,7 +209,7 @@ def _flat_rows(pid_blk, b, g, dpg, dim, state_ptr, q_ptr, A_ptr, dA_ptr, s_sn, s
 
 @triton.jit
 def _chunk_inputs(dt_base, go_base, z_base, u_base, t2, mask, HAS_Z: tl.constexpr):
-    """A chunk's delta, dout, z (delta again when the op has no z) and u tiles as stored (the PIPE prefetch)."""
+    """A chunk's delta, dout, z (delta again when the op has no z) and u tiles as stored (loaded one chunk ahead)."""
     r_dt = tl.load(dt_base + t2, mask=mask, other=0.0)
     r_go = tl.load(go_base + t2, mask=mask, other=0.0)
     r_z = r_dt
