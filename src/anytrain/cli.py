@@ -114,8 +114,21 @@ def evaluate(
     seed: int = typer.Option(0, help="Sampling seed."),
     json_out: bool = typer.Option(False, "--json", help="Print the result as JSON."),
     data: str = typer.Option(None, "--data", help="Prepared dataset to evaluate on (default: the run's data.path)."),
+    tasks: str = typer.Option(None, help="Downstream tasks, comma-separated: val, FILE.txt, FILE.jsonl or NAME."),
+    num_fewshot: int = typer.Option(0, help="With --tasks / --lm-eval: solved examples before each item."),
+    limit: int = typer.Option(0, help="With --tasks / --lm-eval: items (text: windows) per task; 0 = all."),
+    task_dir: str = typer.Option("data/tasks", help="Where --tasks NAME finds NAME.jsonl."),
+    batch_size: int = typer.Option(16, help="With --tasks / --lm-eval: sequences per forward pass."),
+    lm_eval: str = typer.Option(None, "--lm-eval", help="lm-evaluation-harness tasks, comma-separated."),
+    include_path: str = typer.Option(None, help="With --lm-eval: a folder of local task YAMLs."),
 ) -> None:
-    """Validation loss of a run's newest checkpoint, and a generated sample."""
+    """Validation loss of a run's newest checkpoint and a generated sample; with --tasks / --lm-eval, downstream
+    tasks instead (docs/evaluation.md)."""
+    if tasks or lm_eval:
+        from anytrain.evals.commands import eval_tasks
+
+        eval_tasks(run_dir, tasks, lm_eval, include_path, num_fewshot, limit, task_dir, batch_size, data, json_out)
+        return
     from anytrain.evals import evaluate_run
 
     result = evaluate_run(run_dir, prompt=prompt, max_new_tokens=max_new_tokens, batches=batches, seed=seed,

@@ -27,6 +27,35 @@ def export_command(
     typer.echo(f"wrote {path} (transformers: AutoModelForCausalLM.from_pretrained({str(path)!r}))")
 
 
+def _split(entries: str | None) -> list[str]:
+    return [e.strip() for e in (entries or "").split(",") if e.strip()]
+
+
+def eval_tasks(run_dir: str, tasks: str | None, lm_eval: str | None, include_path: str | None, num_fewshot: int,
+               limit: int, task_dir: str, batch_size: int, data: str | None, json_out: bool) -> None:  # fmt: skip
+    """``anytrain eval RUN --tasks ... / --lm-eval ...``: score, write RUN/evals/<task>.json, print a table."""
+    import json
+    from pathlib import Path
+
+    from anytrain.evals.tasks import evaluate_tasks, format_table, scorer_for_run
+
+    results = []
+    if tasks:
+        results += evaluate_tasks(run_dir, _split(tasks), num_fewshot, limit, batch_size, task_dir, data)
+    if lm_eval:
+        from anytrain.evals.lm_eval_bridge import run_lm_eval
+
+        scorer, _, path = scorer_for_run(run_dir, None, batch_size, data)
+        table = run_lm_eval(scorer, _split(lm_eval), include_path, num_fewshot, limit)
+        for task, metrics in table.items():
+            result = {"task": task, "harness": "lm-eval", **metrics, "num_fewshot": num_fewshot, "limit": limit,
+                      "checkpoint": str(path), "step": int(path.name.split("_")[-1])}  # fmt: skip
+            (Path(run_dir) / "evals").mkdir(exist_ok=True)
+            (Path(run_dir) / "evals" / f"{task}.json").write_text(json.dumps(result, indent=1))
+            results.append(result)
+    typer.echo(json.dumps(results, indent=1) if json_out else format_table(results))
+
+
 def register(app: typer.Typer) -> None:
     """Add this package's verbs to the ``anytrain`` app."""
     app.command("export")(export_command)

@@ -1,0 +1,114 @@
+"""lm-evaluation-harness bridge: an ``lm_eval`` model backed by an anytrain run (``pip install 'anytrain[eval]'``).
+
+Registered as ``anytrain`` in lm-eval's model registry once this module is imported, so both work::
+
+    anytrain eval RUN --lm-eval arc_easy --include-path my_tasks/ --num-fewshot 5
+    lm_eval --model anytrain --model_args run=RUN --tasks arc_easy --include_path my_tasks/   (after an import hook)
+
+The scoring is ``evals.tasks.Scorer``'s, the same as ``anytrain eval --tasks``: lm-eval builds the prompts, the
+bridge tokenizes (a leading end-of-text token, lm-eval's context/continuation split) and scores them. Offline use
+needs task YAMLs whose data are local files (``dataset_path: json`` with ``dataset_kwargs.data_files``).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from anytrain.errors import AnytrainError
+
+EVAL_INSTALL_HINT = "pip install 'anytrain[eval]'"
+
+
+def _lm_eval():
+    try:
+        import lm_eval
+        from lm_eval.api.model import LM
+        from lm_eval.api.registry import register_model
+    except ImportError:
+        raise AnytrainError(f"--lm-eval needs lm-evaluation-harness: {EVAL_INSTALL_HINT}") from None
+    return lm_eval, LM, register_model
+
+
+def model_class() -> type:
+    """The ``lm_eval.api.model.LM`` subclass (defined on first use, so that anytrain imports without lm-eval)."""
+    global _MODEL_CLASS
+    if _MODEL_CLASS is not None:
+        return _MODEL_CLASS
+    _, LM, register_model = _lm_eval()
+
+    @register_model("anytrain")
+    class AnytrainLM(LM):
+        """An anytrain run's checkpoint as an lm-eval model: ``AnytrainLM(run=RUN_DIR, checkpoint=None,
+        batch_size=16)``, or ``AnytrainLM(scorer=Scorer)`` around a model already loaded."""
+
+        def __init__(self, run: str | None = None, checkpoint: str | None = None, batch_size: int | str = 16,
+                     scorer: Any = None, **_: Any) -> None:  # fmt: skip
+            super().__init__()
+            if scorer is None:
+                from anytrain.evals.tasks import scorer_for_run
+
+                if run is None:
+                    raise AnytrainError("the anytrain lm-eval model needs run=RUN_DIR (model_args)")
+                scorer, _, _ = scorer_for_run(run, checkpoint, int(batch_size))
+            self.scorer = scorer
+
+        @classmethod
+        def create_from_arg_string(cls, arg_string: str, additional_config: dict | None = None) -> AnytrainLM:
+            args = dict(kv.split("=", 1) for kv in arg_string.split(",") if kv)
+            extra = {k: v for k, v in (additional_config or {}).items() if k == "batch_size" and v is not None}
+            return cls(**args, **extra)
+
+        @property
+        def eot_token_id(self) -> int:
+            return self.scorer.eos_id
+
+        @property
+        def max_length(self) -> int:
+            return self.scorer.max_len
+
+        def loglikelihood(self, requests: list) -> list[tuple[float, bool]]:
+            return self.scorer.loglikelihood([req.args[:2] for req in requests])
+
+        def loglikelihood_rolling(self, requests: list) -> list[float]:
+            return [-self.scorer.rolling_nll(self.scorer.encode(req.args[0]))[0] for req in requests]
+
+        def generate_until(self, requests: list) -> list[str]:
+            out = []
+            for req in requests:
+                context, options = req.args[0], dict(req.args[1])
+                until = options.get("until") or []
+                until = [until] if isinstance(until, str) else list(until)
+                out.append(self.scorer.generate_until(context, until, int(options.get("max_gen_toks", 256))))
+            return out
+
+    _MODEL_CLASS = AnytrainLM
+    return AnytrainLM
+
+
+_MODEL_CLASS: type | None = None
+
+
+def run_lm_eval(scorer: Any, tasks: list[str], include_path: str | Path | None = None, num_fewshot: int = 0,
+                limit: int = 0, seed: int = 1234) -> dict[str, dict[str, float]]:  # fmt: skip
+    """lm-eval's ``simple_evaluate`` of ``tasks`` on the scorer's model: {task: {metric: value}} (the ``,none``
+    filter suffix dropped, standard errors left out)."""
+    lm_eval, _, _ = _lm_eval()
+    from lm_eval.tasks import TaskManager
+
+    if include_path is not None and not Path(include_path).is_dir():
+        raise AnytrainError(f"--include-path: {include_path} is not a folder")
+    manager = TaskManager(include_path=str(include_path) if include_path else None)
+    model = model_class()(scorer=scorer)
+    try:
+        results = lm_eval.simple_evaluate(model=model, tasks=tasks, num_fewshot=num_fewshot, limit=limit or None,
+                                          task_manager=manager, random_seed=seed, numpy_random_seed=seed,
+                                          torch_random_seed=seed, fewshot_random_seed=seed)  # fmt: skip
+    except (KeyError, ValueError) as exc:  # lm-eval's "task not found" and config errors
+        raise AnytrainError(f"--lm-eval: {exc}".splitlines()[0]) from None
+    table = {}
+    for task, metrics in results["results"].items():
+        kept = {k.split(",")[0]: v for k, v in metrics.items() if isinstance(v, int | float) and "stderr" not in k}
+        kept["n"] = kept.pop("sample_len", None)
+        table[task] = kept
+    return table

@@ -1,0 +1,109 @@
+"""``anytrain eval RUN --tasks`` and ``--lm-eval`` on a tiny trained run: results files, the printed table, and the
+lm-evaluation-harness bridge asking for exactly the native scorer's prompts and agreeing on accuracy."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+from anytrain.config import load_config
+
+ITEMS = [{"context": f"ROMEO. Scene {i}:", "choices": ["love", "hate", "death and night"][: 2 + i % 2],
+          "label": i % 2} for i in range(10)]  # fmt: skip
+YAML = """task: toy_lm
+dataset_path: json
+dataset_kwargs:
+  data_files:
+    test: {path}
+output_type: multiple_choice
+test_split: test
+doc_to_text: "{{{{context}}}}"
+doc_to_choice: "{{{{choices}}}}"
+doc_to_target: "{{{{label}}}}"
+metric_list:
+  - metric: acc
+    aggregation: mean
+    higher_is_better: true
+  - metric: acc_norm
+    aggregation: mean
+    higher_is_better: true
+"""
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory, small_data) -> Path:
+    from anytrain.train.trainer import run_training
+
+    run_dir = tmp_path_factory.mktemp("evaltasks") / "run"
+    cfg = load_config("configs/tiny.yaml", ["--model.flavour", "debug", "--model.args.n_layers", "1", "--data.path",
+                                            str(small_data), "--data.seq_len", "32", "--train.global_batch", "4",
+                                            "--train.steps", "2", "--train.eval_batches", "1", "--train.dtype",
+                                            "fp32"])  # fmt: skip
+    run_training(cfg, run_dir=str(run_dir))
+    return run_dir
+
+
+@pytest.fixture(scope="module")
+def task_dir(tmp_path_factory) -> Path:
+    folder = tmp_path_factory.mktemp("tasks")
+    (folder / "toy.jsonl").write_text("".join(json.dumps(r) + "\n" for r in ITEMS))
+    (folder / "toy_lm.yaml").write_text(YAML.format(path=folder / "toy.jsonl"))
+    (folder / "lines.txt").write_text("But, soft! what light through yonder window breaks?\n" * 8)
+    return folder
+
+
+def cli(capsys, *args: str) -> tuple[int, str, str]:
+    """``anytrain ARGS`` in this process: (exit code, stdout, stderr)."""
+    from unittest import mock
+
+    from anytrain import cli as anytrain_cli
+
+    with mock.patch.object(sys, "argv", ["anytrain", *args]):
+        try:
+            anytrain_cli.main()
+            code = 0
+        except SystemExit as exc:
+            code = exc.code or 0
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
+def test_eval_tasks_writes_results_and_a_table(run, task_dir, capsys):
+    code, out, err = cli(capsys, "eval", str(run), "--tasks", f"val,toy,{task_dir / 'lines.txt'}", "--task-dir",
+                         str(task_dir), "--num-fewshot", "2", "--limit", "4")  # fmt: skip
+    assert code == 0, err
+    toy = json.loads((run / "evals" / "toy.json").read_text())
+    assert (toy["format"], toy["n"], toy["num_fewshot"], toy["step"]) == ("mc", 4, 2, 2)
+    assert 0 <= toy["acc"] <= 1 and 0 <= toy["acc_norm"] <= 1
+    val = json.loads((run / "evals" / "val.json").read_text())
+    assert val["tokens"] == 4 * 32 and 1 < val["ppl"] < 600 and val["bits_per_byte"] > 0
+    lines = json.loads((run / "evals" / "lines.json").read_text())
+    assert lines["tokens"] == 4 * 32 and 0 < lines["bytes"] < len((task_dir / "lines.txt").read_text())
+    for row in ("toy                  acc ", "val                  bits_per_byte", "lines                ppl"):
+        assert row in out
+    code, out, err = cli(capsys, "eval", str(run), "--tasks", "nothere", "--task-dir", str(task_dir))
+    assert code == 2 and err.startswith("error: --tasks nothere: no file nothere") and len(err.splitlines()) == 1
+
+
+def test_lm_eval_bridge_asks_for_the_native_prompts_and_agrees(run, task_dir, monkeypatch):
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    pytest.importorskip("lm_eval")
+    from anytrain.evals.lm_eval_bridge import model_class, run_lm_eval
+    from anytrain.evals.tasks import build_requests, load_task, score_task, scorer_for_run
+
+    scorer, _, _ = scorer_for_run(run)
+    asked: list[tuple[str, str]] = []
+    original = scorer.loglikelihood
+    scorer.loglikelihood = lambda pairs: (asked.extend(pairs := list(pairs)), original(pairs))[1]
+    bridged = run_lm_eval(scorer, ["toy_lm"], task_dir)["toy_lm"]
+    task = load_task(task_dir / "toy.jsonl")
+    assert sorted(asked) == sorted(build_requests(task))  # lm-eval's prompts are the native ones
+    native = score_task(scorer, task)
+    assert (bridged["acc"], bridged["acc_norm"], bridged["n"]) == (native["acc"], native["acc_norm"], native["n"])
+    from lm_eval.api.registry import get_model
+
+    assert get_model("anytrain") is model_class()
