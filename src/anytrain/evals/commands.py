@@ -56,6 +56,31 @@ def eval_tasks(run_dir: str, tasks: str | None, lm_eval: str | None, include_pat
     typer.echo(json.dumps(results, indent=1) if json_out else format_table(results))
 
 
+def compare_command(
+    runs: list[str] = typer.Argument(..., help="Two or more run directories; the first is the reference."),
+    by: str = typer.Option("step", "--by", help="Align curves on: step or tokens (tokens seen)."),
+    out: str = typer.Option(None, "--out", "-o", help="Write the curves as a PNG here (needs anytrain[plot])."),
+    assert_within: float = typer.Option(
+        None,
+        "--assert-within",
+        help="Fail (exit 1) when a loss differs from the reference's by more than this at a common step.",
+    ),
+    json_out: bool = typer.Option(False, "--json", help="Print the result as JSON."),
+) -> None:
+    """Compare runs' training / validation loss curves (metrics.jsonl): differences and throughput tables."""
+    import json
+
+    from anytrain.evals.compare import check_within, compare_runs, format_report
+
+    if assert_within is not None and assert_within < 0:
+        check_within({}, assert_within)  # the one-line error, before any work
+    result = compare_runs(runs, by=by, out=out)
+    typer.echo(json.dumps(result, indent=1) if json_out else format_report(result))
+    if assert_within is not None:
+        check_within(result, assert_within)
+
+
 def register(app: typer.Typer) -> None:
     """Add this package's verbs to the ``anytrain`` app."""
     app.command("export")(export_command)
+    app.command("compare")(compare_command)

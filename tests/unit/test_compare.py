@@ -1,0 +1,95 @@
+"""``anytrain compare``: aligned curves from metrics.jsonl, difference / throughput tables, --assert-within, the PNG."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+from anytrain.errors import AnytrainError
+from anytrain.evals.compare import compare_runs, load_curves, plot_curves
+
+
+def write_run(path: Path, losses: list[float], tokens_per_step: int = 128, bump: dict[int, float] | None = None,
+              tokens_per_s: float = 1000.0) -> Path:  # fmt: skip
+    """A run dir whose metrics.jsonl logs train loss at every step and val loss every 5 steps."""
+    path.mkdir(parents=True)
+    records = []
+    for step, loss in enumerate(losses, 1):
+        loss += (bump or {}).get(step, 0.0)
+        records.append({"kind": "train", "step": step, "loss": loss, "tokens_seen": step * tokens_per_step,
+                        "tokens_per_s": tokens_per_s, "mfu": 0.25, "peak_mem_gib": 1.5})  # fmt: skip
+        if step % 5 == 0:
+            records.append({"kind": "eval", "step": step, "val_loss": loss + 0.1})
+    (path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    return path
+
+
+LOSSES = [6.0 - 0.1 * i for i in range(20)]
+
+
+def cli(capsys, *args: str) -> tuple[int, str, str]:
+    from unittest import mock
+
+    from anytrain import cli as anytrain_cli
+
+    with mock.patch.object(sys, "argv", ["anytrain", *args]):
+        try:
+            anytrain_cli.main()
+            code = 0
+        except SystemExit as exc:
+            code = exc.code or 0
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
+def test_identical_runs_pass_and_a_planted_divergence_fails(tmp_path, capsys):
+    a, b = write_run(tmp_path / "a", LOSSES), write_run(tmp_path / "b", LOSSES, tokens_per_s=900.0)
+    bad = write_run(tmp_path / "bad", LOSSES, bump={12: 0.5})
+    code, out, err = cli(capsys, "compare", str(a), str(b), "--assert-within", "0")
+    assert code == 0, err
+    assert "b                        loss          20          0          0" in out
+    assert "b                            20          900   25.0%      1.50" in out
+    code, out, err = cli(capsys, "compare", str(a), str(b), str(bad), "--assert-within", "0.1")
+    assert code == 1 and "bad                      loss          20        0.5      0.025" in out  # table first
+    assert err.strip() == "error: bad: loss differs from a by up to 0.5 (> --assert-within 0.1) over 20 points"
+
+
+def test_align_by_tokens_across_batch_sizes(tmp_path):
+    # run b takes twice the tokens per step: its step s meets run a's step 2s
+    a = write_run(tmp_path / "a", LOSSES)
+    b = write_run(tmp_path / "b", [LOSSES[2 * i + 1] for i in range(10)], tokens_per_step=256)
+    result = compare_runs([a, b], by="tokens")
+    assert result["differences"]["b"]["loss"] == {"points": 10, "max_abs": 0.0, "mean_abs": 0.0}
+    assert load_curves(b, "tokens").curves["val_loss"] == {1280: pytest.approx(LOSSES[9] + 0.1),
+                                                           2560: pytest.approx(LOSSES[19] + 0.1)}  # fmt: skip
+    assert result["differences"]["b"]["val_loss"]["points"] == 2  # tokens 1280 and 2560
+
+
+def test_a_resumed_step_keeps_its_last_value(tmp_path):
+    run = write_run(tmp_path / "r", LOSSES[:4])
+    with (run / "metrics.jsonl").open("a") as f:
+        f.write(json.dumps({"kind": "resume", "step": 2}) + "\n")
+        f.write(json.dumps({"kind": "train", "step": 3, "loss": 9.0, "tokens_seen": 384}) + "\n")
+    assert load_curves(run).curves["loss"][3] == 9.0
+
+
+def test_png_and_the_missing_extra(tmp_path, monkeypatch):
+    a, b = write_run(tmp_path / "a", LOSSES), write_run(tmp_path / "b", LOSSES)
+    pytest.importorskip("matplotlib")
+    out = compare_runs([a, b], out=tmp_path / "plots" / "curves.png")["plot"]
+    assert Path(out).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    with pytest.raises(AnytrainError, match=r"^--out needs matplotlib: pip install 'anytrain\[plot\]'$"):
+        plot_curves([load_curves(a)], "step", tmp_path / "x.png")
+
+
+def test_bad_input_is_one_line(tmp_path, capsys):
+    a = write_run(tmp_path / "a", LOSSES)
+    code, _, err = cli(capsys, "compare", str(a), str(tmp_path / "nothere"))
+    assert code == 2 and err.strip() == f"error: {tmp_path / 'nothere'}: no metrics.jsonl; is this a directory " \
+        "written by `anytrain train`?"  # fmt: skip
+    code, _, err = cli(capsys, "compare", str(a), str(a), "--by", "time")
+    assert code == 2 and err.strip() == "error: --by: expected step or tokens, got 'time'"
