@@ -53,7 +53,3 @@ def configure(cfg: KernelsConfig) -> None:
     mamba_inner.set_mamba_inner(cfg.fused_mamba_inner)
     mamba_inner.set_cast_cache(cfg.cast_cache)
     wide_mm.set_gemm_accumulate(cfg.gemm_accumulate)
-
-
-def _make_callable(module_name: str) -> None:
-    """No-op kept for ``causal_conv1d.py``, which still calls it at import; remove with that call."""
