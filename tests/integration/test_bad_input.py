@@ -234,4 +234,4 @@ def test_export_to_a_full_disk_is_one_line_and_leaves_nothing(tmp_path, run):
         one_error(proc, f"disk full while writing {mount / 'm.safetensors'}")
         assert list(mount.iterdir()) == []
     finally:
-        subprocess.run(["umount", str(mount)], check=True)
+        subprocess.run(["umount", "-l", str(mount)], check=True)

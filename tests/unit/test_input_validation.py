@@ -200,7 +200,7 @@ def tiny_fs(tmp_path):
     if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", str(mount)], capture_output=True).returncode:
         pytest.skip("cannot mount a tmpfs here (needs root)")
     yield mount
-    subprocess.run(["umount", str(mount)], check=True)
+    subprocess.run(["umount", "-l", str(mount)], check=True)
 
 
 def test_disk_full_while_preparing_is_one_line_and_leaves_nothing(tmp_path, tiny_fs):
