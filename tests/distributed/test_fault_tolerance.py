@@ -19,9 +19,9 @@ from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 from tests.conftest import ROOT, cli_env
 
 
-def write_config(tmp: Path, data: Path, steps: int, interval: int, **train: object) -> Path:
+def write_config(tmp: Path, data: Path, steps: int, interval: int, log_interval: int = 1, **train: object) -> Path:
     extra = "".join(f"  {k}: {json.dumps(v)}\n" for k, v in train.items())
-    cfg = tmp / f"ft-{steps}-{interval}.yaml"
+    cfg = tmp / f"ft-{steps}-{interval}-{log_interval}.yaml"
     cfg.write_text(f"""
 model: {{arch: transformer, flavour: debug}}
 data: {{path: {data}, seq_len: 32}}
@@ -32,7 +32,7 @@ train:
   lr: 3.0e-3
   warmup_steps: 3
   dtype: fp32
-  log_interval: 1
+  log_interval: {log_interval}
   eval_interval: 0
   eval_batches: 0
   log_sample_ids: true
@@ -274,8 +274,10 @@ def test_lagged_checks_stop_a_nan_step_with_the_state_before_it(tmp_path, small_
     assert proc.stderr.count(f"step {nan_step}: non-finite loss or gradient norm") == 2
     saved = sorted(p.name for p in (run / "checkpoints").iterdir() if (p / "COMMITTED").is_file())
     assert saved == sorted({f"step_{good:08d}"} | ({"step_00000005"} if good >= 5 else set()))  # none after it
-    assert_same_state(train_state(run / f"checkpoints/step_{good:08d}", tmp_path),
-                      train_state(ref / f"checkpoints/step_{good:08d}", tmp_path))  # fmt: skip
+    states = [train_state(r / f"checkpoints/step_{good:08d}", tmp_path) for r in (run, ref)]
+    if async_save:  # the kept step-5 checkpoint holds its open log window; the clean stop logged step 5 and emptied it
+        assert states[0].pop("metrics")["window_steps"] == 5 and states[1].pop("metrics")["window_steps"] == 0
+    assert_same_state(*states)
 
 
 def test_resume_keeps_the_optimizer_kernel_of_this_run(tmp_path, small_data):
@@ -291,3 +293,44 @@ def test_resume_keeps_the_optimizer_kernel_of_this_run(tmp_path, small_data):
     train(config, run, 2, "--resume", "--train.optimizer_impl", "fused", "--train.stop_at_step", "6")
     train(config, run, 2, "--resume", "--parallel.tp", "2", "--train.stop_at_step", "8")
     assert max(step_losses(run)) == 8
+
+
+LOGGED = ("loss", "lr", "grad_norm", "tokens_seen", "skipped_steps")  # the deterministic fields of a train record
+
+
+def train_records(run_dir: Path) -> dict[int, dict]:
+    """The deterministic fields of each step's train record (a step logged twice keeps its last record)."""
+    out = {}
+    for line in (run_dir / "metrics.jsonl").read_text().splitlines():
+        record = json.loads(line)
+        if record["kind"] == "train":
+            out[record["step"]] = {key: record[key] for key in LOGGED}
+    return out
+
+
+@pytest.fixture(scope="module")
+def windowed(tmp_path_factory, small_data):
+    """Uninterrupted 12-step runs (1 and 2 processes) logging every 3 steps and saving every 4: every checkpoint
+    falls inside a log window."""
+    tmp = tmp_path_factory.mktemp("window")
+    config = write_config(tmp, small_data, steps=12, interval=4, log_sample_ids=False, log_interval=3)
+    for nproc in (1, 2):
+        train(config, tmp / f"reference{nproc}", nproc)
+    return tmp, config
+
+
+@pytest.mark.parametrize("nproc,seed", [(1, 0), (1, 1), (2, 2)])
+def test_every_logged_record_after_a_kill_and_resume_equals_the_uninterrupted_run(windowed, nproc, seed):
+    """kill -9 at a random step, resume from the checkpoint inside the log window: the first record after the resume
+    averages the same steps (the window's per-rank loss sums are in the checkpoint), and every record equals the
+    uninterrupted run's, field by field and bitwise (CPU fp32)."""
+    tmp, config = windowed
+    kill = random.Random(seed).randint(6, 12)  # after the step-4 checkpoint
+    run = tmp / f"killed{nproc}-{seed}"
+    proc = train(config, run, nproc, expect_ok=False, ANYTRAIN_TEST_KILL_AT_STEP=str(kill),
+                 ANYTRAIN_TEST_KILL_RANK=str(nproc - 1))  # fmt: skip
+    assert proc.returncode != 0
+    proc = train(config, run, nproc, "--resume")
+    saved = 4 * ((kill - 1) // 4)
+    assert f"step_{saved:08d} (step {saved})" in proc.stderr and saved % 3 != 0  # inside a window
+    assert train_records(run) == train_records(tmp / f"reference{nproc}")

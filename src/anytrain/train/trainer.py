@@ -541,8 +541,11 @@ class Trainer:
         sched._last_lr = [group["lr"] for group in self.optimizer.param_groups]
 
     def _stop_nonfinite(self, step: int, grad_norm: float) -> None:
-        """Every rank got the same verdict: keep the last good state (weights after the previous step), then stop."""
+        """Every rank got the same verdict: keep the last good state (weights after the previous step), then stop. The
+        checkpoint is the one a clean stop at that step writes (its log window empty, as after the final record)."""
         self._rewind_to(step)
+        if getattr(self, "window", None) is not None:
+            self.window.reset()
         saved = ""
         if step > 0:  # Checkpointer.save finishes a save in flight first and keeps a committed one as it is
             self._save(step, final=True)
