@@ -9,7 +9,7 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test install lint format clean-demo
+.PHONY: demo test install lint format clean-demo cluster-deps
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -33,8 +33,12 @@ demo: $(STAMP) data/shakespeare/index.json
 	@echo
 	@echo "demo done: run dir runs/demo (metrics.jsonl, tensorboard/, checkpoints/, summary.json)"
 
+# tests/cluster's SLURM and Open MPI (Debian packages; installed when missing and root, else those tests skip)
+cluster-deps:
+	bash tests/cluster/install.sh
+
 # pytest exits 5 when it collects no test: treat that as a failure of the suite, not a pass
-test: $(STAMP)
+test: $(STAMP) cluster-deps
 	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile -m "not gpu" tests; status=$$?; \
 	if [ $$status -eq 5 ]; then echo "no tests were collected"; exit 1; fi; exit $$status
 

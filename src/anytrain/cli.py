@@ -177,19 +177,31 @@ def _register_evals() -> None:
 _register_evals()
 
 
+def _register_launch() -> None:
+    from anytrain.launch.cli import launch_app
+
+    app.add_typer(launch_app, name="launch")
+
+
+_register_launch()
+
+
 @app.command()
 def doctor(
-    out: str = typer.Option(None, "--out", help="Write the report as JSON here (rank 0)."),
-    max_mib: int = typer.Option(1024, help="Largest all_reduce message in the bandwidth sweep, in MiB."),
+    out: str = typer.Option(None, "--json", "--out", help="Write the report as JSON here (rank 0)."),
+    suite: str = typer.Option("full", help="quick (inventory, GEMM, collectives' values, small sweep) or full."),
+    expect_gpus: int = typer.Option(None, "--expect-gpus", help="GPUs every node must show (fail otherwise)."),
+    expect_nodes: int = typer.Option(None, "--expect-nodes", help="Nodes the ranks must span (fail otherwise)."),
+    max_mib: int = typer.Option(1024, help="Largest message in the bandwidth sweeps, in MiB."),
     repeats: int = typer.Option(5, help="Timed repeats per size."),
 ) -> None:
-    """Check devices and their ceilings; under torchrun/srun/mpirun also all_reduce correctness and bus bandwidth."""
+    """Check hosts, devices, a GEMM and the collectives (exact values, #wrong per rank, busbw) under any launcher
+    (torchrun, srun, mpirun); exits non-zero naming each failed rank and check."""
     from anytrain.doctor import run_doctor
 
-    report = run_doctor(out, max_mib, repeats)
-    collectives = report.get("collectives")
-    if collectives and not collectives["all_reduce_correct"]:
-        raise AnytrainError("doctor: all_reduce returned a wrong sum on at least one rank")
+    report = run_doctor(out, max_mib, repeats, suite, expect_gpus, expect_nodes)
+    if report["failures"]:
+        raise AnytrainError(f"doctor: {len(report['failures'])} check(s) failed: " + "; ".join(report["failures"]))
 
 
 @app.command()

@@ -1,8 +1,14 @@
-"""``anytrain doctor``: is this machine / cluster fit to train? Devices, ceilings, and collectives.
+"""``anytrain doctor``: is this machine / cluster fit to train? Inventory, ceilings, and collectives.
 
-Single process: device facts, a bf16 matmul and a device-to-device copy (the two ceilings MFU and kernels are
-judged against). Under torchrun / srun / mpirun: all_reduce correctness on every rank and a bus-bandwidth sweep
-(NCCL-tests convention: busbw = algbw × 2(n−1)/n for all_reduce), printed by rank 0 and written as JSON.
+Runs as one process or under any launcher (torchrun, srun, mpirun). Every rank reports its host and device
+(``inventory``), checks a seeded GEMM against a float64 reference, and, with several ranks, runs every collective once
+with exact expected values (``collectives.functional_checks``: a ``#wrong`` count per rank, as nccl-tests prints)
+and times them (algbw / busbw). Rank 0 compares the inventory with ``--expect-gpus`` (per node) and
+``--expect-nodes``, prints the report and writes it as JSON. Any failure is listed as ``rank <r> (<host>): <check>:
+<what>``; the CLI then exits non-zero on every rank.
+
+Suites: ``quick`` (inventory, GEMM, functional collectives, an all_reduce sweep up to 4 MiB, no ceilings) takes
+seconds; ``full`` adds the matmul / copy ceilings and sweeps every collective up to ``max_mib``.
 """
 
 from __future__ import annotations
@@ -15,7 +21,13 @@ import torch
 import torch.distributed as dist
 
 from anytrain import hardware
+from anytrain.doctor.collectives import CHECKS, bus_factor, functional_checks, sweep
+from anytrain.doctor.inventory import gemm_check, host_inventory, network_interfaces, slurm_allocation
+from anytrain.errors import ConfigError
 from anytrain.parallel import gather_object, init_distributed, shutdown
+
+SUITES = ("quick", "full")
+QUICK_MAX_MIB = 4
 
 
 def _time(fn, device: torch.device, repeats: int) -> float:
@@ -49,37 +61,81 @@ def device_ceilings(device: torch.device, size: int = 8192) -> dict:
     }
 
 
-def collectives(device: torch.device, sizes_bytes: list[int], repeats: int = 5) -> dict:
-    """all_reduce correctness and bus bandwidth over the default group."""
-    world, rank = dist.get_world_size(), dist.get_rank()
-    probe = torch.full((1024,), float(rank + 1), device=device)
-    dist.all_reduce(probe)
-    expected = world * (world + 1) / 2
-    correct = bool(torch.all(probe == expected))
-    flags = torch.tensor([0.0 if correct else 1.0], device=device)
-    dist.all_reduce(flags)  # every rank learns whether any rank saw a wrong sum
-    rows = []
-    for size in sizes_bytes:
-        tensor = torch.ones(max(1, size // 4), device=device)
-        seconds = _time(lambda t=tensor: dist.all_reduce(t), device, repeats)
-        algbw = tensor.numel() * 4 / seconds / 1e9
-        rows.append({"bytes": tensor.numel() * 4, "seconds": seconds, "algbw_gb_per_s": algbw,
-                     "busbw_gb_per_s": algbw * 2 * (world - 1) / world})  # fmt: skip
-    return {"world_size": world, "backend": dist.get_backend(), "all_reduce_correct": flags.item() == 0, "sweep": rows}
+def _sizes(max_mib: int) -> list[int]:
+    sizes, mib = [], 1
+    while mib <= max(1, max_mib):  # 1 MiB, 2 MiB, ... up to max_mib
+        sizes.append(mib * 2**20)
+        mib *= 2
+    return sizes
 
 
-def run_doctor(out: str | None = None, max_mib: int = 1024, repeats: int = 5) -> dict:
+def expectation_failures(hosts: list[dict], expect_gpus: int | None, expect_nodes: int | None) -> list[str]:
+    """Inventory against the expectations: one line per rank whose host shows another GPU count, and one line when
+    the ranks span another number of hosts."""
+    failures = []
+    if expect_gpus is not None:
+        for rank, host in enumerate(hosts):
+            if host["gpus_visible"] != expect_gpus:
+                failures.append(f"rank {rank} ({host['host']}): inventory: {host['gpus_visible']} GPUs visible, "
+                                f"expected {expect_gpus} per node")  # fmt: skip
+    names = sorted({host["host"] for host in hosts})
+    if expect_nodes is not None and len(names) != expect_nodes:
+        failures.append(f"rank 0 ({hosts[0]['host']}): inventory: ranks run on {len(names)} node(s) "
+                        f"({', '.join(names[:8])}), expected {expect_nodes}")  # fmt: skip
+    return failures
+
+
+def check_failures(hosts: list[dict], gemms: list[dict], functional: list[list[dict]] | None) -> list[str]:
+    """``rank <r> (<host>): <check>: <what>`` for every failed GEMM and collective check."""
+    failures = []
+    for rank, (host, gemm) in enumerate(zip(hosts, gemms, strict=True)):
+        if not gemm["ok"]:
+            what = "non-finite output" if not gemm["finite"] else f"max relative error {gemm['max_rel_error']:.2e}"
+            failures.append(f"rank {rank} ({host['host']}): gemm {gemm['dtype']} {gemm['shape']}^3: {what}")
+    for rank, rows in enumerate(functional or []):
+        for row in rows:
+            if row["error"]:
+                failures.append(f"rank {rank} ({hosts[rank]['host']}): {row['name']}: {row['error']}")
+            elif row["wrong"]:
+                failures.append(f"rank {rank} ({hosts[rank]['host']}): {row['name']}: #wrong {row['wrong']} of "
+                                f"{row['elements']} elements")  # fmt: skip
+    return failures
+
+
+def run_doctor(out: str | None = None, max_mib: int = 1024, repeats: int = 5, suite: str = "full",
+               expect_gpus: int | None = None, expect_nodes: int | None = None) -> dict:  # fmt: skip
+    """Run the checks on every rank; returns the report (identical ``failures`` on every rank)."""
+    if suite not in SUITES:
+        raise ConfigError(f"--suite: expected one of {', '.join(SUITES)}, got {suite!r}")
+    from anytrain.launch.env import discover
+
+    launch = discover()
     info, device = init_distributed("auto")
     try:
-        report = {"hardware": hardware.summary(device), "rank_devices": None}
-        report["ceilings"] = device_ceilings(device)
+        hosts = gather_object(host_inventory(device))
+        gemms = gather_object(gemm_check(device))
+        report = {"suite": suite, "hardware": hardware.summary(device), "launch": vars(launch).copy(),
+                  "hosts": hosts, "gemm": gemms, "slurm": slurm_allocation(),
+                  "network": network_interfaces(), "rank_devices": None, "functional": None}  # fmt: skip
+        if suite == "full":
+            report["ceilings"] = device_ceilings(device)
+        functional = None
         if info.is_distributed:
-            report["rank_devices"] = gather_object(hardware.device_name(device))
-            sizes, mib = [], 1
-            while mib <= max(1, max_mib):  # 1 MiB, 2 MiB, ... up to max_mib
-                sizes.append(mib * 2**20)
-                mib *= 2
-            report["collectives"] = collectives(device, sizes, repeats)
+            report["rank_devices"] = [host["device"] for host in hosts]
+            functional = gather_object(functional_checks(device))
+            report["functional"] = functional  # [rank][check]
+            sizes = _sizes(min(max_mib, QUICK_MAX_MIB) if suite == "quick" else max_mib)
+            rows = sweep("all_reduce", device, sizes, repeats)
+            report["collectives"] = {"world_size": dist.get_world_size(), "backend": dist.get_backend(),
+                                     "all_reduce_correct": not any(r[0]["wrong"] for r in functional),
+                                     "sweep": rows}  # fmt: skip
+            if suite == "full":
+                report["sweeps"] = {
+                    name: sweep(name, device, sizes, repeats) for name in CHECKS if name != "all_reduce"
+                }
+        report["failures"] = expectation_failures(hosts, expect_gpus, expect_nodes) + check_failures(
+            hosts, gemms, functional
+        )
         if info.is_main:
             _print(report)
             if out:
@@ -91,17 +147,46 @@ def run_doctor(out: str | None = None, max_mib: int = 1024, repeats: int = 5) ->
 
 
 def _print(report: dict) -> None:
-    hw, c = report["hardware"], report["ceilings"]
-    print(f"device: {hw['device']} ({hw['vendor']}), torch {hw['torch']}, triton {hw['triton']}")
-    peak = hw["peak_bf16_tflops"]
-    share = f" = {100 * c['matmul_tflops'] / peak:.0f}% of the {peak:.0f} TFLOP/s peak" if peak else ""
-    print(f"matmul {c['matmul_shape']}^3 {c['matmul_dtype']}: {c['matmul_tflops']:.1f} TFLOP/s{share}")
-    print(f"device copy: {c['copy_gb_per_s']:.1f} GB/s (read + write)")
+    hw, hosts = report["hardware"], report["hosts"]
+    print(f"device: {hw['device']} ({hw['vendor']}), torch {hw['torch']}, cuda {hw['cuda']}, hip {hw['hip']}, "
+          f"driver {hosts[0].get('driver')}, triton {hw['triton']}")  # fmt: skip
+    launch = report["launch"]
+    names = sorted({h["host"] for h in hosts})
+    print(f"launcher: {launch['launcher']}, {launch['world_size']} rank(s) on {len(names)} host(s): "
+          f"{', '.join(names[:8])}{' ...' if len(names) > 8 else ''}")  # fmt: skip
+    if report["slurm"]:
+        s = report["slurm"]
+        print(f"slurm: job {s['job_id']} on {s['nodelist']} ({s['nodes']} node(s), {s['tasks']} task(s))")
+    up = [f"{n['name']}{' ' + str(n['speed_mbps']) + 'Mb/s' if n['speed_mbps'] else ''}" for n in report["network"]
+          if n["state"] in ("up", "rdma", "unknown")]  # fmt: skip
+    print(f"network: {', '.join(up) or 'no interface up besides loopback'}")
+    bad_gemm = sum(not g["ok"] for g in report["gemm"])
+    print(f"gemm {report['gemm'][0]['dtype']} vs float64: {'ok' if not bad_gemm else f'WRONG on {bad_gemm} rank(s)'}")
+    c = report.get("ceilings")
+    if c:
+        peak = hw["peak_bf16_tflops"]
+        share = f" = {100 * c['matmul_tflops'] / peak:.0f}% of the {peak:.0f} TFLOP/s peak" if peak else ""
+        print(f"matmul {c['matmul_shape']}^3 {c['matmul_dtype']}: {c['matmul_tflops']:.1f} TFLOP/s{share}")
+        print(f"device copy: {c['copy_gb_per_s']:.1f} GB/s (read + write)")
     coll = report.get("collectives")
     if coll:
+        _print_functional(report["functional"])
         ok = "ok" if coll["all_reduce_correct"] else "WRONG SUM on at least one rank"
         print(f"all_reduce over {coll['world_size']} ranks ({coll['backend']}): {ok}")
-        print(f"{'size':>10} {'time ms':>10} {'algbw GB/s':>11} {'busbw GB/s':>11}")
-        for row in coll["sweep"]:
-            print(f"{row['bytes'] / 2**20:>8.0f}Mi {1e3 * row['seconds']:>10.3f} {row['algbw_gb_per_s']:>11.2f} "
-                  f"{row['busbw_gb_per_s']:>11.2f}")  # fmt: skip
+        for name, rows in [("all_reduce", coll["sweep"]), *report.get("sweeps", {}).items()]:
+            print(f"{name} (busbw = algbw x {bus_factor(name, coll['world_size']):.3g})")
+            print(f"{'size':>10} {'time ms':>10} {'algbw GB/s':>11} {'busbw GB/s':>11}")
+            for row in rows:
+                print(f"{row['bytes'] / 2**20:>8.0f}Mi {1e3 * row['seconds']:>10.3f} {row['algbw_gb_per_s']:>11.2f} "
+                      f"{row['busbw_gb_per_s']:>11.2f}")  # fmt: skip
+    for line in report["failures"]:
+        print(f"FAILED {line}")
+
+
+def _print_functional(functional: list[list[dict]]) -> None:
+    """nccl-tests' ``#wrong`` column: one row per collective, one column per rank."""
+    ranks = len(functional)
+    print(f"{'#wrong':<16}" + "".join(f"{'rank ' + str(r):>8}" for r in range(ranks)))
+    for i, row in enumerate(functional[0]):
+        cells = ["err" if functional[r][i]["error"] else str(functional[r][i]["wrong"]) for r in range(ranks)]
+        print(f"{row['name']:<16}" + "".join(f"{cell:>8}" for cell in cells))

@@ -1,0 +1,114 @@
+"""Real SLURM (a one-node cluster started by ``conftest.slurm_cluster``): ``srun -n 2`` runs the doctor, and the sbatch
+script ``anytrain launch slurm --dry-run`` writes (2 tasks, a 10-step gloo training) is submitted and completes."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.cluster.test_launch import losses, write_config
+from tests.conftest import ROOT
+
+STEPS = 10
+
+
+def srun(cluster, *args: str, timeout: int = 120) -> subprocess.CompletedProcess:
+    cmd = ["srun", "-n", "2", "--kill-on-bad-exit=1", sys.executable, "-m", "anytrain", *args]
+    return subprocess.run(cmd, cwd=ROOT, env=cluster.env(), capture_output=True, text=True, timeout=timeout)
+
+
+def test_srun_two_tasks_doctor(slurm_cluster, tmp_path):
+    out = tmp_path / "doctor.json"
+    proc = srun(slurm_cluster, "doctor", "--suite", "quick", "--json", str(out), "--expect-nodes", "1")
+    assert proc.returncode == 0, proc.stderr[-3000:] + proc.stdout[-3000:]
+    report = json.loads(out.read_text())
+    assert report["launch"]["launcher"] == "slurm" and report["launch"]["world_size"] == 2
+    assert report["slurm"]["job_id"]
+    assert len(report["functional"]) == 2 and all(row["wrong"] == 0 for rows in report["functional"] for row in rows)
+    assert report["failures"] == [] and "all_reduce over 2 ranks (gloo): ok" in proc.stdout
+
+
+def job_fields(cluster, job_id: str) -> dict[str, str]:
+    """``scontrol show job -o``'s KEY=VALUE fields of one job."""
+    out = subprocess.run(["scontrol", "show", "job", "-o", job_id], env=cluster.env(), capture_output=True, text=True)
+    return dict(item.split("=", 1) for item in out.stdout.split() if "=" in item)
+
+
+def wait_for(predicate, timeout_s: float, what: str, interval_s: float = 0.3):
+    """Poll ``predicate()`` until it returns something truthy (sbatch --wait polls every 2 to 32 s: too slow)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(interval_s)
+    raise AssertionError(f"timed out after {timeout_s:.0f} s waiting for {what}")
+
+
+def job_ended(cluster, job_id: str):
+    fields = job_fields(cluster, job_id)
+    return fields if fields.get("JobState") in FINAL_STATES else None
+
+
+FINAL_STATES = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL", "DEADLINE")
+
+
+def write_job(cluster, tmp_path: Path, config: Path, run_dir: Path, *overrides: str) -> Path:
+    """The script ``anytrain launch slurm --dry-run`` writes for 1 node x 2 CPU tasks."""
+    script = tmp_path / "job.sbatch"
+    proc = subprocess.run([sys.executable, "-m", "anytrain", "launch", "slurm", str(config), "--nodes", "1",
+                           "--tasks-per-node", "2", "--run-dir", str(run_dir), "--script", str(script), "--dry-run",
+                           "--time", "00:10:00", "--", *overrides],
+                          cwd=ROOT, env=cluster.env(), capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    return script
+
+
+def submit(cluster, script: Path) -> str:
+    sub = subprocess.run(["sbatch", "--parsable", str(script)], cwd=ROOT, env=cluster.env(), capture_output=True,
+                         text=True, timeout=60)  # fmt: skip
+    assert sub.returncode == 0, sub.stderr
+    return sub.stdout.strip().split(";")[0]
+
+
+def test_sbatch_script_from_launch_dry_run(slurm_cluster, small_data, tmp_path):
+    run_dir = tmp_path / "run"
+    script = write_job(slurm_cluster, tmp_path, write_config(tmp_path, small_data, STEPS), run_dir)
+    assert "#SBATCH --signal=B:TERM@120" in script.read_text()
+    job_id = submit(slurm_cluster, script)
+    fields = wait_for(lambda: job_ended(slurm_cluster, job_id), 240, f"job {job_id}")
+    log = (tmp_path / "slurm-logs" / f"slurm-{job_id}.out").read_text()
+    assert (fields["JobState"], fields["ExitCode"]) == ("COMPLETED", "0:0"), log[-3000:]
+    assert f"anytrain: job {job_id} (restart 0) on 1 node(s), master {slurm_cluster.node}:" in log
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["world_size"] == 2 and len(losses(run_dir)) == STEPS
+
+
+@pytest.mark.slow
+def test_preempted_job_saves_requeues_and_resumes(slurm_cluster, small_data, tmp_path):
+    """SIGTERM to the batch shell (what --signal=B:TERM@grace sends) -> the tasks save and exit 143 -> the script
+    requeues the job -> the second run resumes from the checkpoint (checkpoint.auto_resume)."""
+    run_dir = tmp_path / "run"
+    script = write_job(slurm_cluster, tmp_path, write_config(tmp_path, small_data, 100_000), run_dir)
+    job_id = submit(slurm_cluster, script)
+    metrics = run_dir / "metrics.jsonl"
+    wait_for(lambda: metrics.exists() and len(losses(run_dir)) >= 2, 180, "the first training steps")
+    subprocess.run(["scancel", "--batch", "--signal=TERM", job_id], env=slurm_cluster.env(), check=True)
+    try:
+        wait_for(lambda: job_fields(slurm_cluster, job_id).get("Restarts") == "1", 120, "the requeue")
+        saved = wait_for(lambda: sorted((run_dir / "checkpoints").glob("step_*/COMMITTED")), 60, "a checkpoint")
+        step = int(saved[-1].parent.name.split("_")[1])
+        log = tmp_path / "slurm-logs" / f"slurm-{job_id}.out"
+        wait_for(lambda: "(restart 1)" in log.read_text() and len(losses(run_dir)) > step + 1, 240, "the resumed run")
+    finally:
+        subprocess.run(["scancel", job_id], env=slurm_cluster.env())
+        wait_for(lambda: job_ended(slurm_cluster, job_id), 90, f"job {job_id} to end after scancel")
+    text = log.read_text()
+    assert "anytrain: SIGTERM, saving" in text
+    steps = [json.loads(line)["step"] for line in metrics.read_text().splitlines() if '"train"' in line]
+    assert steps[-1] > step
