@@ -99,7 +99,7 @@ def test_lm_eval_bridge_asks_for_the_native_prompts_and_agrees(run, task_dir, mo
     asked: list[tuple[str, str]] = []
     original = scorer.loglikelihood
     scorer.loglikelihood = lambda pairs: (asked.extend(pairs := list(pairs)), original(pairs))[1]
-    bridged = run_lm_eval(scorer, ["toy_lm"], task_dir)["toy_lm"]
+    bridged = run_lm_eval(scorer, ["toy_lm"], task_dir, builtin_tasks=False)["toy_lm"]
     task = load_task(task_dir / "toy.jsonl")
     assert sorted(asked) == sorted(build_requests(task))  # lm-eval's prompts are the native ones
     native = score_task(scorer, task)

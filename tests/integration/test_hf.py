@@ -170,14 +170,14 @@ def test_init_from_hf_gives_equal_logits_and_training_continues(tmp_path, small_
         torch.testing.assert_close(model(ids), hf(ids).logits, rtol=0, atol=1e-5)
     # the trainer starts from these weights: its step-0 validation loss is transformers' loss on the same batch
     records = train(arch, tmp_path / "run", small_data, "--model.init_from", str(tmp_path / "hf"), "--train.lr", "1e-2",
-                    "--train.schedule", "constant", steps=4)  # fmt: skip
+                    "--train.schedule", "constant", steps=2)  # fmt: skip
     evals = [r for r in records if r["kind"] == "eval"]
     from anytrain.data.shards import TokenDataset
 
     hf_loss, _ = validation_loss(lambda x: hf(x).logits, TokenDataset(small_data), 32, 1, 4, torch.device("cpu"),
                                  torch.float32)  # fmt: skip
     assert evals[0]["step"] == 0 and evals[0]["val_loss"] == pytest.approx(hf_loss, abs=1e-4)
-    assert evals[-1]["val_loss"] < evals[0]["val_loss"] - 0.05  # training goes on from them
+    assert evals[-1]["val_loss"] < evals[0]["val_loss"] - 0.02  # training goes on from them
 
 
 def test_init_from_mismatches_are_one_line_naming_the_field(tmp_path, small_data):

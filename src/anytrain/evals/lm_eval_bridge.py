@@ -90,15 +90,16 @@ _MODEL_CLASS: type | None = None
 
 
 def run_lm_eval(scorer: Any, tasks: list[str], include_path: str | Path | None = None, num_fewshot: int = 0,
-                limit: int = 0, seed: int = 1234) -> dict[str, dict[str, float]]:  # fmt: skip
+                limit: int = 0, seed: int = 1234, builtin_tasks: bool = True) -> dict[str, dict]:  # fmt: skip
     """lm-eval's ``simple_evaluate`` of ``tasks`` on the scorer's model: {task: {metric: value}} (the ``,none``
-    filter suffix dropped, standard errors left out)."""
+    filter suffix dropped, standard errors left out). ``builtin_tasks`` False indexes only ``include_path`` (lm-eval
+    spends ~30 s indexing its thousands of built-in task YAMLs on a small CPU machine)."""
     lm_eval, _, _ = _lm_eval()
     from lm_eval.tasks import TaskManager
 
     if include_path is not None and not Path(include_path).is_dir():
         raise AnytrainError(f"--include-path: {include_path} is not a folder")
-    manager = TaskManager(include_path=str(include_path) if include_path else None)
+    manager = TaskManager(include_path=str(include_path) if include_path else None, include_defaults=builtin_tasks)
     model = model_class()(scorer=scorer)
     try:
         results = lm_eval.simple_evaluate(model=model, tasks=tasks, num_fewshot=num_fewshot, limit=limit or None,
