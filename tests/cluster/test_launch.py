@@ -183,3 +183,22 @@ def _free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
+
+
+def test_launch_slurm_submit_runs_sbatch_and_reports_its_failure(tmp_path, small_data):
+    """--submit hands the written script to sbatch (a stand-in here; the real one is in test_slurm.py)."""
+    config = write_config(tmp_path, small_data, 3)
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    fake = bin_dir / "sbatch"
+    fake.write_text('#!/bin/sh\n[ -f "$1" ] && grep -q "^#SBATCH --requeue" "$1" && echo "Submitted batch job 42" '
+                    '&& exit 0\necho "sbatch: error: Batch job submission failed" >&2; exit 1\n')  # fmt: skip
+    fake.chmod(0o755)
+    env = cli_env(PATH=f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
+    args = [sys.executable, "-m", "anytrain", "launch", "slurm", str(config), "--run-dir", str(tmp_path / "run"),
+            "--submit"]  # fmt: skip
+    ok = subprocess.run(args, cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert ok.returncode == 0 and "Submitted batch job 42" in ok.stdout, ok.stderr
+    assert (tmp_path / "run.sbatch").is_file() and (tmp_path / "slurm-logs").is_dir()
+    bad = subprocess.run([*args, "--no-requeue"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2 and "error: sbatch failed (1): sbatch: error: Batch job submission failed" in bad.stderr

@@ -92,7 +92,8 @@ def test_sbatch_script_from_launch_dry_run(slurm_cluster, small_data, tmp_path):
 @pytest.mark.slow
 def test_preempted_job_saves_requeues_and_resumes(slurm_cluster, small_data, tmp_path):
     """SIGTERM to the batch shell (what --signal=B:TERM@grace sends) -> the tasks save and exit 143 -> the script
-    requeues the job -> the second run resumes from the checkpoint (checkpoint.auto_resume)."""
+    requeues the job -> the second run resumes from the checkpoint (checkpoint.auto_resume); then a user's scancel
+    ends it for good."""
     run_dir = tmp_path / "run"
     script = write_job(slurm_cluster, tmp_path, write_config(tmp_path, small_data, 100_000), run_dir)
     job_id = submit(slurm_cluster, script)
@@ -107,8 +108,11 @@ def test_preempted_job_saves_requeues_and_resumes(slurm_cluster, small_data, tmp
         wait_for(lambda: "(restart 1)" in log.read_text() and len(losses(run_dir)) > step + 1, 240, "the resumed run")
     finally:
         subprocess.run(["scancel", job_id], env=slurm_cluster.env())
-        wait_for(lambda: job_ended(slurm_cluster, job_id), 90, f"job {job_id} to end after scancel")
+        ended = wait_for(lambda: job_ended(slurm_cluster, job_id), 120, f"job {job_id} to end after scancel")
     text = log.read_text()
     assert "anytrain: SIGTERM, saving" in text
+    # a user's scancel ends the job: no requeue
+    assert (ended["JobState"], ended["Restarts"]) == ("CANCELLED", "1")
+    wait_for(lambda: "anytrain: job cancelled, not requeued" in log.read_text(), 30, "the batch shell's last line")
     steps = [json.loads(line)["step"] for line in metrics.read_text().splitlines() if '"train"' in line]
     assert steps[-1] > step

@@ -7,7 +7,7 @@ train`` with ``checkpoint.auto_resume true`` and a fixed run directory. Preempti
 SLURM send SIGTERM to the batch shell ``grace`` seconds before the time limit; the shell passes it to every task with
 ``scancel --signal=TERM <job>`` (not through srun, which would cancel the step and SIGKILL the tasks KillWait seconds
 later, possibly in the middle of the save), the trainer saves a checkpoint and exits 143, and the script requeues
-the job (``--requeue``), which resumes from that checkpoint.
+the job (``--requeue``), which resumes from that checkpoint. A job cancelled with ``scancel`` is not requeued.
 """
 
 from __future__ import annotations
@@ -122,8 +122,11 @@ def render_sbatch(job: SlurmJob) -> str:
         "# checkpoint and exits 143; the job is then requeued and resumes from it (checkpoint.auto_resume).",
         "preempted=0",
         # scancel without --batch signals the job steps' tasks only (srun itself would cancel the step on SIGTERM:
-        # the tasks would get SIGKILL KillWait seconds later, possibly in the middle of the save)
-        'trap \'preempted=1; echo "anytrain: SIGTERM, saving"; scancel --signal=TERM "$SLURM_JOB_ID"\' TERM',
+        # the tasks would get SIGKILL KillWait seconds later, possibly in the middle of the save). A job cancelled by
+        # the user (no longer RUNNING) is not requeued: SLURM signals its tasks itself.
+        'trap \'if scontrol show job -o "$SLURM_JOB_ID" | grep -q "JobState=RUNNING"; then preempted=1; '
+        'echo "anytrain: SIGTERM, saving"; scancel --signal=TERM "$SLURM_JOB_ID"; '
+        'else echo "anytrain: job cancelled, not requeued"; fi\' TERM',
         f"srun --kill-on-bad-exit=1 {shlex.join(train_command(job))} &",
         "srun_pid=$!",
         'wait "$srun_pid"; status=$?',
