@@ -158,7 +158,7 @@ def open_run_dir(path: Path, name: str, resume: bool, overwrite: bool) -> RunLoc
         if any((path / m).exists() for m in LEGACY_MARKERS):
             raise RunDirError(_adopt_hint(path))
         if resume:
-            raise RunDirError(f"{path}: --resume given but the directory holds no anytrain run")
+            raise RunDirError(f"{path}: --resume given but the directory holds no anytrain run; pass a run's --run-dir")
         if overwrite:
             raise RunDirError(f"{path}: not an anytrain run dir (no {MARKER}); refusing to delete it even with "
                               "--overwrite; choose another --run-dir")  # fmt: skip
