@@ -43,12 +43,12 @@ class SlurmCluster:
 
     def env(self, **extra: str) -> dict[str, str]:
         """The environment for SLURM clients (and the tasks they start, which inherit it) of this cluster."""
-        env = cli_env(SLURM_CONF=str(self.conf), **extra)
-        for key in [k for k in env if k.startswith(("SLURM_", "OMPI_", "PMI")) and k != "SLURM_CONF"]:
+        env = cli_env()
+        for key in [k for k in env if k.startswith(("SLURM_", "OMPI_", "PMI"))]:
             env.pop(key)  # a test session that itself runs inside a SLURM job or under mpirun
         for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID"):
             env.pop(key, None)
-        return env
+        return {**env, "SLURM_CONF": str(self.conf), **extra}
 
 
 def _write_conf(root: Path, node: str, cpus: int, user: str) -> Path:

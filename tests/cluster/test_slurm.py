@@ -17,9 +17,19 @@ from tests.conftest import ROOT
 STEPS = 10
 
 
-def srun(cluster, *args: str, timeout: int = 120) -> subprocess.CompletedProcess:
+def srun(cluster, *args: str, timeout: int = 120, **env: str) -> subprocess.CompletedProcess:
     cmd = ["srun", "-n", "2", "--kill-on-bad-exit=1", sys.executable, "-m", "anytrain", *args]
-    return subprocess.run(cmd, cwd=ROOT, env=cluster.env(), capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(cmd, cwd=ROOT, env=cluster.env(**env), capture_output=True, text=True, timeout=timeout)
+
+
+def test_srun_with_a_contradicting_world_size_is_a_one_line_error(slurm_cluster, small_data, tmp_path):
+    proc = srun(slurm_cluster, "train", str(write_config(tmp_path, small_data, 2)), "--run-dir", str(tmp_path / "r"),
+                WORLD_SIZE="4")  # fmt: skip
+    assert proc.returncode != 0
+    line = ("error: srun: WORLD_SIZE=4 but SLURM_STEP_NUM_TASKS=2; the launchers disagree: unset WORLD_SIZE "
+            "(anytrain reads SLURM_STEP_NUM_TASKS) or launch 4 tasks")  # fmt: skip
+    assert line in proc.stderr.splitlines(), proc.stderr[-2000:]
+    assert "Traceback" not in proc.stderr and not (tmp_path / "r").exists()
 
 
 def test_srun_two_tasks_doctor(slurm_cluster, tmp_path):
