@@ -51,9 +51,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 from bench_common import RandomBatches, release, row_error, versions  # noqa: E402
 
 from anytrain import hardware  # noqa: E402
-from anytrain.config import ModelConfig, RunConfig, plan_batches  # noqa: E402
+from anytrain.config import ModelConfig, RunConfig  # noqa: E402
 from anytrain.models import build_model, resolve_args  # noqa: E402
-from anytrain.parallel import DistInfo, parallelize  # noqa: E402
+from anytrain.parallel import parallelize  # noqa: E402
 from anytrain.train.optim import build_optimizer  # noqa: E402
 from anytrain.train.profiling import profile_call  # noqa: E402
 
@@ -139,21 +139,9 @@ def run_config(case: Case, device: torch.device) -> RunConfig:
 def trainer_step_fn(case: Case, device: torch.device, batches: RandomBatches) -> tuple:
     """A Trainer without data files or a run dir: the product's build and train_step on random batches."""
     from anytrain.train import trainer as trainer_module
-    from anytrain.train.guard import StepGuard
 
     cfg = run_config(case, device)
-    trainer = object.__new__(trainer_module.Trainer)
-    trainer.cfg, trainer.info, trainer.device = cfg, DistInfo(), device
-    trainer.dims = trainer_module.ParallelDims.from_config(cfg.parallel, 1)
-    trainer.dp_rank, trainer.dp_world = trainer.dims.dp_rank(0), trainer.dims.dp
-    trainer.plan = plan_batches(cfg.train, 1)
-    trainer.model_args = resolve_args(cfg.model)
-    trainer.dtype = trainer_module.compute_dtype(cfg, device)
-    trainer._build_model()
-    trainer.guard = StepGuard(cfg, device, True, 1, getattr(trainer, "loss_ranks", None))
-    trainer.guard.lagged = trainer_module.lagged_checks_apply(cfg, trainer.optimizer)  # as Trainer.__init__ does
-    trainer.train_source, trainer._sample_log = batches, None
-    trainer._setup_cuda_graphs()  # train.cuda_graphs (rows "...-graphs")
+    trainer = trainer_module.Trainer(cfg, batches=batches)  # no run directory: nothing is written
     model = trainer.raw_model
 
     def step(i: int) -> None:

@@ -45,12 +45,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 from bench_common import RandomBatches, release, row_error, versions  # noqa: E402
 
 from anytrain import hardware  # noqa: E402
-from anytrain.config import ModelConfig, RunConfig, plan_batches  # noqa: E402
+from anytrain.config import ModelConfig, RunConfig  # noqa: E402
 from anytrain.models import losses, resolve_args  # noqa: E402
 from anytrain.models.llama import model as transformer  # noqa: E402
-from anytrain.parallel import DistInfo  # noqa: E402
-from anytrain.train import trainer as trainer_module  # noqa: E402
-from anytrain.train.guard import StepGuard  # noqa: E402
 from anytrain.train.profiling import profile_call  # noqa: E402
 from anytrain.train.trainer import Trainer  # noqa: E402
 
@@ -221,23 +218,8 @@ def anytrain_step_fn(case: Case, device: torch.device, batches: RandomBatches, c
     for key, value in case.options.items():  # train.X overrides (model.args.X went into the ModelConfig above)
         if key.startswith("train."):
             setattr(cfg.train, key.removeprefix("train."), value)
-    trainer = object.__new__(Trainer)
-    trainer.cfg, trainer.info, trainer.device = cfg, DistInfo(), device
-    trainer.dp_rank, trainer.dp_world = 0, 1
-    dims_cls = getattr(trainer_module, "ParallelDims", None)  # the trainer's parallel layout, where it has one
-    if dims_cls is not None:
-        trainer.dims = dims_cls.from_config(cfg.parallel, 1)
-        trainer.dp_rank, trainer.dp_world = trainer.dims.dp_rank(0), trainer.dims.dp
-    trainer.plan = plan_batches(cfg.train, 1)
-    trainer.model_args = resolve_args(cfg.model)
-    trainer.dtype = torch.bfloat16 if hardware.is_gpu(device) else torch.float32
     with model_switches(case):
-        trainer._build_model()
-    trainer.guard = StepGuard(cfg, device, True, 1)
-    trainer.guard.lagged = trainer_module.lagged_checks_apply(cfg, trainer.optimizer)  # as Trainer.__init__ does
-    trainer.train_source, trainer._sample_log = batches, None
-    if hasattr(trainer, "_setup_cuda_graphs"):
-        trainer._setup_cuda_graphs()
+        trainer = Trainer(cfg, batches=batches)  # no run directory: nothing is written
     model = trainer.raw_model
     info = {"params": model.num_params(), "flops_per_token": model.flops_per_token(case.seq)}
 

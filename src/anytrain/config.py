@@ -69,8 +69,11 @@ class TrainConfig:
     weight_decay: float = 0.1
     """AdamW decoupled weight decay, applied to matrices only (not to norms, biases)."""
     beta1: float = 0.9
+    """AdamW's first-moment decay, in [0, 1)."""
     beta2: float = 0.95
+    """AdamW's second-moment decay, in [0, 1)."""
     eps: float = 1e-8
+    """AdamW's denominator epsilon, > 0."""
     grad_clip: float = 1.0
     """Clip the global gradient norm to this value; 0 disables clipping."""
     stop_at_step: int = 0
@@ -130,6 +133,9 @@ class TrainConfig:
     clip_in_optimizer: bool = True
     """Clip the gradient norm inside the optimizer step where the run allows it (one process or DDP on one mesh and
     torch's fused AdamW: no separate clip pass); false = ``torch.nn.utils.clip_grad_norm_`` before the step."""
+    peak_tflops: float = 0.0
+    """The device's dense bf16 peak in TFLOP/s for MFU, for a device missing from hardware.py's table; 0 = the
+    table's value (H100/H200 989, A100 312, MI250X die 191.5, MI300X 1307; none on CPU)."""
 
 
 @dataclass
@@ -444,6 +450,7 @@ def _validate_train(t: TrainConfig) -> None:
     _positive(t.grad_clip, "train.grad_clip", allow_zero=True)
     _positive(t.spike_factor, "train.spike_factor", allow_zero=True)
     _positive(t.gc_interval, "train.gc_interval", allow_zero=True)
+    _positive(t.peak_tflops, "train.peak_tflops", allow_zero=True)
     _positive(t.weight_decay, "train.weight_decay", allow_zero=True)
     _positive(t.eps, "train.eps")
     _in_range(t.beta1, "train.beta1", 0.0, 1.0, "[)")

@@ -101,6 +101,7 @@ NUMERIC_BAD_VALUES = [
     ("train.eval_batches", "-1", "train.eval_batches: must be >= 0"),
     ("train.spike_factor", "0.5", "train.spike_factor: must be 0 (off) or > 1"),
     ("train.gc_interval", "-1", "train.gc_interval: must be >= 0"),
+    ("train.peak_tflops", "-1", "train.peak_tflops: must be >= 0"),
     ("data.seq_len", "0", "data.seq_len: must be > 0"),
     ("data.seq_len", "1000000000", "data.seq_len: 1000000000 exceeds model.args.max_seq_len 512"),
     ("model.args.max_seq_len", "1000000000", "model.args.max_seq_len: must be in [1, 1048576]"),

@@ -11,6 +11,7 @@ ranks never overlap, and resuming at step ``s`` needs no iterator state — only
 from __future__ import annotations
 
 from functools import lru_cache
+from typing import Protocol
 
 import numpy as np
 import torch
@@ -41,6 +42,15 @@ class SampleIndex:
             start = int(sid - self._starts[shard]) * self.seq_len
             out[row] = self.split.arrays[shard][start : start + self.seq_len + 1]
         return out
+
+
+class BatchProvider(Protocol):
+    """What the trainer reads its training batches from (``BatchSource`` over a prepared split, or a benchmark's
+    random batches): data-parallel rank ``dp_rank``'s slice of global batch ``step``."""
+
+    def rank_batch(self, step: int, dp_rank: int, dp_world: int) -> tuple[torch.Tensor, torch.Tensor, np.ndarray]:
+        """(inputs (b, T) int64, targets (b, T) int64, sample ids (b,)) with b = global batch / dp_world."""
+        ...
 
 
 class BatchSource:

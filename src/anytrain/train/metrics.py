@@ -87,14 +87,15 @@ def _num(value, spec: str) -> str:
 
 
 class MetricsLogger:
-    def __init__(self, run_dir: Path, enabled: bool, total_steps: int, start_step: int = 0,
+    def __init__(self, run_dir: Path | None, enabled: bool, total_steps: int, start_step: int = 0,
                  tensorboard: bool = True) -> None:  # fmt: skip
+        """``enabled``: this rank prints and records (rank 0). ``run_dir`` None: console only, no files."""
         self.enabled = enabled
         self.console = Console(stderr=True, soft_wrap=True)
         self._jsonl = None
         self._tb = None
         self._progress = None
-        if not enabled:
+        if not enabled or run_dir is None:
             return
         self._jsonl = open(run_dir / "metrics.jsonl", "a", buffering=1)  # noqa: SIM115 - closed in close()
         if tensorboard:
@@ -122,7 +123,8 @@ class MetricsLogger:
         if not self.enabled:
             return
         record = {k: _clean(v) for k, v in record.items()}
-        self._jsonl.write(json.dumps({"kind": kind, **record}) + "\n")
+        if self._jsonl is not None:
+            self._jsonl.write(json.dumps({"kind": kind, **record}) + "\n")
         if self._tb is not None:
             for key, value in record.items():
                 if key != "step" and isinstance(value, (int, float)) and not isinstance(value, bool):

@@ -22,7 +22,7 @@ from torch.distributed.fsdp import FSDPModule
 
 from anytrain import hardware
 from anytrain.config import RunConfig, plan_batches, to_dict
-from anytrain.data.loader import BatchSource, SampleIndex
+from anytrain.data.loader import BatchProvider, BatchSource, SampleIndex
 from anytrain.data.shards import TokenDataset
 from anytrain.errors import ConfigError, RunDirError, TrainingError
 from anytrain.evals.hf import init_from_hf
@@ -67,13 +67,57 @@ def compute_dtype(cfg: RunConfig, device: torch.device) -> torch.dtype:
 
 
 class Trainer:
-    def __init__(self, cfg: RunConfig, run_dir: str | None = None, resume: bool = False,
-                 overwrite: bool = False, resume_allow: tuple[str, ...] = ()) -> None:  # fmt: skip
+    """One process's share of a training run.
+
+    ``Trainer(cfg)`` is what ``anytrain train`` runs: data from ``cfg.data``, outputs in a run directory (``run_dir``,
+    default ``runs/<name>-<time>``), ``resume`` / ``overwrite`` / ``resume_allow`` as the CLI flags. ``batches``
+    replaces the prepared dataset with any source of ``rank_batch(step, dp_rank, dp_world) -> (inputs, targets,
+    sample ids)`` (no validation split then); with ``batches`` and no ``run_dir`` the trainer writes nothing at all (no
+    run directory, metrics or checkpoints): benchmarks and tests drive ``train_step`` or ``train`` that way.
+    """
+
+    def __init__(self, cfg: RunConfig, batches: BatchProvider | None = None, run_dir: str | None = None,
+                 resume: bool = False, overwrite: bool = False,
+                 resume_allow: tuple[str, ...] = ()) -> None:  # fmt: skip
         self.cfg = cfg
+        self._setup_layout()
+        self.dataset = None if batches is not None else TokenDataset(cfg.data.path)
+        if self.dataset is not None:
+            self._check_data_fits_model()
+        writes = batches is None or run_dir is not None
+        resume = resume or cfg.checkpoint.auto_resume
+        self.run_dir = self._setup_run_dir(run_dir, resume, overwrite, resume_allow) if writes else None
+        self.log = MetricsLogger(self.run_dir, self.info.is_main, cfg.train.steps)
+        if self._auto_reason:
+            self.log.print(f"parallel.auto: {self._auto_reason}")
+        self.dtype = compute_dtype(cfg, self.device)
+        self._build_model()
+        self.progress: dict = {"step": 0, "tokens_seen": 0}
+        self.state = TrainState(self.model, self.optimizer, self.scheduler, self.progress)
+        self.checkpointer = None
+        if self.run_dir is not None:
+            self.checkpointer = Checkpointer(self.run_dir / "checkpoints", cfg.checkpoint.keep_last,
+                                             self.info.is_main, log=self.log.print,
+                                             checksums=cfg.checkpoint.checksums)  # fmt: skip
+            if resume:
+                self._resume()
+        self._setup_batches(batches)
+        self.flops_per_token = self.accounting_model.flops_per_token(cfg.data.seq_len)
+        self.peak_flops = hardware.peak_flops(self.device, cfg.train.peak_tflops or None)
+        self.guard = StepGuard(cfg, self.device, self.info.is_main, self.info.world_size, self.loss_ranks)
+        self.guard.lagged = lagged_checks_apply(cfg, self.optimizer)
+        self._setup_cuda_graphs()
+        # Power of this rank's device (NVML / AMD SMI); rank 0 scales it to the job. Absent on CPU: values are null.
+        self.energy = EnergyMeter(self.device.index or 0) if hardware.is_gpu(self.device) else None
+        logs_samples = cfg.train.log_sample_ids and self.run_dir is not None
+        self._sample_log = self._open_sample_log() if logs_samples else None
+
+    def _setup_layout(self) -> None:
+        """Processes and devices, the parallel layout (``parallel.auto`` applied), the batch plan, the model args."""
+        cfg = self.cfg
         self.info, self.device = init_distributed(cfg.device, cpu_affinity=cfg.parallel.cpu_affinity)
         self._affinity_per_rank = self._gather_affinity() if cfg.parallel.cpu_affinity == "cores" else None
-        if cfg.parallel.auto:
-            self._apply_auto_layout()
+        self._auto_reason = self._apply_auto_layout() if cfg.parallel.auto else None
         self.dims = ParallelDims.from_config(cfg.parallel, self.info.world_size)
         self.dp_rank, self.dp_world = self.dims.dp_rank(self.info.rank), self.dims.dp
         self.plan = plan_batches(cfg.train, self.dp_world)
@@ -81,34 +125,17 @@ class Trainer:
         validate_for_model(self.dims, self.model_args.n_layers, getattr(self.model_args, "n_heads", None),
                            getattr(self.model_args, "n_kv_heads", None), cfg.parallel, self.plan.grad_accum,
                            getattr(self.model_args, "tie_embeddings", False))  # fmt: skip
-        self.dataset = TokenDataset(cfg.data.path)
-        self._check_data_fits_model()
-        self.run_dir = self._setup_run_dir(run_dir, resume or cfg.checkpoint.auto_resume, overwrite, resume_allow)
-        self.log = MetricsLogger(self.run_dir, self.info.is_main, cfg.train.steps)
-        if getattr(self, "_auto_reason", None):
-            self.log.print(f"parallel.auto: {self._auto_reason}")
-        self.dtype = compute_dtype(cfg, self.device)
-        self._build_model()
-        self.progress: dict = {"step": 0, "tokens_seen": 0}
-        self.state = TrainState(self.model, self.optimizer, self.scheduler, self.progress)
-        self.checkpointer = Checkpointer(self.run_dir / "checkpoints", cfg.checkpoint.keep_last, self.info.is_main,
-                                         log=self.log.print, checksums=cfg.checkpoint.checksums)  # fmt: skip
-        if resume or cfg.checkpoint.auto_resume:
-            self._resume()
-        seq_len = cfg.data.seq_len
-        self.train_source = BatchSource(SampleIndex(self.dataset.split("train"), seq_len, "train"),
-                                        self.plan.global_batch, cfg.train.seed)  # fmt: skip
-        self.val_source = BatchSource(SampleIndex(self.dataset.split("val"), seq_len, "val"),
-                                      self.plan.global_batch, cfg.train.seed, shuffle=False)  # fmt: skip
-        self.tokens_per_step = self.plan.global_batch * seq_len
-        self.flops_per_token = self.accounting_model.flops_per_token(seq_len)
-        self.peak_flops = hardware.peak_flops(self.device)
-        self.guard = StepGuard(cfg, self.device, self.info.is_main, self.info.world_size, self.loss_ranks)
-        self.guard.lagged = lagged_checks_apply(cfg, self.optimizer)
-        self._setup_cuda_graphs()
-        # Power of this rank's device (NVML / AMD SMI); rank 0 scales it to the job. Absent on CPU: values are null.
-        self.energy = EnergyMeter(self.device.index or 0) if hardware.is_gpu(self.device) else None
-        self._sample_log = self._open_sample_log() if cfg.train.log_sample_ids else None
+
+    def _setup_batches(self, batches: BatchProvider | None) -> None:
+        """The training batches (the prepared dataset's, or ``batches``) and the validation ones (dataset only)."""
+        seq_len, global_batch, seed = self.cfg.data.seq_len, self.plan.global_batch, self.cfg.train.seed
+        self.tokens_per_step = global_batch * seq_len
+        if batches is not None:
+            self.train_source, self.val_source = batches, None
+            return
+        self.train_source = BatchSource(SampleIndex(self.dataset.split("train"), seq_len, "train"), global_batch, seed)
+        self.val_source = BatchSource(SampleIndex(self.dataset.split("val"), seq_len, "val"), global_batch, seed,
+                                      shuffle=False)  # fmt: skip
 
     # ----------------------------------------------------------------------------------------------------------------
     # set-up
@@ -122,7 +149,7 @@ class Trainer:
             path.write_text("".join(line + "\n" for line in kept))
         return open(path, "a", buffering=1)  # noqa: SIM115 - closed in close()
 
-    def _apply_auto_layout(self) -> None:
+    def _apply_auto_layout(self) -> str | None:
         """parallel.auto: take strategy / micro-batch / activation checkpointing from the cost model's plan."""
         from anytrain.cost.planner import choose_layout
 
@@ -132,7 +159,7 @@ class Trainer:
             if key in choice:
                 section, name = key.split(".")
                 setattr(getattr(self.cfg, section), name, choice[key])
-        self._auto_reason = choice.get("reason")
+        return choice.get("reason")
 
     def _check_data_fits_model(self) -> None:
         if self.dataset.vocab_size > self.model_args.vocab_size:
@@ -421,7 +448,7 @@ class Trainer:
     def train(self) -> dict:
         cfg = self.cfg.train
         step = self.progress["step"]
-        first_val = self._eval_and_log(step) if step == 0 and cfg.eval_batches else None
+        first_val = self._eval_and_log(step) if step == 0 and self._eval_batches() else None
         meter = ThroughputMeter()
         self.window = self._metric_window()
         hardware.reset_peak_memory(self.device)
@@ -434,7 +461,8 @@ class Trainer:
         if self.energy is not None:
             self.energy.start()
         p = self.cfg.profile
-        profiler = StepProfiler(p.start_step, p.steps, self.run_dir / "profile", self.info.rank, self.device, p.trace)
+        profile_dir = self.run_dir / "profile" if self.run_dir is not None else Path("profile")
+        profiler = StepProfiler(p.start_step, p.steps, profile_dir, self.info.rank, self.device, p.trace)
         first_step = step
         gc_was_enabled = gc.isenabled()
         if cfg.gc_interval > 0:
@@ -449,7 +477,8 @@ class Trainer:
                 profiled = profiler.after_step(step - first_step)
                 if profiled is not None:
                     self.log.print(format_summary(profiled, f"profile of step {step + 1}, rank {self.info.rank}"))
-                self.checkpointer.poll()
+                if self.checkpointer is not None:
+                    self.checkpointer.poll()
                 if status.nonfinite:
                     self._stop_nonfinite(status.step, status.grad_norm)
                 step += 1
@@ -470,7 +499,7 @@ class Trainer:
                 else:
                     self.log.advance(step)
                 eval_due = cfg.eval_interval and step % cfg.eval_interval == 0
-                if cfg.eval_batches and (eval_due or step == end) and not status.stop:
+                if self._eval_batches() and (eval_due or step == end) and not status.stop:
                     last_val = self._eval_and_log(step)
                     meter.reset()
                 if self._checkpoint_due(step) or status.checkpoint_due or status.stop:
@@ -482,7 +511,8 @@ class Trainer:
             if gc_was_enabled:
                 gc.enable()
             self.guard.uninstall()
-            self.checkpointer.wait()
+            if self.checkpointer is not None:
+                self.checkpointer.wait()
         return self._finish(first_val, last_val, rates)
 
     def _metric_window(self) -> MetricWindow:
@@ -508,7 +538,13 @@ class Trainer:
         return {"window_loss": sums, "window_steps": steps, "loss_ranks": self.loss_ranks,
                 "spike": self.guard.spike_state()}  # fmt: skip
 
+    def _eval_batches(self) -> int:
+        """Validation batches per evaluation: none without a validation split (a trainer fed ``batches``)."""
+        return self.cfg.train.eval_batches if self.val_source is not None else 0
+
     def _save(self, step: int, final: bool = False) -> None:
+        if self.checkpointer is None:  # a trainer without a run directory writes nothing
+            return
         self.state.metrics = self._metrics_state()
         self.checkpointer.save(step, self.state, asynchronous=self.cfg.checkpoint.async_save and not final)
         self.guard.saved()
@@ -521,7 +557,7 @@ class Trainer:
         """Whether the loop synchronises after ``step`` steps anyway (log, eval, checkpoint, end): the lagged checks
         are read there, so that nothing is logged or saved before the step's verdict."""
         cfg = self.cfg.train
-        eval_due = cfg.eval_batches and cfg.eval_interval and step % cfg.eval_interval == 0
+        eval_due = self._eval_batches() and cfg.eval_interval and step % cfg.eval_interval == 0
         return bool(step % cfg.log_interval == 0 or step == end or eval_due or self._checkpoint_due(step)
                     or status.checkpoint_due or status.stop)  # fmt: skip
 
@@ -533,12 +569,16 @@ class Trainer:
             return
         self.progress["step"] = step
         self.progress["tokens_seen"] -= n * self.tokens_per_step
-        sched = self.scheduler
-        sched.last_epoch -= n
-        sched._step_count -= n
-        for group, base, factor in zip(self.optimizer.param_groups, sched.base_lrs, sched.lr_lambdas, strict=True):
-            group["lr"] = base * factor(sched.last_epoch)
-        sched._last_lr = [group["lr"] for group in self.optimizer.param_groups]
+        sched = self.scheduler  # LambdaLR: its state_dict holds the step count and the last LRs
+        state = sched.state_dict()
+        state["last_epoch"] -= n
+        state["_step_count"] -= n
+        state["_last_lr"] = [
+            base * factor(state["last_epoch"]) for base, factor in zip(sched.base_lrs, sched.lr_lambdas, strict=True)
+        ]
+        sched.load_state_dict(state)
+        for group, lr in zip(self.optimizer.param_groups, state["_last_lr"], strict=True):
+            group["lr"] = lr
 
     def _stop_nonfinite(self, step: int, grad_norm: float) -> None:
         """Every rank got the same verdict: keep the last good state (weights after the previous step), then stop. The
@@ -547,19 +587,22 @@ class Trainer:
         if getattr(self, "window", None) is not None:
             self.window.reset()
         saved = ""
-        if step > 0:  # Checkpointer.save finishes a save in flight first and keeps a committed one as it is
+        if step > 0 and self.checkpointer is not None:  # save() finishes a save in flight first, keeps a committed one
             self._save(step, final=True)
             saved = f"; the state before it is saved as {self.checkpointer.path_for(step)}"
         message = (f"step {step + 1}: non-finite loss or gradient norm ({grad_norm}) on at least one rank; stopped "
                    f"before the optimizer step{saved}")  # fmt: skip
-        if self.info.is_main:
+        if self.info.is_main and self.run_dir is not None:
             rundir.write_status(self.run_dir, "failed", step=step, message=message)
         raise TrainingError(message)
 
     def _stop_preempted(self, step: int) -> None:
         """Every rank saved ``step``: record the preemption in RUN/status.json (before any rank exits: torchrun stops
         the other workers as soon as one exits), then exit 143 / 130."""
-        code, checkpoint, name = self.guard.exit_code(), self.checkpointer.path_for(step), self.guard.signal_name()
+        code, name = self.guard.exit_code(), self.guard.signal_name()
+        if self.checkpointer is None:
+            raise Preempted(f"{name} at step {step} (exit {code}); no run directory, nothing saved", code)
+        checkpoint = self.checkpointer.path_for(step)
         if self.info.is_main:
             rundir.write_status(self.run_dir, "preempted", step=step, signal=name, exit_code=code,
                                 checkpoint=str(checkpoint))  # fmt: skip
@@ -569,6 +612,8 @@ class Trainer:
 
     def _checkpoint_due(self, step: int) -> bool:
         c = self.cfg.checkpoint
+        if self.checkpointer is None:
+            return False
         return bool(c.interval and step % c.interval == 0) or (c.save_final and step == self._end_step)
 
     def _log_train(self, step: int, loss: torch.Tensor, grad_norm: torch.Tensor, meter: ThroughputMeter) -> float:
@@ -617,9 +662,9 @@ class Trainer:
         steady = rates[1:] or rates  # the first window includes warm-up / compilation
         tokens_per_s = sum(steady) / len(steady) if steady else 0.0
         per_device = tokens_per_s / self.info.world_size
-        latest = self.checkpointer.latest() if self.info.is_main else None
+        latest = self.checkpointer.latest() if self.info.is_main and self.checkpointer is not None else None
         summary = {
-            "run_dir": str(self.run_dir),
+            "run_dir": str(self.run_dir) if self.run_dir is not None else None,
             "steps": self.progress["step"],
             "tokens_seen": self.progress["tokens_seen"],
             "first_val_loss": first_val,
@@ -641,10 +686,10 @@ class Trainer:
             "params_non_embedding": self.accounting_model.num_params(exclude_embedding=True),
             "flops_per_token": self.flops_per_token,
             "checkpoint": str(latest) if latest else None,
-            "hardware": hardware.summary(self.device),
+            "hardware": hardware.summary(self.device, self.cfg.train.peak_tflops or None),
             "config": to_dict(self.cfg),
         }
-        if self.info.is_main:
+        if self.info.is_main and self.run_dir is not None:
             (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
             rundir.write_status(self.run_dir, "finished", step=self.progress["step"], checkpoint=summary["checkpoint"])
         return summary
@@ -655,8 +700,9 @@ class Trainer:
         self.log.close()
         if self._sample_log is not None:
             self._sample_log.close()
-        if self._run.lock is not None:
-            self._run.lock.release()
+        run = getattr(self, "_run", None)
+        if run is not None and run.lock is not None:
+            run.lock.release()
 
 
 def clip_in_optimizer(optimizer: torch.optim.Optimizer, strategy: str, dims: ParallelDims) -> bool:

@@ -1,0 +1,36 @@
+"""docs/configuration.md is generated from config.py and every config field has a docstring."""
+
+import dataclasses
+import typing
+from pathlib import Path
+
+from anytrain import config
+from anytrain.configdoc import field_docs, render
+
+DOC = Path(__file__).resolve().parents[2] / "docs" / "configuration.md"
+
+
+def test_configuration_page_is_up_to_date():
+    assert DOC.read_text() == render(), "docs/configuration.md is stale: python -m anytrain.configdoc > it"
+
+
+def test_every_config_field_has_a_docstring():
+    hints = typing.get_type_hints(config.RunConfig)
+    missing = [f"{section.name}.{f.name}" for section in dataclasses.fields(config.RunConfig)
+               if dataclasses.is_dataclass(hints[section.name])
+               for f in dataclasses.fields(hints[section.name])
+               if not field_docs(hints[section.name]).get(f.name)]  # fmt: skip
+    assert not missing, f"config fields without a docstring: {missing}"
+
+
+def test_field_docs_reads_the_literal_after_each_field():
+    @dataclasses.dataclass
+    class Example:
+        a: int = 1
+        """first"""
+        b: int = 2
+        c: str = "x"
+        """third
+        continued"""
+
+    assert field_docs(Example) == {"a": "first", "c": "third\ncontinued"}
