@@ -4,7 +4,7 @@ Default shape (mamba-2.8b-like): batch 2, dim 5376, seqlen 4096, width 4, SiLU, 
 implementation, in ms (``triton.testing.do_bench`` medians over 3 rotating input sets; do_bench clears the L2 before
 every call):
 
-- ``fwd``: the op (``anytrain.kernels.causal_conv1d``) under ``torch.no_grad``;
+- ``fwd``: the op (``anytrain.kernels.causal_conv1d_triton``) under ``torch.no_grad``;
 - ``bwd``: ``torch.autograd.grad`` of the retained graph of one forward (the backward alone);
 - ``fwd+bwd``: a forward with autograd and ``torch.autograd.grad`` of it;
 - ``kern warm`` / ``kern flushed``: the GPU time of the kernels one call launches (torch.profiler, summed kernel
@@ -232,7 +232,7 @@ def main() -> int:
             continue
         print(f"{name:<27}" + "".join(f"{r[k]:>13.4f}" if "ms" in k else f"{r[k]:>13.1f}" for _, k in cols))
     try:
-        config = vars(importlib.import_module("anytrain.kernels.causal_conv1d").default_config())
+        config = vars(importlib.import_module("anytrain.kernels.causal_conv1d_triton").default_config())
     except Exception:  # noqa: BLE001  (metadata only)
         config = None
     record = {

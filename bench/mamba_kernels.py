@@ -25,11 +25,11 @@ import triton
 from triton.testing import do_bench
 
 from anytrain.kernels import selective_scan_triton as scan_mod
-from anytrain.kernels.causal_conv1d import ConvConfig
+from anytrain.kernels.causal_conv1d_triton import ConvConfig
 from anytrain.kernels.reference import selective_scan_ref
 from anytrain.kernels.selective_scan_triton import ScanConfig
 
-conv_mod = importlib.import_module("anytrain.kernels.causal_conv1d")
+conv_mod = importlib.import_module("anytrain.kernels.causal_conv1d_triton")
 
 BATCH, SEQLEN, DIM, DSTATE, WIDTH = 2, 4096, 5376, 16, 4
 NSETS = 3
@@ -288,7 +288,7 @@ def main() -> int:
         if convs:
             # by the kernels' GPU time (the launchers' host overhead is the same for every config)
             conv_cfg = ConvConfig(**min(convs, key=lambda r: r["fwd_gpu_ms"] + r["bwd_gpu_ms"])["config"])
-        # timed below and recorded as "conv_config"; a new default goes into _VENDOR_CONFIGS of kernels/causal_conv1d.py
+        # timed below and recorded as "conv_config"; a new default goes into kernels/causal_conv1d_triton.py
         print(f"chosen: {conv_cfg}")
     f, b = bench_scan(scan_cfg, sets)
     _, bd = bench_scan(scan_cfg, sets, deterministic=True)

@@ -16,7 +16,7 @@ if not torch.cuda.is_available():  # skip before importing the kernels (CPU runs
     pytest.skip("needs a CUDA/ROCm GPU", allow_module_level=True)
 pytest.importorskip("triton")
 
-from anytrain.kernels.causal_conv1d import _PLANS, causal_conv1d_triton, default_config  # noqa: E402
+from anytrain.kernels.causal_conv1d_triton import _PLANS, causal_conv1d_triton, default_config  # noqa: E402
 from anytrain.kernels.reference import causal_conv1d_ref  # noqa: E402
 
 TOL = {torch.float32: (6e-4, 2e-3), torch.bfloat16: (3e-2, 5e-2)}

@@ -44,14 +44,12 @@ def _run(trainer, steps: int = 6) -> tuple[list[float], list[torch.Tensor], floa
 
 
 @pytest.mark.parametrize("arch", ["transformer", "mamba"])
-def test_graph_replay_trains_like_eager_fp32(small_data, tmp_path, arch, monkeypatch):
+def test_graph_replay_trains_like_eager_fp32(small_data, tmp_path, arch):
     """fp32 (and the deterministic scan backward): losses, validation loss and final weights of the graphed run equal
     the eager run's to float rounding; every micro-step after the first replayed the graph."""
-    from anytrain import kernels
-
-    monkeypatch.setattr(kernels, "_deterministic", True)  # the scan's dB/dC without atomics: bit-stable reductions
-    eager = _run(_trainer(small_data, tmp_path / "eager", arch, False, "fp32"))
-    graphed_trainer = _trainer(small_data, tmp_path / "graphs", arch, True, "fp32")
+    deterministic = ("--kernels.deterministic", "true")  # the scan's dB/dC without atomics: bit-stable reductions
+    eager = _run(_trainer(small_data, tmp_path / "eager", arch, False, "fp32", extra=deterministic))
+    graphed_trainer = _trainer(small_data, tmp_path / "graphs", arch, True, "fp32", extra=deterministic)
     assert graphed_trainer._graphed is not None
     graphed = _run(graphed_trainer)
     assert graphed_trainer._graphed.replays == 6 * 2  # 6 steps x 2 micro-batches, the first one captured, then replayed

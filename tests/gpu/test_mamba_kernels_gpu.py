@@ -15,7 +15,7 @@ if not torch.cuda.is_available():  # skip before importing the kernels (CPU runs
     pytest.skip("needs a CUDA/ROCm GPU", allow_module_level=True)
 pytest.importorskip("triton")
 
-from anytrain.kernels.causal_conv1d import causal_conv1d_triton  # noqa: E402
+from anytrain.kernels.causal_conv1d_triton import causal_conv1d_triton  # noqa: E402
 from anytrain.kernels.reference import causal_conv1d_ref, selective_scan_ref  # noqa: E402
 from anytrain.kernels.selective_scan_triton import selective_scan_triton  # noqa: E402
 

@@ -5,8 +5,9 @@ The public ops and options live in ``anytrain.kernels.ops`` (see there for the b
 every process-wide kernel option from a ``KernelsConfig`` (the trainer calls it with ``RunConfig.kernels``, so the run
 directory's config.yaml records them).
 
-Importing the Triton module ``anytrain.kernels.causal_conv1d`` directly binds that module as this package's
-``causal_conv1d`` attribute; ``anytrain.kernels.ops.causal_conv1d`` is the op under every import order.
+The Triton implementations are the modules ``selective_scan_triton`` and ``causal_conv1d_triton`` (imported lazily
+on first use, so tests can set ``TRITON_INTERPRET`` first); their names differ from the public ops', so importing
+them never rebinds ``anytrain.kernels.causal_conv1d`` / ``selective_scan``.
 """
 
 from __future__ import annotations

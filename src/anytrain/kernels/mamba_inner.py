@@ -3,10 +3,10 @@ dt_proj -> selective scan (D skip, SiLU(z) gate) -> out_proj as ONE autograd nod
 
 Layout: every (batch, channels, time) activation is stored channel-major with the batch folded into time, i.e. as a
 (C, B·T) matrix, and handed to the kernels as the (B, C, T) view with strides (T, B·T, 1) (unit stride in time, which
-is all the conv/scan kernels need; their batch and channel strides are kernel arguments). The kernels run through the
-launchers ``causal_conv1d._fwd`` / ``_bwd`` and ``selective_scan_triton._fwd`` / ``_bwd`` (the forwards write into
-this op's buffers via ``out=``). Every projection, forward and backward, is then one plain 2-D GEMM whose operands
-are row-major or transposed (cuBLAS reads both, no copy):
+is all the conv/scan kernels need; their batch and channel strides are kernel arguments). The kernels run through
+the launchers ``causal_conv1d_triton._fwd`` / ``_bwd`` and ``selective_scan_triton._fwd`` / ``_bwd`` (the forwards
+write into this op's buffers via ``out=``). Every projection, forward and backward, is then one plain 2-D GEMM whose
+operands are row-major or transposed (cuBLAS reads both, no copy):
 
     xz    (2E, N) = W_in (2E, D) @ h^T           (N = B·T; h (N, D) row-major, read transposed)
     x_dbl (R+2S, N) = W_x @ conv_out (E, N)      (dt, B, C are row blocks: B, C reach the scan unit-stride in time)

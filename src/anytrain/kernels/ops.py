@@ -54,21 +54,16 @@ _modules: tuple[ModuleType, ModuleType] | None | bool = False  # False: not trie
 
 
 def _triton_modules() -> tuple[ModuleType, ModuleType] | None:
-    """(selective_scan_triton, causal_conv1d) modules, imported on first use; None if Triton is not importable."""
+    """(selective_scan_triton, causal_conv1d_triton) modules, imported on first use; None without Triton."""
     global _modules
     if _modules is False:
         try:
             _modules = (
                 importlib.import_module("anytrain.kernels.selective_scan_triton"),
-                importlib.import_module("anytrain.kernels.causal_conv1d"),
+                importlib.import_module("anytrain.kernels.causal_conv1d_triton"),
             )
         except ImportError:
             _modules = None
-        # importing the module anytrain.kernels.causal_conv1d binds it as the package attribute of that name, over
-        # the public op: bind the op again
-        import anytrain.kernels as package
-
-        package.causal_conv1d = causal_conv1d
     return _modules  # type: ignore[return-value]
 
 

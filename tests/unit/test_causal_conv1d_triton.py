@@ -17,7 +17,7 @@ if _TRITON_PREIMPORTED:
 
 import torch  # noqa: E402
 
-from anytrain.kernels.causal_conv1d import (  # noqa: E402
+from anytrain.kernels.causal_conv1d_triton import (  # noqa: E402
     _PLANS,
     ConvConfig,
     _bwd,
