@@ -28,6 +28,12 @@ class DiskFullError(AnytrainError):
 def _is_disk_full(exc: BaseException) -> bool:
     if isinstance(exc, OSError) and exc.errno in _FULL_ERRNOS:
         return True
+    # torch.distributed.checkpoint collects each rank's exception in CheckpointException.failures
+    failures = getattr(exc, "failures", None)
+    if isinstance(failures, dict):
+        wrapped = (f[0] if isinstance(f, tuple) else f for f in failures.values())
+        if any(isinstance(e, BaseException) and _is_disk_full(e) for e in wrapped):
+            return True
     text = str(exc).lower()  # torch and safetensors wrap the OSError in their own exception types
     return any(t in text for t in _FULL_TEXTS)
 
@@ -39,7 +45,7 @@ def disk_full_as_error(what: str | Path) -> Iterator[None]:
         yield
     except AnytrainError:
         raise
-    except Exception as exc:
+    except BaseException as exc:  # DCP's CheckpointException is a BaseException; anything else is re-raised as is
         if _is_disk_full(exc) or _is_disk_full(exc.__cause__ or exc):
             raise DiskFullError(f"disk full while writing {what}; free space on that filesystem or write "
                                 "elsewhere (nothing was replaced)") from None  # fmt: skip

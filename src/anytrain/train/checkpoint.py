@@ -11,6 +11,7 @@ loading verifies them and falls back from a damaged newest checkpoint to the nex
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import shutil
@@ -31,6 +32,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.checkpoint.stateful import Stateful
 
+from anytrain.diskio import DiskFullError, disk_full_as_error
 from anytrain.errors import RunDirError
 from anytrain.parallel import barrier, broadcast_object
 from anytrain.train.optim import IMPLEMENTATION_KEYS
@@ -200,9 +202,11 @@ class Checkpointer:
                 future = dcp.async_save({"train": state}, checkpoint_id=str(path), process_group=self._async_group())
                 self._pending = (future, path, step, started)
                 return path
-            dcp.save({"train": state}, checkpoint_id=str(path))
+            with self._disk_full(path):
+                dcp.save({"train": state}, checkpoint_id=str(path))
         barrier()  # every rank's shards are on disk before the marker
-        self._commit(path, step, started)
+        with self._disk_full(path):
+            self._commit(path, step, started)
         barrier()
         return path
 
@@ -228,8 +232,21 @@ class Checkpointer:
             return
         future, path, step, started = self._pending
         self._pending = None
-        future.result()  # re-raises a failed write
-        self._commit(path, step, started)
+        with self._disk_full(path):
+            future.result()  # re-raises a failed write
+            self._commit(path, step, started)
+
+    @contextlib.contextmanager
+    def _disk_full(self, path: Path):
+        """A full filesystem while writing checkpoint ``path``: one error line; the torn folder is removed (it never
+        counted: no COMMITTED marker) so that the space it took is free again."""
+        try:
+            with disk_full_as_error(path):
+                yield
+        except DiskFullError:
+            if self.is_main:
+                shutil.rmtree(path, ignore_errors=True)
+            raise
 
     def _commit(self, path: Path, step: int, started: float) -> None:
         if self.is_main:
