@@ -9,7 +9,7 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test install lint format clean-demo cluster-deps
+.PHONY: demo test test-all install lint format clean-demo cluster-deps
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -39,7 +39,12 @@ cluster-deps:
 
 # pytest exits 5 when it collects no test: treat that as a failure of the suite, not a pass
 test: $(STAMP) cluster-deps
-	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile -m "not gpu" tests; status=$$?; \
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile -m "not gpu and not slow" --durations=20 tests; status=$$?; \
+	if [ $$status -eq 5 ]; then echo "no tests were collected"; exit 1; fi; exit $$status
+
+# the whole CPU suite, the longer matrices marked slow included
+test-all: $(STAMP) cluster-deps
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile -m "not gpu" --durations=30 tests; status=$$?; \
 	if [ $$status -eq 5 ]; then echo "no tests were collected"; exit 1; fi; exit $$status
 
 lint: $(STAMP)

@@ -44,7 +44,7 @@ MEMORY_BAND, STEP_BAND = 0.10, 0.20
 # The Mamba rows of the 2026-11-22 H200 scaling files ran before `train.compile: true` entered
 # configs/mamba-1.4b.yaml: their peaks and rates equal bench/mamba_train.py's *uncompiled* run of the same shape
 # (50.36 GiB and 27.4k tokens/s; compiled: 47.36 GiB, 31.1k) to 0.01 GiB. Every Mamba row recorded so far also ran
-# before the recipe's bf16 residual stream (`model.args.residual_in_fp32: false`, tenth session): fp32 residual.
+# before the recipe's bf16 residual stream (`model.args.residual_in_fp32: false`): fp32 residual.
 # --no-as-run predicts them as recorded.
 _UNCOMPILED = ("scaling_nvidia-h200_2gpu_main.json", "scaling_nvidia-h200_2gpu_rerun.json",
                "scaling_nvidia-h200_4gpu.json", "scaling_nvidia-h200.json")  # fmt: skip

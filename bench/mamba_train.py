@@ -87,8 +87,8 @@ def default_cases() -> list[Case]:
         Case("130m-eager", "130m", 1024, 8, 64, "anytrain", "anytrain 130m, eager (the recipe before graphs)"),
         # mamba-1.4b at micro-batch 4 with global batch 8 instead of 32 (2 micro-batches per step, not 8), so that 10
         # timed steps fit a short GPU lease; the optimizer step (~5% of such a step on an H200) is then amortised over
-        # 4x fewer tokens than in the recipe, which "1.4b-recipe" runs as configured (micro-batch 8 since the seventh
-        # session; "1.4b-mb4c" is the recipe at micro-batch 4, for cards below 80 GB).
+        # 4x fewer tokens than in the recipe, which "1.4b-recipe" runs as configured (micro-batch 8; "1.4b-mb4c" is
+        # the recipe at micro-batch 4, for cards below 80 GB).
         Case("1.4b", "1.4b", 2048, 4, 8, "anytrain", "anytrain 1.4b, micro-batch 4, global batch 8"),
         Case("1.4b-recipe", "1.4b", 2048, 8, 32, "anytrain", "recipe (mamba-1.4b.yaml)", True, False, "auto", 2, 5,
              BF16_RESIDUAL),
@@ -97,7 +97,7 @@ def default_cases() -> list[Case]:
         # cards of 141 GB or more (H200): micro-batch 16 (configs/mamba-1.4b-mb16.yaml, 122 GiB)
         Case("1.4b-mb16", "1.4b", 2048, 16, 32, "anytrain", "recipe mb16 (mamba-1.4b-mb16.yaml)", True, False, "auto",
              2, 5, BF16_RESIDUAL),
-        # the fp32 residual stream (mamba-ssm's and HF's default; the recipes before the tenth session)
+        # the fp32 residual stream (mamba-ssm's and HF's default)
         Case("1.4b-fp32res", "1.4b", 2048, 8, 32, "anytrain", "recipe, fp32 residual stream", True, False, "auto",
              2, 5),
         Case("1.4b-mb16-fp32res", "1.4b", 2048, 16, 32, "anytrain", "recipe mb16, fp32 residual", True, False, "auto",

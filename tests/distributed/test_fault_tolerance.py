@@ -125,6 +125,7 @@ def test_kill_9_of_one_rank_then_resume_is_exact(reference):
     assert ids == ref_ids and len(ids) == 40 * 8  # every global sample once, in order: 0 duplicates, 0 skips
 
 
+@pytest.mark.slow  # resharding is also covered by test_model_parallel (dp2 x tp2 -> dp4) and test_pipeline
 def test_reshard_fsdp2_to_world_1_and_4_and_ddp(tmp_path, small_data):
     config = write_config(tmp_path, small_data, steps=20, interval=10, log_sample_ids=False)
     ref = tmp_path / "fsdp2"
@@ -172,7 +173,8 @@ def _worker_pid(parent: int, rank: int) -> int:
     raise AssertionError("worker not found")
 
 
-@pytest.mark.parametrize("nproc,impl", [(1, "auto"), (2, "auto"), (2, "fused")])  # fused: lagged checks
+@pytest.mark.parametrize("nproc,impl", [(1, "auto"), pytest.param(2, "auto", marks=pytest.mark.slow),
+                                        (2, "fused")])  # fused: lagged checks  # fmt: skip
 def test_sigterm_saves_the_current_step_and_resume_is_exact(tmp_path, small_data, nproc, impl):
     # many slow-ish steps so the signal lands mid-run; the schedule is fixed by train.steps
     config = write_config(tmp_path, small_data, steps=100_000, interval=0, log_sample_ids=False, optimizer_impl=impl)
@@ -248,8 +250,10 @@ def assert_same_state(a, b, where: str = "") -> None:
         assert a == b, where
 
 
-LAGGED_CASES = [(7, "ddp", False), (5, "ddp", False), (7, "fsdp", False), (7, "zero1", False), (6, "ddp", True),
-                (7, "pp", False)]  # fmt: skip
+# make test runs one case per mechanism (DDP lag, FSDP, async save); the rest under the slow marker
+LAGGED_CASES = [(7, "ddp", False), pytest.param(5, "ddp", False, marks=pytest.mark.slow), (7, "fsdp", False),
+                pytest.param(7, "zero1", False, marks=pytest.mark.slow), (6, "ddp", True),
+                pytest.param(7, "pp", False, marks=pytest.mark.slow)]  # fmt: skip
 
 
 @pytest.mark.parametrize("nan_step,layout,async_save", LAGGED_CASES)
@@ -280,6 +284,7 @@ def test_lagged_checks_stop_a_nan_step_with_the_state_before_it(tmp_path, small_
     assert_same_state(*states)
 
 
+@pytest.mark.slow
 def test_resume_keeps_the_optimizer_kernel_of_this_run(tmp_path, small_data):
     """The param groups' fused/foreach choice comes from this run's config and machine, not from the checkpoint: a
     fused (lagged-checks) checkpoint resumes with foreach (checks every step), and a 2-process DDP checkpoint of the
@@ -319,7 +324,7 @@ def windowed(tmp_path_factory, small_data):
     return tmp, config
 
 
-@pytest.mark.parametrize("nproc,seed", [(1, 0), (1, 1), (2, 2)])
+@pytest.mark.parametrize("nproc,seed", [(1, 0), pytest.param(1, 1, marks=pytest.mark.slow), (2, 2)])
 def test_every_logged_record_after_a_kill_and_resume_equals_the_uninterrupted_run(windowed, nproc, seed):
     """kill -9 at a random step, resume from the checkpoint inside the log window: the first record after the resume
     averages the same steps (the window's per-rank loss sums are in the checkpoint), and every record equals the

@@ -66,7 +66,8 @@ def train_records(run_dir) -> list[dict]:
 
 @pytest.mark.parametrize("first, then", [
     ((4, ("--parallel.pp", "2", "--parallel.strategy", "fsdp")), (1, ())),  # dp2 x pp2 (FSDP) -> one process
-    ((2, ("--parallel.strategy", "zero1")), (2, ("--parallel.pp", "2"))),  # ZeRO-1 (sharded state) -> pp2
+    pytest.param((2, ("--parallel.strategy", "zero1")), (2, ("--parallel.pp", "2")),  # ZeRO-1 (sharded state) -> pp2
+                 marks=pytest.mark.slow),
 ])  # fmt: skip
 def test_checkpoint_resumes_at_another_layout(runs, tmp_path, first, then):
     _, config, out = runs

@@ -202,8 +202,8 @@ def test_tensor_parallel_keeps_the_lm_head_whole():
 @pytest.mark.parametrize(
     "name, shape_args, layout, batch, seq, compiled, prec, measured",
     [  # bench/results/scaling_nvidia-h200_*.json (torch 2.11, 2026-11-22): allocator peaks of rank 0; mb16 and
-        # fp32-residual: transformer_nvidia-h200_in_process.json; mamba-compiled: mamba_train_nvidia-h200.json (47.4;
-        # the sixth session's version of the file)
+        # fp32-residual: an in-process H200 transformer run; mamba-compiled: an earlier mamba_train_nvidia-h200.json
+        # (47.4; the file's git history)
         ("t-1-g32", ("transformer", "1.1b"), Layout(micro_batch=4), 32, 2048, True, AMP, 29.30),
         ("v-tiny-1", ("transformer", "tiny"), Layout(micro_batch=16), 16, 256, False, AMP, 0.436),
         ("v-125m-1", ("transformer", "125m"), Layout(micro_batch=16), 64, 1024, True, AMP, 7.54),
@@ -235,7 +235,7 @@ def test_against_measured_h200_peaks(name, shape_args, layout, batch, seq, compi
 
 @pytest.mark.parametrize("micro, measured_fp32, measured_bf16", [(8, 75.8, 72.7), (16, 128.3, 122.0)])
 def test_mamba_residual_stream_dtype_moves_the_predicted_peak_as_measured(micro, measured_fp32, measured_bf16):
-    """mamba-1.4b, one H200, compiled, global batch 32 (bench/results/mamba_train_nvidia-h200_session10_residual.json):
+    """mamba-1.4b, one H200, compiled, global batch 32 (a residual-stream A/B run, docs/history/):
     the bf16 residual stream (model.args.residual_in_fp32 false) lowered the allocator peak by 3.1 / 6.3 GiB; the
     model's difference must match (it predicted none while it took Mamba's stream as fp32 under any autocast)."""
     from anytrain.config import RunConfig

@@ -12,8 +12,8 @@ Host floor: small models are bound by the host launching kernels, not by the GPU
 the host ``shape.eager_ops_per_block`` × ``host_op_us`` per micro-batch (forward + backward dispatch; 121 ATen ops
 per Llama block, counted on CPU), a compiled block ``host_layer_us_compiled``; ``host_step_us`` is the fixed
 per-step part (optimizer, clipping, step agreement). ``host_op_us`` was fitted on the tiny run on one H200 (eager,
-4 blocks, one micro-batch: 16.3 ms per step, host-bound), when a block had 139 ops (23.5 µs each). The thirteenth
-session's RoPE rewrite (-18 ops) and the projections' autograd function (which costs more host time per call) left
+4 blocks, one micro-batch: 16.3 ms per step, host-bound), when a block had 139 ops (23.5 µs each). A later RoPE
+rewrite (-18 ops) and the projections' autograd function (which costs more host time per call) left
 121 on CPU (114 on GPUs: the fp32-output GEMM is one op there, a product and a copy on CPU); 26.5 µs keeps that
 measured step's prediction and is an assumption until the tiny eager run is re-measured; the compiled
 figure and the per-step part are assumptions that no measured run is bound by (see docs/cost-model.md).
@@ -57,8 +57,7 @@ class Device:
     host_step_us: float = 2000.0  # per optimizer step: optimizer, clipping, the guard's all-reduce (assumed)
     host_graph_us: float = 60.0  # per micro-batch replayed from a CUDA graph: two input copies + one launch (assumed)
     scan_ns: float = 0.062  # Mamba scan fwd+bwd per (token, inner channel), S=16: H200 kernel profile (199.3 ms
-    # for 16384 tokens x 48 layers x 4096 channels with the v5 backward, bench/results/mamba_train_nvidia-h200.json
-    # as of the sixth session: see its git history)
+    # for 16384 tokens x 48 layers x 4096 channels with an earlier backward kernel; docs/history/ has the profile)
     hbm_efficiency: float = 0.85  # achieved fraction of HBM bandwidth by fused elementwise kernels (H200 copy: 87%)
     optimizer_bytes_per_param: float = 80.0  # clipping + fused AdamW, in HBM-equivalent bytes per parameter
     # (H200 kernel profile: 18.4 ms AdamW + 3.7 ms clipping for 1.1B parameters)

@@ -104,7 +104,7 @@ class ModelShape(_LanguageModelParams):
 
 @dataclass(frozen=True)
 class MambaShape(_LanguageModelParams):
-    """Mamba-1 LM shape for the cost model (anytrain's models/mamba.py). E = expand·d inner width, S state size,
+    """Mamba-1 LM shape for the cost model (anytrain's models/mamba/model.py). E = expand·d inner width, S state size,
     R Δ rank, K conv width. No attention: tensor parallelism is not offered (``n_heads`` = 1 keeps tp = 1).
     ``state_every``: the fused scan saves its fp32 state every ``state_every`` steps (``ScanConfig.chunk_bwd``)."""
 

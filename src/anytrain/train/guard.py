@@ -6,7 +6,7 @@ rank 0's wall clock saying "checkpoint now" reach every rank at the same step.
 Synchronous (``check``): the step's one host sync (``.tolist()``) reads the reduced flags before the optimizer step;
 it is skipped entirely for a single process with the finite check and spike guard off. Every multi-GPU step then
 waits for the device, and the host's work for the next step (optimizer launch, data, FSDP hooks) is exposed: about
-5 points of 2-GPU weak-scaling efficiency on the 1.1B Transformer (docs/scaling.md, sixth pass).
+5 points of 2-GPU weak-scaling efficiency on the 1.1B Transformer (docs/scaling.md).
 
 Lagged (``launch`` / ``resolve``, train.lagged_checks): the reduced flags are copied to the host asynchronously and
 read one step later (or at the next log, eval or checkpoint, which synchronise anyway). The non-finite verdict

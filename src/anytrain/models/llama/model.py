@@ -119,7 +119,7 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     cos/sin: (T, E) from ``rope_tables``. Math in fp32.
 
     Written as x·cos + swap(x)·sin (swap exchanging the two elements of each pair), bitwise equal to the pairwise form
-    (a stack of the rotated halves) that it replaced; measurements in docs/benchmarks.md (thirteenth session)."""
+    (a stack of the rotated halves), with fewer ops per call."""
     x32 = x.float()
     swapped = x32.unflatten(-1, (-1, 2)).flip(-1).flatten(-2)  # (x1, x0, x3, x2, ...)
     return (x32 * cos[None, :, None, :] + swapped * sin[None, :, None, :]).type_as(x)
