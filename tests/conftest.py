@@ -31,6 +31,22 @@ def run_cli(*args: str, cwd: Path | None = None, timeout: int = 600, gpu: bool =
                           capture_output=True, text=True, timeout=timeout)  # fmt: skip
 
 
+def cli_in_process(capsys, *args: str) -> tuple[int, str, str]:
+    """``anytrain ARGS`` in this process (no interpreter start-up): (exit code, stdout, stderr)."""
+    from unittest import mock
+
+    from anytrain import cli as anytrain_cli
+
+    with mock.patch.object(sys, "argv", ["anytrain", *args]):
+        try:
+            anytrain_cli.main()
+            code = 0
+        except SystemExit as exc:
+            code = exc.code or 0
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
 def autocast_block_outputs(models: dict, block_of, tokens) -> tuple[dict, dict, dict]:
     """For each named model: the output of its block ``block_of(model)`` and its mean next-token loss (as fp32) under
     CPU bf16 autocast, and the dtype of its logits without autocast — (block outputs, losses, plain dtypes). The

@@ -4,12 +4,12 @@ lm-evaluation-harness bridge asking for exactly the native scorer's prompts and 
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import pytest
 
 from anytrain.config import load_config
+from tests.conftest import cli_in_process as cli
 
 ITEMS = [{"context": f"ROMEO. Scene {i}:", "choices": ["love", "hate", "death and night"][: 2 + i % 2],
           "label": i % 2} for i in range(10)]  # fmt: skip
@@ -53,22 +53,6 @@ def task_dir(tmp_path_factory) -> Path:
     (folder / "toy_lm.yaml").write_text(YAML.format(path=folder / "toy.jsonl"))
     (folder / "lines.txt").write_text("But, soft! what light through yonder window breaks?\n" * 8)
     return folder
-
-
-def cli(capsys, *args: str) -> tuple[int, str, str]:
-    """``anytrain ARGS`` in this process: (exit code, stdout, stderr)."""
-    from unittest import mock
-
-    from anytrain import cli as anytrain_cli
-
-    with mock.patch.object(sys, "argv", ["anytrain", *args]):
-        try:
-            anytrain_cli.main()
-            code = 0
-        except SystemExit as exc:
-            code = exc.code or 0
-    captured = capsys.readouterr()
-    return code, captured.out, captured.err
 
 
 def test_eval_tasks_writes_results_and_a_table(run, task_dir, capsys):

@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import pytest
@@ -15,6 +14,7 @@ from anytrain.errors import ConfigError, RunDirError
 from anytrain.evals import load_run_model, validation_loss
 from anytrain.evals.hf import INDEX_FILE, MARKER, export_hf, init_from_hf
 from anytrain.models import build_model
+from tests.conftest import cli_in_process as cli
 
 transformers = pytest.importorskip("transformers")
 
@@ -112,22 +112,6 @@ def test_export_refuses_to_replace_what_it_did_not_write(runs, tmp_path):
         export_hf(runs["mamba"], other, overwrite=True)
     assert (other / "notes.txt").read_text() == "mine"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["hf", "other"]  # no temporary folders left
-
-
-def cli(capsys, *args: str) -> tuple[int, str, str]:
-    """``anytrain ARGS`` in this process (no interpreter start-up): (exit code, stdout, stderr)."""
-    from unittest import mock
-
-    from anytrain import cli as anytrain_cli
-
-    with mock.patch.object(sys, "argv", ["anytrain", *args]):
-        try:
-            anytrain_cli.main()
-            code = 0
-        except SystemExit as exc:
-            code = exc.code or 0
-    captured = capsys.readouterr()
-    return code, captured.out, captured.err
 
 
 def test_export_cli(runs, tmp_path, capsys):

@@ -10,6 +10,7 @@ import pytest
 
 from anytrain.errors import AnytrainError
 from anytrain.evals.compare import compare_runs, load_curves, plot_curves
+from tests.conftest import cli_in_process as cli
 
 
 def write_run(path: Path, losses: list[float], tokens_per_step: int = 128, bump: dict[int, float] | None = None,
@@ -28,21 +29,6 @@ def write_run(path: Path, losses: list[float], tokens_per_step: int = 128, bump:
 
 
 LOSSES = [6.0 - 0.1 * i for i in range(20)]
-
-
-def cli(capsys, *args: str) -> tuple[int, str, str]:
-    from unittest import mock
-
-    from anytrain import cli as anytrain_cli
-
-    with mock.patch.object(sys, "argv", ["anytrain", *args]):
-        try:
-            anytrain_cli.main()
-            code = 0
-        except SystemExit as exc:
-            code = exc.code or 0
-    captured = capsys.readouterr()
-    return code, captured.out, captured.err
 
 
 def test_identical_runs_pass_and_a_planted_divergence_fails(tmp_path, capsys):
