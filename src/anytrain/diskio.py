@@ -3,7 +3,8 @@
 ``disk_full_as_error`` turns the ways a full filesystem surfaces (``OSError`` ENOSPC/EDQUOT, torch's
 ``PytorchStreamWriter`` / ``inline_container.cc`` RuntimeError, safetensors' "os error 28") into
 :class:`DiskFullError` naming what was being written. ``temp_sibling`` names a hidden file or folder next to the
-target, to be renamed onto it when complete (a rename within one folder is atomic).
+target, to be renamed onto it when complete (a rename within one folder is atomic): ``write_text_atomic`` for a
+file, ``move_into_place`` for a finished output folder.
 """
 
 from __future__ import annotations
@@ -55,6 +56,28 @@ def disk_full_as_error(what: str | Path) -> Iterator[None]:
 def temp_sibling(path: Path, tag: str = "tmp") -> Path:
     """A hidden name next to ``path`` for its in-progress version: ``.<name>.<tag>-<pid>``."""
     return path.parent / f".{path.name}.{tag}-{os.getpid()}"
+
+
+def write_text_atomic(path: Path, text: str) -> None:
+    """Write ``path`` so that readers see either the old file or the whole new one (a hidden sibling, renamed)."""
+    tmp = temp_sibling(path)
+    tmp.write_text(text)
+    tmp.replace(path)
+
+
+def move_into_place(temp: Path, out: Path) -> None:
+    """Rename the finished folder ``temp`` onto ``out``. An existing ``out`` (an earlier output, or an empty folder)
+    is moved aside first and deleted only once the new one is in place; if the rename fails, it is put back."""
+    old = temp_sibling(out, "old")
+    if out.exists():
+        out.replace(old)
+    try:
+        temp.replace(out)
+    except BaseException:
+        if old.exists():
+            old.replace(out)
+        raise
+    shutil.rmtree(old, ignore_errors=True)
 
 
 def remove(path: Path) -> None:

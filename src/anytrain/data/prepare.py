@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import shutil
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -17,7 +16,7 @@ from pathlib import Path
 import numpy as np
 
 from anytrain.data.shards import INDEX, ShardWriter, token_dtype, write_index
-from anytrain.diskio import disk_full_as_error, missing_parents, remove, temp_sibling
+from anytrain.diskio import disk_full_as_error, missing_parents, move_into_place, remove, temp_sibling
 from anytrain.errors import DataError
 
 EOS = "<|endoftext|>"
@@ -278,15 +277,7 @@ def _move_into_place(tmp: Path, out: Path, overwrite: bool) -> None:
     except BaseException:
         remove(tmp)
         raise
-    old = None
-    if out.is_dir() and any(out.iterdir()):
-        old = temp_sibling(out, "old")
-        out.rename(old)
-    elif out.is_dir():
-        out.rmdir()
-    tmp.rename(out)
-    if old is not None:
-        shutil.rmtree(old)
+    move_into_place(tmp, out)
 
 
 def prepare(inputs: list[str], out_dir: str | Path, tokenizer_path: str | None = None, vocab_size: int = 8192,

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import numpy as np
 
+from anytrain.diskio import write_text_atomic
 from anytrain.errors import DataError
 
 INDEX = "index.json"
@@ -71,9 +72,7 @@ def write_index(out_dir: Path, dtype: np.dtype, vocab_size: int, eos_id: int, sp
                 meta: dict | None = None) -> None:  # fmt: skip
     index = {"format": FORMAT_VERSION, "dtype": dtype.name, "vocab_size": vocab_size, "eos_id": eos_id,
              "splits": splits, "meta": meta or {}}  # fmt: skip
-    tmp = out_dir / (INDEX + ".tmp")
-    tmp.write_text(json.dumps(index, indent=1))
-    tmp.replace(out_dir / INDEX)  # the index appears only once every shard is complete
+    write_text_atomic(out_dir / INDEX, json.dumps(index, indent=1))  # appears only once every shard is complete
 
 
 @dataclass

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import json
 import math
-import shutil
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -32,7 +31,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from anytrain.diskio import disk_full_as_error, missing_parents, remove, temp_sibling
+from anytrain.diskio import disk_full_as_error, missing_parents, move_into_place, remove, temp_sibling
 from anytrain.errors import ConfigError, RunDirError
 
 MARKER = "anytrain_export.json"
@@ -421,24 +420,9 @@ def export_hf(source: str | Path, out: str | Path, dtype: str = "fp32", overwrit
                                "generation_config.json": json.dumps(generation, indent=2),
                                MARKER: json.dumps({**marker, "weights": shards}, indent=1)}.items():  # fmt: skip
                 (temp / name).write_text(text)
-        _swap_into_place(temp, out)
+        move_into_place(temp, out)
     except BaseException:
         for leftover in [temp] + ([created] if created is not None else []):
             remove(leftover)
         raise
     return out
-
-
-def _swap_into_place(temp: Path, out: Path) -> None:
-    """Rename the finished folder onto ``out``; an earlier export (or empty folder) is moved aside first and deleted
-    only once the new one is in place."""
-    old = temp_sibling(out, "old")
-    if out.exists():
-        out.replace(old)
-    try:
-        temp.replace(out)
-    except BaseException:
-        if old.exists():
-            old.replace(out)
-        raise
-    shutil.rmtree(old, ignore_errors=True)

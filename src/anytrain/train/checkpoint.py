@@ -32,7 +32,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.checkpoint.stateful import Stateful
 
-from anytrain.diskio import DiskFullError, disk_full_as_error
+from anytrain.diskio import DiskFullError, disk_full_as_error, write_text_atomic
 from anytrain.errors import RunDirError
 from anytrain.parallel import barrier, broadcast_object
 from anytrain.train.optim import IMPLEMENTATION_KEYS
@@ -252,9 +252,7 @@ class Checkpointer:
         if self.is_main:
             marker = {"step": step, "time": time.time(), "seconds": round(time.perf_counter() - started, 3),
                       "files": file_manifest(path, self.checksums)}  # fmt: skip
-            tmp = path / f".{COMMIT_MARKER}.tmp"
-            tmp.write_text(json.dumps(marker))
-            tmp.replace(path / COMMIT_MARKER)
+            write_text_atomic(path / COMMIT_MARKER, json.dumps(marker))
             self._prune()
 
     def load(self, path: Path, target) -> None:

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
 
+from anytrain.diskio import write_text_atomic
 from anytrain.errors import ConfigError, RunDirError
 
 MARKER = ".anytrain-run.json"
@@ -186,9 +187,7 @@ def open_run_dir(path: Path, name: str, resume: bool, overwrite: bool) -> RunLoc
 def write_status(run_dir: Path, state: str, **fields) -> None:
     """RUN/status.json: how this invocation stands (running, finished, preempted, failed), written atomically."""
     record = {"state": state, "time": datetime.now().isoformat(timespec="seconds"), **_identity(), **fields}
-    tmp = run_dir / f".{STATUS}.tmp"
-    tmp.write_text(json.dumps(record, indent=1) + "\n")
-    tmp.replace(run_dir / STATUS)
+    write_text_atomic(run_dir / STATUS, json.dumps(record, indent=1) + "\n")
 
 
 def read_status(run_dir: Path) -> dict | None:
