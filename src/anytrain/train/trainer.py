@@ -106,6 +106,8 @@ class Trainer:
         self.peak_flops = hardware.peak_flops(self.device, cfg.train.peak_tflops or None)
         self.guard = StepGuard(cfg, self.device, self.info.is_main, self.info.world_size, self.loss_ranks)
         self.guard.lagged = lagged_checks_apply(cfg, self.optimizer)
+        self._clip_in_optimizer = cfg.train.clip_in_optimizer and clip_in_optimizer(self.optimizer, self.strategy,
+                                                                                     self.dims)  # fmt: skip
         self._setup_cuda_graphs()
         # Power of this rank's device (NVML / AMD SMI); rank 0 scales it to the job. Absent on CPU: values are null.
         self.energy = EnergyMeter(self.device.index or 0) if hardware.is_gpu(self.device) else None
@@ -386,8 +388,7 @@ class Trainer:
         (``clip_in_optimizer``) by this step's fused AdamW, which divides the gradients by ``optimizer.grad_scale`` as
         it reads them (until then, and on a skipped step, ``.grad`` stays unclipped)."""
         max_norm = self.cfg.train.grad_clip or math.inf
-        in_optimizer = self.cfg.train.clip_in_optimizer and clip_in_optimizer(self.optimizer, self.strategy, self.dims)
-        if math.isfinite(max_norm) and in_optimizer:
+        if math.isfinite(max_norm) and self._clip_in_optimizer:  # decided once, in __init__
             # the fused AdamW divides each gradient by its grad_scale as it reads it (written back, as clipping would):
             # no separate pass that scales every gradient in place
             grads = [p.grad for p in self.model.parameters() if p.grad is not None]
