@@ -59,7 +59,7 @@ SlurmctldPort={_free_port()}
 SlurmdPort={_free_port()}
 AuthType=auth/munge
 CredType=cred/munge
-AuthInfo=socket={root}/munge.sock
+AuthInfo=socket={root}/munge.sock,cred_expire=10
 SlurmUser={user}
 SlurmdUser={user}
 StateSaveLocation={root}/state

@@ -121,12 +121,17 @@ def render_sbatch(job: SlurmJob) -> str:
         "# SIGTERM (preemption, or the time limit minus the grace period) -> every task: the trainer saves a",
         "# checkpoint and exits 143; the job is then requeued and resumes from it (checkpoint.auto_resume).",
         "preempted=0",
+        # The job's state tells a preemption / time-limit signal (RUNNING) from a user's scancel (CANCELLED). It is
+        # read into a variable, three tries: a pipe into `grep -q` under pipefail, or one slow slurmctld answer,
+        # would read as "not running" and lose the requeue.
+        "job_state() { local out i; for i in 1 2 3; do "
+        'if out=$(scontrol show job -o "$SLURM_JOB_ID" 2>/dev/null); then '
+        'out=${out#*JobState=}; echo "${out%% *}"; return 0; fi; sleep 1; done; echo UNKNOWN; }',
         # scancel without --batch signals the job steps' tasks only (srun itself would cancel the step on SIGTERM:
-        # the tasks would get SIGKILL KillWait seconds later, possibly in the middle of the save). A job cancelled by
-        # the user (no longer RUNNING) is not requeued: SLURM signals its tasks itself.
-        'trap \'if scontrol show job -o "$SLURM_JOB_ID" | grep -q "JobState=RUNNING"; then preempted=1; '
+        # the tasks would get SIGKILL KillWait seconds later, possibly in the middle of the save).
+        'trap \'state=$(job_state); if [ "$state" = RUNNING ]; then preempted=1; '
         'echo "anytrain: SIGTERM, saving"; scancel --signal=TERM "$SLURM_JOB_ID"; '
-        'else echo "anytrain: job cancelled, not requeued"; fi\' TERM',
+        'else echo "anytrain: job cancelled, not requeued (state $state)"; fi\' TERM',
         f"srun --kill-on-bad-exit=1 {shlex.join(train_command(job))} &",
         "srun_pid=$!",
         'wait "$srun_pid"; status=$?',
