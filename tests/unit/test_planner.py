@@ -8,10 +8,19 @@ import typer
 from typer.testing import CliRunner
 
 from anytrain.config import load_config
-from anytrain.cost.cli import parse_count, plan_command, shape_from_params
+from anytrain.cost.cli import parse_count, parse_duration, plan_command, shape_from_params
 from anytrain.cost.devices import get_device
-from anytrain.cost.model import MEGATRON, Layout, ModelShape, Workload, estimate
-from anytrain.cost.planner import NoFeasiblePlan, candidate_layouts, choose_layout, plan
+from anytrain.cost.model import MEGATRON, STRATEGIES, Layout, ModelShape, Workload, estimate
+from anytrain.cost.planner import (
+    RUNNABLE_STRATEGIES,
+    NoFeasiblePlan,
+    candidate_layouts,
+    choose_layout,
+    plan,
+    size_job,
+    trainer_overrides,
+)
+from anytrain.cost.shapes import shape_from_config
 from anytrain.errors import ConfigError
 
 LLAMA_7B = ModelShape(32, 4096, 32, 32, 11008, 32000)
@@ -189,3 +198,61 @@ def test_efficiency_table_is_an_option_not_the_environment(tmp_path, monkeypatch
     assert plain.exit_code == 0 and tabled.exit_code == 0, plain.output + tabled.output
     assert json.loads(tabled.output)["device"]["efficiency"] == pytest.approx(0.123)
     assert json.loads(plain.output)["device"]["efficiency"] == pytest.approx(get_device("h200").efficiency)
+
+
+# Job sizing: the two worked examples of docs/cost-model.md ("Job sizing").
+
+
+def test_job_sizing_seed_example_175b_on_frontier_in_50_days():
+    """GPT 175B on Frontier GCDs, 175B tokens, 50 days: 6·Ψ·D / (N · 191.5 TFLOP/s · 0.38) is 57.2 d at 512 GCDs
+    (no count up to 512 can make it, whatever the layout) and 38.1 d at 768; the model's 41.1 d fits: 96 nodes."""
+    shape = shape_from_params(175e9)
+    device = get_device("frontier")
+    sized = size_job(shape, device, Workload(2048, 1536, tokens=175e9), deadline_s=50 * 86400, max_gpus=3072,
+                     precision=MEGATRON, strategies=STRATEGIES)  # fmt: skip
+    assert (sized.gpus, sized.nodes) == (768, 96)
+    bound_days = {n: 6 * shape.num_params * 175e9 / (n * device.peak_flops * device.efficiency) / 86400
+                  for n in (512, 768)}  # fmt: skip
+    assert bound_days[512] > 50 > bound_days[768]
+    by_count = {row["gpus"]: row for row in sized.tried}
+    assert by_count[512]["total_s"] > 50 * 86400 >= sized.best.total_s >= bound_days[768] * 86400
+    assert max(by_count) == 768 and not by_count[48]["fits"]  # "fewest" stops at the first count that meets it
+    assert "fewest devices that meet the deadline 50.0 d; 512 would take 61.7 d" in sized.reason
+
+
+def test_job_sizing_1b_on_h200s_fewest_cheapest_and_budget():
+    """1.1B recipe, 1e10 tokens in 24 h on H200s: one GPU needs 29.3 h even at the compute bound (7.31e19 model
+    FLOPs at 989 TFLOP/s x 0.70), so two; with no deadline one GPU is the cheapest."""
+    cfg = load_config("configs/1.1b.yaml")
+    shape, device = shape_from_config(cfg), get_device("h200")
+    wl = Workload(2048, 32, tokens=1e10)
+    sized = size_job(shape, device, wl, deadline_s=24 * 3600, strategies=RUNNABLE_STRATEGIES)
+    assert sized.gpus == 2 and sized.best.steps == 152_588 and sized.best.total_s <= 24 * 3600
+    one_gpu_bound_h = 1e10 * shape.flops_per_token(2048) / (device.peak_flops * device.efficiency) / 3600
+    assert 29 < one_gpu_bound_h < 30 and sized.tried[0]["total_s"] > one_gpu_bound_h * 3600
+    overrides = trainer_overrides(sized.best)
+    assert overrides[:2] == ["--parallel.strategy", "fsdp"] and overrides[-2:] == ["--train.steps", "152588"]
+    cheapest = size_job(shape, device, wl, objective="cheapest", max_gpus=16, strategies=RUNNABLE_STRATEGIES)
+    assert cheapest.gpus == 1 and len(cheapest.tried) == 5
+    with pytest.raises(ConfigError, match=r"^--budget-gpu-hours: 38 device-hours are too few; .* 2 devices"):
+        size_job(shape, device, wl, deadline_s=24 * 3600, budget_gpu_hours=38, strategies=RUNNABLE_STRATEGIES)
+    with pytest.raises(ConfigError, match=r"^--deadline: no device count up to --max-gpus 8 finishes in 1.0 h"):
+        size_job(shape, device, wl, deadline_s=3600, max_gpus=8, strategies=RUNNABLE_STRATEGIES)
+
+
+@pytest.mark.parametrize("text, seconds", [("36h", 129600), ("30d", 2592000), ("90min", 5400), ("45m", 2700),
+                                           ("600s", 600), ("2-00:00:00", 172800), ("04:30:00", 16200)])  # fmt: skip
+def test_deadline_formats(text, seconds):
+    assert parse_duration(text) == seconds
+
+
+def test_plan_cli_sizes_the_job_and_prints_the_sbatch_line():
+    args = ["--model", "configs/1.1b.yaml", "--gpu", "h200", "--tokens", "1e10", "--deadline", "24h"]
+    result = CliRunner().invoke(_app(), args)
+    assert result.exit_code == 0, result.output
+    assert "sbatch: anytrain launch slurm configs/1.1b.yaml --nodes 1 --gpus-per-node 2 --time 0-20:57:00 --" in (
+        result.output
+    )
+    missing = CliRunner().invoke(_app(), args[:4])
+    assert missing.exit_code != 0 and "--gpus: give the device count, or --deadline" in str(missing.exception)
+    assert "not a duration" in str(CliRunner().invoke(_app(), [*args[:-1], "soon"]).exception)

@@ -9,13 +9,14 @@ from __future__ import annotations
 import json
 import math
 import re
+import shlex
 from pathlib import Path
 
 import typer
 
 from anytrain.cost.devices import get_device, load_efficiency_table
 from anytrain.cost.model import PRECISIONS, STRATEGIES, ModelShape, Workload
-from anytrain.cost.planner import RUNNABLE_STRATEGIES, PlanResult, plan
+from anytrain.cost.planner import OBJECTIVES, RUNNABLE_STRATEGIES, PlanResult, SizingResult, plan, size_job
 from anytrain.cost.shapes import shape_from_config
 from anytrain.errors import ConfigError
 
@@ -151,11 +152,13 @@ def format_table(result: PlanResult, top: int, price: float | None) -> str:
 def plan_command(
     model: str = typer.Option(..., "--model", help="Config YAML, flavour (1.1b), or parameter count (7e9, 175B)."),
     gpu: str = typer.Option(..., "--gpu", help="Device kind: h100, h200, a100-80, mi250x, mi300x, frontier, ..."),
-    gpus: int = typer.Option(..., "--gpus", help="Total number of devices."),
+    gpus: int = typer.Option(None, "--gpus", help="Total number of devices (omit to size the job: --deadline)."),
     gpus_per_node: int = typer.Option(None, "--gpus-per-node", help="Devices per node (default: the device's)."),
     tokens: float = typer.Option(None, "--tokens", help="Training tokens (default 20 × parameters, Chinchilla)."),
     seq: int = typer.Option(None, "--seq", help="Sequence length (default: the config's, else 2048)."),
-    global_batch: int = typer.Option(None, "--global-batch", help="Sequences per step (default: config's, else gpus)."),
+    global_batch: int = typer.Option(
+        None, "--global-batch", help="Sequences per step (default: the config's, else --gpus; sizing: 4 Mi tokens)."
+    ),
     layers: int = typer.Option(None, "--layers", help="Layers, with a parameter count."),
     hidden: int = typer.Option(None, "--hidden", help="Model width, with a parameter count."),
     heads: int = typer.Option(None, "--heads", help="Attention heads (default hidden/128)."),
@@ -176,6 +179,12 @@ def plan_command(
     price: float = typer.Option(None, "--price-per-gpu-hour", help="Price of one device-hour, for a cost column."),
     top: int = typer.Option(10, "--top", help="Rows to show."),
     as_json: bool = typer.Option(False, "--json", help="Print JSON instead of a table."),
+    deadline: str = typer.Option(
+        None, "--deadline", help="Size the job: finish --tokens by then (36h, 30d, 2-00:00:00)."
+    ),
+    max_gpus: int = typer.Option(None, "--max-gpus", help="Job sizing: most devices to consider (default 64 nodes)."),
+    budget: float = typer.Option(None, "--budget-gpu-hours", help="Job sizing: most device-hours to spend."),
+    objective: str = typer.Option("fewest", "--objective", help=f"Job sizing: {' or '.join(OBJECTIVES)} devices."),
 ) -> None:
     """Predict memory, step time, communication and energy of parallel layouts; recommend one."""
     shape, cfg = resolve_model(model, layers, hidden, heads, kv_heads, ffn, vocab)
@@ -184,7 +193,8 @@ def plan_command(
     if watts:
         device = device.replace(power_fraction=watts / device.tdp_watts)
     seq_len = seq or (cfg.data.seq_len if cfg else 2048)
-    batch = global_batch or (cfg.train.global_batch if cfg else max(gpus, 8))
+    # sizing without a config: about 4 Mi tokens per step, whatever the device count
+    batch = global_batch or (cfg.train.global_batch if cfg else max(gpus, 8) if gpus else max(1, 2**22 // seq_len))
     if precision and precision not in PRECISIONS:
         raise ConfigError(f"--precision: unknown {precision!r}; choose from {', '.join(PRECISIONS)}")
     bad = [s for s in strategy or [] if s not in STRATEGIES]
@@ -192,6 +202,16 @@ def plan_command(
         raise ConfigError(f"--strategy: unknown {bad[0]!r}; choose from {', '.join(STRATEGIES)}")
     graphs = bool(cfg and cfg.train.cuda_graphs)  # a recipe with train.cuda_graphs: one device replays graphs
     wl = Workload(seq_len, batch, tokens=tokens or 0.0, compiled=compiled, cuda_graphs=graphs)
+    if gpus is None:
+        if deadline is None and budget is None:
+            raise ConfigError("--gpus: give the device count, or --deadline / --budget-gpu-hours to size the job")
+        kw = dict(strategies=tuple(strategy) if strategy else RUNNABLE_STRATEGIES, tp=tp, pp=pp,
+                  micro_batches=(micro_batch,) if micro_batch else None)  # fmt: skip
+        sized = size_job(shape, device, wl, parse_duration(deadline) if deadline else None, max_gpus, budget,
+                         objective, PRECISIONS.get(precision) if precision else None, **kw)  # fmt: skip
+        typer.echo(json.dumps(sized.as_dict(), indent=1, default=str) if as_json else
+                   format_sizing(sized, model if cfg else None, wl))  # fmt: skip
+        return
     result = plan(
         shape,
         device,
@@ -216,6 +236,48 @@ def plan_command(
         f"{(wl.tokens or 20 * shape.num_params) / 1e9:,.1f}B tokens"
     )
     typer.echo(format_table(result, top, price))
+
+
+def parse_duration(text: str, flag: str = "--deadline") -> float:
+    """Seconds from '36h', '30d', '90min', '45m', '600s' or SLURM's 'D-HH:MM:SS' / 'HH:MM:SS'."""
+    value = text.strip().lower()
+    match = re.fullmatch(r"([0-9]*\.?[0-9]+)\s*(s|m|min|h|d)", value)
+    if match:
+        return float(match.group(1)) * {"s": 1, "m": 60, "min": 60, "h": 3600, "d": 86400}[match.group(2)]
+    match = re.fullmatch(r"(?:([0-9]+)-)?([0-9]+):([0-9]{2}):([0-9]{2})", value)
+    if match:
+        days, hours, minutes, seconds = (int(g or 0) for g in match.groups())
+        return float(((days * 24 + hours) * 60 + minutes) * 60 + seconds)
+    raise ConfigError(f"{flag}: {text!r} is not a duration; write e.g. 36h, 30d, 90min or 2-00:00:00")
+
+
+def slurm_time(seconds: float) -> str:
+    """SLURM's D-HH:MM:SS, rounded up to the minute."""
+    minutes = math.ceil(seconds / 60)
+    return f"{minutes // 1440}-{minutes // 60 % 24:02d}:{minutes % 60:02d}:00"
+
+
+def format_sizing(sized: SizingResult, config: str | None, wl: Workload) -> str:
+    """The counts tried, the choice and why, the train overrides and the sbatch line."""
+    from anytrain.cost.planner import trainer_overrides
+
+    lines = [f"{'devices':>8} {'nodes':>6}  {'layout':<26} {'mb':>3} {'AC':<4} {'step s':>9} {'total':>9} "
+             f"{'device-h':>11}"]  # fmt: skip
+    for row in sized.tried:
+        if row["fits"]:
+            lines.append(f"{row['gpus']:>8} {row['nodes']:>6}  {row['layout']:<26} {row['micro_batch']:>3} "
+                         f"{row['ac']:<4} {row['step_s']:>9.3f} {_duration(row['total_s']):>9} "
+                         f"{row['gpu_hours']:>11,.0f}")  # fmt: skip
+        else:
+            lines.append(f"{row['gpus']:>8} {row['nodes']:>6}  does not fit: {row['why'][:80]}")
+    per_node = min(sized.gpus, sized.best.device.gpus_per_node)
+    overrides = shlex.join(trainer_overrides(sized.best))
+    lines += [f"chosen: {sized.reason}",
+              f"{wl.tokens / 1e9:,.1f}B tokens = {sized.best.steps:,} steps of {wl.global_batch} x {wl.seq_len}",
+              f"overrides: {overrides}",
+              f"sbatch: anytrain launch slurm {config or 'CONFIG'} --nodes {sized.nodes} --gpus-per-node {per_node} "
+              f"--time {slurm_time(1.1 * sized.best.total_s)} -- {overrides}"]  # fmt: skip
+    return "\n".join(lines)
 
 
 def main() -> None:  # pragma: no cover - `python -m anytrain.cost.cli`

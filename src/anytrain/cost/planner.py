@@ -320,3 +320,157 @@ def choose_layout(cfg: object, world_size: int, device_spec: object, gpus_per_no
         },
         "reason": result.reason,
     }
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Job sizing: how many devices, for a token budget and a deadline
+
+OBJECTIVES = ("fewest", "cheapest")
+
+
+def candidate_gpu_counts(gpus_per_node: int, max_gpus: int) -> list[int]:
+    """The device counts job sizing tries: powers of two up to one node, then whole nodes in the counts 2^k and
+    3·2^k (1, 2, 3, 4, 6, 8, 12, ... nodes: the counts global batches and pipeline depths divide), up to
+    ``max_gpus``."""
+    counts = [k for k in _powers_of_two(gpus_per_node) if k <= max_gpus]
+    nodes = sorted({n for k in _powers_of_two(max(1, max_gpus // gpus_per_node)) for n in (k, 3 * k // 2) if n >= 2})
+    return counts + [n * gpus_per_node for n in nodes if n * gpus_per_node <= max_gpus]
+
+
+@dataclass
+class SizingResult:
+    """The chosen device count and its best layout, and every count tried (``tried``: one dict per count)."""
+
+    best: Estimate
+    gpus: int
+    nodes: int
+    objective: str
+    reason: str
+    tried: list[dict] = field(default_factory=list)
+
+    @property
+    def gpu_hours(self) -> float:
+        return self.best.total_s * self.gpus / 3600
+
+    def as_dict(self) -> dict:
+        return {"gpus": self.gpus, "nodes": self.nodes, "objective": self.objective, "reason": self.reason,
+                "total_s": self.best.total_s, "gpu_hours": self.gpu_hours, "steps": self.best.steps,
+                "recommended": self.best.as_dict(), "overrides": trainer_overrides(self.best),
+                "tried": self.tried}  # fmt: skip
+
+
+def trainer_overrides(best: Estimate) -> list[str]:
+    """``anytrain train`` overrides that run ``best``'s layout: strategy, degrees, micro-batch, activation
+    checkpointing and the steps that cover the token budget."""
+    lay = best.layout
+    strategy = {"hsdp": "fsdp", "zero2": "fsdp"}.get(lay.strategy, lay.strategy)
+    out = ["--parallel.strategy", strategy, "--parallel.tp", str(lay.tp), "--parallel.pp", str(lay.pp)]
+    if lay.strategy == "hsdp":
+        out += ["--parallel.dp_replicate", str(lay.dp // lay.shard_size), "--parallel.dp_shard", str(lay.shard_size)]
+    if lay.strategy == "zero2" or (lay.strategy in ("fsdp", "hsdp") and not lay.reshard_after_forward):
+        out += ["--parallel.reshard_after_forward", "false"]
+    return out + ["--train.micro_batch", str(lay.micro_batch), "--train.activation_checkpointing", lay.ac,
+                  "--train.steps", str(best.steps)]  # fmt: skip
+
+
+def _tried_row(gpus: int, gpus_per_node: int, best: Estimate | None, why: str = "") -> dict:
+    row = {"gpus": gpus, "nodes": max(1, gpus // gpus_per_node)}
+    if best is None:
+        return {**row, "fits": False, "why": why}
+    return {**row, "fits": True, "layout": best.layout.label, "micro_batch": best.layout.micro_batch,
+            "ac": best.layout.ac, "step_s": best.step_s, "total_s": best.total_s,
+            "gpu_hours": best.total_s * gpus / 3600}  # fmt: skip
+
+
+def _hours(seconds: float) -> str:
+    return f"{seconds / 86400:.1f} d" if seconds >= 2 * 86400 else f"{seconds / 3600:.1f} h"
+
+
+def _fastest_layout(shape: ModelShape, device: Device, gpus: int, wl: Workload, precision: Precision | None,
+                    **kw: object) -> tuple[Estimate | None, str]:  # fmt: skip
+    """``plan``'s choice on ``gpus`` devices without its search for the smallest change: (best, "") or (None, why)."""
+    try:
+        validate_request(shape, gpus, device.gpus_per_node, wl.global_batch, wl.seq_len, kw.get("tp"), kw.get("pp"))
+    except ConfigError as exc:
+        return None, str(exc)
+    feasible, infeasible = _search(shape, device, gpus, wl, precision, **kw)
+    if feasible:
+        return min(feasible, key=_rank_key), ""
+    if not infeasible:
+        return None, f"the global batch {wl.global_batch} does not split over {gpus} devices"
+    lean = min(infeasible, key=lambda e: e.required_gib)
+    return None, f"the leanest layout ({lean.layout.label}) needs {lean.required_gib:.1f} GiB per device"
+
+
+def size_job(shape: ModelShape, device: Device, wl: Workload, deadline_s: float | None = None,
+             max_gpus: int | None = None, budget_gpu_hours: float | None = None, objective: str = "fewest",
+             precision: Precision | None = None, **plan_kw: object) -> SizingResult:  # fmt: skip
+    """The device count for ``wl.tokens`` tokens: ``fewest`` devices whose best layout finishes by ``deadline_s``
+    within ``budget_gpu_hours``, or the ``cheapest`` (fewest device-hours) that does. Counts are
+    ``candidate_gpu_counts`` up to ``max_gpus`` (default 64 nodes); each count's layout is ``plan``'s choice.
+    Raises ConfigError naming the flag when no count meets the constraints."""
+    if objective not in OBJECTIVES:
+        raise ConfigError(f"--objective: expected one of {', '.join(OBJECTIVES)}, got {objective!r}")
+    for flag, value in (("--deadline", deadline_s), ("--max-gpus", max_gpus), ("--budget-gpu-hours", budget_gpu_hours)):
+        if value is not None and value <= 0:
+            raise ConfigError(f"{flag}: must be > 0, got {value}")
+    if wl.tokens <= 0:
+        raise ConfigError("--tokens: job sizing needs the training tokens (e.g. --tokens 2e11)")
+    g = device.gpus_per_node
+    max_gpus = max_gpus or 64 * g
+    tried, meets = [], []
+    for gpus in candidate_gpu_counts(g, max_gpus):
+        best, why = _fastest_layout(shape, device, gpus, wl, precision, **plan_kw)
+        if best is None:
+            tried.append(_tried_row(gpus, g, None, why))
+            continue
+        tried.append(_tried_row(gpus, g, best))
+        in_time = deadline_s is None or best.total_s <= deadline_s
+        in_budget = budget_gpu_hours is None or best.total_s * gpus / 3600 <= budget_gpu_hours
+        if in_time and in_budget:
+            meets.append((gpus, best))
+            if objective == "fewest":
+                break
+    if not meets:
+        raise ConfigError(_no_size_message(tried, deadline_s, budget_gpu_hours, max_gpus))
+    if objective == "fewest":
+        gpus, best = meets[0]
+    else:
+        gpus, best = min(meets, key=lambda m: (m[0] * m[1].total_s, m[0]))
+    return SizingResult(best, gpus, max(1, gpus // g), objective,
+                        _sizing_reason(gpus, best, tried, objective, deadline_s, budget_gpu_hours), tried)  # fmt: skip
+
+
+def _no_size_message(tried: list[dict], deadline_s: float | None, budget: float | None, max_gpus: int) -> str:
+    fits = [row for row in tried if row["fits"]]
+    if not fits:
+        return f"--max-gpus: the model fits on no device count up to {max_gpus} ({tried[-1]['why']})"
+    fastest = min(fits, key=lambda row: row["total_s"])
+    cheapest = min(fits, key=lambda row: row["gpu_hours"])
+    if deadline_s is not None and fastest["total_s"] > deadline_s:
+        return (f"--deadline: no device count up to --max-gpus {max_gpus} finishes in {_hours(deadline_s)}; the "
+                f"fastest, {fastest['gpus']} devices ({fastest['layout']}), takes {_hours(fastest['total_s'])}: "
+                "raise --max-gpus or the deadline, or train on fewer tokens")  # fmt: skip
+    in_time = [row for row in fits if deadline_s is None or row["total_s"] <= deadline_s]
+    least = min(in_time, key=lambda row: row["gpu_hours"]) if in_time else cheapest
+    return (f"--budget-gpu-hours: {budget:,.0f} device-hours are too few; the cheapest count that meets the deadline, "
+            f"{least['gpus']} devices ({least['layout']}), needs {least['gpu_hours']:,.1f}")  # fmt: skip
+
+
+def _sizing_reason(gpus: int, best: Estimate, tried: list[dict], objective: str, deadline_s: float | None,
+                   budget: float | None) -> str:  # fmt: skip
+    hours = best.total_s * gpus / 3600
+    text = (f"{gpus} devices ({best.layout.label}, micro-batch {best.layout.micro_batch}, AC {best.layout.ac}) take "
+            f"{_hours(best.total_s)} = {hours:,.0f} device-hours")  # fmt: skip
+    limits = [f"the deadline {_hours(deadline_s)}"] if deadline_s is not None else []
+    limits += [f"the budget {budget:,.0f} device-hours"] if budget is not None else []
+    fewer = [row for row in tried if row["gpus"] < gpus]
+    if objective == "fewest":
+        text += f"; the fewest devices that meet {' and '.join(limits) or 'the request'}"
+        if fewer:
+            last = fewer[-1]
+            text += (f"; {last['gpus']} would take {_hours(last['total_s'])} ({last['gpu_hours']:,.0f} device-hours)"
+                     if last["fits"] else f"; {last['gpus']} do not fit ({last['why']})")  # fmt: skip
+    else:
+        text += f"; the fewest device-hours of the counts that meet {' and '.join(limits) or 'the request'}"
+    return text
