@@ -17,7 +17,7 @@ from anytrain.launch.env import discover, expand_hostlist, tasks_on_node
 from anytrain.launch.mpi import hostfile_hosts, mpirun_command
 from anytrain.launch.slurm import SlurmJob, render_sbatch
 from tests.cluster.conftest import missing_tools
-from tests.conftest import ROOT, cli_env
+from tests.conftest import ROOT, cli_env, cli_in_process
 
 
 def write_config(tmp_path: Path, data: Path, steps: int) -> Path:
@@ -202,3 +202,24 @@ def test_launch_slurm_submit_runs_sbatch_and_reports_its_failure(tmp_path, small
     assert (tmp_path / "run.sbatch").is_file() and (tmp_path / "slurm-logs").is_dir()
     bad = subprocess.run([*args, "--no-requeue"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
     assert bad.returncode == 2 and "error: sbatch failed (1): sbatch: error: Batch job submission failed" in bad.stderr
+
+
+def test_launch_slurm_nodes_auto_sizes_the_job_with_the_cost_model(tmp_path, capsys):
+    """--nodes auto: the 1.1B recipe's 152,588 steps (1e10 tokens) by a 24 h limit on H200s -> 2 GPUs on one node
+    with the planner's layout (docs/cost-model.md, "Job sizing", second example); too short a limit names the flag."""
+    args = ["launch", "slurm", str(ROOT / "configs/1.1b.yaml"), "--nodes", "auto", "--gpu", "h200", "--gpus-per-node",
+            "8", "--time", "24:00:00", "--run-dir", str(tmp_path / "run"), "--", "--train.steps", "152588"]  # fmt: skip
+    code, out, err = cli_in_process(capsys, *args)
+    assert code == 0, err
+    assert "--nodes auto: 2 devices (dp2 fsdp-noreshard, micro-batch 16, AC none) take 19.0 h" in out
+    script = (tmp_path / "run.sbatch").read_text()
+    assert "#SBATCH --nodes=1\n#SBATCH --ntasks-per-node=2\n#SBATCH --gpus-per-node=2\n" in script
+    assert (
+        "--parallel.strategy fsdp --parallel.tp 1 --parallel.pp 1 --parallel.reshard_after_forward false "
+        "--train.micro_batch 16 --train.activation_checkpointing none --train.steps 152588 &"
+    ) in script
+    short = [*args[:10], "01:00:00", "--max-nodes", "1", *args[11:]]
+    code, _, err = cli_in_process(capsys, *short)
+    assert code == 2 and err.startswith("error: --time: no device count up to --max-nodes 1 finishes in 1.0 h"), err
+    code, _, err = cli_in_process(capsys, *args[:5], "--run-dir", str(tmp_path / "x"))
+    assert code == 2 and "error: --nodes auto: needs --gpus-per-node N and --gpu KIND" in err

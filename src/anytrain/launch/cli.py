@@ -27,8 +27,11 @@ def _default_run_dir(config: str) -> str:
 def slurm(
     ctx: typer.Context,
     config: str = typer.Argument(..., help="YAML recipe, e.g. configs/125m.yaml."),
-    nodes: int = typer.Option(1, "--nodes", "-N", help="Nodes."),
+    nodes: str = typer.Option("1", "--nodes", "-N", help="Nodes, or auto: sized by the cost model (--gpu, --time)."),
     gpus_per_node: int = typer.Option(0, "--gpus-per-node", "-G", help="GPUs (= tasks) per node; 0 = a CPU job."),
+    gpu: str = typer.Option("", "--gpu", help="--nodes auto: the device kind (h100, h200, mi250x, ...)."),
+    deadline: str = typer.Option("", "--deadline", help="--nodes auto: finish train.steps by then (default --time)."),
+    max_nodes: int = typer.Option(64, "--max-nodes", help="--nodes auto: most nodes to consider."),
     tasks_per_node: int = typer.Option(1, "--tasks-per-node", help="Processes per node of a CPU job."),
     cpus_per_task: int = typer.Option(0, "--cpus-per-task", help="CPUs per task (0 = SLURM's default)."),
     partition: str = typer.Option("", "--partition", "-p", help="SLURM partition."),
@@ -47,10 +50,16 @@ def slurm(
     from anytrain.launch.slurm import SlurmJob, log_dir, render_sbatch
 
     run_dir = run_dir or _default_run_dir(config)
-    job = SlurmJob(config=config, run_dir=run_dir, nodes=nodes, gpus_per_node=gpus_per_node,
+    overrides = list(ctx.args)
+    if nodes == "auto":
+        nodes, gpus_per_node, overrides = _auto_nodes(config, overrides, gpu, gpus_per_node, deadline, time_limit,
+                                                      max_nodes)  # fmt: skip
+    elif not nodes.isdigit():
+        raise ConfigError(f"--nodes: expected a number or auto, got {nodes!r}")
+    job = SlurmJob(config=config, run_dir=run_dir, nodes=int(nodes), gpus_per_node=gpus_per_node,
                    tasks_per_node=tasks_per_node, cpus_per_task=cpus_per_task, partition=partition,
                    time=time_limit, account=account, job_name=job_name, vendor=vendor, grace_s=grace,
-                   requeue=requeue, ifname=ifname, overrides=list(ctx.args))  # fmt: skip
+                   requeue=requeue, ifname=ifname, overrides=overrides)  # fmt: skip
     _check_config(config, job.overrides)
     path = Path(script or f"{run_dir.rstrip('/')}.sbatch")
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -95,10 +104,41 @@ def mpi(
             raise typer.Exit(code)
 
 
-def _check_config(config: str, overrides: list[str]) -> None:
-    """Fail at submission, not in the queue: the recipe must load (overrides are checked by the job itself)."""
+def _auto_nodes(config: str, overrides: list[str], gpu: str, gpus_per_node: int, deadline: str, time_limit: str,
+                max_nodes: int) -> tuple[str, int, list[str]]:  # fmt: skip
+    """``--nodes auto``: the cost model's fewest devices that train the recipe's ``train.steps`` by the deadline.
+    Returns (nodes, GPUs per node, the layout's overrides followed by the user's)."""
+    from anytrain.cost.cli import parse_duration
+    from anytrain.cost.devices import get_device
+    from anytrain.cost.model import Workload
+    from anytrain.cost.planner import RUNNABLE_STRATEGIES, size_job, trainer_overrides
+    from anytrain.cost.shapes import shape_from_config
+
+    if gpus_per_node < 1 or not gpu:
+        raise ConfigError("--nodes auto: needs --gpus-per-node N and --gpu KIND (e.g. --gpu h100) for the cost model")
+    if not (deadline or time_limit):
+        raise ConfigError("--nodes auto: needs --time (or --deadline): the job is sized to finish by then")
+    cfg = _check_config(config, overrides)
+    tokens = cfg.train.steps * cfg.train.global_batch * cfg.data.seq_len
+    wl = Workload(cfg.data.seq_len, cfg.train.global_batch, tokens=tokens, compiled=cfg.train.compile)
+    device = get_device(gpu, gpus_per_node=gpus_per_node)
+    seconds = parse_duration(deadline, "--deadline") if deadline else parse_duration(time_limit, "--time")
+    try:
+        sized = size_job(shape_from_config(cfg), device, wl, seconds, max_nodes * gpus_per_node,
+                         strategies=RUNNABLE_STRATEGIES)  # fmt: skip
+    except ConfigError as exc:
+        text = str(exc).replace(f"--max-gpus {max_nodes * gpus_per_node}", f"--max-nodes {max_nodes}")
+        text = text.replace("--max-gpus", "--max-nodes")
+        raise ConfigError(text if deadline else text.replace("--deadline", "--time")) from None
+    layout = trainer_overrides(sized.best)[:-2]  # the recipe's train.steps stay
+    typer.echo(f"--nodes auto: {sized.reason}")
+    return str(sized.nodes), min(sized.gpus, gpus_per_node), layout + overrides
+
+
+def _check_config(config: str, overrides: list[str]):
+    """Fail at submission, not in the queue: the recipe must load with the overrides; returns the RunConfig."""
     from anytrain.config import load_config
 
     if not Path(config).is_file():
         raise ConfigError(f"{config}: no such config file")
-    load_config(config, overrides)
+    return load_config(config, overrides)
