@@ -54,7 +54,8 @@ def activation_bytes_per_token(
     Transformer, compiled block (the AOT partitioner recomputes norms, RoPE and residual adds from what it saves):
         r·d (block input) + 5·a·d (the two norm outputs, q, the attention output, the o-projection output from
         which the mid residual is recomputed) + 2·a·d_kv (k, v) + 3·a·F (SwiGLU gate, up, product; GELU 2·a·F)
-        + 4·H (flash attention's fp32 log-sum-exp) + 2·4 (the norms' fp32 1/rms)
+        + 4·H (flash attention's fp32 log-sum-exp) + 2·4 (the norms' fp32 1/rms; LayerNorm 2·8: mean and 1/std)
+        (+ with QK-norm: q and k before their norms, a·(d + d_kv), and 4·(H + K) statistics)
     eager block (every op saves its inputs):
         2·(4·d + 4·d) (each RMSNorm keeps its fp32 input and fp32 normalised output) + the matmul inputs: 2·a·d when
         the residual has the compute dtype, else c·a·d (autocast casts the norm output once per consuming matmul:
@@ -72,7 +73,9 @@ def activation_bytes_per_token(
         return mamba_activation_bytes_per_token(shape, prec, compiled)
     d, f, a, r = shape.dim, shape.ffn_dim, prec.act, residual_bytes(shape, prec)
     kv, swiglu = kv_width(shape), shape.mlp == "swiglu"
-    small = 4 * shape.n_heads + 2 * 4  # log-sum-exp, 1/rms
+    small = 4 * shape.n_heads + shape.norm_stat_bytes  # log-sum-exp, the norms' fp32 1/rms (LayerNorm: mean, 1/std)
+    if shape.qk_norm:  # q and k before their norms, and the norms' fp32 statistics per head
+        small += a * (d // shape.n_heads) * (shape.n_heads + shape.n_kv_heads) + 4 * (shape.n_heads + shape.n_kv_heads)
     gathered = 2 * a * d if prec.framework == "anytrain" and tp > 1 else 0.0  # norm outputs, full sequence
     if compiled:
         mlp = (3 if swiglu else 2) * a * f + (a * f if ddp_split and swiglu else 0)
@@ -243,3 +246,36 @@ def peak_phase(shape, layout: Layout, wl: Workload, prec: Precision, workspace_m
     """Which moment holds the peak: 'forward', 'backward' or 'optimizer'."""
     phases = memory_phases(shape, layout, wl, prec, workspace_mib)
     return max(phases, key=lambda name: sum(phases[name].values()))
+
+
+def run_memory_estimate(cfg: object, dims: object, strategy: str, micro_batch: int, fp32: bool,
+                        workspace_mib: float = 0.0) -> tuple[float, str] | None:  # fmt: skip
+    """(peak allocated GiB per device, the step's moment it occurs) that the cost model predicts for a run about to
+    start: ``cfg`` a RunConfig, ``dims`` its ParallelDims, ``strategy`` the trainer's resolved one ('single' is one
+    process). None for a model family the cost model does not cover."""
+    from anytrain.cost.shapes import FP32, GIB, shape_from_config, trainer_precision
+    from anytrain.errors import ConfigError
+
+    try:
+        shape = shape_from_config(cfg)
+    except ConfigError:
+        return None
+    if isinstance(shape, ModelShape) and shape.expand_kv is None:  # as models/llama: expanded K/V only on ROCm
+        import dataclasses
+
+        from anytrain import hardware
+
+        shape = dataclasses.replace(shape, expand_kv=hardware.vendor() == hardware.ROCM)
+    hsdp = strategy == "fsdp" and dims.dp_replicate > 1
+    name = "hsdp" if hsdp else {"single": "ddp"}.get(strategy, strategy)
+    pp_schedule = cfg.parallel.pp_schedule.lower().replace("interleaved1f1b", "interleaved")
+    layout = Layout(dp=dims.dp_replicate * dims.dp_shard, tp=dims.tp, pp=dims.pp, strategy=name,
+                    shard=dims.dp_shard if hsdp else 0, micro_batch=micro_batch, ac=cfg.train.activation_checkpointing,
+                    pp_schedule=pp_schedule, pp_chunks=cfg.parallel.pp_virtual_stages,
+                    reshard_after_forward=cfg.parallel.reshard_after_forward,
+                    reshard_during_accumulation=cfg.parallel.reshard_during_accumulation)  # fmt: skip
+    wl = Workload(cfg.data.seq_len, cfg.train.global_batch, compiled=cfg.train.compile)
+    prec = FP32 if fp32 else trainer_precision(name)
+    phases = memory_phases(shape, layout, wl, prec, workspace_mib)
+    phase = max(phases, key=lambda key: sum(phases[key].values()))
+    return sum(phases[phase].values()) / GIB, phase

@@ -41,7 +41,10 @@ class _LanguageModelParams:
 
 @dataclass(frozen=True)
 class ModelShape(_LanguageModelParams):
-    """Decoder shape. ``mlp``: 'swiglu' (Llama: 3 matrices) or 'gelu' (GPT: 2). ``expand_kv``: K/V heads expanded to
+    """Decoder shape. ``mlp``: 'swiglu' (Llama: 3 matrices) or 'gelu' (GPT, MPT: 2). The other options of
+    anytrain's Transformer (``TransformerArgs``): ``norm`` 'rmsnorm' | 'layernorm' with ``norm_bias``, ``bias`` on
+    the block's linear layers, ``qk_norm`` (E-wide q and k norms), ``pos_encoding`` 'rope' | 'alibi' | 'learned' (a
+    learned table of ``max_seq_len``·d counts with the embeddings). ``expand_kv``: K/V heads expanded to
     H before attention, so attention saves full-width K and V; None = what anytrain's Transformer does on the device
     (native grouped-query SDPA on NVIDIA and CPU, expanded on ROCm: ``estimate`` resolves it from the device).
     ``residual_fp32``: the residual stream stays fp32 under autocast (``model.args.residual_in_fp32``; anytrain's
@@ -58,16 +61,49 @@ class ModelShape(_LanguageModelParams):
     expand_kv: bool | None = None
     name: str = ""
     residual_fp32: bool = False
+    norm: str = "rmsnorm"
+    norm_bias: bool = False
+    bias: bool = False
+    qk_norm: bool = False
+    pos_encoding: str = "rope"
+    max_seq_len: int = 0
 
     @property
     def kv_dim(self) -> int:
         return self.n_kv_heads * (self.dim // self.n_heads)
 
     @property
+    def _norm_width(self) -> int:
+        """Parameters per normalised element: 1 (scale), 2 with a LayerNorm bias."""
+        return 2 if self.norm_bias else 1
+
+    @property
     def layer_params(self) -> int:
-        """2·d² (Q, O) + 2·d·d_kv (K, V) + (3 or 2)·d·F (MLP) + 2·d (norms)."""
-        d, f = self.dim, self.ffn_dim
-        return 2 * d * d + 2 * d * self.kv_dim + (3 if self.mlp == "swiglu" else 2) * d * f + 2 * d
+        """2·d² (Q, O) + 2·d·d_kv (K, V) + (3 or 2)·d·F (MLP) + 2·d·n (norms; n = 2 with norm_bias, else 1)
+        + 2·E·n (QK-norm) + with ``bias``: 2·d + 2·d_kv (attention) + 2·F + d (SwiGLU) or F + d (GELU)."""
+        d, f, kv, n = self.dim, self.ffn_dim, self.kv_dim, self._norm_width
+        swiglu = self.mlp == "swiglu"
+        params = 2 * d * d + 2 * d * kv + (3 if swiglu else 2) * d * f + 2 * d * n
+        if self.qk_norm:
+            params += 2 * (d // self.n_heads) * n
+        if self.bias:
+            params += 2 * d + 2 * kv + (2 if swiglu else 1) * f + d
+        return params
+
+    @property
+    def embedding_params(self) -> int:
+        """Token embedding V·d, plus a learned position table max_seq_len·d."""
+        return self.vocab_size * self.dim + (self.max_seq_len * self.dim if self.pos_encoding == "learned" else 0)
+
+    @property
+    def head_params(self) -> int:
+        """LM head (V·d unless tied) + final norm (d, 2·d with norm_bias)."""
+        return (0 if self.tie_embeddings else self.vocab_size * self.dim) + self.dim * self._norm_width
+
+    @property
+    def norm_stat_bytes(self) -> int:
+        """fp32 statistics the two block norms save per token for backward: 1/rms (RMSNorm) or mean and 1/std."""
+        return 2 * 4 * (2 if self.norm == "layernorm" else 1)
 
     def linears(self) -> list[tuple[int, int]]:
         """(in, out) widths of a block's matmuls: q, k, v, o, then the MLP's."""
@@ -82,7 +118,8 @@ class ModelShape(_LanguageModelParams):
         return 121
 
     def flops_per_token(self, seq_len: int) -> float:
-        """6·N + 12·L·d·s with N = parameters without the input embedding, LM head included (as the model's own)."""
+        """6·N + 12·L·d·s with N = parameters without the input embeddings (token and learned-position tables), LM
+        head included (as the model's own; position encodings add no matmul FLOPs)."""
         return 6.0 * self.dense_params() + 12.0 * self.n_layers * self.dim * seq_len
 
     @classmethod
@@ -95,10 +132,17 @@ class ModelShape(_LanguageModelParams):
             args.n_kv_heads,
             args.ffn_dim,
             args.vocab_size,
+            mlp=getattr(args, "mlp", "swiglu"),
             tie_embeddings=bool(getattr(args, "tie_embeddings", False)),
             expand_kv=expand_kv,
             name=name,
             residual_fp32=bool(getattr(args, "residual_in_fp32", False)),
+            norm=getattr(args, "norm", "rmsnorm"),
+            norm_bias=bool(getattr(args, "norm_bias", False)),
+            bias=bool(getattr(args, "bias", False)),
+            qk_norm=bool(getattr(args, "qk_norm", False)),
+            pos_encoding=getattr(args, "pos_encoding", "rope"),
+            max_seq_len=int(getattr(args, "max_seq_len", 0)),
         )
 
 

@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import math
+from typing import Any
+
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 
@@ -30,3 +34,93 @@ def residual_stream(h: torch.Tensor, keep_fp32: bool) -> torch.Tensor:
     if keep_fp32 or not torch.is_autocast_enabled(device_type):
         return h
     return h.to(torch.get_autocast_dtype(device_type))
+
+
+class LayerNorm(nn.Module):
+    """(x - mean(x)) / sqrt(var(x) + eps) * weight (+ bias), computed in fp32 and cast back to the input dtype (as
+    ``RMSNorm``; ``nn.LayerNorm`` under autocast would return fp32). ``bias=False``: no bias parameter (MPT)."""
+
+    def __init__(self, dim: int, eps: float = 1e-5, bias: bool = False) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.bias = nn.Parameter(torch.zeros(dim)) if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        bias = self.bias.float() if self.bias is not None else None
+        return F.layer_norm(x.float(), self.weight.shape, self.weight.float(), bias, self.eps).type_as(x)
+
+    def reset_parameters(self) -> None:
+        nn.init.ones_(self.weight)
+        if self.bias is not None:
+            nn.init.zeros_(self.bias)
+
+
+def make_norm(kind: str, dim: int, eps: float, bias: bool = False) -> nn.Module:
+    """'rmsnorm' -> ``RMSNorm`` (no bias), 'layernorm' -> ``LayerNorm`` with or without ``bias``."""
+    return RMSNorm(dim, eps) if kind == "rmsnorm" else LayerNorm(dim, eps, bias)
+
+
+def alibi_slopes(n_heads: int, bias_max: float = 8.0) -> torch.Tensor:
+    """ALiBi slopes (H,) in fp32: head h of a power-of-two H gets 2^(-bias_max·(h+1)/H) (Press et al. 2022); other H
+    take the odd then even slopes of the next power of two, first H of them — MPT's and transformers'
+    ``build_mpt_alibi_tensor`` order, so exported weights mean the same thing there."""
+    n_pow2 = 2 ** math.ceil(math.log2(n_heads))
+    slopes = 1.0 / torch.pow(2.0, torch.arange(1, n_pow2 + 1, dtype=torch.float32) * (bias_max / n_pow2))
+    if n_pow2 != n_heads:
+        slopes = torch.cat([slopes[1::2], slopes[::2]])[:n_heads]
+    return slopes
+
+
+def alibi_distance(seq_len: int, device: torch.device | str | None = None) -> torch.Tensor:
+    """(T, T) fp32: j - i at query i, key j <= i (0 on the diagonal, negative before it), -inf after it (causal).
+    slope · this is ALiBi's additive bias; the explicit-bias attention path multiplies it by each head's slope."""
+    pos = torch.arange(seq_len, device=device, dtype=torch.float32)
+    dist = pos[None, :] - pos[:, None]  # (T, T): key index minus query index
+    return dist.masked_fill(dist > 0, float("-inf"))
+
+
+_FLEX_ATTENTION: Any = None
+_BLOCK_MASKS: dict[tuple[int, str], Any] = {}
+
+
+def _compiled_flex() -> Any:
+    """``flex_attention`` compiled once per process (the fused Triton kernel; eager flex would materialise scores)."""
+    global _FLEX_ATTENTION
+    if _FLEX_ATTENTION is None:
+        from torch.nn.attention.flex_attention import flex_attention
+
+        _FLEX_ATTENTION = torch.compile(flex_attention, dynamic=False)
+    return _FLEX_ATTENTION
+
+
+@torch.compiler.disable
+def causal_block_mask(seq_len: int, device: torch.device) -> Any:
+    """flex_attention's causal ``BlockMask`` for (T, T), built once per (T, device) and cached (outside compiled
+    graphs: the model asks for it before its blocks run)."""
+    key = (seq_len, str(device))
+    if key not in _BLOCK_MASKS:
+        from torch.nn.attention.flex_attention import create_block_mask
+
+        def causal(b, h, q_idx, kv_idx):
+            return q_idx >= kv_idx
+
+        _BLOCK_MASKS[key] = create_block_mask(causal, None, None, seq_len, seq_len, device=device)
+    return _BLOCK_MASKS[key]
+
+
+def alibi_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slopes: torch.Tensor, mask: Any,
+                    enable_gqa: bool = False) -> torch.Tensor:  # fmt: skip
+    """Causal attention with ALiBi bias slope_h·(j - i), q (B, H, T, E), k/v (B, K, T, E) -> (B, H, T, E).
+
+    ``mask`` picks the kernel: a flex_attention ``BlockMask`` (``causal_block_mask``; GPUs) runs compiled
+    flex_attention with the bias as a ``score_mod`` (flash-style tiles, no (T, T) tensor); a tensor
+    (``alibi_distance``; CPU) is scaled by the slopes into an explicit (H, T, T) additive mask for SDPA."""
+    if isinstance(mask, torch.Tensor):
+        bias = (slopes[:, None, None] * mask).to(q.dtype)  # (H, T, T); -inf after the diagonal
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=bias, enable_gqa=enable_gqa)
+
+    def score_mod(score, b, h, q_idx, kv_idx):
+        return score + slopes[h] * (kv_idx - q_idx)
+
+    return _compiled_flex()(q, k, v, score_mod=score_mod, block_mask=mask, enable_gqa=enable_gqa)

@@ -104,6 +104,7 @@ class Trainer:
         self._setup_batches(batches)
         self.flops_per_token = self.accounting_model.flops_per_token(cfg.data.seq_len)
         self.peak_flops = hardware.peak_flops(self.device, cfg.train.peak_tflops or None)
+        self._log_model_size()
         self.guard = StepGuard(cfg, self.device, self.info.is_main, self.info.world_size, self.loss_ranks)
         self.guard.lagged = lagged_checks_apply(cfg, self.optimizer)
         self._clip_in_optimizer = cfg.train.clip_in_optimizer and clip_in_optimizer(self.optimizer, self.strategy,
@@ -241,6 +242,21 @@ class Trainer:
         self.pp_first, self.pp_last = 0 in self.pp_stages, self.pp_n_stages - 1 in self.pp_stages
         self.model = merge_parts(self.pp_parts)
         self.raw_model = self.accounting_model
+
+    def _log_model_size(self) -> None:
+        """One line at start: parameters, training FLOPs per token and the cost model's peak memory per device."""
+        from anytrain.cost.devices import from_spec
+        from anytrain.cost.memory import run_memory_estimate
+
+        model, cfg = self.accounting_model, self.cfg
+        device = from_spec(hardware.device_spec(self.device))
+        est = run_memory_estimate(cfg, self.dims, self.strategy, self.plan.micro_batch, self.dtype == torch.float32,
+                                  device.blas_workspace_mib if device is not None else 0.0)  # fmt: skip
+        size = (f"{est[0]:.2f} GiB" if est[0] >= 0.1 else f"{est[0] * 1024:.1f} MiB") if est else ""
+        memory = f"cost model: {size} peak allocated per device ({est[1]})" if est else "cost model: n/a"
+        self.log.print(f"model: {cfg.model.arch}/{cfg.model.flavour}, {model.num_params():,} parameters "
+                       f"({model.num_params(exclude_embedding=True):,} without input embeddings), "
+                       f"{self.flops_per_token:.4g} FLOPs/token at seq {cfg.data.seq_len}; {memory}")  # fmt: skip
 
     def _setup_cuda_graphs(self) -> None:
         """train.cuda_graphs: capture the micro-step where that is sound (train/cuda_graph.py), else say why."""

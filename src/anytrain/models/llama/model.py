@@ -1,4 +1,7 @@
-"""Llama-style decoder: RMSNorm pre-norm blocks, rotary position embeddings, grouped-query SDPA attention, SwiGLU.
+"""Decoder-only Transformer: pre-norm blocks, grouped-query attention, fused linear + cross-entropy loss. The defaults
+are Llama (RMSNorm, rotary position embeddings, SwiGLU, no biases); ``TransformerArgs`` options give MPT / GPT shapes
+in the same module: position encoding RoPE | ALiBi | learned, RMSNorm | LayerNorm (with or without bias), SwiGLU |
+GELU MLP, biases on the linear layers, tied embeddings, GQA / MQA (``n_kv_heads``) and QK-norm (docs/models.md).
 
 Single-device ``nn.Module`` only: parallelism is applied from outside (``anytrain.parallel`` with this family's
 ``parallelize.py``). Shapes in comments: B batch, T sequence, D model width, H query heads, K key/value heads,
@@ -10,7 +13,7 @@ from __future__ import annotations
 import math
 import zlib
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 import torch
 import torch.nn.functional as F
@@ -18,7 +21,14 @@ from torch import nn
 
 from anytrain import hardware
 from anytrain.kernels import wide_mm
-from anytrain.models.layers import RMSNorm, residual_stream
+from anytrain.models.layers import (
+    alibi_attention,
+    alibi_distance,
+    alibi_slopes,
+    causal_block_mask,
+    make_norm,
+    residual_stream,
+)
 from anytrain.models.losses import lm_cross_entropy
 from anytrain.models.sampling import sample
 
@@ -52,14 +62,29 @@ class TransformerArgs:
     n_kv_heads: int = 0
     """Key/value heads K for grouped-query attention; 0 = n_heads (multi-head). H must be divisible by K."""
     ffn_dim: int = 0
-    """SwiGLU hidden width F; 0 = 8/3·D rounded up to a multiple of ``ffn_multiple_of``."""
+    """MLP hidden width F; 0 = 8/3·D rounded up to a multiple of ``ffn_multiple_of`` for SwiGLU, 4·D for GELU."""
     ffn_multiple_of: int = 64
     max_seq_len: int = 2048
-    """Longest sequence the RoPE tables cover."""
+    """Longest sequence: what the RoPE tables and the learned position table cover."""
     rope_theta: float = 10000.0
     norm_eps: float = 1e-5
     tie_embeddings: bool = False
     """Share the token embedding with the output projection."""
+    pos_encoding: Literal["rope", "alibi", "learned"] = "rope"
+    """Position information: 'rope' rotates q and k (Llama); 'alibi' adds slope_h·(j - i) to the attention scores
+    (MPT; no position parameters; flex_attention on GPUs, SDPA with an explicit bias on CPU); 'learned' adds a
+    trained (max_seq_len, D) table to the token embeddings (GPT-2)."""
+    norm: Literal["rmsnorm", "layernorm"] = "rmsnorm"
+    """The blocks' and final normalisation: RMSNorm (Llama) or LayerNorm (MPT, GPT)."""
+    norm_bias: bool = False
+    """LayerNorm with a bias (GPT-2); False = scale only (MPT). Only with norm 'layernorm'."""
+    mlp: Literal["swiglu", "gelu"] = "swiglu"
+    """Feed-forward: 'swiglu' w2(silu(w1 x) · w3 x) (3 matrices) or 'gelu' w2(gelu(w1 x)) (2 matrices, exact GELU)."""
+    bias: bool = False
+    """Biases on every linear layer of the blocks (q, k, v, o and the MLP's); the LM head never has one."""
+    qk_norm: bool = False
+    """Normalise each head's q and k (over the head dim E, with ``norm``'s kind and its own E-wide weight) before
+    the position encoding and the dot product (QK-norm, as OLMo-2 / Qwen3)."""
     init_std: float = 0.02
     residual_in_fp32: bool = False
     """Keep the residual stream in fp32 under autocast (HF's behaviour with fp32 weights). False (default): the
@@ -70,7 +95,9 @@ class TransformerArgs:
     def __post_init__(self) -> None:
         if self.n_kv_heads == 0:
             self.n_kv_heads = self.n_heads
-        if self.ffn_dim == 0:
+        if self.ffn_dim == 0 and self.mlp == "gelu":
+            self.ffn_dim = 4 * self.dim
+        elif self.ffn_dim == 0:
             hidden = int(8 * self.dim / 3)
             self.ffn_dim = self.ffn_multiple_of * math.ceil(hidden / self.ffn_multiple_of)
 
@@ -84,13 +111,24 @@ class TransformerArgs:
             raise ConfigError(f"{prefix}n_heads: {self.n_heads} does not divide dim {self.dim}")
         if self.n_heads % self.n_kv_heads:
             raise ConfigError(f"{prefix}n_kv_heads: {self.n_kv_heads} does not divide n_heads {self.n_heads}")
-        if (self.dim // self.n_heads) % 2:
+        choices = {"pos_encoding": ("rope", "alibi", "learned"), "norm": ("rmsnorm", "layernorm"),
+                   "mlp": ("swiglu", "gelu")}  # fmt: skip
+        for name, allowed in choices.items():
+            if getattr(self, name) not in allowed:
+                raise ConfigError(f"{prefix}{name}: {getattr(self, name)!r} is not one of {', '.join(allowed)}")
+        if self.pos_encoding == "rope" and (self.dim // self.n_heads) % 2:
             raise ConfigError(f"{prefix}n_heads: head dim {self.dim // self.n_heads} must be even for RoPE")
+        if self.norm_bias and self.norm != "layernorm":
+            raise ConfigError(f"{prefix}norm_bias: RMSNorm has no bias; set norm: layernorm or norm_bias: false")
 
     @property
     def head_dim(self) -> int:
         return self.dim // self.n_heads
 
+
+MPT_OPTIONS: dict[str, Any] = dict(pos_encoding="alibi", norm="layernorm", norm_bias=False, mlp="gelu", bias=False,
+                                   tie_embeddings=True)  # fmt: skip
+"""The ``TransformerArgs`` options that make an MPT block (``MptForCausalLM``'s computation)."""
 
 TRANSFORMER_FLAVOURS: dict[str, dict[str, Any]] = {
     # For unit and multi-process tests: builds and steps in milliseconds.
@@ -102,6 +140,18 @@ TRANSFORMER_FLAVOURS: dict[str, dict[str, Any]] = {
     # TinyLlama-1.1B shape: the reference shape of the throughput benchmarks.
     "1.1b": dict(vocab_size=32000, dim=2048, n_layers=22, n_heads=32, n_kv_heads=4, ffn_dim=5632, max_seq_len=4096),
     "llama-7b": dict(vocab_size=32000, dim=4096, n_layers=32, n_heads=32, ffn_dim=11008, max_seq_len=4096),
+    # Llama-3.2-1B's shape (meta-llama/Llama-3.2-1B config.json): 1,235,814,400 parameters, tied embeddings.
+    "llama-1b": dict(vocab_size=128256, dim=2048, n_layers=16, n_heads=32, n_kv_heads=8, ffn_dim=8192,
+                     max_seq_len=2048, rope_theta=500000.0, tie_embeddings=True),  # fmt: skip
+    # MPT (mosaicml/mpt-7b's config.json; LLM Foundry's scripts/train/yamls/pretrain/mpt-*.yaml shapes): ALiBi, no
+    # position embeddings, LayerNorm without bias, exact GELU MLP with F = 4·D, no biases, tied embeddings.
+    "mpt-debug": dict(vocab_size=512, dim=64, n_layers=2, n_heads=4, max_seq_len=256, **MPT_OPTIONS),
+    "mpt-125m": dict(vocab_size=50368, dim=768, n_layers=12, n_heads=12, max_seq_len=2048, **MPT_OPTIONS),
+    "mpt-350m": dict(vocab_size=50368, dim=1024, n_layers=24, n_heads=16, max_seq_len=2048, **MPT_OPTIONS),
+    "mpt-760m": dict(vocab_size=50368, dim=1536, n_layers=24, n_heads=12, max_seq_len=2048, **MPT_OPTIONS),
+    "mpt-1b": dict(vocab_size=50368, dim=2048, n_layers=24, n_heads=16, max_seq_len=2048, **MPT_OPTIONS),
+    "mpt-3b": dict(vocab_size=50368, dim=2560, n_layers=32, n_heads=20, max_seq_len=2048, **MPT_OPTIONS),
+    "mpt-7b": dict(vocab_size=50368, dim=4096, n_layers=32, n_heads=32, max_seq_len=2048, **MPT_OPTIONS),
 }
 
 
@@ -144,23 +194,38 @@ class Linear(nn.Linear):
 
 
 class Attention(nn.Module):
+    """Causal self-attention: q/k/v projections, optional per-head QK-norm, the position encoding (RoPE rotation or
+    ALiBi bias; nothing for learned positions, added at the embedding), SDPA or flex_attention, output projection.
+
+    ``forward(x, pos_a, pos_b)``: for RoPE the cos/sin tables (T, E); for ALiBi the causal mask (a flex_attention
+    ``BlockMask`` on GPUs, the (T, T) ``alibi_distance`` on CPU) and None; for learned positions None, None.
+    ``alibi_slopes`` (H,) is a buffer so that tensor parallelism can keep each rank's heads' slopes."""
+
     def __init__(self, args: TransformerArgs) -> None:
         super().__init__()
         self.n_heads, self.n_kv_heads, self.head_dim = args.n_heads, args.n_kv_heads, args.head_dim
-        self.wq = Linear(args.dim, args.n_heads * self.head_dim, bias=False)
-        self.wk = Linear(args.dim, args.n_kv_heads * self.head_dim, bias=False)
-        self.wv = Linear(args.dim, args.n_kv_heads * self.head_dim, bias=False)
-        self.wo = Linear(args.n_heads * self.head_dim, args.dim, bias=False)
+        self.pos_encoding = args.pos_encoding
+        self.wq = Linear(args.dim, args.n_heads * self.head_dim, bias=args.bias)
+        self.wk = Linear(args.dim, args.n_kv_heads * self.head_dim, bias=args.bias)
+        self.wv = Linear(args.dim, args.n_kv_heads * self.head_dim, bias=args.bias)
+        self.wo = Linear(args.n_heads * self.head_dim, args.dim, bias=args.bias)
+        self.q_norm = make_norm(args.norm, self.head_dim, args.norm_eps, args.norm_bias) if args.qk_norm else None
+        self.k_norm = make_norm(args.norm, self.head_dim, args.norm_eps, args.norm_bias) if args.qk_norm else None
+        if args.pos_encoding == "alibi":
+            self.register_buffer("alibi_slopes", alibi_slopes(args.n_heads), persistent=False)
         self.native_gqa = args.n_kv_heads != args.n_heads and _native_gqa()  # decided once, outside compiled code
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, pos_a: Any, pos_b: Any) -> torch.Tensor:
         B, T, _ = x.shape
         # -1 heads: under tensor parallelism each rank holds H/tp query and K/tp key/value heads. (One GEMM against
         # [wq; wk; wv], and [w1; w3] below, measured 2% slower on an H200: docs/benchmarks.md.)
         q = self.wq(x).view(B, T, -1, self.head_dim)  # (B, T, H, E)
         k = self.wk(x).view(B, T, -1, self.head_dim)  # (B, T, K, E)
         v = self.wv(x).view(B, T, -1, self.head_dim)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        if self.pos_encoding == "rope":
+            q, k = apply_rope(q, pos_a, pos_b), apply_rope(k, pos_a, pos_b)
         gqa = {}
         if self.native_gqa:  # query head h reads K/V head h // (H/K), as the expansion below does
             gqa = {"enable_gqa": True}
@@ -169,34 +234,40 @@ class Attention(nn.Module):
             k = k.unsqueeze(3).expand(B, T, kv, repeat, self.head_dim).reshape(B, T, -1, self.head_dim)
             v = v.unsqueeze(3).expand(B, T, kv, repeat, self.head_dim).reshape(B, T, -1, self.head_dim)
         # SDPA wants (B, H, T, E); it picks FlashAttention / memory-efficient kernels on CUDA and ROCm.
-        out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True,
-                                             **gqa)  # fmt: skip
+        if self.pos_encoding == "alibi":
+            out = alibi_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), self.alibi_slopes, pos_a,
+                                  **gqa)  # fmt: skip
+        else:
+            out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                                 is_causal=True, **gqa)  # fmt: skip
         return self.wo(out.transpose(1, 2).reshape(B, T, -1))  # (B, T, D)
 
 
 class FeedForward(nn.Module):
-    """SwiGLU: w2(silu(w1 x) * w3 x)."""
+    """SwiGLU w2(silu(w1 x) * w3 x), or with ``mlp='gelu'`` w2(gelu(w1 x)) (no w3)."""
 
-    def __init__(self, dim: int, hidden: int) -> None:
+    def __init__(self, dim: int, hidden: int, mlp: str = "swiglu", bias: bool = False) -> None:
         super().__init__()
-        self.w1 = Linear(dim, hidden, bias=False)
-        self.w3 = Linear(dim, hidden, bias=False)
-        self.w2 = Linear(hidden, dim, bias=False)
+        self.w1 = Linear(dim, hidden, bias=bias)
+        self.w3 = Linear(dim, hidden, bias=bias) if mlp == "swiglu" else None
+        self.w2 = Linear(hidden, dim, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.w3 is None:
+            return self.w2(F.gelu(self.w1(x)))
         return self.w2(F.silu(self.w1(x)) * self.w3(x))
 
 
 class TransformerBlock(nn.Module):
     def __init__(self, args: TransformerArgs) -> None:
         super().__init__()
-        self.attention_norm = RMSNorm(args.dim, args.norm_eps)
+        self.attention_norm = make_norm(args.norm, args.dim, args.norm_eps, args.norm_bias)
         self.attention = Attention(args)
-        self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
-        self.feed_forward = FeedForward(args.dim, args.ffn_dim)
+        self.ffn_norm = make_norm(args.norm, args.dim, args.norm_eps, args.norm_bias)
+        self.feed_forward = FeedForward(args.dim, args.ffn_dim, args.mlp, args.bias)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        x = x + self.attention(self.attention_norm(x), cos, sin)
+    def forward(self, x: torch.Tensor, pos_a: Any, pos_b: Any) -> torch.Tensor:
+        x = x + self.attention(self.attention_norm(x), pos_a, pos_b)
         return x + self.feed_forward(self.ffn_norm(x))
 
 
@@ -207,18 +278,22 @@ class Transformer(nn.Module):
         super().__init__()
         self.args = args
         self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
+        learned = args.pos_encoding == "learned"
+        self.pos_embeddings = nn.Embedding(args.max_seq_len, args.dim) if learned else None
         # A ModuleDict keyed by layer index keeps checkpoint keys stable if layers are split across pipeline stages.
         self.layers = nn.ModuleDict({str(i): TransformerBlock(args) for i in range(args.n_layers)})
-        self.norm = RMSNorm(args.dim, args.norm_eps)
+        self.norm = make_norm(args.norm, args.dim, args.norm_eps, args.norm_bias)
         self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
-        cos, sin = rope_tables(args.head_dim, args.max_seq_len, args.rope_theta)
-        self.register_buffer("rope_cos", cos, persistent=False)
-        self.register_buffer("rope_sin", sin, persistent=False)
+        if args.pos_encoding == "rope":
+            cos, sin = rope_tables(args.head_dim, args.max_seq_len, args.rope_theta)
+            self.register_buffer("rope_cos", cos, persistent=False)
+            self.register_buffer("rope_sin", sin, persistent=False)
         self.init_weights()
 
     @torch.no_grad()
     def init_weights(self, seed: int | None = None) -> None:
-        """Normal(0, init_std) for matrices; residual output projections scaled by 1/sqrt(2·n_layers) (GPT-2).
+        """Normal(0, init_std) for matrices and embeddings; residual output projections scaled by 1/sqrt(2·n_layers)
+        (GPT-2); norm weights 1, biases 0. Rebuilds the non-persistent buffers (RoPE tables, ALiBi slopes).
 
         With ``seed``, every parameter draws from its own generator seeded by (seed, its name), so the weights do
         not depend on how the model is split (pipeline stages build only their own layers). Modules a pipeline
@@ -231,15 +306,35 @@ class Transformer(nn.Module):
             if name.endswith("norm.weight"):
                 nn.init.ones_(param)
                 continue
+            if name.endswith(".bias"):
+                nn.init.zeros_(param)
+                continue
             generator = None
             if seed is not None:
                 generator = torch.Generator(device=param.device)
                 generator.manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
             param.normal_(0.0, deep_std if name.endswith(("attention.wo.weight", "feed_forward.w2.weight")) else std,
                           generator=generator)  # fmt: skip
-        cos, sin = rope_tables(self.args.head_dim, self.args.max_seq_len, self.args.rope_theta, self.rope_cos.device)
-        self.rope_cos.copy_(cos)
-        self.rope_sin.copy_(sin)
+        if self.args.pos_encoding == "rope":
+            cos, sin = rope_tables(self.args.head_dim, self.args.max_seq_len, self.args.rope_theta,
+                                   self.rope_cos.device)  # fmt: skip
+            self.rope_cos.copy_(cos)
+            self.rope_sin.copy_(sin)
+        for block in self.layers.values():
+            slopes = getattr(block.attention, "alibi_slopes", None)
+            if slopes is not None:  # all heads: tensor parallelism slices them after init
+                block.attention.alibi_slopes = alibi_slopes(self.args.n_heads).to(slopes.device)
+
+    def position_inputs(self, seq_len: int, device: torch.device) -> tuple[Any, Any]:
+        """What every block's attention takes besides x: RoPE's (cos, sin) tables (T, E); for ALiBi the causal mask
+        (a flex_attention ``BlockMask`` on GPUs, the (T, T) ``alibi_distance`` elsewhere: ``hardware.is_gpu``) and
+        None; for learned positions (None, None)."""
+        if self.args.pos_encoding == "rope":
+            return self.rope_cos[:seq_len], self.rope_sin[:seq_len]
+        if self.args.pos_encoding == "alibi":
+            mask = causal_block_mask(seq_len, device) if hardware.is_gpu(device) else alibi_distance(seq_len, device)
+            return mask, None
+        return None, None
 
     def forward_hidden(self, x: torch.Tensor) -> torch.Tensor:
         """Token ids (B, T), or hidden states (B, T, D) on a pipeline stage without the embedding, through the
@@ -247,11 +342,13 @@ class Transformer(nn.Module):
         T = x.shape[1]
         if T > self.args.max_seq_len:
             raise ValueError(f"sequence length {T} exceeds model.args.max_seq_len {self.args.max_seq_len}")
-        cos, sin = self.rope_cos[:T], self.rope_sin[:T]
+        pos_a, pos_b = self.position_inputs(T, x.device)
         h = self.tok_embeddings(x) if self.tok_embeddings is not None else x  # (B, T, D)
+        if self.pos_embeddings is not None:  # (1, T, D), on the first pipeline stage
+            h = h + self.pos_embeddings(torch.arange(T, device=x.device)[None])
         h = residual_stream(h, self.args.residual_in_fp32)
         for block in self.layers.values():
-            h = block(h, cos, sin)
+            h = block(h, pos_a, pos_b)
         return self.norm(h) if self.norm is not None else h
 
     def forward(self, tokens: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
@@ -265,21 +362,28 @@ class Transformer(nn.Module):
         return self.output(h)  # (B, T, V)
 
     def num_params(self, exclude_embedding: bool = False) -> int:
-        """Parameter count (shared tensors once). exclude_embedding drops the input table, keeps the LM head."""
+        """Parameter count (shared tensors once). exclude_embedding drops the input tables (tokens, and learned
+        positions: lookups, no matmul), keeps the LM head."""
         total = sum(p.numel() for p in {id(p): p for p in self.parameters()}.values())
         if exclude_embedding:
             total -= self.tok_embeddings.weight.numel()
+            if self.pos_embeddings is not None:
+                total -= self.pos_embeddings.weight.numel()
             if self.args.tie_embeddings:  # the head still does a full V x D matmul
                 total += self.output.weight.numel()
         return total
 
     def flops_per_token(self, seq_len: int) -> float:
-        """Training FLOPs per token: 6·N + 12·L·D·T.
+        """Training FLOPs per token: 6·N + 12·L·D·T, for every option.
 
-        N = parameters without the input embedding (LM head included); 6 = 2 (forward multiply-add) × 3 (forward +
-        backward w.r.t. inputs and weights). 12·L·D·T is attention scores and weighted sum (QKᵀ and AV, 2·2·T·D per
-        token per layer forward, ×3 for backward), without the causal discount — the PaLM / torchtitan /
-        LLM Foundry convention. Recomputation (activation checkpointing) is not counted: that would be HFU.
+        N = parameters without the input embeddings (LM head included; norm weights and biases counted as the
+        convention does); 6 = 2 (forward multiply-add) × 3 (forward + backward w.r.t. inputs and weights). The
+        matrices in N per layer: q, o D·D; k, v D·K·E each (GQA / MQA shrink them); SwiGLU 3·D·F, GELU 2·D·F.
+        12·L·D·T is attention scores and weighted sum (QKᵀ and AV, 2·2·T·D per token per layer forward, ×3 for
+        backward; D = H·E query width, unchanged by GQA), without the causal discount — the PaLM / torchtitan /
+        LLM Foundry convention. RoPE, ALiBi and learned positions add no matmul FLOPs (learned positions are a
+        lookup, outside N, like the token embedding). Recomputation (activation checkpointing) is not counted:
+        that would be HFU.
         """
         return 6.0 * self.num_params(exclude_embedding=True) + 12.0 * self.args.n_layers * self.args.dim * seq_len
 

@@ -7,6 +7,12 @@ not replicated. The embedding is row-parallel with a sequence-sharded output. Th
 (replicated) tensor, and the head is *not* split: every TP rank computes the same fused linear+cross-entropy (the loss
 never forms full logits) — simpler, at the cost of repeating the head's matmul on each TP rank (vocab × d per token;
 ~6% of a 1.1B model's FLOPs at tp 2).
+
+The options shard the same way: LayerNorm (weight and bias) is sequence-parallel like RMSNorm; biases of column-
+parallel projections are split with their rows, those of row-parallel ones replicated (added once after the
+reduction); the GELU MLP is w1 column- and w2 row-parallel; QK-norm runs on each rank's heads (its E-wide weight
+replicated, the input sharded over heads); ALiBi keeps each rank's slice of the slopes; a learned position table is
+row-parallel like the token embedding, with the same sequence-sharded output, so the two add shard by shard.
 """
 
 from __future__ import annotations
@@ -26,9 +32,9 @@ from anytrain.models.llama.model import Transformer
 from anytrain.models.protocol import ParallelizePlan
 
 
-def block_plan() -> dict:
+def block_plan(block: torch.nn.Module) -> dict:
     """The per-block plan (fresh styles per block): Megatron column/row split, norms sequence-parallel."""
-    return {
+    plan = {
         "attention_norm": SequenceParallel(),
         "attention": PrepareModuleInput(
             input_layouts=(Shard(1), None, None), desired_input_layouts=(Replicate(), None, None)
@@ -41,8 +47,13 @@ def block_plan() -> dict:
         "feed_forward": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
         "feed_forward.w1": ColwiseParallel(),
         "feed_forward.w2": RowwiseParallel(output_layouts=Shard(1)),
-        "feed_forward.w3": ColwiseParallel(),
     }
+    if block.feed_forward.w3 is not None:  # SwiGLU's up projection
+        plan["feed_forward.w3"] = ColwiseParallel()
+    if block.attention.q_norm is not None:  # per-head norms of (B, T, H/tp, E): heads are dim 2
+        plan["attention.q_norm"] = SequenceParallel(sequence_dim=2, use_local_output=True)
+        plan["attention.k_norm"] = SequenceParallel(sequence_dim=2, use_local_output=True)
+    return plan
 
 
 def _to_full() -> PrepareModuleOutput:
@@ -55,6 +66,8 @@ def apply_tensor_parallel(model: Transformer, tp_mesh) -> None:
     top_plan = {}
     if model.tok_embeddings is not None:
         top_plan["tok_embeddings"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1))
+    if model.pos_embeddings is not None:
+        top_plan["pos_embeddings"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1))
     if model.norm is not None:
         top_plan["norm"] = SequenceParallel()
     if top_plan:
@@ -62,8 +75,12 @@ def apply_tensor_parallel(model: Transformer, tp_mesh) -> None:
     if model.norm is not None:  # the head and the loss see the whole sequence as a plain tensor on every TP rank
         parallelize_module(model.norm, tp_mesh, _to_full())
     blocks = model.blocks()
+    rank, tp = tp_mesh.get_local_rank(), tp_mesh.size()
     for block in blocks:
-        parallelize_module(block, tp_mesh, block_plan())
+        parallelize_module(block, tp_mesh, block_plan(block))
+        slopes = getattr(block.attention, "alibi_slopes", None)
+        if slopes is not None:  # this rank's query heads are the rank-th H/tp of them
+            block.attention.alibi_slopes = slopes.chunk(tp)[rank].clone()
     if model.tok_embeddings is None:  # a later pipeline stage receives full hidden states: shard them on entry
         parallelize_module(blocks[0], tp_mesh, PrepareModuleInput(input_layouts=(Replicate(), None, None),
                                                                   desired_input_layouts=(Shard(1), None, None),
@@ -79,7 +96,7 @@ def pipeline_split(model: Transformer, layers: range, first: bool, last: bool) -
         if name not in keep:
             del model.layers[name]
     if not first:
-        model.tok_embeddings = None
+        model.tok_embeddings = model.pos_embeddings = None
     if not last:
         model.norm = model.output = None
     return model
