@@ -6,7 +6,12 @@ and the run's tokenizer as a ``PreTrainedTokenizerFast``. The JSON files are wri
 (it is needed only to load the result), with the keys of both transformers 4.x and 5.x (``rope_theta`` and
 ``rope_parameters``).
 
-Names and layouts (Transformer -> ``LlamaForCausalLM``; Mamba -> ``MambaForCausalLM`` with equal names)::
+The HF class follows the model args (``hf_family``): a Transformer with RoPE, RMSNorm and SwiGLU ->
+``LlamaForCausalLM``; with ALiBi, LayerNorm without bias, GELU (F = 4·D), multi-head attention ->
+``MptForCausalLM``; Mamba -> ``MambaForCausalLM`` (equal names). Other option combinations (biases, QK-norm, learned
+positions, ...) have no HF class here and are refused with one line.
+
+Names and layouts, Llama::
 
     tok_embeddings.weight                   model.embed_tokens.weight
     layers.{i}.attention.w{q,k,v,o}.weight  model.layers.{i}.self_attn.{q,k,v,o}_proj.weight
@@ -14,6 +19,15 @@ Names and layouts (Transformer -> ``LlamaForCausalLM``; Mamba -> ``MambaForCausa
     layers.{i}.attention_norm.weight        model.layers.{i}.input_layernorm.weight
     layers.{i}.ffn_norm.weight              model.layers.{i}.post_attention_layernorm.weight
     norm.weight / output.weight             model.norm.weight / lm_head.weight (left out when tied)
+
+MPT (q, k and v rows stacked into one ``Wqkv``; ALiBi slopes computed by both sides with MPT's formula)::
+
+    tok_embeddings.weight                   transformer.wte.weight
+    layers.{i}.attention.w{q,k,v}.weight    transformer.blocks.{i}.attn.Wqkv.weight (rows [q; k; v])
+    layers.{i}.attention.wo.weight          transformer.blocks.{i}.attn.out_proj.weight
+    layers.{i}.feed_forward.w1/w2.weight    transformer.blocks.{i}.ffn.up_proj/down_proj.weight
+    layers.{i}.attention_norm/ffn_norm      transformer.blocks.{i}.norm_1/norm_2.weight
+    norm.weight / output.weight             transformer.norm_f.weight / lm_head.weight (left out when tied)
 
 RoPE: anytrain rotates interleaved pairs (x[2i], x[2i+1]) of each head, HF Llama the halves (x[i], x[i + E/2]), both
 by angle t·theta^(-2i/E). Permuting the rows of each head of wq and wk (anytrain row 2i + p is HF row p·E/2 + i)
@@ -77,19 +91,63 @@ _LLAMA_TOP = {"tok_embeddings.weight": "model.embed_tokens.weight", "norm.weight
               "output.weight": "lm_head.weight"}  # fmt: skip
 
 
-def hf_name(arch: str, name: str) -> str:
-    """The HF tensor name of an anytrain parameter name."""
-    if arch == "mamba":
-        return name
-    if name in _LLAMA_TOP:
-        return _LLAMA_TOP[name]
-    _, index, rest = name.split(".", 2)  # layers.{i}.<rest>
-    return f"model.layers.{index}.{_LLAMA_LAYER[rest]}"
+_MPT_LAYER = {
+    "attention.wo.weight": "attn.out_proj.weight",
+    "feed_forward.w1.weight": "ffn.up_proj.weight",
+    "feed_forward.w2.weight": "ffn.down_proj.weight",
+    "attention_norm.weight": "norm_1.weight",
+    "ffn_norm.weight": "norm_2.weight",
+}
+_MPT_QKV = ("attention.wq.weight", "attention.wk.weight", "attention.wv.weight")  # stacked rows of attn.Wqkv
+_MPT_TOP = {"tok_embeddings.weight": "transformer.wte.weight", "norm.weight": "transformer.norm_f.weight",
+            "output.weight": "lm_head.weight"}  # fmt: skip
 
 
-def _head_count(arch: str, name: str, args: Any) -> int | None:
-    """Heads to permute for a q/k projection, else None."""
+def _transformer_options(args: Any) -> dict[str, Any]:
+    return {"pos_encoding": args.pos_encoding, "norm": args.norm, "norm_bias": args.norm_bias, "mlp": args.mlp,
+            "bias": args.bias, "qk_norm": args.qk_norm}  # fmt: skip
+
+
+LLAMA_OPTIONS = {"pos_encoding": "rope", "norm": "rmsnorm", "norm_bias": False, "mlp": "swiglu", "bias": False,
+                 "qk_norm": False}  # fmt: skip
+MPT_OPTIONS = {"pos_encoding": "alibi", "norm": "layernorm", "norm_bias": False, "mlp": "gelu", "bias": False,
+               "qk_norm": False}  # fmt: skip
+
+
+def hf_family(arch: str, args: Any) -> str:
+    """'llama', 'mpt' or 'mamba': the transformers class that computes what ``arch`` with ``args`` computes; one
+    ConfigError for a Transformer no HF class here represents."""
     if arch != "transformer":
+        return arch
+    options = _transformer_options(args)
+    if options == LLAMA_OPTIONS:
+        return "llama"
+    if options == MPT_OPTIONS and args.ffn_dim == 4 * args.dim and args.n_kv_heads == args.n_heads:
+        return "mpt"
+    options.update(ffn_dim=args.ffn_dim, dim=args.dim, n_kv_heads=args.n_kv_heads, n_heads=args.n_heads)
+    given = ", ".join(f"{k}={v}" for k, v in options.items())
+    raise ConfigError(f"export --format hf: no transformers class computes this Transformer ({given}); "
+                      "LlamaForCausalLM needs rope/rmsnorm/swiglu, MptForCausalLM alibi/layernorm/gelu with "
+                      "ffn_dim = 4·dim and n_kv_heads = n_heads; both no bias, norm_bias or qk_norm")  # fmt: skip
+
+
+def hf_name(family: str, name: str) -> str:
+    """The HF tensor name of an anytrain parameter name (q, k and v share MPT's ``Wqkv``)."""
+    if family == "mamba":
+        return name
+    top, layer, prefix = (_MPT_TOP, _MPT_LAYER, "transformer.blocks") if family == "mpt" else (
+        _LLAMA_TOP, _LLAMA_LAYER, "model.layers")  # fmt: skip
+    if name in top:
+        return top[name]
+    _, index, rest = name.split(".", 2)  # layers.{i}.<rest>
+    if family == "mpt" and rest in _MPT_QKV:
+        return f"{prefix}.{index}.attn.Wqkv.weight"
+    return f"{prefix}.{index}.{layer[rest]}"
+
+
+def _head_count(family: str, name: str, args: Any) -> int | None:
+    """Heads to permute for a q/k projection (Llama's RoPE layout), else None."""
+    if family != "llama":
         return None
     if name.endswith("attention.wq.weight"):
         return args.n_heads
@@ -98,26 +156,41 @@ def _head_count(arch: str, name: str, args: Any) -> int | None:
     return None
 
 
-def to_hf_tensors(arch: str, args: Any, state: dict[str, torch.Tensor]) -> Iterator[tuple[str, torch.Tensor]]:
+def to_hf_tensors(family: str, args: Any, state: dict[str, torch.Tensor]) -> Iterator[tuple[str, torch.Tensor]]:
     """(HF name, tensor) for each anytrain parameter; the LM head is left out when tied (HF re-ties it)."""
-    head = "output.weight" if arch == "transformer" else "lm_head.weight"
+    head = "lm_head.weight" if family == "mamba" else "output.weight"
     for name, tensor in state.items():
         if name == head and args.tie_embeddings:
             continue
-        heads = _head_count(arch, name, args)
-        yield hf_name(arch, name), interleaved_to_halves(tensor, heads) if heads else tensor
+        if family == "mpt" and name.endswith(_MPT_QKV):
+            if not name.endswith(_MPT_QKV[0]):
+                continue  # k and v go out with q
+            layer = name[: -len(_MPT_QKV[0])]
+            yield hf_name(family, name), torch.cat([state[layer + part] for part in _MPT_QKV])
+            continue
+        heads = _head_count(family, name, args)
+        yield hf_name(family, name), interleaved_to_halves(tensor, heads) if heads else tensor
 
 
 # --------------------------------------------------------------------------------------------------------------------
 # config.json
 
 
-def hf_config(arch: str, args: Any, eos_id: int, pad_id: int | None, dtype: str) -> dict[str, Any]:
-    """config.json of the HF model equal to anytrain's ``arch`` with ``args``."""
+def hf_config(family: str, args: Any, eos_id: int, pad_id: int | None, dtype: str) -> dict[str, Any]:
+    """config.json of the HF model (``hf_family``) equal to anytrain's model with ``args``."""
     common = {"vocab_size": args.vocab_size, "tie_word_embeddings": args.tie_embeddings, "bos_token_id": eos_id,
               "eos_token_id": eos_id, "pad_token_id": pad_id, "initializer_range": args.init_std, "use_cache": True,
               "torch_dtype": dtype, "dtype": dtype}  # fmt: skip
-    if arch == "transformer":
+    if family == "mpt":
+        attn = {"attn_type": "multihead_attention", "attn_pdrop": 0, "attn_impl": "torch", "clip_qkv": None,
+                "softmax_scale": None, "prefix_lm": False, "qk_ln": False, "attn_uses_sequence_id": False,
+                "alibi": True, "alibi_bias_max": 8}  # fmt: skip
+        return {"architectures": ["MptForCausalLM"], "model_type": "mpt", **common, "d_model": args.dim,
+                "n_heads": args.n_heads, "n_layers": args.n_layers, "expansion_ratio": 4,
+                "max_seq_len": args.max_seq_len, "layer_norm_epsilon": args.norm_eps, "learned_pos_emb": False,
+                "no_bias": True, "logit_scale": None, "norm_type": "low_precision_layernorm", "emb_pdrop": 0.0,
+                "resid_pdrop": 0.0, "embedding_fraction": 1.0, "attn_config": attn}  # fmt: skip
+    if family == "llama":
         return {"architectures": ["LlamaForCausalLM"], "model_type": "llama", **common, "hidden_size": args.dim,
                 "intermediate_size": args.ffn_dim, "num_hidden_layers": args.n_layers,
                 "num_attention_heads": args.n_heads, "num_key_value_heads": args.n_kv_heads,
@@ -158,7 +231,7 @@ def args_from_hf_config(config: dict, where: str) -> tuple[str, dict[str, Any]]:
                               ("pretraining_tp", 1), ("head_dim", hidden // heads)):  # fmt: skip
             _require(config, key, expected, where)
         return "transformer", {
-            "vocab_size": config["vocab_size"], "dim": hidden, "n_layers": config["num_hidden_layers"],
+            **LLAMA_OPTIONS, "vocab_size": config["vocab_size"], "dim": hidden, "n_layers": config["num_hidden_layers"],
             "n_heads": heads, "n_kv_heads": config.get("num_key_value_heads") or heads,
             "ffn_dim": config["intermediate_size"], "rope_theta": _rope_theta(config, where),
             "norm_eps": float(config.get("rms_norm_eps", 1e-6)),
@@ -179,7 +252,32 @@ def args_from_hf_config(config: dict, where: str) -> tuple[str, dict[str, Any]]:
             "residual_in_fp32": bool(config.get("residual_in_fp32", True)),
             "tie_embeddings": bool(config.get("tie_word_embeddings", True)),
         }  # fmt: skip
-    raise ConfigError(f"model.init_from: {where} has model_type {kind!r}; anytrain imports 'llama' and 'mamba'")
+    if kind == "mpt":
+        return "transformer", _mpt_args(config, where)
+    raise ConfigError(f"model.init_from: {where} has model_type {kind!r}; anytrain imports 'llama', 'mpt' and 'mamba'")
+
+
+def _mpt_args(config: dict, where: str) -> dict[str, Any]:
+    """model.args of an MPT config.json: the settings ``MptForCausalLM`` computes with (it ignores learned_pos_emb
+    and no_bias; a checkpoint holding tensors it has no place for fails when the weights are read)."""
+    hidden, heads = config["d_model"], config["n_heads"]
+    for key, expected in (("expansion_ratio", 4), ("logit_scale", None)):
+        _require(config, key, expected, where)
+    attn = config.get("attn_config") or {}
+    scale = attn.get("softmax_scale")
+    if scale is not None and not math.isclose(scale, (hidden // heads) ** -0.5):
+        raise ConfigError(f"model.init_from: {where} has attn_config.softmax_scale={scale!r}; anytrain's model "
+                          f"needs 1/sqrt(head_dim) = {(hidden // heads) ** -0.5!r} (or null)")  # fmt: skip
+    for key, expected in (("alibi", True), ("alibi_bias_max", 8), ("qk_ln", False), ("clip_qkv", None),
+                          ("prefix_lm", False), ("attn_uses_sequence_id", False)):  # fmt: skip
+        _require(attn, key, expected, f"{where} attn_config")
+    return {
+        **MPT_OPTIONS, "vocab_size": config["vocab_size"], "dim": hidden, "n_layers": config["n_layers"],
+        "n_heads": heads, "n_kv_heads": heads, "ffn_dim": 4 * hidden,
+        "norm_eps": float(config.get("layer_norm_epsilon", 1e-5)),
+        "tie_embeddings": bool(config.get("tie_word_embeddings", True)),
+        "max_seq_len": config.get("max_seq_len", 2048),
+    }  # fmt: skip
 
 
 # fields an explicit model.args value may change without changing the weights' meaning or shapes
@@ -236,12 +334,15 @@ def _safetensors_files(directory: Path) -> list[Path]:
 
 def read_hf_weights(directory: str | Path, arch: str, args: Any, names: list[str]) -> dict[str, torch.Tensor]:
     """The HF model in ``directory`` as anytrain tensors on the CPU, keyed by anytrain's ``names`` (rows of q/k
-    permuted back to pair order; a tied LM head read from the embedding), read one tensor at a time."""
+    permuted back to pair order; MPT's Wqkv split into q, k, v; a tied LM head read from the embedding), read one
+    tensor at a time."""
     from safetensors import safe_open
 
-    directory = Path(directory)
-    wanted = {hf_name(arch, name): name for name in names}
-    head = "output.weight" if arch == "transformer" else "lm_head.weight"
+    directory, family = Path(directory), hf_family(arch, args)
+    wanted: dict[str, list[str]] = {}
+    for name in names:
+        wanted.setdefault(hf_name(family, name), []).append(name)
+    head = "lm_head.weight" if arch == "mamba" else "output.weight"
     out: dict[str, torch.Tensor] = {}
     for file in _safetensors_files(directory):
         with safe_open(str(file), framework="pt", device="cpu") as handle:
@@ -250,13 +351,17 @@ def read_hf_weights(directory: str | Path, arch: str, args: Any, names: list[str
                     if key == "lm_head.weight" and args.tie_embeddings:
                         continue  # a tied head stored anyway
                     raise ConfigError(f"model.init_from: {file.name} holds {key}, which {arch} has no place for")
-                name = wanted[key]
                 tensor = handle.get_tensor(key)
-                heads = _head_count(arch, name, args)
+                if len(wanted[key]) > 1:  # MPT's Wqkv: rows [q; k; v], each D (multi-head attention)
+                    parts = tensor.chunk(3)
+                    out.update({n: parts[i] for n in wanted[key] for i, p in enumerate(_MPT_QKV) if n.endswith(p)})
+                    continue
+                name = wanted[key][0]
+                heads = _head_count(family, name, args)
                 out[name] = halves_to_interleaved(tensor, heads) if heads else tensor
     if args.tie_embeddings:
-        out[head] = out.get("tok_embeddings.weight" if arch == "transformer" else "backbone.embeddings.weight")
-    missing = [hf for hf, name in wanted.items() if out.get(name) is None]
+        out[head] = out.get("backbone.embeddings.weight" if arch == "mamba" else "tok_embeddings.weight")
+    missing = [hf for hf, group in wanted.items() if any(out.get(name) is None for name in group)]
     if missing:
         raise ConfigError(f"model.init_from: {directory} lacks {missing[0]}" + (f" (and {len(missing) - 1} more)"
                           if len(missing) > 1 else ""))  # fmt: skip
@@ -278,8 +383,8 @@ def init_from_hf(model: nn.Module, model_cfg: Any, log: Any = print) -> None:
     for name, param in params.items():
         tensor = tensors[name]
         if tensor.shape != param.shape:
-            raise ConfigError(f"model.init_from: {hf_name(arch, name)} has shape {tuple(tensor.shape)}, the model "
-                              f"expects {tuple(param.shape)}")  # fmt: skip
+            raise ConfigError(f"model.init_from: {hf_name(hf_family(arch, args), name)} has shape "
+                              f"{tuple(tensor.shape)}, the model expects {tuple(param.shape)}")  # fmt: skip
         param.copy_(tensor)
     log(f"model.init_from: weights of {model_cfg.init_from} ({len(params)} tensors)")
 
@@ -399,6 +504,7 @@ def export_hf(source: str | Path, out: str | Path, dtype: str = "fp32", overwrit
     run_dir, checkpoint = _resolve_source(source)
     cfg, model, path = load_run_model(run_dir, torch.device("cpu"), checkpoint)
     args, arch = resolve_args(cfg.model), cfg.model.arch
+    family = hf_family(arch, args)  # before any file is written: a model no HF class represents is refused
     tokenizer_file = Path(tokenizer) if tokenizer else TokenDataset(cfg.data.path).tokenizer_path if (
         Path(cfg.data.path) / "index.json").is_file() else None  # fmt: skip
     if tokenizer_file is None or not tokenizer_file.is_file():
@@ -407,8 +513,8 @@ def export_hf(source: str | Path, out: str | Path, dtype: str = "fp32", overwrit
     files, eos_id, pad_id = _tokenizer_files(tokenizer_file, args.max_seq_len)
     torch_dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[dtype]
     state = {name: t.detach().to(torch_dtype) for name, t in model.state_dict().items()}
-    tensors = list(to_hf_tensors(arch, args, state))
-    config = hf_config(arch, args, eos_id, pad_id, {"fp32": "float32", "bf16": "bfloat16"}[dtype])
+    tensors = list(to_hf_tensors(family, args, state))
+    config = hf_config(family, args, eos_id, pad_id, {"fp32": "float32", "bf16": "bfloat16"}[dtype])
     generation = {"bos_token_id": eos_id, "eos_token_id": eos_id, "pad_token_id": pad_id}
     marker = {"source": str(path), "arch": arch, "args": args_dict(args), "dtype": dtype, "format": "hf"}
     created, temp = missing_parents(out), temp_sibling(out)
