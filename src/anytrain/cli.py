@@ -42,6 +42,28 @@ def prepare(
     )
 
 
+@app.command("prepare-sft")
+def prepare_sft(
+    inputs: list[str] = typer.Argument(..., help='JSONL files or folders: {"text"} or {"prompt", "completion"}.'),
+    out: str = typer.Option(..., "--out", "-o", help="Output directory (token + loss-mask shards, index.json)."),
+    tokenizer: str = typer.Option(..., help="The model's tokenizer.json, or its folder (e.g. the model.hf_path)."),
+    layout: str = typer.Option("pack", help="pack (examples back to back) or pad (each example starts a window)."),
+    seq_len: int = typer.Option(0, help="With --layout pad: the training data.seq_len."),
+    val_fraction: float = typer.Option(0.05, help="Fraction of examples held out for validation."),
+    shard_tokens: int = typer.Option(100_000_000, help="Maximum tokens per shard file."),
+    overwrite: bool = typer.Option(False, help="Replace an existing dataset that anytrain wrote in --out."),
+) -> None:
+    """Tokenize supervised fine-tuning examples; training then counts the loss on completion tokens only
+    (docs/hf-models.md)."""
+    from anytrain.data.sft import prepare_sft as run_prepare_sft
+
+    index = run_prepare_sft(inputs, out, tokenizer, val_fraction, layout, seq_len, shard_tokens, overwrite)
+    stats = index["meta"]["stats"]
+    typer.echo(f"prepared {out} ({layout}): vocab {index['vocab_size']}, " + ", ".join(
+        f"{name} {s['examples']} examples / {s['tokens']:,} tokens ({s['trained_tokens']:,} trained)"
+        for name, s in stats.items()))  # fmt: skip
+
+
 @app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
 def train(
     ctx: typer.Context,

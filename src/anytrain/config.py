@@ -25,7 +25,8 @@ from anytrain.errors import ConfigError
 @dataclass
 class ModelConfig:
     arch: str = "transformer"
-    """Model family in the registry: 'transformer' (Llama-style) or 'mamba'."""
+    """Model family in the registry: 'transformer' (Llama-style), 'mamba', or 'hf' (any transformers causal LM in
+    ``hf_path``)."""
     flavour: str = "tiny"
     """Named size of the family (see ``anytrain.models.list_flavours()``), e.g. debug, tiny, 125m, 1.1b."""
     args: dict[str, Any] = field(default_factory=dict)
@@ -36,6 +37,12 @@ class ModelConfig:
     config.json sets ``model.args`` (an explicit field that disagrees is an error; max_seq_len may be changed). The
     data must be prepared with the same tokenizer (``anytrain prepare --tokenizer DIR/tokenizer.json``). Empty = random
     init. See docs/evaluation.md."""
+    hf_path: str = ""
+    """With ``arch: hf``: a local Hugging Face model folder (config.json + safetensors) whose
+    ``AutoModelForCausalLM`` class is trained as it is (FSDP2/DDP per decoder layer, bf16, activation checkpointing,
+    compile); ``model.args`` takes only ``init`` (pretrained | random) and ``attn_implementation`` (sdpa | eager).
+    See docs/hf-models.md."""
+
 
 
 @dataclass
@@ -403,6 +410,10 @@ def load_config(path: str | Path | None, overrides: list[str] | None = None) -> 
     if not cfg.name:
         cfg.name = path.stem if path is not None else "run"
     cfg.data.path = resolve_data_path(cfg.data.path)
+    if cfg.model.arch == "hf" or cfg.model.hf_path:  # folder checked, layouts hf cannot take refused (models/hf)
+        from anytrain.models.hf import check_run_config
+
+        check_run_config(cfg)
     if cfg.model.init_from:  # HF config.json -> model.args before validation (evals/hf.py)
         from anytrain.evals.hf import apply_init_from
 

@@ -502,6 +502,8 @@ def export_hf(source: str | Path, out: str | Path, dtype: str = "fp32", overwrit
     out = Path(out)
     _check_out(out, overwrite)
     run_dir, checkpoint = _resolve_source(source)
+    if run_arch(run_dir) == "hf":  # a transformers model trained as it is: saved as transformers saves it
+        return export_hf_arch(run_dir, checkpoint, out, dtype, tokenizer, max_shard_bytes)
     cfg, model, path = load_run_model(run_dir, torch.device("cpu"), checkpoint)
     args, arch = resolve_args(cfg.model), cfg.model.arch
     family = hf_family(arch, args)  # before any file is written: a model no HF class represents is refused
@@ -526,6 +528,68 @@ def export_hf(source: str | Path, out: str | Path, dtype: str = "fp32", overwrit
                                "generation_config.json": json.dumps(generation, indent=2),
                                MARKER: json.dumps({**marker, "weights": shards}, indent=1)}.items():  # fmt: skip
                 (temp / name).write_text(text)
+        move_into_place(temp, out)
+    except BaseException:
+        for leftover in [temp] + ([created] if created is not None else []):
+            remove(leftover)
+        raise
+    return out
+
+# --------------------------------------------------------------------------------------------------------------------
+# export of a model.arch hf run: the trained transformers model as save_pretrained writes it
+
+HF_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
+                      "vocab.json", "merges.txt", "added_tokens.json", "chat_template.jinja", "chat_template.json")
+"""Tokenizer files of ``model.hf_path`` that an export of an hf-arch run carries over (those that exist)."""
+
+
+def run_arch(run_dir: Path) -> str | None:
+    """``model.arch`` recorded in a run's config.yaml (None when it cannot be read: load_run_model reports that)."""
+    import yaml
+
+    try:
+        recorded = yaml.safe_load((run_dir / "config.yaml").read_text()) or {}
+    except (OSError, yaml.YAMLError):
+        return None
+    return (recorded.get("model") or {}).get("arch") if isinstance(recorded, dict) else None
+
+
+def export_hf_arch(run_dir: Path, checkpoint: Path | None, out: Path, dtype: str, tokenizer: str | Path | None,
+                   max_shard_bytes: int) -> Path:  # fmt: skip
+    """``anytrain export --format hf`` of a ``model.arch: hf`` run: the checkpoint's weights in the class and
+    config.json of ``model.hf_path`` (``save_pretrained``: safetensors, sharded above ``max_shard_bytes``), dtype as
+    asked; the folder's generation_config.json and tokenizer files (``HF_TOKENIZER_FILES``) copied, or with
+    ``tokenizer`` (a tokenizer.json), or when the folder has none, the run's tokenizer as the other families export
+    it. Assembled next to ``out`` and renamed into place."""
+    import shutil
+
+    from anytrain.data.shards import TokenDataset
+    from anytrain.evals import load_run_model
+
+    cfg, model, path = load_run_model(run_dir, torch.device("cpu"), checkpoint)
+    source = Path(cfg.model.hf_path)
+    copies = [source / name for name in (*HF_TOKENIZER_FILES, "generation_config.json") if (source / name).is_file()]
+    files: dict[str, str] = {}
+    if tokenizer or not any(f.name in HF_TOKENIZER_FILES for f in copies):
+        tokenizer_file = Path(tokenizer) if tokenizer else TokenDataset(cfg.data.path).tokenizer_path
+        if not tokenizer_file.is_file():
+            raise RunDirError(f"{tokenizer_file}: no tokenizer to ship; pass --tokenizer FILE")
+        files, _, _ = _tokenizer_files(tokenizer_file, model.args.max_seq_len)
+        copies = [f for f in copies if f.name not in HF_TOKENIZER_FILES]
+    hf = model.hf.to({"fp32": torch.float32, "bf16": torch.bfloat16}[dtype])
+    marker = {"source": str(path), "arch": "hf", "hf_path": str(source), "class": type(hf).__name__, "dtype": dtype,
+              "format": "hf"}  # fmt: skip
+    created, temp = missing_parents(out), temp_sibling(out)
+    try:
+        temp.mkdir(parents=True)
+        with disk_full_as_error(out):
+            hf.save_pretrained(temp, max_shard_size=max_shard_bytes)
+            for file in copies:
+                shutil.copyfile(file, temp / file.name)
+            for name, text in files.items():
+                (temp / name).write_text(text)
+            weights = sorted(p.name for p in temp.glob("*.safetensors"))
+            (temp / MARKER).write_text(json.dumps({**marker, "weights": weights}, indent=1))
         move_into_place(temp, out)
     except BaseException:
         for leftover in [temp] + ([created] if created is not None else []):

@@ -14,7 +14,7 @@ from torch import nn
 
 from anytrain.config import ModelConfig, from_dict
 from anytrain.errors import ConfigError
-from anytrain.models import llama, mamba
+from anytrain.models import hf, llama, mamba
 from anytrain.models.llama import TRANSFORMER_FLAVOURS, Transformer, TransformerArgs
 from anytrain.models.mamba import MAMBA_FLAVOURS, Mamba, MambaArgs, MambaBlock, MambaMixer
 from anytrain.models.protocol import LanguageModel, ModelSpec, ParallelizePlan
@@ -41,7 +41,7 @@ __all__ = [
     "spec_of",
 ]
 
-REGISTRY: dict[str, ModelSpec] = {spec.name: spec for spec in (llama.SPEC, mamba.SPEC)}
+REGISTRY: dict[str, ModelSpec] = {spec.name: spec for spec in (llama.SPEC, mamba.SPEC, hf.SPEC)}
 
 
 def register(spec: ModelSpec) -> None:
@@ -63,8 +63,11 @@ def spec_of(model: nn.Module) -> ModelSpec:
 
 
 def resolve_args(cfg: ModelConfig) -> Any:
-    """Flavour defaults + ``model.args`` overrides -> validated args dataclass of the family."""
+    """Flavour defaults + ``model.args`` overrides -> validated args dataclass of the family (or the family's own
+    ``ModelSpec.resolve_args``)."""
     spec = get_spec(cfg.arch)
+    if spec.resolve_args is not None:
+        return spec.resolve_args(cfg)
     if cfg.flavour not in spec.flavours:
         raise ConfigError(
             f"model.flavour: unknown flavour {cfg.flavour!r} for {cfg.arch}; choose from {', '.join(spec.flavours)}"

@@ -100,6 +100,9 @@ class ModelSpec:
     build: Callable[[Any], nn.Module]
     flavours: dict[str, dict[str, Any]] = field(default_factory=dict)
     parallelize_plan: ParallelizePlan = field(default_factory=ParallelizePlan)
+    resolve_args: Callable[[Any], Any] | None = None
+    """``ModelConfig`` -> the validated args, for a family whose shape is not a flavour plus ``model.args`` (``hf``:
+    read from ``model.hf_path``); None = flavour defaults merged with ``model.args``."""
 
     def owns(self, module: nn.Module) -> bool:
         """Whether ``module`` is this family's model or one of its pipeline stages."""

@@ -23,6 +23,7 @@ from torch.distributed.fsdp import FSDPModule
 from anytrain import hardware
 from anytrain.config import RunConfig, plan_batches, to_dict
 from anytrain.data.loader import BatchProvider, BatchSource, SampleIndex
+from anytrain.data.sft import masked_sources
 from anytrain.data.shards import TokenDataset
 from anytrain.errors import ConfigError, RunDirError, TrainingError
 from anytrain.evals.hf import init_from_hf
@@ -135,6 +136,10 @@ class Trainer:
         self.tokens_per_step = global_batch * seq_len
         if batches is not None:
             self.train_source, self.val_source = batches, None
+            return
+        masked = masked_sources(self.dataset, seq_len, global_batch, seed)  # prepare-sft data: loss mask (data/sft.py)
+        if masked is not None:
+            self.train_source, self.val_source = masked
             return
         self.train_source = BatchSource(SampleIndex(self.dataset.split("train"), seq_len, "train"), global_batch, seed)
         self.val_source = BatchSource(SampleIndex(self.dataset.split("val"), seq_len, "val"), global_batch, seed,
@@ -444,7 +449,7 @@ class Trainer:
                 if logits is None:  # a pipeline rank without the last stage
                     continue
                 total[0] += F.cross_entropy(logits.float().flatten(0, 1), y.flatten(), reduction="sum").double()
-                total[1] += y.numel()
+                total[1] += (y != -100).sum()  # targets of -100 (prompt tokens of SFT data) are not scored
         self.model.train()
         for part in self.pp_parts if self.pp_schedule is not None else [self.model]:
             for module in part.modules():  # no backward follows: free what FSDP kept gathered (root, last block)
