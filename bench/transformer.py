@@ -1,4 +1,5 @@
-"""Transformer training throughput on one GPU: HF transformers (eager, torch.compile) vs anytrain's recipe.
+"""Transformer training throughput on one GPU: HF transformers (eager, torch.compile) vs anytrain's recipe, and vs
+the same HF model class trained by anytrain's trainer (``model.arch: hf``).
 
 One run, one GPU, rows one after another, each in a fresh subprocess of this script with its own empty inductor cache
 (``--in-process`` runs them in this process instead: measured on an H200, an HF + torch.compile row that follows
@@ -16,11 +17,17 @@ The anytrain rows run the product's own code: ``Trainer._build_model`` (meta-dev
 ``train.compile``, ``build_optimizer``, autocast) and ``Trainer.train_step`` (micro-batch loop, clipping, the per-step
 ``StepGuard`` agreement, optimizer and scheduler) on a Trainer whose data source yields the random batches.
 
+The ``anytrain-hf`` rows train HF's ``LlamaForCausalLM`` of the row's shape (the config the HF rows build, written to
+a temporary folder as config.json, random init) through ``Trainer`` with ``model.arch: hf``: anytrain's fused linear +
+CE, per-block (or whole-body) compile, fused AdamW and step machinery around transformers' own modules.
+
 MFU = (6·N_non-embedding + 12·L·d·T) × tokens/s / peak (989 TFLOP/s on H100/H200), the same formula for every row.
 
     PYTHONPATH=src python bench/transformer.py --out bench/results             # full table (GPU, needs transformers)
     PYTHONPATH=src python bench/transformer.py --groups 1.1b-2048 --profile    # one group, with a kernel profile
     PYTHONPATH=src python bench/transformer.py --smoke                         # CPU check of the anytrain path
+    PYTHONPATH=src python bench/transformer.py --groups tiny-512 1.1b-2048-mb16 \
+        --stacks anytrain-hf hf-compile anytrain                               # model.arch hf vs HF + compile
 """
 
 from __future__ import annotations
@@ -59,7 +66,7 @@ class Case:
     seq: int
     micro: int
     global_batch: int
-    stack: str  # "hf-eager" | "hf-compile" | "anytrain"
+    stack: str  # "hf-eager" | "hf-compile" | "anytrain" | "anytrain-hf" (HF's model class under model.arch hf)
     label: str = ""
     loss_impl: str = "chunked"
     native_gqa: bool | None = None  # None = the model's auto choice
@@ -86,6 +93,10 @@ def default_cases(ablations: bool = False) -> list[Case]:
     cases = [
         Case(g16, **mb16, stack="anytrain", label="anytrain recipe (configs/1.1b.yaml)", profile=True, options=auto),
         Case(g16, **mb16, stack="hf-compile", label="HF + torch.compile, mb 16"),
+        Case(g16, **mb16, stack="anytrain-hf", label="model.arch hf (HF Llama class), auto scope", options=auto),
+        Case("tiny-512", "tiny", 512, 32, 64, "hf-compile", label="HF + torch.compile"),
+        Case("tiny-512", "tiny", 512, 32, 64, "anytrain-hf", label="model.arch hf (HF Llama class)", options=auto),
+        Case("tiny-512", "tiny", 512, 32, 64, "anytrain", label="anytrain (compile_scope auto)", options=auto),
         Case(g16, **mb16, stack="anytrain", label="anytrain + CUDA graphs", options={**auto, "train.cuda_graphs": 1}),
         Case(g16, **mb16, stack="anytrain", label="anytrain, per-block compile (the recipe before)", options=blocks),
         Case(g32, **mb32, stack="anytrain", label="anytrain micro-batch 32"),
@@ -167,8 +178,8 @@ def default_cases(ablations: bool = False) -> list[Case]:
 
 def estimate_s(case: Case) -> float:
     """Rough cost of a row on an H200 (compile + 11 steps), for the time budget."""
-    scale = {"125m": 0.3, "350m": 0.6, "1.1b": 1.0, "debug": 0.01}.get(case.flavour, 1.0)
-    return {"hf-compile": 110.0, "hf-eager": 25.0, "anytrain": 35.0}[case.stack] * scale
+    scale = {"125m": 0.3, "350m": 0.6, "1.1b": 1.0, "tiny": 0.1, "debug": 0.01}.get(case.flavour, 1.0)
+    return {"hf-compile": 110.0, "hf-eager": 25.0, "anytrain": 35.0, "anytrain-hf": 60.0}[case.stack] * scale
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -210,6 +221,10 @@ def anytrain_step_fn(case: Case, device: torch.device, batches: RandomBatches, c
     cfg = RunConfig()
     model_args = {k.removeprefix("model.args."): v for k, v in case.options.items() if k.startswith("model.args.")}
     cfg.model = ModelConfig(arch="transformer", flavour=case.flavour, args=model_args)
+    if case.stack == "anytrain-hf":  # HF's class of this shape, trained by the Trainer: only config.json is needed
+        folder = tempfile.mkdtemp(prefix="bench-hf-")
+        hf_llama_config(case.flavour).save_pretrained(folder)
+        cfg.model = ModelConfig(arch="hf", hf_path=folder, args={"init": "random", **model_args})
     cfg.data.seq_len = case.seq
     cfg.train.global_batch, cfg.train.micro_batch = case.global_batch, case.micro
     cfg.train.compile, cfg.train.check_finite = compile_blocks, case.check_finite
@@ -230,15 +245,22 @@ def anytrain_step_fn(case: Case, device: torch.device, batches: RandomBatches, c
     return step, info, trainer
 
 
+def hf_llama_config(flavour: str):
+    """HF LlamaConfig of anytrain's Transformer flavour (SDPA attention, untied head, no KV cache)."""
+    from transformers import LlamaConfig
+
+    a = resolve_args(ModelConfig(arch="transformer", flavour=flavour))
+    return LlamaConfig(vocab_size=a.vocab_size, hidden_size=a.dim, intermediate_size=a.ffn_dim,
+                       num_hidden_layers=a.n_layers, num_attention_heads=a.n_heads, num_key_value_heads=a.n_kv_heads,
+                       max_position_embeddings=a.max_seq_len, rms_norm_eps=a.norm_eps, tie_word_embeddings=False,
+                       use_cache=False, attn_implementation="sdpa")  # fmt: skip
+
+
 def hf_step_fn(case: Case, device: torch.device, batches: RandomBatches) -> tuple:
     """HF LlamaForCausalLM of the same shape (random init, fp32 master weights), autocast bf16, SDPA, fused AdamW."""
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import LlamaForCausalLM
 
-    a = resolve_args(ModelConfig(arch="transformer", flavour=case.flavour))
-    config = LlamaConfig(vocab_size=a.vocab_size, hidden_size=a.dim, intermediate_size=a.ffn_dim,
-                         num_hidden_layers=a.n_layers, num_attention_heads=a.n_heads, num_key_value_heads=a.n_kv_heads,
-                         max_position_embeddings=a.max_seq_len, rms_norm_eps=a.norm_eps, tie_word_embeddings=False,
-                         use_cache=False, attn_implementation="sdpa")  # fmt: skip
+    config = hf_llama_config(case.flavour)
     torch.manual_seed(0)
     with torch.device(device):
         model = LlamaForCausalLM(config)
@@ -296,7 +318,7 @@ def run_case(case: Case, device: torch.device, args: argparse.Namespace) -> dict
     holder = None
     try:
         with attention_order(case):
-            if case.stack == "anytrain":
+            if case.stack in ("anytrain", "anytrain-hf"):
                 step, info, holder = anytrain_step_fn(case, device, batches, compile_blocks=not args.no_compile)
             else:
                 step, info, holder = hf_step_fn(case, device, batches)
@@ -416,6 +438,7 @@ def main() -> None:
         cases = [
             Case("debug", "debug", 64, 2, 4, "anytrain", label="anytrain"),
             Case("debug", "debug", 64, 2, 4, "anytrain", label="naive loss", loss_impl="naive", native_gqa=False),
+            Case("debug", "debug", 64, 2, 4, "anytrain-hf", label="model.arch hf (HF Llama class)"),
         ]
         args.steps, args.warmup, args.no_compile = 2, 1, True  # fmt: skip
     else:
