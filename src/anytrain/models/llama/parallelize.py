@@ -6,13 +6,15 @@ and residual stream are sequence-parallel (each TP rank holds T/tp tokens), so a
 not replicated. The embedding is row-parallel with a sequence-sharded output. The final norm hands the LM head a full
 (replicated) tensor, and the head is *not* split: every TP rank computes the same fused linear+cross-entropy (the loss
 never forms full logits) — simpler, at the cost of repeating the head's matmul on each TP rank (vocab × d per token;
-~6% of a 1.1B model's FLOPs at tp 2).
+~6% of a 1.1B model's FLOPs at tp 2). A tied embedding is the head's tensor, so it stays whole too (a plain tensor on
+every TP rank, no extra memory) and the first block shards its output by sequence on entry.
 
 The options shard the same way: LayerNorm (weight and bias) is sequence-parallel like RMSNorm; biases of column-
 parallel projections are split with their rows, those of row-parallel ones replicated (added once after the
 reduction); the GELU MLP is w1 column- and w2 row-parallel; QK-norm runs on each rank's heads (its E-wide weight
 replicated, the input sharded over heads); ALiBi keeps each rank's slice of the slopes; a learned position table is
-row-parallel like the token embedding, with the same sequence-sharded output, so the two add shard by shard.
+row-parallel like the token embedding, with the same sequence-sharded output, so the two add shard by shard (both
+whole when the embedding is tied).
 """
 
 from __future__ import annotations
@@ -64,9 +66,12 @@ def _to_full() -> PrepareModuleOutput:
 def apply_tensor_parallel(model: Transformer, tp_mesh) -> None:
     """Shard the Transformer (or a pipeline stage of it) over the 1D ``tp_mesh`` in place."""
     top_plan = {}
-    if model.tok_embeddings is not None:
+    # A tied embedding is the (unsplit, plain) LM head's tensor: it stays whole on every TP rank, so the head keeps
+    # it and the blocks shard the full embedding output on entry. Untied, the tables are row-parallel.
+    split_embeddings = model.tok_embeddings is not None and not model.tie_embeddings
+    if split_embeddings:
         top_plan["tok_embeddings"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1))
-    if model.pos_embeddings is not None:
+    if split_embeddings and model.pos_embeddings is not None:
         top_plan["pos_embeddings"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1))
     if model.norm is not None:
         top_plan["norm"] = SequenceParallel()
@@ -81,7 +86,7 @@ def apply_tensor_parallel(model: Transformer, tp_mesh) -> None:
         slopes = getattr(block.attention, "alibi_slopes", None)
         if slopes is not None:  # this rank's query heads are the rank-th H/tp of them
             block.attention.alibi_slopes = slopes.chunk(tp)[rank].clone()
-    if model.tok_embeddings is None:  # a later pipeline stage receives full hidden states: shard them on entry
+    if not split_embeddings:  # full hidden states (a later pipeline stage's input, a tied embedding's output)
         parallelize_module(blocks[0], tp_mesh, PrepareModuleInput(input_layouts=(Replicate(), None, None),
                                                                   desired_input_layouts=(Shard(1), None, None),
                                                                   use_local_output=True))  # fmt: skip
