@@ -1,0 +1,187 @@
+"""What ALiBi costs against RoPE + SDPA: one GPU, MPT-1B's shape (d 2048, 24 layers, 16 heads of 128, GELU MLP,
+LayerNorm, tied embeddings), sequence 2048, bf16.
+
+Two kinds of rows, each in a fresh subprocess of this script (its own inductor cache, as bench/transformer.py):
+
+* ``train``: ``Trainer(cfg, batches=...)`` (the product's build, ``parallelize`` with per-block compile, fused AdamW,
+  ``train_step``) on random token batches, for ``pos_encoding`` alibi (compiled flex_attention with the ALiBi
+  ``score_mod`` and a causal block mask) and rope (SDPA, FlashAttention), everything else equal; tokens/s, MFU
+  (anytrain's flops_per_token, equal for both: position encodings add no matmul FLOPs) and peak memory;
+* ``attention``: the attention op alone, forward + backward, (B, H, T, E) = (micro-batch, 16, 2048, 128) bf16:
+  ``layers.alibi_attention`` with the block mask vs ``F.scaled_dot_product_attention(is_causal=True)`` after RoPE.
+
+Results: a table on stdout and ``--out/alibi_<device>.json`` (``alibi_smoke.json`` with ``--smoke``, whose rows run
+on the CPU, where ALiBi takes the explicit-bias SDPA path: a check that the bench runs, not a measurement).
+
+    PYTHONPATH=src python bench/alibi.py --out bench/results            # GPU: the full table (~5 minutes)
+    PYTHONPATH=src python bench/alibi.py --smoke --out /tmp/alibi       # CPU check: debug shape, 2 steps, no compile
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+
+from bench_common import RandomBatches, release, row_error, versions  # noqa: E402
+
+from anytrain import hardware  # noqa: E402
+from anytrain.config import ModelConfig, RunConfig  # noqa: E402
+from anytrain.models import layers  # noqa: E402
+from anytrain.models.llama.model import apply_rope, rope_tables  # noqa: E402
+from anytrain.train.trainer import Trainer  # noqa: E402
+
+ROWS = ["train-rope-sdpa", "train-alibi-flex", "attention-rope-sdpa", "attention-alibi-flex"]
+ROW_MARK = "ROW-JSON "
+
+
+def shape(smoke: bool) -> dict:
+    if smoke:
+        return {"flavour": "mpt-debug", "seq": 64, "micro": 2, "global_batch": 4, "heads": 4, "head_dim": 16}
+    return {"flavour": "mpt-1b", "seq": 2048, "micro": 4, "global_batch": 8, "heads": 16, "head_dim": 128}
+
+
+def timed(step, device: torch.device, warmup: int, steps: int) -> dict:
+    for i in range(warmup):
+        step(i)
+    hardware.synchronize(device)
+    hardware.reset_peak_memory(device)
+    started = time.perf_counter()
+    for i in range(steps):
+        step(warmup + i)
+    hardware.synchronize(device)
+    return {"seconds_per_step": (time.perf_counter() - started) / steps,
+            "peak_mem_gib": hardware.peak_memory_gib(device)}  # fmt: skip
+
+
+def train_row(pos: str, s: dict, device: torch.device, args: argparse.Namespace) -> dict:
+    cfg = RunConfig()
+    cfg.model = ModelConfig(arch="transformer", flavour=s["flavour"], args={"pos_encoding": pos})
+    cfg.device = "cpu" if args.smoke else "auto"
+    cfg.data.seq_len = s["seq"]
+    cfg.train.global_batch, cfg.train.micro_batch = s["global_batch"], s["micro"]
+    cfg.train.compile, cfg.train.dtype = not args.smoke, "fp32" if args.smoke else "bf16"
+    cfg.train.lr, cfg.train.warmup_steps, cfg.train.steps = 2e-4, 100, 1000
+    trainer = Trainer(cfg, batches=RandomBatches(50368 if not args.smoke else 512, s["global_batch"], s["seq"]))
+    row = timed(trainer.train_step, device, args.warmup, args.steps)
+    model = trainer.raw_model
+    tokens = s["global_batch"] * s["seq"]
+    row.update(params=model.num_params(), flops_per_token=model.flops_per_token(s["seq"]),
+               tokens_per_s=tokens / row["seconds_per_step"], driver="Trainer.train_step")  # fmt: skip
+    peak = hardware.peak_flops(device)
+    row["mfu"] = row["flops_per_token"] * row["tokens_per_s"] / peak if peak else None
+    return row
+
+
+def attention_row(pos: str, s: dict, device: torch.device, args: argparse.Namespace) -> dict:
+    B, H, T, E = s["micro"], s["heads"], s["seq"], s["head_dim"]
+    dtype = torch.float32 if args.smoke else torch.bfloat16
+    gen = torch.Generator(device=device).manual_seed(0)
+    q, k, v = (torch.randn(B, H, T, E, device=device, dtype=dtype, generator=gen, requires_grad=True) for _ in "qkv")
+    grad = torch.randn(B, H, T, E, device=device, dtype=dtype, generator=gen)
+    if pos == "alibi":
+        slopes = layers.alibi_slopes(H).to(device)
+        mask = layers.causal_block_mask(T, device) if hardware.is_gpu(device) else layers.alibi_distance(T, device)
+
+        def forward():
+            return layers.alibi_attention(q, k, v, slopes, mask)
+    else:
+        cos, sin = (t.to(device) for t in rope_tables(E, T, 10000.0))
+
+        def forward():
+            qr = apply_rope(q.transpose(1, 2), cos, sin).transpose(1, 2)
+            kr = apply_rope(k.transpose(1, 2), cos, sin).transpose(1, 2)
+            return F.scaled_dot_product_attention(qr, kr, v, is_causal=True)
+
+    def step(i: int) -> None:
+        forward().backward(grad)
+
+    row = timed(step, device, args.warmup, args.steps)
+    row["ms_fwd_bwd"] = 1e3 * row["seconds_per_step"]
+    # causal attention FLOPs of forward + backward (QKᵀ and AV, half the square, ×3.5 with the recomputed QKᵀ)
+    flops = 3.5 * 2 * 2 * B * H * T * T * E / 2
+    row["tflops_per_s"] = flops / row["seconds_per_step"] / 1e12
+    return row
+
+
+def run_row(name: str, args: argparse.Namespace) -> dict:
+    device = hardware.resolve_device("cpu" if args.smoke else "auto")
+    if hardware.is_gpu(device):
+        torch.backends.cuda.matmul.allow_tf32 = True
+    release(device)
+    kind, pos, _ = name.split("-", 2)
+    s = shape(args.smoke)
+    row = {"row": name, "kind": kind, "pos_encoding": pos, **s}
+    try:
+        row.update((train_row if kind == "train" else attention_row)(pos, s, device, args))
+    except Exception as exc:  # noqa: BLE001 - one failing row must not lose the others
+        row["error"] = row_error(exc)
+    return row
+
+
+def run_child(name: str) -> dict:
+    argv = [a for a in sys.argv[1:] if not a.startswith("--rows")]
+    cmd = [sys.executable, str(Path(__file__).resolve()), *argv, "--one-row", name]
+    with tempfile.TemporaryDirectory(prefix="anytrain-bench-inductor-") as cache:
+        env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": cache}
+        proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith(ROW_MARK)]
+    if not lines:
+        return {"row": name, "error": f"child exited {proc.returncode}: {proc.stdout[-600:]}"}
+    return json.loads(lines[-1][len(ROW_MARK) :])
+
+
+def print_table(rows: list[dict]) -> None:
+    print(f"\n{'row':<24}{'ms/step':>10}{'tokens/s':>12}{'MFU':>8}{'TFLOP/s':>9}{'peak GiB':>10}{'vs rope':>9}")
+    base = {r["kind"]: r["seconds_per_step"] for r in rows if r.get("pos_encoding") == "rope" and "error" not in r}
+    for r in rows:
+        if "error" in r:
+            print(f"{r['row']:<24}  {r['error'][:90]}")
+            continue
+        mfu = f"{100 * r['mfu']:.1f}%" if r.get("mfu") else ""
+        tflops = f"{r['tflops_per_s']:.0f}" if "tflops_per_s" in r else ""
+        tokens = f"{r['tokens_per_s']:,.0f}" if "tokens_per_s" in r else ""
+        ratio = f"{r['seconds_per_step'] / base[r['kind']]:.2f}x" if r["kind"] in base else ""
+        print(f"{r['row']:<24}{1e3 * r['seconds_per_step']:>10.1f}{tokens:>12}{mfu:>8}{tflops:>9}"
+              f"{r['peak_mem_gib']:>10.1f}{ratio:>9}")  # fmt: skip
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", default="bench/results", help="directory for alibi_<device>.json")
+    parser.add_argument("--steps", type=int, default=10, help="timed steps per row")
+    parser.add_argument("--warmup", type=int, default=2, help="untimed steps first (compilation happens here)")
+    parser.add_argument("--rows", nargs="*", default=ROWS, choices=ROWS)
+    parser.add_argument("--smoke", action="store_true", help="CPU check: debug shape, 2 steps, no compile")
+    parser.add_argument("--one-row", default=None, help=argparse.SUPPRESS)  # a child: run this row, print it
+    args = parser.parse_args()
+    if args.smoke:
+        args.steps, args.warmup = 2, 1
+    if args.one_row:
+        print(ROW_MARK + json.dumps(run_row(args.one_row, args), default=str), flush=True)
+        return
+    rows = [run_child(name) for name in args.rows]
+    print_table(rows)
+    env = versions(hardware.resolve_device("cpu" if args.smoke else "auto"))
+    slug = re.sub(r"[^a-z0-9]+", "-", env["device"].lower()).strip("-") if not args.smoke else "smoke"
+    path = Path(args.out) / f"alibi_{slug}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"device": env, "rows": rows}, indent=1, default=str))
+    print(f"\nwrote {path}")
+    if any("error" in r for r in rows):
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()
