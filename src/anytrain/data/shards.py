@@ -12,6 +12,7 @@ Layout of a prepared dataset directory::
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -62,10 +63,38 @@ class ShardWriter:
             self.shards[-1]["max_id"] = max(self.shards[-1]["max_id"], int(tokens[:take].max()))
             tokens = tokens[take:]
 
+    def flush(self) -> None:
+        """Hand everything written so far to the operating system and the disk (a resume point may follow)."""
+        if self._file is not None:
+            self._file.flush()
+            os.fsync(self._file.fileno())
+
     def close(self) -> None:
         if self._file is not None:
+            self.flush()
             self._file.close()
             self._file = None
+
+    @classmethod
+    def resume(cls, out_dir: Path, split: str, dtype: np.dtype, shard_tokens: int, shards: list[dict]) -> ShardWriter:
+        """A writer continuing after the committed ``shards`` (index entries): the last shard file is cut back to its
+        committed size, and later files of the split (written after the commit) are deleted."""
+        writer = cls(out_dir, split, dtype, shard_tokens)
+        writer.shards = [dict(s) for s in shards]
+        for path in out_dir.glob(f"{split}_*.bin"):
+            if path.name not in {s["file"] for s in shards}:
+                path.unlink()
+        if shards:
+            last = out_dir / shards[-1]["file"]
+            size = shards[-1]["tokens"] * dtype.itemsize
+            if not last.is_file() or last.stat().st_size < size:
+                raise DataError(f"{last}: shorter than its committed {size} bytes; cannot resume, pass --overwrite "
+                                "to start over")  # fmt: skip
+            with open(last, "r+b") as fh:
+                fh.truncate(size)
+            writer._file = open(last, "ab")  # noqa: SIM115 - closed in close()
+            writer._count = shards[-1]["tokens"]
+        return writer
 
 
 def write_index(out_dir: Path, dtype: np.dtype, vocab_size: int, eos_id: int, splits: dict[str, list[dict]],
