@@ -16,7 +16,7 @@ if not torch.cuda.is_available():  # skip before importing the kernels (CPU runs
     pytest.skip("needs a CUDA/ROCm GPU", allow_module_level=True)
 pytest.importorskip("triton")
 
-from anytrain.kernels.causal_conv1d_triton import _PLANS, causal_conv1d_triton, default_config  # noqa: E402
+from anytrain.kernels.causal_conv1d_triton import _PLANS, _plan, causal_conv1d_triton, default_config  # noqa: E402
 from anytrain.kernels.reference import causal_conv1d_ref  # noqa: E402
 
 TOL = {torch.float32: (6e-4, 2e-3), torch.bfloat16: (3e-2, 5e-2)}
@@ -90,6 +90,32 @@ def test_backward_is_deterministic():
         assert torch.equal(a, b)
     for a, b in zip(runs[2], runs[3], strict=True):
         assert torch.equal(a, b)
+
+
+def test_direct_relaunch_matches_the_first_launch():
+    """Calls after the first relaunch the compiled binary directly (kernels/launch.py); a misaligned input of the same
+    shape and strides is another specialization, compiled and kept apart. Every call equals the first, bitwise."""
+    g = torch.Generator(device="cuda").manual_seed(3)
+    batch, dim, seqlen = 2, 768, 1000
+    buf = torch.randn(batch * dim * seqlen + 8, device="cuda", generator=g).to(torch.bfloat16)
+    aligned = buf[: batch * dim * seqlen].view(batch, dim, seqlen)
+    shifted = buf[1 : 1 + batch * dim * seqlen].view(batch, dim, seqlen)  # 2-byte offset: not 16-byte aligned
+    w = torch.randn(dim, 4, device="cuda", generator=g).to(torch.bfloat16)
+    b = torch.randn(dim, device="cuda", generator=g).to(torch.bfloat16)
+    dout = torch.randn(batch, dim, seqlen, device="cuda", generator=g).to(torch.bfloat16)
+    plan = _plan(aligned, w, b, "silu", None)
+    for x in (aligned, shifted):
+        runs = []
+        for _ in range(3):
+            leaves = [t.detach().requires_grad_() for t in (x, w, b)]  # x keeps its offset into buf
+            out = causal_conv1d_triton(*leaves, "silu")
+            runs.append((out, *torch.autograd.grad(out, leaves, dout)))
+        ref = causal_conv1d_ref(x.float(), w.float(), b.float(), "silu")
+        _close("out", runs[0][0], ref, *TOL[torch.bfloat16])
+        for later in runs[1:]:
+            assert all(torch.equal(a, c) for a, c in zip(runs[0], later, strict=True))
+    if plan.fwd.direct:  # both specializations were recorded and relaunched
+        assert len(plan.fwd.binaries) == 2 and len(plan.bwd.binaries) == 2
 
 
 def test_default_tiles_are_the_vendors():

@@ -13,7 +13,8 @@ the parameters' dtypes: one launch, no partial buffers, deterministic. Only when
 
 Host side, per call: the launch parameters (grids, constexprs, split counts) are computed once per (shapes, dtypes,
 activation, config) and kept in a dict; a call checks x's time stride, allocates its outputs with ``torch.empty`` and
-launches one kernel (two for a split backward). Without autograd (no_grad or no input requiring grad) the forward
+launches one kernel (two for a split backward) through ``launch.Launcher``, which relaunches the compiled binary
+without Triton's per-call argument binding. Without autograd (no_grad or no input requiring grad) the forward
 skips the autograd Function.
 """
 
@@ -28,6 +29,7 @@ from torch import Tensor
 
 from anytrain import hardware
 from anytrain.kernels.fastmath import fast_math_ok, fast_sigmoid
+from anytrain.kernels.launch import Launcher
 
 _TAPS = 4
 
@@ -440,8 +442,8 @@ class _Plan:
     """Everything a call's launches need that depends only on (shapes, dtypes, device type, activation, config)."""
 
     __slots__ = (
-        "dim", "seqlen", "out_shape", "out_strides", "fwd_grid", "fwd_meta", "bwd_kernel", "bwd_grid", "bwd_args",
-        "bwd_meta", "splits", "dw_shape", "dw_dtype", "db_dtype", "partial_dtype", "sum_grid",
+        "dim", "seqlen", "out_shape", "out_strides", "fwd", "bwd", "bwd_args", "splits", "dw_shape", "dw_dtype",
+        "db_dtype", "partial_dtype", "sum",
     )  # fmt: skip
 
     def __init__(self, x: Tensor, weight: Tensor, bias: Tensor | None, activation: str | None, cfg: ConvConfig):
@@ -461,23 +463,25 @@ class _Plan:
         has_bias, padw = bias is not None, _TAPS - width
         self.dim, self.seqlen = dim, seqlen
         self.out_shape, self.out_strides = (batch, dim, seqlen), (dim * seqlen, seqlen)
-        self.fwd_grid = (triton.cdiv(seqlen, cfg.block_t), triton.cdiv(dim, cfg.block_d), batch)
-        self.fwd_meta = dict(BLOCK_D=cfg.block_d, BLOCK_T=cfg.block_t, PADW=padw, HAS_BIAS=has_bias, SILU=silu,
-                             ACC=acc, EVEN=seqlen % 4 == 0, num_warps=cfg.num_warps)  # fmt: skip
+        fwd_grid = (triton.cdiv(seqlen, cfg.block_t), triton.cdiv(dim, cfg.block_d), batch)
+        fwd_meta = dict(BLOCK_D=cfg.block_d, BLOCK_T=cfg.block_t, PADW=padw, HAS_BIAS=has_bias, SILU=silu, ACC=acc,
+                        EVEN=seqlen % 4 == 0, num_warps=cfg.num_warps)  # fmt: skip
+        self.fwd = Launcher(_conv_fwd_kernel, fwd_grid, fwd_meta)
         eight = cfg.slots_bwd == 8
         n_tblocks = triton.cdiv(seqlen, cfg.block_t_bwd)
         n_iters = batch * n_tblocks
         self.splits, per = _bwd_splits(cfg, dim, n_iters)
-        self.bwd_kernel = _conv_bwd8_kernel if eight else _conv_bwd_kernel
-        self.bwd_grid = (triton.cdiv(dim, cfg.block_d_bwd), self.splits)
+        bwd_meta = dict(BLOCK_D=cfg.block_d_bwd, BLOCK_T=cfg.block_t_bwd, PADW=padw, HAS_BIAS=has_bias, SILU=silu,
+                        ACC=acc, EVEN=seqlen % (8 if eight else 4) == 0, STAGES=cfg.stages_bwd or None,
+                        num_warps=cfg.num_warps_bwd)  # fmt: skip
+        bwd_grid = (triton.cdiv(dim, cfg.block_d_bwd), self.splits)
+        self.bwd = Launcher(_conv_bwd8_kernel if eight else _conv_bwd_kernel, bwd_grid, bwd_meta)
         self.bwd_args = (dim, seqlen, n_tblocks, n_iters, per)
-        self.bwd_meta = dict(BLOCK_D=cfg.block_d_bwd, BLOCK_T=cfg.block_t_bwd, PADW=padw, HAS_BIAS=has_bias, SILU=silu,
-                             ACC=acc, EVEN=seqlen % (8 if eight else 4) == 0, STAGES=cfg.stages_bwd or None,
-                             num_warps=cfg.num_warps_bwd)  # fmt: skip
         self.dw_shape, self.dw_dtype = (dim, width), weight.dtype
         self.db_dtype = None if bias is None else bias.dtype
         self.partial_dtype = torch.float64 if f64 else torch.float32
-        self.sum_grid = (triton.cdiv(dim * (width + has_bias), _SUM_BLOCK),)
+        sum_grid = (triton.cdiv(dim * (width + has_bias), _SUM_BLOCK),)
+        self.sum = Launcher(_sum_splits_kernel, sum_grid, dict(BLOCK=_SUM_BLOCK, HAS_BIAS=has_bias))
 
 
 _PLANS: dict[tuple, _Plan] = {}
@@ -502,8 +506,7 @@ def _launch_fwd(p: _Plan, x: Tensor, weight: Tensor, bias: Tensor | None, out: T
         so = p.out_strides
     else:
         so = out.stride()
-    _conv_fwd_kernel[p.fwd_grid](x, weight, weight if bias is None else bias, out, p.dim, p.seqlen, sx[0], sx[1],
-                                 so[0], so[1], **p.fwd_meta)  # fmt: skip
+    p.fwd(x, weight, weight if bias is None else bias, out, p.dim, p.seqlen, sx[0], sx[1], so[0], so[1])
     return out
 
 
@@ -518,15 +521,14 @@ def _launch_bwd(
         dw = torch.empty((p.splits, *p.dw_shape), device=x.device, dtype=p.partial_dtype)
         db = None if bias is None else torch.empty((p.splits, p.dim), device=x.device, dtype=p.partial_dtype)
     sx, sg, sd = x.stride(), dout.stride(), dx.stride()
-    p.bwd_kernel[p.bwd_grid](x, weight, dw if bias is None else bias, dout, dx, dw, dw if db is None else db,
-                             *p.bwd_args, sx[0], sx[1], sg[0], sg[1], sd[0], sd[1], **p.bwd_meta)  # fmt: skip
+    p.bwd(x, weight, dw if bias is None else bias, dout, dx, dw, dw if db is None else db, *p.bwd_args, sx[0], sx[1],
+          sg[0], sg[1], sd[0], sd[1])  # fmt: skip
     if p.splits == 1:
         return dx, dw, db
     dweight = torch.empty(p.dw_shape, device=x.device, dtype=p.dw_dtype)
     dbias = None if bias is None else torch.empty(p.dim, device=x.device, dtype=p.db_dtype)
     pb, ob = (dw, dweight) if bias is None else (db, dbias)
-    _sum_splits_kernel[p.sum_grid](dw, pb, dweight, ob, dweight.numel(), p.dim, p.splits, BLOCK=_SUM_BLOCK,
-                                   HAS_BIAS=bias is not None)  # fmt: skip
+    p.sum(dw, pb, dweight, ob, dweight.numel(), p.dim, p.splits)
     return dx, dweight, dbias
 
 

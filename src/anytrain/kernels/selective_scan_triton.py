@@ -35,6 +35,7 @@ from torch import Tensor
 
 from anytrain import hardware
 from anytrain.kernels.fastmath import fast_math_ok
+from anytrain.kernels.launch import launch
 from anytrain.kernels.selective_scan_bwd import _ss_bwd_kernel
 from anytrain.kernels.selective_scan_fwd import _ss_fwd_kernel
 
@@ -167,7 +168,7 @@ def _chunk_major(Bg: Tensor, Cg: Tensor, chunk: int) -> Tensor:
     nch = triton.cdiv(seqlen, chunk)
     dtype = torch.promote_types(Bg.dtype, Cg.dtype)  # (B and C may differ: neither is rounded to the other's dtype)
     bc = torch.empty((batch, ngroups, nch, dstate, 2, chunk), device=Bg.device, dtype=dtype)
-    _bc_chunk_major_kernel[(nch, batch, ngroups)](
+    launch(_bc_chunk_major_kernel, (nch, batch, ngroups),
         Bg, Cg, bc, seqlen, *Bg.stride(), *Cg.stride(),
         DSTATE=dstate, BLOCK_N=triton.next_power_of_2(dstate), CHUNK=chunk, num_warps=4,
     )  # fmt: skip
@@ -213,7 +214,7 @@ def _fwd(
         pairs = _bf16_pairs(Bg)
     else:
         pairs = even and _bf16_pairs(Bg, Cg)
-    _ss_fwd_kernel[grid](
+    launch(_ss_fwd_kernel, grid,
         u, delta, A, Bg, Cg, D if D is not None else A, zz, delta_bias if delta_bias is not None else A, out, states,
         dpg, seqlen, nsub,
         u.stride(0), u.stride(1), delta.stride(0), delta.stride(1), A.stride(0), A.stride(1), *b_strides,
@@ -255,7 +256,7 @@ def _bwd(dout, u, delta, A, Bg, Cg, D, z, delta_bias, states, softplus: bool, cf
     q = torch.empty((1,) if lanes else (batch, dim, 2, dstate), device=u.device, dtype=acc)  # the adjoint carry
     even = seqlen % (SAVE_EVERY * seg) == 0  # whole chunks: no time masks
     zz, dzz = (z, dz) if z is not None else (u, du)
-    _ss_bwd_kernel[(nblk, ngroups, batch)](
+    launch(_ss_bwd_kernel, (nblk, ngroups, batch),
         u, delta, A, Bg, Cg, D if D is not None else A, zz, delta_bias if delta_bias is not None else A, states,
         dout, du, ddelta, dzz, dB, dC, dA, dD, dbias, q,
         dpg, seqlen, nsub,
