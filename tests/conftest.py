@@ -25,10 +25,21 @@ def cli_env(gpu: bool = False, **extra: str) -> dict[str, str]:
     return env
 
 
-def run_cli(*args: str, cwd: Path | None = None, timeout: int = 600, gpu: bool = False,
+def run_cli(*args: str, cwd: Path | None = None, timeout: int = 600, gpu: bool = False, nproc: int = 1,
             **env: str) -> subprocess.CompletedProcess:  # fmt: skip
-    return subprocess.run([sys.executable, "-m", "anytrain", *args], cwd=cwd or ROOT, env=cli_env(gpu, **env),
-                          capture_output=True, text=True, timeout=timeout)  # fmt: skip
+    """``anytrain ARGS`` in new processes (``nproc`` ranks, each with its own gloo process group) -> (returncode,
+    stdout, stderr). CPU runs are forks of a pre-imported server (tests/forklaunch.py: the same CLI without the
+    interpreter start-up); GPU runs, and several ranks with a fault-injection kill (a dead rank must take the others
+    down, torchrun's job), start ``python -m anytrain`` / torchrun."""
+    environ = cli_env(gpu, **env)
+    if not gpu and not (nproc > 1 and environ.get("ANYTRAIN_TEST_KILL_AT_STEP")):
+        from tests import forklaunch
+
+        return forklaunch.run(list(args), environ, cwd or ROOT, nproc=nproc, timeout=timeout)
+    launcher = ["-m", "anytrain"] if nproc == 1 else ["-m", "torch.distributed.run", "--standalone",
+                                                       f"--nproc_per_node={nproc}", "-m", "anytrain"]  # fmt: skip
+    return subprocess.run([sys.executable, *launcher, *args], cwd=cwd or ROOT, env=environ, capture_output=True,
+                          text=True, timeout=timeout)  # fmt: skip
 
 
 def cli_in_process(capsys, *args: str) -> tuple[int, str, str]:

@@ -4,14 +4,12 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-from tests.conftest import ROOT, cli_env
+from tests.conftest import run_cli
 
 STEPS = 5
 
@@ -38,16 +36,9 @@ device: cpu
 
 
 def train(config: Path, run_dir: Path, nproc: int, *extra: str) -> list[dict]:
-    if nproc == 1:
-        cmd = [sys.executable, "-m", "anytrain"]
-    else:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-               "-m", "anytrain"]  # fmt: skip
-    proc = subprocess.run([*cmd, "train", str(config), "--run-dir", str(run_dir), *extra], cwd=ROOT,
-                          env=cli_env(), capture_output=True, text=True, timeout=300)  # fmt: skip
+    proc = run_cli("train", str(config), "--run-dir", str(run_dir), *extra, nproc=nproc, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    return lines
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
 def sample_ids(run_dir: Path, rank: int) -> dict[int, list[int]]:

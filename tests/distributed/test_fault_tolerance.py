@@ -16,7 +16,7 @@ import pytest
 import torch
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
-from tests.conftest import ROOT, cli_env
+from tests.conftest import ROOT, cli_env, run_cli
 
 
 def write_config(tmp: Path, data: Path, steps: int, interval: int, log_interval: int = 1, **train: object) -> Path:
@@ -50,8 +50,7 @@ def command(nproc: int) -> list[str]:
 
 
 def train(config: Path, run_dir: Path, nproc: int = 2, *extra: str, expect_ok: bool = True, **env: str):
-    proc = subprocess.run([*command(nproc), "train", str(config), "--run-dir", str(run_dir), *extra], cwd=ROOT,
-                          env=cli_env(**env), capture_output=True, text=True, timeout=300)  # fmt: skip
+    proc = run_cli("train", str(config), "--run-dir", str(run_dir), *extra, nproc=nproc, timeout=300, **env)
     if expect_ok:
         assert proc.returncode == 0, proc.stderr[-3000:]
     return proc

@@ -5,12 +5,11 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 
 import numpy as np
 import pytest
 
-from tests.conftest import ROOT, cli_env
+from tests.conftest import run_cli
 from tests.distributed.test_data_parallel import STEPS, losses, train, write_config
 
 FOUR_LAYERS = ("--model.args.n_layers", "4", "--train.eval_batches", "1", "--train.eval_interval", "0")
@@ -88,10 +87,9 @@ def test_mamba_pipeline_matches_single_process(runs, tmp_path):
 
 
 def launch(config, run_dir, *args: str, **env: str) -> subprocess.CompletedProcess:
-    """Two processes through torchrun, whatever the outcome (for runs that must fail)."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m", "anytrain",
-           "train", str(config), "--run-dir", str(run_dir), *FOUR_LAYERS, *args]  # fmt: skip
-    return subprocess.run(cmd, cwd=ROOT, env=cli_env(**env), capture_output=True, text=True, timeout=300)
+    """Two ranks, whatever the outcome (for runs that must fail)."""
+    argv = ("train", str(config), "--run-dir", str(run_dir), *FOUR_LAYERS, *args)
+    return run_cli(*argv, nproc=2, timeout=300, **env)
 
 
 def test_nan_on_the_last_stage_stops_every_stage(runs, tmp_path):

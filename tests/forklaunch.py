@@ -1,0 +1,102 @@
+"""Run ``anytrain`` commands in processes forked from a pre-imported server: the real CLI, a real process per rank,
+real gloo, without paying the interpreter + torch + anytrain import (~3-4 s of CPU per process on the CI machine)
+for each of them.
+
+A ``multiprocessing`` fork server started once per pytest worker imports the CLI and the trainer; each command is a
+fork of it that takes the caller's environment, working directory and argv, sends its stdout/stderr to files, runs
+``anytrain.cli.main`` and exits with its code. ``nproc`` > 1 starts one fork per rank with the plain-environment
+launch variables (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT), which
+``anytrain.launch.env`` reads like torchrun's. Tests of the launchers themselves (torchrun's agent, signals sent to
+it, srun, mpirun) start those for real instead.
+"""
+
+from __future__ import annotations
+
+import atexit
+import multiprocessing
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+_PRELOAD = ["torch", "torch.utils.tensorboard", "anytrain.cli", "anytrain.train.trainer", "anytrain.launch.env"]
+_context = None
+
+
+def _ctx():
+    global _context
+    if _context is None:
+        _context = multiprocessing.get_context("forkserver")
+        _context.set_forkserver_preload(_PRELOAD)
+    return _context
+
+
+def _child(argv: list[str], env: dict[str, str], cwd: str, out_path: str, err_path: str) -> None:
+    os.environ.clear()
+    os.environ.update(env)
+    os.chdir(cwd)
+    for fd, path in ((1, out_path), (2, err_path)):
+        target = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+        os.dup2(target, fd)
+        os.close(target)
+    sys.argv = ["anytrain", *argv]
+    code = 0
+    try:
+        from anytrain import cli
+
+        cli.main()
+    except SystemExit as exc:
+        code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+    except BaseException:  # an uncaught exception: traceback on stderr, exit 1 as the interpreter would
+        import traceback
+
+        traceback.print_exc()
+        code = 1
+    atexit._run_exitfuncs()  # multiprocessing ends its children with os._exit, which skips them
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+def _read(path: str) -> str:
+    return Path(path).read_text(errors="replace") if os.path.exists(path) else ""
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def run(argv: list[str], env: dict[str, str], cwd: Path, nproc: int = 1, timeout: float = 300):
+    """``anytrain ARGV`` (one process, or ``nproc`` ranks) -> CompletedProcess. With several ranks, stdout/stderr are
+    the ranks' in rank order and the return code is 0 when every rank exited 0, else 1 (as torchrun reports)."""
+    ctx = _ctx()
+    port = _free_port()
+    procs, files = [], []
+    with tempfile.TemporaryDirectory() as tmp:
+        for rank in range(nproc):
+            rank_env = dict(env)
+            if nproc > 1:
+                ranks = dict(RANK=rank, LOCAL_RANK=rank, WORLD_SIZE=nproc, LOCAL_WORLD_SIZE=nproc, MASTER_PORT=port)
+                rank_env.update({key: str(value) for key, value in ranks.items()}, MASTER_ADDR="127.0.0.1")
+            out, err = f"{tmp}/out{rank}", f"{tmp}/err{rank}"
+            proc = ctx.Process(target=_child, args=(list(argv), rank_env, str(cwd), out, err))
+            proc.start()
+            procs.append(proc)
+            files.append((out, err))
+        for proc in procs:
+            proc.join(timeout)
+        hung = [p for p in procs if p.exitcode is None]
+        for proc in hung:
+            proc.kill()
+            proc.join()
+        stdout = "".join(_read(out) for out, _ in files)
+        stderr = "".join(_read(err) for _, err in files)
+    if hung:
+        raise subprocess.TimeoutExpired(["anytrain", *argv], timeout, stdout, stderr)
+    codes = [p.exitcode for p in procs]
+    code = codes[0] if nproc == 1 else (0 if not any(codes) else 1)
+    return subprocess.CompletedProcess(["anytrain", *argv], code, stdout, stderr)
