@@ -178,6 +178,8 @@ def evaluate(
     typer.echo(f"checkpoint:  {result['checkpoint']} (step {result['step']})")
     typer.echo(f"val loss:    {result['val_loss']:.4f} (perplexity {result['val_ppl']:.1f}) "
                f"over {result['val_tokens']:,} tokens")  # fmt: skip
+    for name, loss in result["val_loss_per_source"].items():
+        typer.echo(f"  {name}: {loss:.4f}")
     typer.echo("sample:\n" + result["sample"])
 
 

@@ -53,6 +53,13 @@ class DataConfig:
     the absolute path, so ``anytrain eval RUN`` works from any folder (``--data`` points it elsewhere)."""
     seq_len: int = 256
     """Tokens per training sequence (the model sees seq_len tokens and predicts the next one for each)."""
+    sources: list[dict[str, Any]] = field(default_factory=list)
+    """A weighted mixture of prepared datasets instead of one ``path``: ``[{path: DIR, weight: W, name: N}, ...]``
+    (weight > 0, relative to the others; name optional, default the folder's name). All must share one tokenizer.
+    Each global batch takes about ``global_batch·weight`` sequences from each source, in an order that is a function
+    of (train.seed, step) only (docs/data.md); the metrics record the realised shares (``data_share/NAME``) and the
+    validation loss per source (``val_loss/NAME``; ``val_loss`` is their weighted mean). ``path`` is then replaced
+    by the first source's (the tokenizer's home for eval and export)."""
 
 
 @dataclass
@@ -410,6 +417,8 @@ def load_config(path: str | Path | None, overrides: list[str] | None = None) -> 
     if not cfg.name:
         cfg.name = path.stem if path is not None else "run"
     cfg.data.path = resolve_data_path(cfg.data.path)
+    if cfg.data.sources:
+        _resolve_sources(cfg)
     if cfg.model.arch == "hf" or cfg.model.hf_path:  # folder checked, layouts hf cannot take refused (models/hf)
         from anytrain.models.hf import check_run_config
 
@@ -420,6 +429,29 @@ def load_config(path: str | Path | None, overrides: list[str] | None = None) -> 
         apply_init_from(cfg)
     validate(cfg)
     return cfg
+
+
+def _resolve_sources(cfg: RunConfig) -> None:
+    """``data.sources``: each entry a mapping {path, weight[, name]} with weight > 0 and a unique name; paths made
+    absolute; ``data.path`` replaced by the first source's."""
+    names = []
+    for i, entry in enumerate(cfg.data.sources):
+        where = f"data.sources[{i}]"
+        if not isinstance(entry, dict) or not isinstance(entry.get("path"), str) or not entry["path"]:
+            raise ConfigError(f"{where}: expected a mapping {{path: DIR, weight: W}}, got {entry!r}")
+        unknown = sorted(set(entry) - {"path", "weight", "name"})
+        if unknown:
+            raise ConfigError(f"{where}.{unknown[0]}: unknown field; valid fields are name, path, weight")
+        weight = entry.get("weight", 1.0)
+        if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not (0 < weight < math.inf):
+            raise ConfigError(f"{where}.weight: must be a finite number > 0, got {weight!r}")
+        path = resolve_data_path(entry["path"])
+        name = str(entry.get("name") or Path(path).name)
+        if name in names:
+            raise ConfigError(f"{where}.name: {name!r} is already the name of another source; set a unique name")
+        names.append(name)
+        cfg.data.sources[i] = {"path": path, "weight": float(weight), "name": name}
+    cfg.data.path = cfg.data.sources[0]["path"]
 
 
 MAX_SEQ_LEN = 2**20  # tokens; larger sequences (and RoPE tables) do not fit any accelerator's memory
@@ -505,7 +537,8 @@ def _validate_seq_len(cfg: RunConfig) -> None:
                           "lower data.seq_len or raise model.args.max_seq_len")  # fmt: skip
     from anytrain.data.shards import check_seq_len
 
-    check_seq_len(cfg.data.path, cfg.data.seq_len)
+    for path in [s["path"] for s in cfg.data.sources] or [cfg.data.path]:
+        check_seq_len(path, cfg.data.seq_len)
 
 
 def validate(cfg: RunConfig) -> None:

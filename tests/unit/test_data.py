@@ -149,3 +149,57 @@ def test_too_short_split(tmp_path):
     write_index(tmp_path, np.dtype(np.uint16), 20, 0, {"train": writer.shards, "val": writer.shards})
     with pytest.raises(DataError, match="data.seq_len: the val split"):
         SampleIndex(TokenDataset(tmp_path).split("val"), 64, "val")
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# mixtures (data.sources)
+
+
+def _mixture(small_data, weights, global_batch=8, seed=11):
+    from anytrain.data.mixture import MixtureSource
+
+    split = TokenDataset(small_data).split("train")
+    sources = [BatchSource(SampleIndex(split, 16), 1, seed, stream=k) for k in range(3)]
+    return MixtureSource(sources[: len(weights)], weights, ["a", "b", "c"][: len(weights)], global_batch, seed)
+
+
+def test_mixture_proportions_and_a_pure_function_of_seed_and_step(small_data):
+    weights = [0.55, 0.3, 0.15]
+    mix = _mixture(small_data, weights)
+    counts = np.array([mix.counts(s) for s in range(5000)])
+    assert (counts.sum(axis=1) == 8).all()
+    assert (np.abs(counts - 8 * np.array(weights)) < 1).all()  # every step within one sequence of its share
+    np.testing.assert_allclose(counts.sum(axis=0) / counts.sum(), weights, atol=2e-3)
+    assert mix.shares(5000) == pytest.approx(dict(zip("abc", counts.sum(axis=0) / counts.sum(), strict=True)))
+    # a fresh mixture jumps straight to a step (resume) and draws what the running one drew
+    late = [mix.global_sample_ids(s) for s in (0, 1, 4999)]
+    again = _mixture(small_data, weights)
+    assert all(np.array_equal(a, again.global_sample_ids(s)) for a, s in zip(late, (0, 1, 4999), strict=True))
+    # each source's samples come from its own epoch order without repeats until it is used up
+    slots = [mix.global_assignment(s) for s in range(200)]
+    taken = np.concatenate([local[src == 2] for src, local in slots])
+    assert len(taken) == mix.consumed(200)[2] and len(np.unique(taken)) == len(taken)
+    assert not np.array_equal(_mixture(small_data, weights, seed=12).global_sample_ids(3), mix.global_sample_ids(3))
+
+
+@pytest.mark.parametrize("world", [1, 2, 4])
+def test_mixture_rank_slices_form_the_global_batch(small_data, world):
+    mix = _mixture(small_data, [2.0, 1.0])
+    for step in (0, 9):
+        parts = [mix.rank_batch(step, r, world) for r in range(world)]
+        assert np.array_equal(np.concatenate([p[2] for p in parts]), mix.global_sample_ids(step))
+        assert all(x.shape == (8 // world, 16) and (x[:, 1:] == y[:, :-1]).all() for x, y, _ in parts)
+
+
+def test_mixture_refuses_sources_with_another_tokenizer(tmp_path, small_data):
+    from anytrain.data.mixture import open_mixture
+
+    raw = tmp_path / "raw"
+    raw.mkdir()
+    for i in range(6):
+        (raw / f"d{i}.txt").write_text(f"{i} " + TEXT)
+    prepare([str(raw)], tmp_path / "other", vocab_size=300, val_fraction=0.3)
+    sources = [{"path": str(small_data), "weight": 1.0, "name": "a"},
+               {"path": str(tmp_path / "other"), "weight": 1.0, "name": "b"}]  # fmt: skip
+    with pytest.raises(DataError, match=r"data.sources\[1\].path: .*other was prepared with another tokenizer"):
+        open_mixture(sources, TokenDataset(small_data), 16, 8, 0)

@@ -56,20 +56,25 @@ class BatchProvider(Protocol):
 class BatchSource:
     """Global batches of a split in a seeded, epoch-wise shuffled order (or in storage order with shuffle=False)."""
 
-    def __init__(self, index: SampleIndex, global_batch: int, seed: int, shuffle: bool = True) -> None:
+    def __init__(self, index: SampleIndex, global_batch: int, seed: int, shuffle: bool = True, stream: int = 0) -> None:
         self.index, self.global_batch, self.seed, self.shuffle = index, global_batch, seed, shuffle
+        self.stream = stream  # > 0: another seeded order for the same seed (one per source of a mixture)
         self._order = lru_cache(maxsize=2)(self._epoch_order)
 
     def _epoch_order(self, epoch: int) -> np.ndarray:
         n = self.index.num_samples
         if not self.shuffle:
             return np.arange(n, dtype=np.int64)
-        return np.random.default_rng([self.seed, epoch]).permutation(n).astype(np.int64)
+        key = [self.seed, epoch] if self.stream == 0 else [self.seed, epoch, self.stream]
+        return np.random.default_rng(key).permutation(n).astype(np.int64)
 
     def global_sample_ids(self, step: int) -> np.ndarray:
         """Sample ids of global batch ``step`` (G,), possibly wrapping into the next epoch."""
+        return self.ids_at(np.arange(step * self.global_batch, (step + 1) * self.global_batch, dtype=np.int64))
+
+    def ids_at(self, positions: np.ndarray) -> np.ndarray:
+        """Sample ids at ``positions`` of the endless order (epoch after epoch)."""
         n = self.index.num_samples
-        positions = np.arange(step * self.global_batch, (step + 1) * self.global_batch, dtype=np.int64)
         epochs, offsets = positions // n, positions % n
         ids = np.empty_like(positions)
         for epoch in np.unique(epochs):

@@ -103,6 +103,14 @@ def evaluate_run(run_dir: str | Path, prompt: str = "ROMEO.\n", max_new_tokens: 
     dtype = torch.bfloat16 if hardware.supports_bf16(device) else torch.float32
     loss, tokens = validation_loss(model, dataset, cfg.data.seq_len, batches or cfg.train.eval_batches or 1,
                                    cfg.train.global_batch, device, dtype)  # fmt: skip
+    per_source = {}
+    if data is None and len(cfg.data.sources) > 1:  # a mixture: each source's loss, and their weighted mean
+        for source in cfg.data.sources:
+            per_source[source["name"]], _ = validation_loss(model, open_eval_data(cfg, run_dir, source["path"]),
+                                                            cfg.data.seq_len, batches or cfg.train.eval_batches or 1,
+                                                            cfg.train.global_batch, device, dtype)  # fmt: skip
+        weights = [source["weight"] for source in cfg.data.sources]
+        loss = sum(w * v for w, v in zip(weights, per_source.values(), strict=True)) / sum(weights)
     tokenizer = load_tokenizer(dataset.tokenizer_path)
     ids = tokenizer.encode(prompt, add_special_tokens=False).ids or [dataset.eos_id]
     generator = torch.Generator(device=device).manual_seed(seed)
@@ -112,6 +120,7 @@ def evaluate_run(run_dir: str | Path, prompt: str = "ROMEO.\n", max_new_tokens: 
         "step": int(path.name.split("_")[-1]),
         "val_loss": loss,
         "val_ppl": math.exp(min(loss, 50.0)),
+        "val_loss_per_source": per_source,
         "val_tokens": tokens,
         "sample": tokenizer.decode(out[0].tolist()),
     }

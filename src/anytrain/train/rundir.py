@@ -31,7 +31,7 @@ LOCK = ".anytrain-run.lock"
 STATUS = "status.json"
 LEGACY_MARKERS = ("config.yaml", "metrics.jsonl", "checkpoints")
 # fields whose change makes a resumed run another run: the model, the data order, the precision
-UNSAFE_FIELDS = ("model.", "data.path", "data.seq_len", "train.seed", "train.global_batch", "train.dtype")
+UNSAFE_FIELDS = ("model.", "data.", "train.seed", "train.global_batch", "train.dtype")
 
 
 def _identity() -> dict:

@@ -23,6 +23,7 @@ from torch.distributed.fsdp import FSDPModule
 from anytrain import hardware
 from anytrain.config import RunConfig, plan_batches, to_dict
 from anytrain.data.loader import BatchProvider, BatchSource, SampleIndex
+from anytrain.data.mixture import open_mixture
 from anytrain.data.sft import masked_sources
 from anytrain.data.shards import TokenDataset
 from anytrain.errors import ConfigError, RunDirError, TrainingError
@@ -134,8 +135,14 @@ class Trainer:
         """The training batches (the prepared dataset's, or ``batches``) and the validation ones (dataset only)."""
         seq_len, global_batch, seed = self.cfg.data.seq_len, self.plan.global_batch, self.cfg.train.seed
         self.tokens_per_step = global_batch * seq_len
+        self.val_sources = None  # data.sources: each source's validation batches, by name
         if batches is not None:
             self.train_source, self.val_source = batches, None
+            return
+        if self.cfg.data.sources:  # a weighted mixture of datasets (data/mixture.py)
+            self.train_source, self.val_sources = open_mixture(self.cfg.data.sources, self.dataset, seq_len,
+                                                               global_batch, seed)  # fmt: skip
+            self.val_source = next(iter(self.val_sources.values()))
             return
         masked = masked_sources(self.dataset, seq_len, global_batch, seed)  # prepare-sft data: loss mask (data/sft.py)
         if masked is not None:
@@ -434,14 +441,22 @@ class Trainer:
         torch.nn.utils.clip_grads_with_norm_(params, max_norm, total, foreach=False)
         return total
 
-    @torch.no_grad()
     def evaluate(self) -> float:
-        """Mean next-token loss over the first ``eval_batches`` global batches of the validation split."""
+        """Mean next-token loss over the first ``eval_batches`` global batches of the validation split; with
+        data.sources, the weighted mean of each source's (those are kept in ``self.val_by_source``)."""
+        if self.val_sources is None:
+            return self._evaluate_split(self.val_source)
+        self.val_by_source = {name: self._evaluate_split(source) for name, source in self.val_sources.items()}
+        weights = self.train_source.weights
+        return float(sum(w * loss for w, loss in zip(weights, self.val_by_source.values(), strict=True)))
+
+    @torch.no_grad()
+    def _evaluate_split(self, val_source: BatchSource) -> float:
         self.model.eval()
         total = torch.zeros(2, device=self.device, dtype=torch.float64)  # (loss sum, token count)
         micro = self.plan.micro_batch
         for batch in range(self.cfg.train.eval_batches):
-            inputs, targets, _ = self.val_source.rank_batch(batch, self.dp_rank, self.dp_world)
+            inputs, targets, _ = val_source.rank_batch(batch, self.dp_rank, self.dp_world)
             for i in range(0, inputs.shape[0], micro):
                 x, y = inputs[i : i + micro].to(self.device), targets[i : i + micro].to(self.device)
                 with self._autocast():
@@ -654,10 +669,17 @@ class Trainer:
             "mfu": mfu(self.flops_per_token, per_device, self.peak_flops),
             "peak_mem_gib": hardware.peak_memory_gib(self.device),
             "window_s": seconds,
+            **self._data_shares(step),
             "skipped_steps": self.guard.skipped_steps,
             **self._energy_metrics(),
         })  # fmt: skip
         return tokens_per_s
+
+    def _data_shares(self, step: int) -> dict:
+        """data.sources: the share of the sequences of steps [0, step) each source gave (``data_share/NAME``)."""
+        if self.val_sources is None:
+            return {}
+        return {f"data_share/{name}": share for name, share in self.train_source.shares(step).items()}
 
     def _energy_metrics(self) -> dict:
         """avg_watts, joules, tokens_per_joule, tflops_per_watt since training started in this invocation."""
@@ -677,7 +699,8 @@ class Trainer:
 
     def _eval_and_log(self, step: int) -> float:
         val = self.evaluate()
-        self.log.log({"step": step, "val_loss": val, "val_ppl": math.exp(min(val, 50.0))}, kind="eval")
+        per_source = {f"val_loss/{name}": loss for name, loss in getattr(self, "val_by_source", {}).items()}
+        self.log.log({"step": step, "val_loss": val, "val_ppl": math.exp(min(val, 50.0)), **per_source}, kind="eval")
         return val
 
     def _finish(self, first_val: float | None, last_val: float | None, rates: list[float]) -> dict:
