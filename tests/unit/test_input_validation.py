@@ -8,7 +8,7 @@ import subprocess
 import numpy as np
 import pytest
 
-from anytrain.data.prepare import MARKER, prepare
+from anytrain.data.prepare import MARKER, PrepareInterrupted, prepare
 from anytrain.data.shards import INDEX, ShardWriter, TokenDataset, write_index
 from anytrain.diskio import DiskFullError
 from anytrain.errors import DataError
@@ -61,8 +61,12 @@ def test_failure_midway_leaves_the_previous_dataset_untouched(tmp_path, monkeypa
         raise KeyboardInterrupt
 
     monkeypatch.setattr("anytrain.data.prepare.write_index", boom)
-    with pytest.raises(KeyboardInterrupt):
+    with pytest.raises(PrepareInterrupted, match="kept in .*out.prepare-partial: run the same command with --resume"):
         prepare([str(raw)], out, vocab_size=300, overwrite=True)
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".out.prepare-partial", "out", "raw"]
+    monkeypatch.undo()  # the interrupted prepare continues and replaces the dataset with the same bytes
+    prepare([str(raw)], out, vocab_size=300, overwrite=True, resume=True)
     assert {p.name: p.read_bytes() for p in out.iterdir()} == before
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out", "raw"]
 
