@@ -189,6 +189,16 @@ class ParallelConfig:
     backward of each step (one all-gather + one reduce-scatter per step; costs the compute-dtype parameters unsharded
     for the whole step, like ZeRO-2, plus the gradient-accumulation buffers FSDP already keeps unsharded when gradient
     sync is off). No effect without gradient accumulation, or with pipeline parallelism (its schedule does this)."""
+    grad_compression: str = "none"
+    """Compression of the data-parallel gradient reduction: none (fp32); bf16 or fp16 (gradients cast to that dtype
+    for the reduction: DDP/ZeRO-1 through PyTorch's bf16/fp16_compress_hook, FSDP2 as MixedPrecisionPolicy's
+    reduce_dtype; half the bytes); powersgd:rank=R (DDP/ZeRO-1 only: PyTorch's powerSGD_hook, each gradient matrix
+    n x m sent as rank-R factors, (n + m)·R values, with error feedback; vectors and matrices it would not shrink 2x
+    go uncompressed; PyTorch has no PowerSGD for FSDP, so fsdp refuses it). The PowerSGD state (error feedback, Q
+    factors, step count) is part of the checkpoint. No effect in a one-process run. See docs/scaling.md."""
+    powersgd_start_step: int = 0
+    """With grad_compression powersgd: optimizer steps reduced uncompressed (fp32) before PowerSGD takes over;
+    0 = train.warmup_steps (at least 2; PyTorch's PowerSGD needs DDP's first two steps uncompressed)."""
 
 
 @dataclass
@@ -554,17 +564,45 @@ def validate(cfg: RunConfig) -> None:
 
 
 def check_fsdp_only_options(parallel: ParallelConfig, strategy: str) -> None:
-    """Refuse FSDP-only settings with a DDP-family strategy (called at load with the configured strategy and again
-    by ``parallelize`` with the resolved one, which catches ``auto`` choosing DDP)."""
+    """Refuse FSDP-only settings with a DDP-family strategy, and PowerSGD with FSDP (called at load with the
+    configured strategy and again by ``parallelize`` with the resolved one, which catches ``auto``'s choice)."""
     if parallel.fsdp_group_blocks < 1:
         raise ConfigError(f"parallel.fsdp_group_blocks: expected >= 1, got {parallel.fsdp_group_blocks}")
     if parallel.fsdp_group_blocks > 1 and strategy in ("ddp", "zero1"):
         raise ConfigError(f"parallel.fsdp_group_blocks applies to FSDP only, but the strategy is {strategy}; set "
                           "--parallel.strategy fsdp or --parallel.fsdp_group_blocks 1")  # fmt: skip
+    check_grad_compression(parallel, strategy)
     if not parallel.reshard_during_accumulation and strategy in ("ddp", "zero1"):
         raise ConfigError(f"parallel.reshard_during_accumulation: false applies to FSDP only, but the strategy is "
                           f"{strategy}; set --parallel.strategy fsdp or --parallel.reshard_during_accumulation "
                           "true")  # fmt: skip
+
+
+GRAD_COMPRESSION_SYNTAX = "none, bf16, fp16 or powersgd:rank=R (R an integer >= 1, e.g. powersgd:rank=4)"
+
+
+def parse_grad_compression(text: str) -> tuple[str, int]:
+    """``parallel.grad_compression`` as (kind, PowerSGD rank): 'none' | 'bf16' | 'fp16' -> (kind, 0);
+    'powersgd:rank=R' -> ('powersgd', R). Anything else is a ConfigError naming the field and the syntax."""
+    if text in ("none", "bf16", "fp16"):
+        return text, 0
+    kind, _, option = str(text).partition(":")
+    key, _, value = option.partition("=")
+    if kind == "powersgd" and key.strip() == "rank" and value.strip().isdigit() and int(value) >= 1:
+        return "powersgd", int(value)
+    hint = "; PowerSGD needs its rank, e.g. powersgd:rank=4" if kind == "powersgd" and not option else ""
+    raise ConfigError(f"parallel.grad_compression: expected {GRAD_COMPRESSION_SYNTAX}, got {text!r}{hint}")
+
+
+def check_grad_compression(parallel: ParallelConfig, strategy: str) -> None:
+    """The compression's syntax, PowerSGD's start step, and PowerSGD only where DDP's communication hooks run."""
+    kind, _ = parse_grad_compression(parallel.grad_compression)
+    if parallel.powersgd_start_step < 0 or parallel.powersgd_start_step == 1:
+        raise ConfigError(f"parallel.powersgd_start_step: must be 0 (= train.warmup_steps) or >= 2, got "
+                          f"{parallel.powersgd_start_step}")  # fmt: skip
+    if kind == "powersgd" and strategy == "fsdp":
+        raise ConfigError("parallel.grad_compression: powersgd runs with ddp or zero1 only (PyTorch has no PowerSGD "
+                          "for FSDP); set --parallel.strategy ddp, or use bf16 (FSDP's reduce dtype)")  # fmt: skip
 
 
 @dataclass(frozen=True)

@@ -112,6 +112,7 @@ NUMERIC_BAD_VALUES = [
     ("parallel.pp", "-1", "parallel.pp: must be >= 1"),
     ("parallel.pp_virtual_stages", "0", "parallel.pp_virtual_stages: must be >= 1"),
     ("parallel.fsdp_group_blocks", "0", "parallel.fsdp_group_blocks: expected >= 1"),
+    ("parallel.powersgd_start_step", "1", "parallel.powersgd_start_step: must be 0 (= train.warmup_steps) or >= 2"),
     ("checkpoint.interval", "-1", "checkpoint.interval: must be >= 0"),
     ("checkpoint.interval_minutes", ".nan", "checkpoint.interval_minutes: must be a finite number"),
     ("checkpoint.keep_last", "0", "checkpoint.keep_last: must be > 0"),

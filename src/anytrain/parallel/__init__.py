@@ -21,6 +21,7 @@ from anytrain import hardware
 from anytrain.config import RunConfig, check_fsdp_only_options
 from anytrain.errors import ConfigError
 from anytrain.models import spec_of
+from anytrain.parallel import compression
 from anytrain.parallel.dims import ParallelDims
 
 
@@ -225,14 +226,19 @@ _RESHARD_ATTR = "_anytrain_reshard_after_forward"
 
 
 def apply_fsdp(model: nn.Module, dims: ParallelDims, device: torch.device, mp_dtype: torch.dtype | None,
-               reshard: bool, group_blocks: int = 1) -> nn.Module:  # fmt: skip
+               reshard: bool, group_blocks: int = 1, reduce_dtype: torch.dtype | None = None) -> nn.Module:  # fmt: skip
     """FSDP2: shard each block (or each group of ``group_blocks`` consecutive blocks, one unit for communication),
-    then the root (embeddings, final norm, head); bf16 params with fp32 reduction. On a 2D (dp_replicate, dp_shard)
-    mesh this is HSDP: sharded inside a group, replicated across groups."""
+    then the root (embeddings, final norm, head); bf16 params with fp32 reduction, or ``reduce_dtype``
+    (``parallel.grad_compression`` bf16 / fp16). On a 2D (dp_replicate, dp_shard) mesh this is HSDP: sharded inside a
+    group, replicated across groups."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     mesh = _dp_mesh(dims, device)
-    mp = MixedPrecisionPolicy(param_dtype=mp_dtype, reduce_dtype=torch.float32) if mp_dtype else MixedPrecisionPolicy()
+    if reduce_dtype is not None:
+        mp = MixedPrecisionPolicy(param_dtype=mp_dtype, reduce_dtype=reduce_dtype)
+    else:
+        mp = MixedPrecisionPolicy(param_dtype=mp_dtype, reduce_dtype=torch.float32) if mp_dtype else (
+            MixedPrecisionPolicy())  # fmt: skip
     blocks = model.blocks()
     groups = [blocks[i : i + group_blocks] for i in range(0, len(blocks), group_blocks)]
     for i, group in enumerate(groups):
@@ -266,15 +272,15 @@ def parallelize(model: nn.Module, cfg: RunConfig, dims: ParallelDims, device: to
         apply_compile(model, resolve_compile_scope(cfg.train.compile_scope, strategy))
     if strategy == "fsdp":
         mp_dtype = compute_dtype if compute_dtype != torch.float32 else None
-        model = apply_fsdp(
-            model, dims, device, mp_dtype, cfg.parallel.reshard_after_forward, cfg.parallel.fsdp_group_blocks
-        )
+        model = apply_fsdp(model, dims, device, mp_dtype, cfg.parallel.reshard_after_forward,
+                           cfg.parallel.fsdp_group_blocks, compression.reduce_dtype(cfg.parallel))  # fmt: skip
     elif strategy in ("ddp", "zero1"):  # zero1: replicated parameters and gradients; optim.py shards the state
         from torch.nn.parallel import DistributedDataParallel as DDP
 
         mesh = _dp_mesh(dims, device)
         group = mesh.get_group() if mesh.ndim == 1 else mesh["dp"].get_group()
         model = DDP(model, device_ids=[device.index] if hardware.is_gpu(device) else None, process_group=group)
+        compression.attach(model, cfg.parallel, cfg.train, group)  # parallel.grad_compression's comm hook, if any
     return model, strategy
 
 

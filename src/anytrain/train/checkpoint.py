@@ -48,7 +48,9 @@ class TrainState(Stateful):
     parameter, so a checkpoint loads at any pipeline / data-parallel layout (pipeline ranks hold different parameter
     lists, which the nested format's per-group name lists cannot express). An optimizer that keeps shards of the
     parameters rather than the parameters (ZeRO-1, ``train/optim.py``) provides that layout itself through
-    ``checkpoint_state`` / ``load_checkpoint_state``.
+    ``checkpoint_state`` / ``load_checkpoint_state``. ``extras`` are further Stateful pieces saved under their
+    names (the PowerSGD state of ``parallel.grad_compression``); on load each gets the entries the checkpoint holds
+    (``saved_keys``, set by ``Checkpointer.load``), possibly none.
     """
 
     OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
@@ -56,8 +58,11 @@ class TrainState(Stateful):
     # plain Python values, set by the trainer before a save and read by it after a load
     METRICS = {"window_loss": [], "window_steps": 0, "loss_ranks": 1, "spike": []}
 
-    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, scheduler, progress: dict) -> None:
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, scheduler, progress: dict,
+                 extras: dict[str, Stateful] | None = None) -> None:  # fmt: skip
         self.model, self.optimizer, self.scheduler, self.progress = model, optimizer, scheduler, progress
+        self.extras = extras or {}
+        self.saved_keys: set[str] | None = None  # the flattened keys of the checkpoint being loaded
         self.metrics: dict | None = None  # None: not saved / not in the loaded checkpoint (written by older versions)
         self.expect_metrics = True  # whether the checkpoint being loaded holds "metrics"
 
@@ -74,6 +79,10 @@ class TrainState(Stateful):
             "progress": dict(self.progress),
             "rng_cpu": torch.get_rng_state(),
             **({"metrics": dict(self.metrics or self.METRICS)} if self.expect_metrics else {}),
+            **{
+                name: _saved_only(extra.state_dict(), f"train.{name}", self.saved_keys)
+                for name, extra in self.extras.items()
+            },
         }
 
     def load_state_dict(self, state: dict) -> None:
@@ -92,6 +101,24 @@ class TrainState(Stateful):
         self.progress.update(state["progress"])
         torch.set_rng_state(state["rng_cpu"])
         self.metrics = state.get("metrics")
+        for name, extra in self.extras.items():
+            extra.load_state_dict(state.get(name, {}))
+
+
+def _saved_only(tree: dict, prefix: str, keys: set[str] | None) -> dict:
+    """``tree`` without the leaves whose flattened DCP key (``prefix.a.b``) is not in ``keys`` (None: all of it)."""
+    if keys is None:
+        return tree
+    out = {}
+    for key, value in tree.items():
+        path = f"{prefix}.{key}"
+        if isinstance(value, dict):
+            value = _saved_only(value, path, keys)
+            if value:
+                out[key] = value
+        elif path in keys:
+            out[key] = value
+    return out
 
 
 def step_of(path: Path) -> int:
@@ -265,6 +292,7 @@ class Checkpointer:
             if isinstance(target, TrainState):
                 keys = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
                 target.expect_metrics = any(k.startswith("train.metrics.") for k in keys)
+                target.saved_keys = set(keys)
             with warnings.catch_warnings():
                 warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
                 dcp.load({"train": target}, checkpoint_id=str(path))
@@ -273,6 +301,7 @@ class Checkpointer:
         finally:
             if isinstance(target, TrainState):
                 target.expect_metrics = True
+                target.saved_keys = None
 
     def load_newest(self, target, set_aside: bool = False) -> Path | None:
         """Load the newest committed checkpoint that loads, falling back to older ones with a warning naming each

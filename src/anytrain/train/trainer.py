@@ -42,6 +42,7 @@ from anytrain.parallel import (
     parallelize,
     unwrap,
 )
+from anytrain.parallel.compression import GradCommMeter
 from anytrain.parallel.dims import ParallelDims, validate_for_model
 from anytrain.parallel.pipeline import (
     build_schedule,
@@ -95,7 +96,8 @@ class Trainer:
         self.dtype = compute_dtype(cfg, self.device)
         self._build_model()
         self.progress: dict = {"step": 0, "tokens_seen": 0}
-        self.state = TrainState(self.model, self.optimizer, self.scheduler, self.progress)
+        self.state = TrainState(self.model, self.optimizer, self.scheduler, self.progress,
+                                extras=self.grad_comm.checkpoint_state(self.progress, self.log.print))  # fmt: skip
         self.checkpointer = None
         if self.run_dir is not None:
             self.checkpointer = Checkpointer(self.run_dir / "checkpoints", cfg.checkpoint.keep_last,
@@ -224,6 +226,9 @@ class Trainer:
         else:
             self.optimizer = build_optimizer(self.model, self.cfg.train, self.device, per_tensor=self.dims.tp > 1)
         self.scheduler = build_scheduler(self.optimizer, self.cfg.train)
+        # grad_comm_bytes of the log records (parallel.grad_compression's hook counts them where there is one)
+        self.grad_comm = GradCommMeter(self.model, self.strategy, self.cfg.parallel, self.dims.dp_replicate,
+                                       self.dims.dp_shard)  # fmt: skip
         # FSDP casts parameters itself (bf16 params, fp32 reduce); otherwise autocast does mixed precision.
         use_autocast = self.dtype != torch.float32 and self.strategy != "fsdp"
         self._autocast = (lambda: torch.autocast(self.device.type, dtype=self.dtype)) if use_autocast else (
@@ -671,6 +676,7 @@ class Trainer:
             "window_s": seconds,
             **self._data_shares(step),
             "skipped_steps": self.guard.skipped_steps,
+            "grad_comm_bytes": self.grad_comm.bytes_per_step(),
             **self._energy_metrics(),
         })  # fmt: skip
         return tokens_per_s
