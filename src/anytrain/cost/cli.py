@@ -14,6 +14,7 @@ from pathlib import Path
 
 import typer
 
+from anytrain.config import parse_grad_compression
 from anytrain.cost.devices import get_device, load_efficiency_table
 from anytrain.cost.model import PRECISIONS, STRATEGIES, ModelShape, Workload
 from anytrain.cost.planner import OBJECTIVES, RUNNABLE_STRATEGIES, PlanResult, SizingResult, plan, size_job
@@ -123,15 +124,16 @@ def _duration(seconds: float) -> str:
 
 def format_table(result: PlanResult, top: int, price: float | None) -> str:
     head = (
-        f"{'#':>2}  {'layout':<28} {'mb':>3} {'AC':<4} {'GiB/dev':>8} {'step s':>8} {'comm':>5} {'MFU':>5} "
-        f"{'total':>8} {'MWh':>8}" + (f" {'cost':>10}" if price else "")
+        f"{'#':>2}  {'layout':<28} {'mb':>3} {'AC':<4} {'GiB/dev':>8} {'step s':>8} {'comm':>5} {'grad MiB':>8} "
+        f"{'MFU':>5} {'total':>8} {'MWh':>8}" + (f" {'cost':>10}" if price else "")
     )
     lines = [head]
     for i, e in enumerate(result.ranked[:top], 1):
         lay = e.layout
         row = (
             f"{i:>2}  {lay.label:<28} {lay.micro_batch:>3} {lay.ac:<4} {e.required_gib:>8.1f} {e.step_s:>8.3f} "
-            f"{100 * e.comm_share:>4.0f}% {100 * e.mfu:>4.0f}% {_duration(e.total_s):>8} "
+            f"{100 * e.comm_share:>4.0f}% {e.grad_reduce_bytes / 2**20:>8.1f} {100 * e.mfu:>4.0f}% "
+            f"{_duration(e.total_s):>8} "
             f"{e.energy_j / 3.6e9:>8.2f}"
         )
         if price:
@@ -144,7 +146,8 @@ def format_table(result: PlanResult, top: int, price: float | None) -> str:
     )
     lines.append(
         f"({len(result.ranked)} layouts fit, {result.infeasible} do not; memory = allocator peak × "
-        f"(1 + fragmentation) + overhead; MFU counts model FLOPs only)"
+        f"(1 + fragmentation) + overhead; grad MiB = bytes per device handed to the gradient reduction per step; "
+        f"MFU counts model FLOPs only)"
     )
     return "\n".join(lines)
 
@@ -179,6 +182,9 @@ def plan_command(
     price: float = typer.Option(None, "--price-per-gpu-hour", help="Price of one device-hour, for a cost column."),
     top: int = typer.Option(10, "--top", help="Rows to show."),
     as_json: bool = typer.Option(False, "--json", help="Print JSON instead of a table."),
+    grad_compression: str = typer.Option(
+        None, "--grad-compression", help="Gradient reduction: none, bf16, fp16, powersgd:rank=R (default: config's)."
+    ),
     deadline: str = typer.Option(
         None, "--deadline", help="Size the job: finish --tokens by then (36h, 30d, 2-00:00:00)."
     ),
@@ -201,7 +207,13 @@ def plan_command(
     if bad:
         raise ConfigError(f"--strategy: unknown {bad[0]!r}; choose from {', '.join(STRATEGIES)}")
     graphs = bool(cfg and cfg.train.cuda_graphs)  # a recipe with train.cuda_graphs: one device replays graphs
-    wl = Workload(seq_len, batch, tokens=tokens or 0.0, compiled=compiled, cuda_graphs=graphs)
+    compression = grad_compression or (cfg.parallel.grad_compression if cfg else "none")
+    try:
+        parse_grad_compression(compression)
+    except ConfigError as exc:
+        raise ConfigError(str(exc).replace("parallel.grad_compression", "--grad-compression")) from None
+    wl = Workload(seq_len, batch, tokens=tokens or 0.0, compiled=compiled, cuda_graphs=graphs,
+                  grad_compression=compression)  # fmt: skip
     if gpus is None:
         if deadline is None and budget is None:
             raise ConfigError("--gpus: give the device count, or --deadline / --budget-gpu-hours to size the job")
@@ -232,7 +244,7 @@ def plan_command(
     typer.echo(
         f"{shape.name or 'model'}: {shape.num_params / 1e9:.3f}B parameters, L={shape.n_layers} d={shape.dim}"
         f" | {gpus} x {device.name} ({device.gpus_per_node}/node, efficiency {device.efficiency:.2f}, "
-        f"{device.avg_watts:.0f} W) | seq {seq_len}, global batch {batch}, "
+        f"{device.avg_watts:.0f} W) | seq {seq_len}, global batch {batch}, grad compression {compression}, "
         f"{(wl.tokens or 20 * shape.num_params) / 1e9:,.1f}B tokens"
     )
     typer.echo(format_table(result, top, price))

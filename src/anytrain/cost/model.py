@@ -44,6 +44,7 @@ from anytrain.cost.shapes import (  # noqa: F401  (re-exported)
     ModelShape,
     Precision,
     Workload,
+    gradient_reduce_bytes,
     trainer_precision,
 )
 
@@ -59,6 +60,7 @@ class Comm:
     bytes_per_step: float  # bytes each device sends per step
     seconds: float
     exposed_seconds: float = 0.0
+    gradients: bool = False  # the data-parallel gradient reduction (what parallel.grad_compression compresses)
 
 
 @dataclass
@@ -89,6 +91,12 @@ class Estimate:
     @property
     def exposed_comm_s(self) -> float:
         return sum(c.exposed_seconds for c in self.comm)
+
+    @property
+    def grad_reduce_bytes(self) -> float:
+        """Bytes one device hands to the gradient reduction per step (message sizes, as the trainer's
+        grad_comm_bytes; the wire carries the collectives' ring factors on top)."""
+        return sum(c.message_bytes * c.count for c in self.comm if c.gradients)
 
     @property
     def comm_share(self) -> float:
@@ -134,6 +142,7 @@ class Estimate:
             "elementwise_s": self.elementwise_s,
             "optimizer_s": self.optimizer_s,
             "exposed_comm_s": self.exposed_comm_s,
+            "grad_reduce_bytes": self.grad_reduce_bytes,
             "step_s": self.step_s,
             "comm_share": self.comm_share,
             "mfu": self.mfu,
@@ -182,6 +191,9 @@ def communication(
     """Per-step collectives of one device.
 
     dp (ddp): all_reduce of Ψ_dev·reduce bytes once per step (accumulation defers sync to the last micro-batch).
+    ``wl.grad_compression`` sets the reduce bytes of the gradient collectives (``gradient_reduce_bytes``): 2 for
+    bf16 / fp16, 4 × PowerSGD's (Σ (n + m)·r + uncompressed) / Ψ for powersgd:rank=r (its matmuls, ~6·n·m·r FLOPs
+    per matrix and step, are not counted).
     dp (zero1/2): reduce_scatter of gradients + all_gather of bf16 params, once per step.
     dp (fsdp): per micro-batch all_gather in forward and again in backward (once if not resharding; once per step
     with ``reshard_during_accumulation`` off), plus one reduce_scatter per step: ≈ 1.5 × DDP's volume at equal
@@ -195,6 +207,7 @@ def communication(
     m = wl.global_batch // (dp * layout.micro_batch)
     psi = (shape.n_layers / p * shape.layer_params + max(shape.embedding_params, shape.head_params)) / t
     act_msg = prec.act * layout.micro_batch * wl.seq_len * shape.dim
+    reduce = gradient_reduce_bytes(shape, prec, wl.grad_compression, layout.strategy)
     out: list[Comm] = []
 
     def add(axis: str, kind: str, count: int, msg: float, n: int, stride: int) -> Comm:
@@ -207,16 +220,18 @@ def communication(
     dp_comms: list[Comm] = []
     if dp > 1:
         if layout.strategy == "ddp":
-            dp_comms.append(add("dp", "all_reduce", 1, psi * prec.reduce, dp, t))
+            dp_comms.append(add("dp", "all_reduce", 1, psi * reduce, dp, t))
         elif layout.strategy in ("zero1", "zero2"):
-            dp_comms.append(add("dp", "reduce_scatter", 1, psi * prec.reduce, dp, t))
+            dp_comms.append(add("dp", "reduce_scatter", 1, psi * reduce, dp, t))
             dp_comms.append(add("dp", "all_gather", 1, psi * prec.gather, dp, t))
         elif z > 1:
             gathers = layout.gathers_per_step(m)
             dp_comms.append(add("dp_shard", "all_gather", gathers, psi * prec.gather, z, t))
-            dp_comms.append(add("dp_shard", "reduce_scatter", 1, psi * prec.reduce, z, t))
+            dp_comms.append(add("dp_shard", "reduce_scatter", 1, psi * reduce, z, t))
             if dp // z > 1:
-                dp_comms.append(add("dp_replicate", "all_reduce", 1, psi / z * prec.reduce, dp // z, t * z))
+                dp_comms.append(add("dp_replicate", "all_reduce", 1, psi / z * reduce, dp // z, t * z))
+        for comm in dp_comms:
+            comm.gradients = comm.collective != "all_gather"
     window = compute_s * (1.0 if layout.strategy in ("fsdp", "hsdp") else 2.0 / 3.0 / m)
     hidden = wl.overlap * window
     for comm in dp_comms:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from anytrain.config import parse_grad_compression
 from anytrain.cost.devices import DEVICES, Device
 from anytrain.cost.model import STRATEGIES, Estimate, Layout, ModelShape, Precision, Workload, estimate
 from anytrain.cost.shapes import shape_from_config
@@ -240,6 +241,11 @@ def plan(
     validate_request(shape, gpus, device.gpus_per_node, wl.global_batch, wl.seq_len, tp, pp)
     if micro_batch is not None and micro_batch <= 0:
         raise ConfigError(f"--micro-batch: must be > 0, got {micro_batch}")
+    if parse_grad_compression(wl.grad_compression)[0] == "powersgd":  # DDP's communication hook: ddp / zero1 only
+        strategies = tuple(s for s in strategies if s in ("ddp", "zero1"))
+        if not strategies:
+            raise ConfigError("--grad-compression: powersgd runs with the ddp or zero1 strategy only; allow one of "
+                              "them (--strategy ddp) or choose bf16")  # fmt: skip
     kw = dict(
         strategies=strategies,
         tp=tp,
@@ -293,7 +299,7 @@ def choose_layout(cfg: object, world_size: int, device_spec: object, gpus_per_no
     device = device.replace(gpus_per_node=max(1, local))
     shape = shape_from_config(cfg)
     wl = Workload(cfg.data.seq_len, cfg.train.global_batch, compiled=cfg.train.compile,
-                  cuda_graphs=cfg.train.cuda_graphs)  # fmt: skip
+                  cuda_graphs=cfg.train.cuda_graphs, grad_compression=cfg.parallel.grad_compression)  # fmt: skip
     strategies = TRAINER_STRATEGIES if world_size > 1 else ("ddp",)
     if not per_rank:
         raise ConfigError(

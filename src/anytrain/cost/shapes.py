@@ -307,6 +307,44 @@ class Workload:
     fragmentation: float = 0.05
     overhead_gib: float = 1.0  # CUDA/HIP context, NCCL buffers: outside the allocator (not in its peak)
     ddp_bucket_mib: float = 25.0  # DDP's bucket cap (torch default); torch.compile splits blocks at its buckets
+    grad_compression: str = "none"  # parallel.grad_compression: none | bf16 | fp16 | powersgd:rank=R
+
+
+def gradient_matrices(shape: ModelShape | MambaShape) -> list[tuple[int, int]]:
+    """(rows, columns) of every weight matrix: each block's linears (out x in) L times, the token embedding and the
+    LM head (V x d; one matrix when tied). The other parameters (norms, biases, Mamba's conv, A_log, D) are vectors
+    or thin matrices that PowerSGD sends whole."""
+    blocks = [(n_out, n_in) for n_in, n_out in shape.linears()] * shape.n_layers
+    return blocks + [(shape.vocab_size, shape.dim)] * (1 if shape.tie_embeddings else 2)
+
+
+def powersgd_fraction(shape: ModelShape | MambaShape, rank: int) -> float:
+    """Values PowerSGD all-reduces per step / parameters: a matrix n x m goes as its rank-r factors P (n x r) and
+    Q (m x r), (n + m)·r values with r = min(n, m, rank), where that is less than half of n·m (PyTorch's
+    min_compression_rate 2), else whole; everything else whole (``gradient_matrices``)."""
+    values = shape.num_params
+    for n, m in gradient_matrices(shape):
+        r = min(n, m, rank)
+        if 2 * (n + m) * r < n * m:
+            values -= n * m - (n + m) * r
+    return values / shape.num_params
+
+
+def gradient_reduce_bytes(shape: ModelShape | MambaShape, prec: Precision, grad_compression: str,
+                          strategy: str) -> float:  # fmt: skip
+    """Bytes per gradient value in the data-parallel reduction: ``prec.reduce`` uncompressed, 2 for bf16 / fp16,
+    4 × ``powersgd_fraction`` for PowerSGD (fp32 factors; DDP and ZeRO-1 only, as in the trainer)."""
+    from anytrain.config import parse_grad_compression
+
+    kind, rank = parse_grad_compression(grad_compression)
+    if kind in ("bf16", "fp16"):
+        return 2.0
+    if kind == "powersgd":
+        if strategy not in ("ddp", "zero1"):
+            raise ConfigError(f"parallel.grad_compression: powersgd runs with ddp or zero1 only (PyTorch has no "
+                              f"PowerSGD for FSDP), not {strategy}")  # fmt: skip
+        return 4.0 * powersgd_fraction(shape, rank)
+    return prec.reduce
 
 
 def shape_from_config(cfg: object) -> ModelShape | MambaShape:
