@@ -751,6 +751,9 @@ def main() -> None:
     parser.add_argument("--train-args", default="", help="overrides appended to every anytrain row, e.g. "
                         "'--train.gc_interval 0' (A/B runs of a trainer option; record it with --tag)")  # fmt: skip
     parser.add_argument("--note", action="append", default=[], help="with --merge: a note to record in the file")
+    parser.add_argument("--grad-compression", default="", help="parallel.grad_compression of every anytrain row "
+                        "(none, bf16, fp16, powersgd:rank=R; PowerSGD from step 2): the compression A/B of "
+                        "docs/scaling.md; name the run with --tag")  # fmt: skip
     # worker mode (internal)
     parser.add_argument("--hf-worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--global-batch", type=int, default=8, help=argparse.SUPPRESS)
@@ -771,6 +774,9 @@ def main() -> None:
     if args.merge:
         merge_main(args)
         return
+    if args.grad_compression:  # appended to --train-args, so the results file's settings record it
+        start = " --parallel.powersgd_start_step 2" if args.grad_compression.startswith("powersgd") else ""
+        args.train_args = f"{args.train_args} --parallel.grad_compression {args.grad_compression}{start}".strip()
     n_gpus = gpu_count()
     if n_gpus == 0:
         sys.exit("error: bench/scaling.py needs CUDA/ROCm GPUs (found none); use --plot to redraw a results file")
