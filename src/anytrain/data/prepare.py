@@ -144,6 +144,7 @@ def _init_worker(tokenizer_file: str, val_fraction: float, forced_val: str | Non
                  separate_process: bool) -> None:  # fmt: skip
     if separate_process:  # one tokenizer thread per worker process; exit when the main process dies (kill -9)
         os.environ["TOKENIZERS_PARALLELISM"] = "false"
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the main process's to handle (it stops the pool)
         parent = os.getppid()
         threading.Thread(target=_exit_with_parent, args=(parent,), daemon=True).start()
     tokenizer = load_tokenizer(tokenizer_file)
