@@ -44,7 +44,6 @@ class ModelConfig:
     See docs/hf-models.md."""
 
 
-
 @dataclass
 class DataConfig:
     path: str = "data/shakespeare"

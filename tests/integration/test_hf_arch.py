@@ -256,8 +256,9 @@ def test_hf_path_without_arch_hf_and_cli_error_line(tmp_path, capsys, small_data
 def test_sft_from_jsonl_end_to_end(tmp_path, capsys, small_data, hf_models):
     """prepare-sft with the model folder's tokenizer, then training: the validation loss counts completion tokens
     only (equal to a hand-computed masked CE over the validation windows) and falls."""
-    lines = [{"prompt": f"Question {i}: who speaks?\nAnswer:", "completion": f" ROMEO speaks, line {i}."}
-             for i in range(40)] + [{"text": "ROMEO. But, soft! what light through yonder window breaks?"}] * 4
+    lines = [
+        {"prompt": f"Question {i}: who speaks?\nAnswer:", "completion": f" ROMEO speaks, line {i}."} for i in range(40)
+    ] + [{"text": "ROMEO. But, soft! what light through yonder window breaks?"}] * 4
     jsonl = tmp_path / "sft.jsonl"
     jsonl.write_text("".join(json.dumps(line) + "\n" for line in lines))
     data = tmp_path / "sft"

@@ -72,8 +72,10 @@ def test_fsdp_reduces_in_bf16_and_refuses_powersgd():
 
 def test_compression_makes_inter_node_ddp_faster_and_the_planner_keeps_to_ddp_zero1():
     layout = Layout(dp=16, strategy="ddp", micro_batch=2)  # two nodes: the all-reduce crosses the network
-    times = {c: estimate(LLAMA_1B, layout, Workload(2048, 32, overlap=0.0, grad_compression=c), H100) for c in
-             ("none", "bf16", "powersgd:rank=4")}  # fmt: skip (overlap 0: every byte is exposed)
+    times = {
+        c: estimate(LLAMA_1B, layout, Workload(2048, 32, overlap=0.0, grad_compression=c), H100)
+        for c in ("none", "bf16", "powersgd:rank=4")
+    }  # fmt: skip (overlap 0: every byte is exposed)
     assert times["none"].step_s > times["bf16"].step_s > times["powersgd:rank=4"].step_s
     assert times["none"].exposed_comm_s == pytest.approx(2 * times["bf16"].exposed_comm_s, rel=0.01)
     assert times["bf16"].grad_reduce_bytes == pytest.approx(times["none"].grad_reduce_bytes / 2)

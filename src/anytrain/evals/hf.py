@@ -535,11 +535,21 @@ def export_hf(source: str | Path, out: str | Path, dtype: str = "fp32", overwrit
         raise
     return out
 
+
 # --------------------------------------------------------------------------------------------------------------------
 # export of a model.arch hf run: the trained transformers model as save_pretrained writes it
 
-HF_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
-                      "vocab.json", "merges.txt", "added_tokens.json", "chat_template.jinja", "chat_template.json")
+HF_TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "tokenizer.model",
+    "vocab.json",
+    "merges.txt",
+    "added_tokens.json",
+    "chat_template.jinja",
+    "chat_template.json",
+)
 """Tokenizer files of ``model.hf_path`` that an export of an hf-arch run carries over (those that exist)."""
 
 

@@ -141,8 +141,17 @@ TRANSFORMER_FLAVOURS: dict[str, dict[str, Any]] = {
     "1.1b": dict(vocab_size=32000, dim=2048, n_layers=22, n_heads=32, n_kv_heads=4, ffn_dim=5632, max_seq_len=4096),
     "llama-7b": dict(vocab_size=32000, dim=4096, n_layers=32, n_heads=32, ffn_dim=11008, max_seq_len=4096),
     # Llama-3.2-1B's shape (meta-llama/Llama-3.2-1B config.json): 1,235,814,400 parameters, tied embeddings.
-    "llama-1b": dict(vocab_size=128256, dim=2048, n_layers=16, n_heads=32, n_kv_heads=8, ffn_dim=8192,
-                     max_seq_len=2048, rope_theta=500000.0, tie_embeddings=True),  # fmt: skip
+    "llama-1b": dict(
+        vocab_size=128256,
+        dim=2048,
+        n_layers=16,
+        n_heads=32,
+        n_kv_heads=8,
+        ffn_dim=8192,
+        max_seq_len=2048,
+        rope_theta=500000.0,
+        tie_embeddings=True,
+    ),  # fmt: skip
     # MPT (mosaicml/mpt-7b's config.json; LLM Foundry's scripts/train/yamls/pretrain/mpt-*.yaml shapes): ALiBi, no
     # position embeddings, LayerNorm without bias, exact GELU MLP with F = 4·D, no biases, tied embeddings.
     "mpt-debug": dict(vocab_size=512, dim=64, n_layers=2, n_heads=4, max_seq_len=256, **MPT_OPTIONS),
