@@ -130,8 +130,8 @@ def run_row(name: str, args: argparse.Namespace) -> dict:
     return row
 
 
-def run_child(name: str) -> dict:
-    argv = [a for a in sys.argv[1:] if not a.startswith("--rows")]
+def run_child(name: str, args: argparse.Namespace) -> dict:
+    argv = ["--out", args.out, "--steps", str(args.steps), "--warmup", str(args.warmup), *(["--smoke"] * args.smoke)]
     cmd = [sys.executable, str(Path(__file__).resolve()), *argv, "--one-row", name]
     with tempfile.TemporaryDirectory(prefix="anytrain-bench-inductor-") as cache:
         env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": cache}
@@ -171,7 +171,7 @@ def main() -> None:
     if args.one_row:
         print(ROW_MARK + json.dumps(run_row(args.one_row, args), default=str), flush=True)
         return
-    rows = [run_child(name) for name in args.rows]
+    rows = [run_child(name, args) for name in args.rows]
     print_table(rows)
     env = versions(hardware.resolve_device("cpu" if args.smoke else "auto"))
     slug = re.sub(r"[^a-z0-9]+", "-", env["device"].lower()).strip("-") if not args.smoke else "smoke"

@@ -13,6 +13,12 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 SRC = ROOT / "src"
 
+if not torch.cuda.is_available():
+    # Triton kernels run on CPU tensors only in the interpreter, and a @triton.jit function is an interpreted one only
+    # if the variable is set when its module is imported. The model modules import triton indirectly (torch._dynamo),
+    # so it must be set before any test module is collected; GPU sessions leave it unset (compiled kernels).
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 
 def cli_env(gpu: bool = False, **extra: str) -> dict[str, str]:
     """Environment for subprocesses that run anytrain from this checkout (GPUs hidden unless ``gpu``)."""
@@ -103,9 +109,8 @@ def shakespeare_data(tmp_path_factory) -> Path:
 
 @pytest.fixture(autouse=True, scope="session")
 def _fast_triton_interpreter():
-    """The kernel test modules set TRITON_INTERPRET=1 and import triton at collection; once they have, every test of
-    the session gets the interpreter's faster custom-combine reduce / scan (``tests/triton_interpreter.py``, bitwise
-    the same). Nothing is imported here otherwise: triton must not be imported before those modules set the variable."""
+    """Under TRITON_INTERPRET=1 (set above on machines without a GPU) every test of the session gets the interpreter's
+    faster custom-combine reduce / scan (``tests/triton_interpreter.py``, bitwise the same)."""
     if os.environ.get("TRITON_INTERPRET") == "1" and "triton" in sys.modules:
         from tests import triton_interpreter
 

@@ -7,8 +7,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -16,7 +14,7 @@ import torch
 
 from anytrain.config import load_config
 from anytrain.errors import ConfigError
-from tests.conftest import ROOT, cli_env, cli_in_process
+from tests.conftest import cli_in_process, run_cli
 
 transformers = pytest.importorskip("transformers")
 
@@ -75,9 +73,7 @@ def records(run_dir: Path, kind: str) -> list[dict]:
 
 
 def torchrun(run_dir: Path, *args: str) -> None:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m", "anytrain",
-           "train", "configs/tiny.yaml", "--run-dir", str(run_dir), *args]  # fmt: skip
-    proc = subprocess.run(cmd, cwd=ROOT, env=cli_env(), capture_output=True, text=True, timeout=600)
+    proc = run_cli("train", "configs/tiny.yaml", "--run-dir", str(run_dir), *args, nproc=2, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
 
 
@@ -193,7 +189,7 @@ def test_random_init_is_seeded_and_differs_from_the_folder(small_data, hf_models
 
 
 def test_flops_and_params_formula(small_data, hf_models):
-    from anytrain.models import build_model
+    from anytrain.models import REGISTRY, LanguageModel, build_model, spec_of
 
     cfg = load_config("configs/tiny.yaml", train_args(small_data, hf_models["gpt2"]))
     model = build_model(cfg.model)
@@ -204,6 +200,7 @@ def test_flops_and_params_formula(small_data, hf_models):
     assert model.num_params(exclude_embedding=True) == total - tables + ref.lm_head.weight.numel()
     assert model.flops_per_token(32) == 6 * (total - tables + 512 * 32) + 12 * 2 * 32 * 32
     assert model._blocks_name == "hf.transformer.h" and model.hidden_size == 32 and model.tie_embeddings
+    assert isinstance(model, LanguageModel) and spec_of(model) is REGISTRY["hf"]
 
 
 def test_fused_loss_only_where_the_head_output_is_the_logits(small_data, hf_models):

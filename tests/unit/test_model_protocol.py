@@ -15,7 +15,7 @@ from anytrain.parallel.pipeline import prune_to_stage
 MODELS = Path(__file__).resolve().parents[2] / "src" / "anytrain" / "models"
 
 
-@pytest.mark.parametrize("arch", sorted(REGISTRY))
+@pytest.mark.parametrize("arch", sorted(a for a in REGISTRY if a != "hf"))  # hf: tests/integration/test_hf_arch.py
 def test_debug_models_satisfy_the_protocol(arch):
     model = build_model(ModelConfig(arch=arch, flavour="debug", args={"tie_embeddings": False}))
     assert isinstance(model, LanguageModel)
