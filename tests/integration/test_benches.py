@@ -10,8 +10,8 @@ import sys
 from tests.conftest import ROOT, cli_env
 
 
-def _bench(tmp_path, script: str, flag: str) -> list[dict]:
-    proc = subprocess.run([sys.executable, f"bench/{script}.py", flag, "--out", str(tmp_path)], cwd=ROOT,
+def _bench(tmp_path, script: str, *flags: str) -> list[dict]:
+    proc = subprocess.run([sys.executable, f"bench/{script}.py", *flags, "--out", str(tmp_path)], cwd=ROOT,
                           env=cli_env(), capture_output=True, text=True, timeout=600)  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
     (path,) = tmp_path.glob(f"{script}_*.json")
@@ -24,7 +24,7 @@ def test_mamba_train_bench_drives_the_trainer(tmp_path):
 
 
 def test_transformer_bench_smoke_rows_run(tmp_path):
-    rows = _bench(tmp_path, "transformer", "--smoke")
+    rows = _bench(tmp_path, "transformer", "--smoke", "--in-process")  # rows in one process: no start-up per row
     assert rows and all(r.get("error") is None and r.get("tokens_per_s", 0) > 0 for r in rows), rows
 
 

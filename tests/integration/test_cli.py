@@ -13,9 +13,9 @@ from tests.conftest import run_cli
 @pytest.fixture(scope="module")
 def tiny_run(tmp_path_factory, shakespeare_data):
     run_dir = tmp_path_factory.mktemp("cli") / "tiny"
-    proc = run_cli("train", "configs/tiny.yaml", "--train.steps", "8", "--train.warmup_steps", "4", "--data.path",
+    proc = run_cli("train", "configs/tiny.yaml", "--train.steps", "4", "--train.warmup_steps", "2", "--data.path",
                    str(shakespeare_data), "--run-dir", str(run_dir), "--train.eval_interval", "0",
-                   "--train.log_interval", "2", "--checkpoint.interval", "4")  # fmt: skip
+                   "--train.log_interval", "1", "--checkpoint.interval", "2")  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
     return run_dir, proc
 
@@ -24,17 +24,17 @@ def test_train_tiny_end_to_end(tiny_run):
     run_dir, proc = tiny_run
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     train = [r for r in records if r["kind"] == "train"]
-    assert [r["step"] for r in train] == [2, 4, 6, 8]
+    assert [r["step"] for r in train] == [1, 2, 3, 4]
     for key in ("loss", "lr", "grad_norm", "tokens_seen", "tokens_per_s", "mfu", "peak_mem_gib"):
         assert key in train[-1]
     assert train[-1]["mfu"] is None  # CPU: no invented peak
-    assert train[-1]["tokens_seen"] == 8 * 16 * 256
+    assert train[-1]["tokens_seen"] == 4 * 16 * 256
     assert train[-1]["loss"] < train[0]["loss"]
     evals = [r for r in records if r["kind"] == "eval"]
-    assert [r["step"] for r in evals] == [0, 8] and evals[-1]["val_loss"] < evals[0]["val_loss"]
+    assert [r["step"] for r in evals] == [0, 4] and evals[-1]["val_loss"] < evals[0]["val_loss"]
     assert (run_dir / "config.yaml").is_file() and any((run_dir / "tensorboard").iterdir())
     ckpts = sorted(p.name for p in (run_dir / "checkpoints").iterdir())
-    assert ckpts == ["step_00000004", "step_00000008"]
+    assert ckpts == ["step_00000002", "step_00000004"]
     assert "run dir:" in proc.stdout and "MFU n/a" in proc.stdout
 
 
@@ -44,7 +44,7 @@ def test_eval_reads_the_checkpoint(tiny_run):
     assert proc.returncode == 0, proc.stderr[-2000:]
     result = json.loads(proc.stdout)
     summary = json.loads((run_dir / "summary.json").read_text())
-    assert result["step"] == 8
+    assert result["step"] == 4
     assert abs(result["val_loss"] - summary["final_val_loss"]) < 1e-3
     assert result["sample"].startswith("ROMEO.")
 
