@@ -59,6 +59,14 @@ class DataConfig:
     of (train.seed, step) only (docs/data.md); the metrics record the realised shares (``data_share/NAME``) and the
     validation loss per source (``val_loss/NAME``; ``val_loss`` is their weighted mean). ``path`` is then replaced
     by the first source's (the tokenizer's home for eval and export)."""
+    document_mask: bool = False
+    """Keep attention inside each document of a packed sequence (model.arch transformer): the data's EOS token
+    (index.json's ``eos_id``, appended by ``prepare`` after every document) ends a document, positions restart at the
+    next token (RoPE angles, learned position rows; ALiBi's distances are relative already) and a token attends only
+    to earlier tokens of its own document. The loss is unchanged: every position keeps its target, so the EOS still
+    predicts the next document's first token (from its own document's context). Costs a mask per batch: on GPUs
+    flex_attention with a document-causal block mask instead of SDPA (bench/packing.py measures it); on CPU SDPA with
+    an explicit (B, 1, T, T) mask. Not with pipeline parallelism or Mamba; CUDA graphs then run eagerly."""
 
 
 @dataclass
@@ -559,7 +567,25 @@ def validate(cfg: RunConfig) -> None:
     if not cfg.data.path:
         raise ConfigError("data.path: must name the folder written by `anytrain prepare`")
     _validate_seq_len(cfg)
+    check_document_mask(cfg)
     check_fsdp_only_options(cfg.parallel, cfg.parallel.strategy)
+
+
+def check_document_mask(cfg: RunConfig) -> None:
+    """data.document_mask: the Transformer family only, and no pipeline stages (they receive hidden states, not the
+    token ids the document boundaries are read from)."""
+    if not cfg.data.document_mask:
+        return
+    if cfg.model.arch == "mamba":
+        raise ConfigError("data.document_mask: Mamba carries its scan state across documents (a per-document state "
+                          "reset is not implemented); set --data.document_mask false")  # fmt: skip
+    if cfg.model.arch != "transformer":
+        raise ConfigError(f"data.document_mask: applies to model.arch transformer only, not {cfg.model.arch}; set "
+                          "--data.document_mask false")  # fmt: skip
+    if cfg.parallel.pp > 1:
+        raise ConfigError(f"data.document_mask: not available with pipeline parallelism (parallel.pp "
+                          f"{cfg.parallel.pp}: later stages see hidden states, not the token ids that mark documents); "
+                          "set --parallel.pp 1 or --data.document_mask false")  # fmt: skip
 
 
 def check_fsdp_only_options(parallel: ParallelConfig, strategy: str) -> None:

@@ -113,14 +113,73 @@ def alibi_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slopes: t
                     enable_gqa: bool = False) -> torch.Tensor:  # fmt: skip
     """Causal attention with ALiBi bias slope_h·(j - i), q (B, H, T, E), k/v (B, K, T, E) -> (B, H, T, E).
 
-    ``mask`` picks the kernel: a flex_attention ``BlockMask`` (``causal_block_mask``; GPUs) runs compiled
-    flex_attention with the bias as a ``score_mod`` (flash-style tiles, no (T, T) tensor); a tensor
-    (``alibi_distance``; CPU) is scaled by the slopes into an explicit (H, T, T) additive mask for SDPA."""
+    ``mask`` picks the kernel: a flex_attention ``BlockMask`` (``causal_block_mask`` or ``document_block_mask``;
+    GPUs) runs compiled flex_attention with the bias as a ``score_mod`` (flash-style tiles, no (T, T) tensor); a
+    tensor (``alibi_distance`` (T, T), or ``document_alibi_distance`` (B, 1, T, T); CPU) is scaled by the slopes into
+    an explicit (H, T, T) or (B, H, T, T) additive mask for SDPA."""
     if isinstance(mask, torch.Tensor):
-        bias = (slopes[:, None, None] * mask).to(q.dtype)  # (H, T, T); -inf after the diagonal
+        bias = (slopes[:, None, None] * mask).to(q.dtype)  # (H, T, T) or (B, H, T, T); -inf where masked
         return F.scaled_dot_product_attention(q, k, v, attn_mask=bias, enable_gqa=enable_gqa)
 
     def score_mod(score, b, h, q_idx, kv_idx):
         return score + slopes[h] * (kv_idx - q_idx)
 
     return _compiled_flex()(q, k, v, score_mod=score_mod, block_mask=mask, enable_gqa=enable_gqa)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Document masking (data.document_mask): attention kept inside each document of a packed sequence.
+
+
+def document_ids(tokens: torch.Tensor, eos_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token ids (B, T) -> (documents, positions), both (B, T) int64. A document ends with its EOS token and the
+    token after an EOS starts the next one; the sequence's first token starts document 0 (also when the window
+    begins inside a document). ``documents``: the document index of each token within its sequence; ``positions``:
+    each token's position inside its document (0 at a document start)."""
+    is_eos = (tokens == eos_id).long()
+    documents = is_eos.cumsum(1) - is_eos  # an EOS belongs to the document it ends
+    index = torch.arange(tokens.shape[1], device=tokens.device).expand_as(tokens)  # (B, T)
+    starts = torch.ones_like(is_eos, dtype=torch.bool)
+    starts[:, 1:] = is_eos[:, :-1].bool()  # (B, T): True at the first token of each document
+    first = torch.where(starts, index, 0).cummax(1).values  # index of the current document's first token
+    return documents, index - first
+
+
+def document_causal_mask(documents: torch.Tensor) -> torch.Tensor:
+    """(B, T) document ids -> (B, 1, T, T) bool, True where query i may attend key j: j <= i in the same document.
+    SDPA's ``attn_mask`` for the explicit (CPU) path; the diagonal is always True, so no row is empty."""
+    T = documents.shape[1]
+    causal = torch.ones(T, T, dtype=torch.bool, device=documents.device).tril()
+    return (causal & (documents[:, :, None] == documents[:, None, :]))[:, None]
+
+
+def document_alibi_distance(documents: torch.Tensor) -> torch.Tensor:
+    """(B, T) document ids -> (B, 1, T, T) fp32: ``alibi_distance`` with -inf also between documents (ALiBi's
+    relative distance needs no reset at a document start: inside one document it is the same as in a lone run)."""
+    distance = alibi_distance(documents.shape[1], documents.device)
+    return distance.masked_fill(~document_causal_mask(documents), float("-inf"))
+
+
+@torch.compiler.disable
+def document_block_mask(documents: torch.Tensor) -> Any:
+    """flex_attention's document-causal ``BlockMask`` for (B, T) document ids: query i attends key j when j <= i and
+    both are in the same document. Built per batch, outside compiled graphs (the model builds it before its blocks
+    run); tiles wholly across a document boundary are skipped by the kernel."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    B, T = documents.shape
+
+    def document_causal(b, h, q_idx, kv_idx):
+        return (q_idx >= kv_idx) & (documents[b, q_idx] == documents[b, kv_idx])
+
+    return create_block_mask(document_causal, B, None, T, T, device=documents.device)
+
+
+def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Any,
+                     enable_gqa: bool = False) -> torch.Tensor:  # fmt: skip
+    """Attention under an explicit mask, q (B, H, T, E), k/v (B, K, T, E) -> (B, H, T, E). ``mask``: a
+    flex_attention ``BlockMask`` (``document_block_mask``; GPUs) runs compiled flex_attention; a bool tensor
+    (``document_causal_mask`` (B, 1, T, T); CPU) is SDPA's ``attn_mask``, the reference."""
+    if isinstance(mask, torch.Tensor):
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=enable_gqa)
+    return _compiled_flex()(q, k, v, block_mask=mask, enable_gqa=enable_gqa)

@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from torch.distributed.fsdp import FSDPModule
 
 from anytrain import hardware
-from anytrain.config import RunConfig, plan_batches, to_dict
+from anytrain.config import RunConfig, check_document_mask, plan_batches, to_dict
 from anytrain.data.loader import BatchProvider, BatchSource, SampleIndex
 from anytrain.data.mixture import open_mixture
 from anytrain.data.sft import masked_sources
@@ -95,6 +95,7 @@ class Trainer:
             self.log.print(f"parallel.auto: {self._auto_reason}")
         self.dtype = compute_dtype(cfg, self.device)
         self._build_model()
+        self._setup_document_mask(batches)
         self.progress: dict = {"step": 0, "tokens_seen": 0}
         self.state = TrainState(self.model, self.optimizer, self.scheduler, self.progress,
                                 extras=self.grad_comm.checkpoint_state(self.progress, self.log.print))  # fmt: skip
@@ -260,6 +261,18 @@ class Trainer:
         self.model = merge_parts(self.pp_parts)
         self.raw_model = self.accounting_model
 
+    def _setup_document_mask(self, batches: BatchProvider | None) -> None:
+        """data.document_mask: the model splits its input at the data's EOS id (the dataset's index.json, or the
+        ``eos_id`` attribute of the ``batches`` given to the trainer) and keeps attention inside each document."""
+        if not self.cfg.data.document_mask:
+            return
+        check_document_mask(self.cfg)  # also for a config built in code (the benches), which load_config did not see
+        eos_id = self.dataset.eos_id if self.dataset is not None else getattr(batches, "eos_id", None)
+        if eos_id is None:
+            raise ConfigError("data.document_mask: the batches given to Trainer have no eos_id attribute (the token "
+                              "that ends each document); set one or turn data.document_mask off")  # fmt: skip
+        self.raw_model.document_eos_id = int(eos_id)
+
     def _log_model_size(self) -> None:
         """One line at start: parameters, training FLOPs per token and the cost model's peak memory per device."""
         from anytrain.cost.devices import from_spec
@@ -282,6 +295,8 @@ class Trainer:
             return
         reason = cuda_graph.applicability(self.device, self.info.world_size, self.pp_schedule is not None,
                                           bool(self.guard.test_nan_step))  # fmt: skip
+        if not reason and self.cfg.data.document_mask:
+            reason = "data.document_mask builds its block mask per batch, not captured"
         if reason:
             if self.info.is_main and hasattr(self, "log"):
                 self.log.print(f"train.cuda_graphs: eager micro-steps ({reason})")

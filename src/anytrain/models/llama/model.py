@@ -26,7 +26,12 @@ from anytrain.models.layers import (
     alibi_distance,
     alibi_slopes,
     causal_block_mask,
+    document_alibi_distance,
+    document_block_mask,
+    document_causal_mask,
+    document_ids,
     make_norm,
+    masked_attention,
     residual_stream,
 )
 from anytrain.models.losses import lm_cross_entropy
@@ -175,13 +180,14 @@ def rope_tables(head_dim: int, max_seq_len: int, theta: float, device=None) -> t
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate interleaved pairs of the last dim: (x0, x1) -> (x0 cos - x1 sin, x0 sin + x1 cos). x: (B, T, H, E);
-    cos/sin: (T, E) from ``rope_tables``. Math in fp32.
+    cos/sin: (T, E) from ``rope_tables``, or (B, T, E) rows of them picked per token (positions restarting at each
+    document under document masking). Math in fp32.
 
     Written as x·cos + swap(x)·sin (swap exchanging the two elements of each pair), bitwise equal to the pairwise form
     (a stack of the rotated halves), with fewer ops per call."""
     x32 = x.float()
     swapped = x32.unflatten(-1, (-1, 2)).flip(-1).flatten(-2)  # (x1, x0, x3, x2, ...)
-    return (x32 * cos[None, :, None, :] + swapped * sin[None, :, None, :]).type_as(x)
+    return (x32 * cos.unsqueeze(-2) + swapped * sin.unsqueeze(-2)).type_as(x)  # (T|B,T, 1, E) over the heads
 
 
 class Linear(nn.Linear):
@@ -206,9 +212,12 @@ class Attention(nn.Module):
     """Causal self-attention: q/k/v projections, optional per-head QK-norm, the position encoding (RoPE rotation or
     ALiBi bias; nothing for learned positions, added at the embedding), SDPA or flex_attention, output projection.
 
-    ``forward(x, pos_a, pos_b)``: for RoPE the cos/sin tables (T, E); for ALiBi the causal mask (a flex_attention
-    ``BlockMask`` on GPUs, the (T, T) ``alibi_distance`` on CPU) and None; for learned positions None, None.
-    ``alibi_slopes`` (H,) is a buffer so that tensor parallelism can keep each rank's heads' slopes."""
+    ``forward(x, pos_a, pos_b, mask)``: for RoPE the cos/sin tables (T, E), or (B, T, E) under document masking; for
+    ALiBi the causal or document-causal mask (a flex_attention ``BlockMask`` on GPUs, ``alibi_distance`` or
+    ``document_alibi_distance`` on CPU) and None; for learned positions None, None. ``mask``: None (causal SDPA), or
+    for RoPE and learned positions under document masking the document-causal mask (a ``BlockMask`` on GPUs, a
+    (B, 1, T, T) bool tensor on CPU: ``layers.masked_attention``). ``alibi_slopes`` (H,) is a buffer so that tensor
+    parallelism can keep each rank's heads' slopes."""
 
     def __init__(self, args: TransformerArgs) -> None:
         super().__init__()
@@ -224,7 +233,7 @@ class Attention(nn.Module):
             self.register_buffer("alibi_slopes", alibi_slopes(args.n_heads), persistent=False)
         self.native_gqa = args.n_kv_heads != args.n_heads and _native_gqa()  # decided once, outside compiled code
 
-    def forward(self, x: torch.Tensor, pos_a: Any, pos_b: Any) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, pos_a: Any, pos_b: Any, mask: Any = None) -> torch.Tensor:
         B, T, _ = x.shape
         # -1 heads: under tensor parallelism each rank holds H/tp query and K/tp key/value heads. (One GEMM against
         # [wq; wk; wv], and [w1; w3] below, measured 2% slower on an H200: docs/benchmarks.md.)
@@ -246,6 +255,8 @@ class Attention(nn.Module):
         if self.pos_encoding == "alibi":
             out = alibi_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), self.alibi_slopes, pos_a,
                                   **gqa)  # fmt: skip
+        elif mask is not None:  # document masking: flex_attention (GPUs) or SDPA with a boolean mask (CPU)
+            out = masked_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), mask, **gqa)
         else:
             out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
                                                  is_causal=True, **gqa)  # fmt: skip
@@ -275,13 +286,19 @@ class TransformerBlock(nn.Module):
         self.ffn_norm = make_norm(args.norm, args.dim, args.norm_eps, args.norm_bias)
         self.feed_forward = FeedForward(args.dim, args.ffn_dim, args.mlp, args.bias)
 
-    def forward(self, x: torch.Tensor, pos_a: Any, pos_b: Any) -> torch.Tensor:
-        x = x + self.attention(self.attention_norm(x), pos_a, pos_b)
+    def forward(self, x: torch.Tensor, pos_a: Any, pos_b: Any, mask: Any = None) -> torch.Tensor:
+        x = x + self.attention(self.attention_norm(x), pos_a, pos_b, mask=mask)
         return x + self.feed_forward(self.ffn_norm(x))
 
 
 class Transformer(nn.Module):
     """Token ids (B, T) -> logits (B, T, V)."""
+
+    document_eos_id: int | None = None
+    """Document masking (``data.document_mask``; the trainer sets it to the data's EOS id): each sequence is split
+    into documents at this token (a document ends with it), positions restart at each document start (RoPE angles,
+    learned position rows) and attention stays inside the document. None: plain causal attention over the whole
+    sequence. Needs token ids at the input, so not on a pipeline stage after the first."""
 
     def __init__(self, args: TransformerArgs) -> None:
         super().__init__()
@@ -345,19 +362,41 @@ class Transformer(nn.Module):
             return mask, None
         return None, None
 
+    def document_inputs(self, documents: torch.Tensor, positions: torch.Tensor) -> tuple[Any, Any, Any]:
+        """``position_inputs`` under document masking, from (B, T) document ids and in-document positions: the
+        blocks' (pos_a, pos_b, mask). RoPE: per-token rows (B, T, E) of the tables at the in-document positions, and
+        the document-causal mask; ALiBi: the document-causal mask in place of the causal one (its distances are
+        relative, unchanged inside a document), None, None; learned: None, None, the mask. The mask is a
+        flex_attention ``BlockMask`` on GPUs (built here, per batch, outside compiled blocks) and an explicit
+        (B, 1, T, T) tensor elsewhere (bool; for ALiBi the fp32 distance with -inf off the document)."""
+        gpu = hardware.is_gpu(documents.device)
+        if self.args.pos_encoding == "alibi":
+            return (document_block_mask(documents) if gpu else document_alibi_distance(documents)), None, None
+        mask = document_block_mask(documents) if gpu else document_causal_mask(documents)
+        if self.args.pos_encoding == "rope":
+            return self.rope_cos[positions], self.rope_sin[positions], mask
+        return None, None, mask
+
     def forward_hidden(self, x: torch.Tensor) -> torch.Tensor:
         """Token ids (B, T), or hidden states (B, T, D) on a pipeline stage without the embedding, through the
         layers this module holds, then the final norm if it holds it."""
         T = x.shape[1]
         if T > self.args.max_seq_len:
             raise ValueError(f"sequence length {T} exceeds model.args.max_seq_len {self.args.max_seq_len}")
-        pos_a, pos_b = self.position_inputs(T, x.device)
+        positions, mask = None, None
+        if self.document_eos_id is None:
+            pos_a, pos_b = self.position_inputs(T, x.device)
+        elif x.dim() != 2:
+            raise ValueError("document masking needs token ids (B, T) at the input, not hidden states (pipeline)")
+        else:
+            documents, positions = document_ids(x, self.document_eos_id)  # (B, T) each
+            pos_a, pos_b, mask = self.document_inputs(documents, positions)
         h = self.tok_embeddings(x) if self.tok_embeddings is not None else x  # (B, T, D)
-        if self.pos_embeddings is not None:  # (1, T, D), on the first pipeline stage
-            h = h + self.pos_embeddings(torch.arange(T, device=x.device)[None])
+        if self.pos_embeddings is not None:  # (1 or B, T, D), on the first pipeline stage
+            h = h + self.pos_embeddings(torch.arange(T, device=x.device)[None] if positions is None else positions)
         h = residual_stream(h, self.args.residual_in_fp32)
         for block in self.layers.values():
-            h = block(h, pos_a, pos_b)
+            h = block(h, pos_a, pos_b, mask=mask)
         return self.norm(h) if self.norm is not None else h
 
     def forward(self, tokens: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
