@@ -99,13 +99,17 @@ def test_document_mask_refused_where_it_cannot_apply(tmp_path):
         load_config(config, ["--parallel.pp", "2"])
 
 
-def test_cli_training_records_document_mask(small_data, tmp_path):
+def test_cli_training_records_document_mask_and_eval_masks_too(many_documents, tmp_path):
     run_dir = tmp_path / "run"
-    proc = run_cli("train", "configs/tiny.yaml", "--model.flavour", "debug", "--data.path", str(small_data),
-                   "--data.seq_len", "32", "--data.document_mask", "true", "--train.steps", "2",
-                   "--train.global_batch", "4", "--train.eval_batches", "1", "--run-dir", str(run_dir))  # fmt: skip
+    proc = run_cli("train", "configs/tiny.yaml", "--model.flavour", "debug", "--data.path", str(many_documents),
+                   "--data.seq_len", "64", "--data.document_mask", "true", "--train.steps", "2",
+                   "--train.global_batch", "4", "--train.eval_batches", "2", "--run-dir", str(run_dir))  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert yaml.safe_load((run_dir / "config.yaml").read_text())["data"]["document_mask"] is True
+    proc = run_cli("eval", str(run_dir), "--json", "--max-new-tokens", "0")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert abs(json.loads(proc.stdout)["val_loss"] - summary["final_val_loss"]) < 1e-4  # eval masks as training did
 
 
 @pytest.fixture(scope="module")

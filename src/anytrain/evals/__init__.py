@@ -100,6 +100,8 @@ def evaluate_run(run_dir: str | Path, prompt: str = "ROMEO.\n", max_new_tokens: 
     device = hardware.resolve_device("auto")
     cfg, model, path = load_run_model(run_dir, device)
     dataset = open_eval_data(cfg, run_dir, data)
+    if cfg.data.document_mask:  # attention inside each document, as the run trained and validated
+        model.document_eos_id = dataset.eos_id
     dtype = torch.bfloat16 if hardware.supports_bf16(device) else torch.float32
     loss, tokens = validation_loss(model, dataset, cfg.data.seq_len, batches or cfg.train.eval_batches or 1,
                                    cfg.train.global_batch, device, dtype)  # fmt: skip
