@@ -20,3 +20,20 @@ def sample(model: nn.Module, prompt: torch.Tensor, max_new_tokens: int, max_seq_
         nxt = torch.multinomial(torch.softmax(logits, dim=-1), 1, generator=generator)
         tokens = torch.cat([tokens, nxt], dim=1)
     return tokens
+
+
+class SamplingMixin:
+    """``generate`` and ``tie_embeddings`` for a family whose ``args`` has ``max_seq_len`` and ``tie_embeddings``."""
+
+    args: object
+
+    @property
+    def tie_embeddings(self) -> bool:
+        return self.args.tie_embeddings
+
+    @torch.no_grad()
+    def generate(self, prompt: torch.Tensor, max_new_tokens: int, temperature: float = 0.8, top_k: int = 50,
+                 generator: torch.Generator | None = None) -> torch.Tensor:  # fmt: skip
+        """Sample continuations of ``prompt`` (B, T0) by re-running the whole window for each token (no KV or
+        recurrent cache: for demos and evaluation samples; export to Hugging Face for serving)."""
+        return sample(self, prompt, max_new_tokens, self.args.max_seq_len, temperature, top_k, generator)

@@ -32,7 +32,7 @@ from torch import nn
 
 from anytrain.errors import ConfigError
 from anytrain.models.losses import lm_cross_entropy
-from anytrain.models.sampling import sample
+from anytrain.models.sampling import SamplingMixin
 
 IGNORE_INDEX = -100
 SINGLE_FILE = "model.safetensors"
@@ -185,7 +185,7 @@ def find_blocks(root: nn.Module) -> tuple[str, nn.ModuleList]:
     return best
 
 
-class HFCausalLM(nn.Module):
+class HFCausalLM(SamplingMixin, nn.Module):
     """A ``transformers`` causal LM as an anytrain ``LanguageModel``. Token ids (B, T) -> logits (B, T, V), or with
     targets (B, T) the mean next-token loss over targets != -100 (a scalar). Parameter names: ``hf.<HF name>``."""
 
@@ -366,16 +366,6 @@ class HFCausalLM(nn.Module):
     @property
     def hidden_size(self) -> int:
         return self.args.hidden_size
-
-    @property
-    def tie_embeddings(self) -> bool:
-        return self.args.tie_embeddings
-
-    @torch.no_grad()
-    def generate(self, prompt: torch.Tensor, max_new_tokens: int, temperature: float = 0.8, top_k: int = 50,
-                 generator: torch.Generator | None = None) -> torch.Tensor:  # fmt: skip
-        """Sample continuations of ``prompt`` (B, T0) without a KV cache (for demos; ``hf.generate`` for serving)."""
-        return sample(self, prompt, max_new_tokens, self.args.max_seq_len, temperature, top_k, generator)
 
 
 def _safetensors_files(folder: Path) -> list[Path]:

@@ -35,7 +35,7 @@ from anytrain.models.layers import (
     residual_stream,
 )
 from anytrain.models.losses import lm_cross_entropy
-from anytrain.models.sampling import sample
+from anytrain.models.sampling import SamplingMixin
 
 SDPA_NATIVE_GQA: bool | None = None
 """Grouped-query attention inside SDPA (``enable_gqa=True``, torch >= 2.5) instead of expanding K/V to H heads.
@@ -291,7 +291,7 @@ class TransformerBlock(nn.Module):
         return x + self.feed_forward(self.ffn_norm(x))
 
 
-class Transformer(nn.Module):
+class Transformer(SamplingMixin, nn.Module):
     """Token ids (B, T) -> logits (B, T, V)."""
 
     document_eos_id: int | None = None
@@ -442,13 +442,3 @@ class Transformer(nn.Module):
     @property
     def hidden_size(self) -> int:
         return self.args.dim
-
-    @property
-    def tie_embeddings(self) -> bool:
-        return self.args.tie_embeddings
-
-    @torch.no_grad()
-    def generate(self, prompt: torch.Tensor, max_new_tokens: int, temperature: float = 0.8, top_k: int = 50,
-                 generator: torch.Generator | None = None) -> torch.Tensor:  # fmt: skip
-        """Sample continuations of ``prompt`` (B, T0) without a KV cache (for demos, not serving)."""
-        return sample(self, prompt, max_new_tokens, self.args.max_seq_len, temperature, top_k, generator)

@@ -36,7 +36,7 @@ from anytrain.kernels import causal_conv1d, selective_scan
 from anytrain.kernels.mamba_inner import mamba_inner_triton, mixer_composition, use_mamba_inner
 from anytrain.models.layers import RMSNorm, residual_stream
 from anytrain.models.losses import lm_cross_entropy
-from anytrain.models.sampling import sample
+from anytrain.models.sampling import SamplingMixin
 
 
 @dataclass
@@ -203,7 +203,7 @@ class MambaBackbone(nn.Module):
         return self.norm_f(h.to(self.norm_f.weight.dtype) if self.residual_in_fp32 else h)  # (B, T, D)
 
 
-class Mamba(nn.Module):
+class Mamba(SamplingMixin, nn.Module):
     """Token ids (B, T) -> logits (B, T, V). The Mamba-1 LM of mamba-ssm's ``MambaLMHeadModel``."""
 
     def __init__(self, args: MambaArgs) -> None:
@@ -297,13 +297,3 @@ class Mamba(nn.Module):
     @property
     def hidden_size(self) -> int:
         return self.args.d_model
-
-    @property
-    def tie_embeddings(self) -> bool:
-        return self.args.tie_embeddings
-
-    @torch.no_grad()
-    def generate(self, prompt: torch.Tensor, max_new_tokens: int, temperature: float = 0.8, top_k: int = 50,
-                 generator: torch.Generator | None = None) -> torch.Tensor:  # fmt: skip
-        """Sample continuations of ``prompt`` (B, T0) by re-running the whole prefix (no recurrent cache; demos)."""
-        return sample(self, prompt, max_new_tokens, self.args.max_seq_len, temperature, top_k, generator)
