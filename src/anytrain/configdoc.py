@@ -30,8 +30,9 @@ a test fails when it is out of date. `model.args` takes the fields of the model 
 No environment variable changes what a run computes or how fast. The only ones anytrain reads are test fault
 injections: `ANYTRAIN_TEST_KILL_AT_STEP` / `ANYTRAIN_TEST_KILL_RANK` (the process kills itself with SIGKILL at that
 step, on that rank), `ANYTRAIN_TEST_NAN_AT_STEP` / `ANYTRAIN_TEST_NAN_RANK` (the loss turns NaN there; CUDA graphs
-are then not captured), read by `train/guard.py`, and `ANYTRAIN_TEST_CORRUPT_RANK` (that rank corrupts one
-all_reduce element in `anytrain doctor`).
+are then not captured), read by `train/guard.py`, and two read by `anytrain doctor`: `ANYTRAIN_TEST_CORRUPT_RANK`
+(that rank corrupts one all_reduce element) and `ANYTRAIN_TEST_OVERLAP_RANK` (that rank reports the next rank's
+sample ids in the data-partition check).
 """
 
 

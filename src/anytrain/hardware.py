@@ -224,6 +224,29 @@ def apply_env_defaults() -> None:
         os.environ.setdefault("TORCH_BLAS_PREFER_HIPBLASLT", "1")
 
 
+def topology_command() -> list[str] | None:
+    """The vendor tool that prints the GPU interconnect matrix (NVLink / PCIe / NUMA affinity), or None on CPU."""
+    if vendor() == CUDA:
+        return ["nvidia-smi", "topo", "-m"]
+    if vendor() == ROCM:
+        return ["rocm-smi", "--showtopo"]
+    return None
+
+
+def single_device_env(device: torch.device, environ: dict[str, str] | None = None) -> dict[str, str]:
+    """Variables that make a child process see only ``device`` (as its device 0): the visible-devices list of this
+    vendor, narrowed to the entry ``device`` is in this process (CUDA_VISIBLE_DEVICES; HIP_VISIBLE_DEVICES on ROCm,
+    whose indices count inside any ROCR_VISIBLE_DEVICES, which the child inherits). Empty on CPU."""
+    if not is_gpu(device):
+        return {}
+    environ = dict(os.environ) if environ is None else environ
+    key = "HIP_VISIBLE_DEVICES" if vendor() == ROCM else "CUDA_VISIBLE_DEVICES"
+    visible = environ.get(key) or (environ.get("CUDA_VISIBLE_DEVICES") if vendor() == ROCM else None)
+    index = device.index or 0
+    entries = [e.strip() for e in visible.split(",") if e.strip()] if visible else []
+    return {key: entries[index] if index < len(entries) else str(index)}
+
+
 def summary(device: torch.device, peak_tflops: float | None = None) -> dict:
     """Versions and device facts recorded with every run and benchmark (``peak_tflops``: as for ``peak_flops``)."""
     info = {

@@ -23,8 +23,9 @@ import torch.distributed as dist
 from anytrain import hardware
 
 CORRUPT_RANK_VAR = "ANYTRAIN_TEST_CORRUPT_RANK"
-# reduce_scatter_tensor's new name from torch 2.13 (the old one warns there)
+# reduce_scatter_tensor's and all_gather_into_tensor's new names from torch 2.13 (the old one warns there)
 _REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+_ALL_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
 def bus_factor(name: str, world: int) -> float:
@@ -57,7 +58,7 @@ def _all_reduce(rank: int, world: int, n: int, device: torch.device) -> tuple[to
 def _all_gather(rank: int, world: int, n: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     base = _pattern(n, device)
     got = torch.empty(world * n, device=device)
-    dist.all_gather_into_tensor(got, base + rank)
+    _ALL_GATHER(got, base + rank)
     return got, torch.cat([base + r for r in range(world)])
 
 
@@ -144,7 +145,7 @@ def _timed_op(name: str, numel: int, world: int, rank: int, device: torch.device
         return lambda: dist.all_reduce(t)
     if name == "all_gather":
         out, inp = torch.empty(per_rank * world, device=device), torch.ones(per_rank, device=device)
-        return lambda: dist.all_gather_into_tensor(out, inp)
+        return lambda: _ALL_GATHER(out, inp)
     if name == "reduce_scatter":
         inp, out = torch.ones(per_rank * world, device=device), torch.empty(per_rank, device=device)
         return lambda: _REDUCE_SCATTER(out, inp)

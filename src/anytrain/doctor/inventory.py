@@ -1,5 +1,6 @@
 """What one rank can see of its host: CPUs, memory, accelerators, driver and toolkit versions, the SLURM allocation,
-network interfaces; and a GEMM checked against a float64 reference (NaN / wrong-result detection)."""
+network interfaces, the collective library's environment variables, the GPU topology; a GEMM checked against a float64
+reference (NaN / wrong-result detection) and its throughput as a fraction of the device's peak."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import platform
 import shutil
 import socket
 import subprocess
+import time
 from pathlib import Path
 
 import torch
@@ -25,6 +27,19 @@ def _run(cmd: list[str]) -> str | None:
         return None
     lines = out.stdout.strip().splitlines()
     return lines[0].strip() if out.returncode == 0 and lines else None
+
+
+def _run_text(cmd: list[str]) -> tuple[str | None, str | None]:
+    """(whole output, None) of a tool, or (None, why not) when it is missing or fails."""
+    if shutil.which(cmd[0]) is None:
+        return None, f"{cmd[0]} not found on PATH"
+    try:
+        out = subprocess.run(cmd, capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        return None, f"{' '.join(cmd)}: {type(exc).__name__}"
+    if out.returncode != 0:
+        return None, f"{' '.join(cmd)} exited {out.returncode}: {(out.stderr or out.stdout).strip()[:200]}"
+    return out.stdout.rstrip(), None
 
 
 def driver_versions(vendor: str) -> dict:
@@ -69,6 +84,30 @@ def network_interfaces(sysfs: str = "/sys/class/net") -> list[dict]:
     return rows
 
 
+# NCCL / RCCL (RCCL reads NCCL_* too), PyTorch's NCCL wrapper, gloo, the fabrics' libraries (UCX, libfabric for EFA
+# and Slingshot), the ROCm runtime (HSA_*) and which devices the process may see.
+COLLECTIVE_ENV_PREFIXES = ("NCCL_", "RCCL_", "TORCH_NCCL_", "TORCH_DISTRIBUTED_", "GLOO_", "UCX_", "FI_", "HSA_")
+VISIBLE_DEVICES_VARS = ("CUDA_VISIBLE_DEVICES", "HIP_VISIBLE_DEVICES", "ROCR_VISIBLE_DEVICES")
+
+
+def collective_env(env: dict[str, str] | None = None) -> dict[str, str]:
+    """The environment variables that steer the collective libraries in this process, sorted by name."""
+    env = dict(os.environ) if env is None else env
+    return {k: env[k] for k in sorted(env) if k.startswith(COLLECTIVE_ENV_PREFIXES) or k in VISIBLE_DEVICES_VARS}
+
+
+def topology() -> dict:
+    """The GPU interconnect matrix as the vendor tool prints it (``nvidia-smi topo -m`` / ``rocm-smi --showtopo``):
+    {"host", "command", "output"} with ``reason`` instead of output where there is no GPU or the tool is missing."""
+    cmd = hardware.topology_command()
+    row = {"host": socket.gethostname(), "command": " ".join(cmd) if cmd else None, "output": None, "reason": None}
+    if cmd is None:
+        row["reason"] = "no GPU: nothing to show"
+    else:
+        row["output"], row["reason"] = _run_text(cmd)
+    return row
+
+
 def slurm_allocation(env: dict[str, str] | None = None) -> dict | None:
     """The SLURM job this process runs in (None outside SLURM)."""
     env = dict(os.environ) if env is None else env
@@ -97,6 +136,35 @@ def host_inventory(device: torch.device) -> dict:
         "hip": getattr(torch.version, "hip", None),
         **driver_versions(hardware.vendor()),
     }
+
+
+def gemm_throughput(device: torch.device, n: int, repeats: int = 10) -> dict:
+    """Median rate of an n x n x n matmul on random data in the training dtype (bf16 on GPUs, fp32 on CPU), and its
+    fraction of the device's dense bf16 peak (``hardware.peak_flops``); ``skipped`` says why there is no fraction
+    (CPU, or a GPU missing from the peak table)."""
+    gpu = hardware.is_gpu(device)
+    dtype = torch.bfloat16 if gpu else torch.float32
+    n = n if gpu else min(n, 512)
+    a, b = torch.randn(n, n, device=device, dtype=dtype), torch.randn(n, n, device=device, dtype=dtype)
+    for _ in range(2):
+        a @ b
+    hardware.synchronize(device)
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        a @ b
+        hardware.synchronize(device)
+        times.append(time.perf_counter() - start)
+    tflops = 2 * n**3 / sorted(times)[len(times) // 2] / 1e12
+    peak = hardware.peak_flops(device)
+    skipped = None
+    if not gpu:
+        skipped = "CPU: no peak FLOP/s to compare with"
+    elif peak is None:
+        skipped = f"{hardware.device_name(device)} is not in hardware.DEVICE_CATALOGUE: no peak FLOP/s"
+    return {"dtype": str(dtype).replace("torch.", ""), "shape": n, "tflops": tflops,
+            "peak_tflops": peak / 1e12 if peak else None, "fraction": tflops * 1e12 / peak if peak and gpu else None,
+            "skipped": skipped}  # fmt: skip
 
 
 def gemm_check(device: torch.device, n: int = 512, seed: int = 0) -> dict:
