@@ -38,7 +38,7 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -156,10 +156,12 @@ def _head_count(family: str, name: str, args: Any) -> int | None:
     return None
 
 
-def to_hf_tensors(family: str, args: Any, state: dict[str, torch.Tensor]) -> Iterator[tuple[str, torch.Tensor]]:
-    """(HF name, tensor) for each anytrain parameter; the LM head is left out when tied (HF re-ties it)."""
+def to_hf_tensors(family: str, args: Any, state: Mapping[str, torch.Tensor]) -> Iterator[tuple[str, torch.Tensor]]:
+    """(HF name, tensor) for each anytrain parameter, in ``state``'s order; the LM head is left out when tied (HF
+    re-ties it). Each entry of ``state`` is looked up only when its HF tensor is made (and a tied head never), so a
+    mapping that reads on lookup (``CheckpointTensors``) is read one tensor (MPT: one q, k, v triple) at a time."""
     head = "lm_head.weight" if family == "mamba" else "output.weight"
-    for name, tensor in state.items():
+    for name in state:
         if name == head and args.tie_embeddings:
             continue
         if family == "mpt" and name.endswith(_MPT_QKV):
@@ -169,6 +171,7 @@ def to_hf_tensors(family: str, args: Any, state: dict[str, torch.Tensor]) -> Ite
             yield hf_name(family, name), torch.cat([state[layer + part] for part in _MPT_QKV])
             continue
         heads = _head_count(family, name, args)
+        tensor = state[name]
         yield hf_name(family, name), interleaved_to_halves(tensor, heads) if heads else tensor
 
 
@@ -301,8 +304,6 @@ def apply_init_from(cfg: Any) -> None:
     model = cfg.model
     directory = Path(model.init_from).expanduser().absolute()
     model.init_from = str(directory)
-    if cfg.parallel.pp > 1:
-        raise ConfigError("model.init_from: not supported with pipeline parallelism (parallel.pp > 1) yet")
     if not (directory / "config.json").is_file() and model.args.get("vocab_size"):
         return  # a run's resolved config.yaml (eval, resume): the shape is recorded in model.args
     where = f"{directory}/config.json"
@@ -332,60 +333,86 @@ def _safetensors_files(directory: Path) -> list[Path]:
                       "weights are read)")  # fmt: skip
 
 
-def read_hf_weights(directory: str | Path, arch: str, args: Any, names: list[str]) -> dict[str, torch.Tensor]:
-    """The HF model in ``directory`` as anytrain tensors on the CPU, keyed by anytrain's ``names`` (rows of q/k
-    permuted back to pair order; MPT's Wqkv split into q, k, v; a tied LM head read from the embedding), read one
-    tensor at a time."""
+def _hf_shapes(family: str, shapes: dict[str, torch.Size]) -> dict[str, tuple[int, ...]]:
+    """{HF tensor name: its shape} for anytrain parameters of ``shapes`` (MPT's Wqkv: the q, k, v rows stacked)."""
+    out: dict[str, tuple[int, ...]] = {}
+    for name, shape in shapes.items():
+        key = hf_name(family, name)
+        if key in out and name.endswith(_MPT_QKV):
+            out[key] = (out[key][0] + shape[0], *shape[1:])
+        else:
+            out[key] = tuple(shape)
+    return out
+
+
+def read_hf_weights(directory: str | Path, arch: str, args: Any, shapes: dict[str, torch.Size],
+                    names: list[str] | None = None) -> dict[str, torch.Tensor]:  # fmt: skip
+    """The HF model in ``directory`` as anytrain tensors on the CPU, keyed by anytrain's ``names`` (default: all of
+    ``shapes``; rows of q/k permuted back to pair order; MPT's Wqkv split into q, k, v; a tied LM head read from the
+    embedding). ``shapes`` ({name: shape} of the whole model) is checked first against the files' headers alone: a
+    tensor the model has no place for, one it lacks or one of another shape is one ConfigError, the same on every rank
+    whatever it reads. Then only the tensors behind ``names`` are read, one at a time, from the files holding them."""
     from safetensors import safe_open
 
     directory, family = Path(directory), hf_family(arch, args)
-    wanted: dict[str, list[str]] = {}
-    for name in names:
-        wanted.setdefault(hf_name(family, name), []).append(name)
     head = "lm_head.weight" if arch == "mamba" else "output.weight"
-    out: dict[str, torch.Tensor] = {}
+    embedding = "backbone.embeddings.weight" if arch == "mamba" else "tok_embeddings.weight"
+    expected = _hf_shapes(family, shapes)
+    where: dict[str, Path] = {}  # HF tensor name -> the file holding it
     for file in _safetensors_files(directory):
         with safe_open(str(file), framework="pt", device="cpu") as handle:
             for key in handle.keys():  # noqa: SIM118 - safe_open is not a mapping
-                if key not in wanted:
+                if key not in expected:
                     if key == "lm_head.weight" and args.tie_embeddings:
                         continue  # a tied head stored anyway
                     raise ConfigError(f"model.init_from: {file.name} holds {key}, which {arch} has no place for")
-                tensor = handle.get_tensor(key)
-                if len(wanted[key]) > 1:  # MPT's Wqkv: rows [q; k; v], each D (multi-head attention)
-                    parts = tensor.chunk(3)
-                    out.update({n: parts[i] for n in wanted[key] for i, p in enumerate(_MPT_QKV) if n.endswith(p)})
-                    continue
-                name = wanted[key][0]
-                heads = _head_count(family, name, args)
-                out[name] = halves_to_interleaved(tensor, heads) if heads else tensor
-    if args.tie_embeddings:
-        out[head] = out.get("backbone.embeddings.weight" if arch == "mamba" else "tok_embeddings.weight")
-    missing = [hf for hf, group in wanted.items() if any(out.get(name) is None for name in group)]
+                shape = tuple(handle.get_slice(key).get_shape())
+                if shape != expected[key]:
+                    raise ConfigError(f"model.init_from: {key} in {file.name} has shape {shape}, the model expects "
+                                      f"{expected[key]}")  # fmt: skip
+                where[key] = file
+    tied_head = hf_name(family, head) if args.tie_embeddings and head in shapes else None
+    missing = [key for key in expected if key not in where and key != tied_head]
     if missing:
         raise ConfigError(f"model.init_from: {directory} lacks {missing[0]}" + (f" (and {len(missing) - 1} more)"
                           if len(missing) > 1 else ""))  # fmt: skip
+    names = list(shapes) if names is None else names
+    wanted: dict[str, list[str]] = {}  # HF tensor name -> the anytrain names it fills
+    for name in names:
+        wanted.setdefault(hf_name(family, embedding if name == head and tied_head else name), []).append(name)
+    out: dict[str, torch.Tensor] = {}
+    for file in sorted({where[key] for key in wanted}):
+        with safe_open(str(file), framework="pt", device="cpu") as handle:
+            for key in (k for k in wanted if where[k] == file):
+                tensor = handle.get_tensor(key)
+                if family == "mpt" and key.endswith("attn.Wqkv.weight"):  # rows [q; k; v], each D (multi-head)
+                    parts = dict(zip(_MPT_QKV, tensor.chunk(3), strict=True))
+                    out.update({n: parts[n[n.index("attention.") :]] for n in wanted[key]})
+                    continue
+                for name in wanted[key]:
+                    heads = _head_count(family, name, args)
+                    out[name] = halves_to_interleaved(tensor, heads) if heads else tensor
     return out
 
 
 @torch.no_grad()
 def init_from_hf(model: nn.Module, model_cfg: Any, log: Any = print) -> None:
     """Trainer hook, after weight init and before parallelisation: copy the weights of ``model.init_from`` (an HF
-    folder) into ``model`` (full, unsharded, on its device; DDP/FSDP then replicate or shard them as usual). Every
-    rank reads the files itself (on the CPU) and ``log`` gets one line. Nothing happens when ``init_from`` is empty."""
+    folder) into ``model``, on its device. ``model`` is the whole model (DDP/FSDP/TP then replicate or shard it as
+    usual) or one pipeline stage's part (parameter names of the whole model): the folder is checked against the whole
+    model (``read_hf_weights``), and only ``model``'s own tensors are read (on the CPU, one at a time). ``log`` gets
+    one line. Nothing happens when ``init_from`` is empty."""
     if not getattr(model_cfg, "init_from", ""):
         return
-    from anytrain.models import resolve_args
+    from anytrain.models import build_model, resolve_args
 
-    args, arch = resolve_args(model_cfg), model_cfg.arch
+    with torch.device("meta"):
+        whole = build_model(model_cfg)
+    shapes = {name: p.shape for name, p in whole.named_parameters(remove_duplicate=False)}
     params = dict(model.named_parameters(remove_duplicate=False))
-    tensors = read_hf_weights(model_cfg.init_from, arch, args, list(params))
+    tensors = read_hf_weights(model_cfg.init_from, model_cfg.arch, resolve_args(model_cfg), shapes, list(params))
     for name, param in params.items():
-        tensor = tensors[name]
-        if tensor.shape != param.shape:
-            raise ConfigError(f"model.init_from: {hf_name(hf_family(arch, args), name)} has shape "
-                              f"{tuple(tensor.shape)}, the model expects {tuple(param.shape)}")  # fmt: skip
-        param.copy_(tensor)
+        param.copy_(tensors[name])
     log(f"model.init_from: weights of {model_cfg.init_from} ({len(params)} tensors)")
 
 
@@ -410,36 +437,55 @@ def _tokenizer_files(tokenizer_file: Path, max_len: int) -> tuple[dict[str, str]
     return files, eos_id, tokenizer.token_to_id(pad) if pad else None
 
 
-def _shards(tensors: list[tuple[str, torch.Tensor]], max_bytes: int) -> list[list[tuple[str, torch.Tensor]]]:
-    shards: list[list[tuple[str, torch.Tensor]]] = [[]]
-    size = 0
-    for name, tensor in tensors:
+class ShardWriter:
+    """safetensors shards written as they fill: ``add`` keeps a tensor in the current shard and writes the shard out
+    first when the tensor would take it past ``max_bytes`` (a tensor larger than that gets a shard of its own);
+    ``close`` writes the last one and names the files: one ``model.safetensors``, or
+    ``model-0000i-of-0000n.safetensors`` plus ``model.safetensors.index.json``. At most one shard is held."""
+
+    def __init__(self, directory: Path, max_bytes: int) -> None:
+        self.directory, self.max_bytes = directory, max_bytes
+        self.pending: list[tuple[str, torch.Tensor]] = []
+        self.pending_bytes = 0
+        self.parts: list[list[str]] = []  # the tensor names of each written shard, in order
+        self.total = 0
+
+    def add(self, name: str, tensor: torch.Tensor) -> None:
         nbytes = tensor.numel() * tensor.element_size()
-        if shards[-1] and size + nbytes > max_bytes:
-            shards.append([])
-            size = 0
-        shards[-1].append((name, tensor))
-        size += nbytes
-    return shards
+        if self.pending and self.pending_bytes + nbytes > self.max_bytes:
+            self._flush()
+        self.pending.append((name, tensor))
+        self.pending_bytes += nbytes
+        self.total += nbytes
+
+    def _flush(self) -> None:
+        from safetensors.torch import save_file
+
+        tensors = {name: tensor.contiguous() for name, tensor in self.pending}
+        save_file(tensors, str(self.directory / f"part-{len(self.parts)}.safetensors"), metadata={"format": "pt"})
+        self.parts.append(list(tensors))
+        self.pending, self.pending_bytes = [], 0
+
+    def close(self) -> list[str]:
+        """Write the last shard, give every shard its final name (and the index json when several); the names."""
+        self._flush()
+        count = len(self.parts)
+        names = [SINGLE_FILE] if count == 1 else [f"model-{i + 1:05d}-of-{count:05d}.safetensors" for i in range(count)]
+        for i, name in enumerate(names):
+            (self.directory / f"part-{i}.safetensors").rename(self.directory / name)
+        if count > 1:
+            weight_map = {key: name for name, keys in zip(names, self.parts, strict=True) for key in keys}
+            index = {"metadata": {"total_size": self.total}, "weight_map": weight_map}
+            (self.directory / INDEX_FILE).write_text(json.dumps(index, indent=2))
+        return names
 
 
-def write_weights(directory: Path, tensors: list[tuple[str, torch.Tensor]], max_bytes: int) -> list[str]:
-    """safetensors file(s) in ``directory``: one ``model.safetensors``, or numbered shards plus the index json."""
-    from safetensors.torch import save_file
-
-    shards = _shards(tensors, max_bytes)
-    names = [SINGLE_FILE] if len(shards) == 1 else [
-        f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]  # fmt: skip
-    weight_map, total = {}, 0
-    for name, shard in zip(names, shards, strict=True):
-        save_file({k: t.contiguous() for k, t in shard}, str(directory / name), metadata={"format": "pt"})
-        for key, tensor in shard:
-            weight_map[key] = name
-            total += tensor.numel() * tensor.element_size()
-    if len(shards) > 1:
-        index = {"metadata": {"total_size": total}, "weight_map": weight_map}
-        (directory / INDEX_FILE).write_text(json.dumps(index, indent=2))
-    return names
+def write_weights(directory: Path, tensors: Iterable[tuple[str, torch.Tensor]], max_bytes: int) -> list[str]:
+    """safetensors file(s) in ``directory`` (``ShardWriter``), taking ``tensors`` one at a time; the file names."""
+    writer = ShardWriter(directory, max_bytes)
+    for name, tensor in tensors:
+        writer.add(name, tensor)
+    return writer.close()
 
 
 def _resolve_source(source: str | Path) -> tuple[Path, Path | None]:
@@ -491,11 +537,15 @@ def parse_size(text: str | int) -> int:
 
 def export_hf(source: str | Path, out: str | Path, dtype: str = "fp32", overwrite: bool = False,
               tokenizer: str | Path | None = None, max_shard_bytes: int = DEFAULT_SHARD_BYTES) -> Path:  # fmt: skip
-    """Write the run's (or checkpoint's) model as an HF folder at ``out`` (see the module docstring). The folder is
-    assembled next to ``out`` and renamed into place, so a failure leaves any earlier export as it was."""
+    """Write the run's (or checkpoint's) model as an HF folder at ``out`` (see the module docstring). The checkpoint
+    is read on the CPU one tensor at a time (``CheckpointTensors``; whatever the layout that saved it) and each
+    safetensors shard is written once it is full, so memory holds about one shard and one tensor, not the model.
+    The folder is assembled next to ``out`` and renamed into place, so a failure leaves any earlier export as it
+    was."""
+    from anytrain.config import load_config
     from anytrain.data.shards import TokenDataset
-    from anytrain.evals import load_run_model
-    from anytrain.models import args_dict, resolve_args
+    from anytrain.evals.checkpoint_tensors import CheckpointTensors, expected_tensors, usable_checkpoint
+    from anytrain.models import args_dict, build_model, resolve_args
 
     if dtype not in ("fp32", "bf16"):
         raise RunDirError(f"--dtype: expected fp32 or bf16, got {dtype!r}")
@@ -504,7 +554,12 @@ def export_hf(source: str | Path, out: str | Path, dtype: str = "fp32", overwrit
     run_dir, checkpoint = _resolve_source(source)
     if run_arch(run_dir) == "hf":  # a transformers model trained as it is: saved as transformers saves it
         return export_hf_arch(run_dir, checkpoint, out, dtype, tokenizer, max_shard_bytes)
-    cfg, model, path = load_run_model(run_dir, torch.device("cpu"), checkpoint)
+    if not (run_dir / "config.yaml").is_file():
+        raise RunDirError(f"{run_dir}: no config.yaml; is this a directory written by `anytrain train`?")
+    cfg = load_config(run_dir / "config.yaml")
+    with torch.device("meta"):
+        expected = expected_tensors(build_model(cfg.model))  # names, shapes and dtypes; nothing allocated
+    path = usable_checkpoint(run_dir, checkpoint, expected)
     args, arch = resolve_args(cfg.model), cfg.model.arch
     family = hf_family(arch, args)  # before any file is written: a model no HF class represents is refused
     tokenizer_file = Path(tokenizer) if tokenizer else TokenDataset(cfg.data.path).tokenizer_path if (
@@ -514,8 +569,7 @@ def export_hf(source: str | Path, out: str | Path, dtype: str = "fp32", overwrit
                           "there; pass --tokenizer FILE (the tokenizer.json the data was prepared with)")  # fmt: skip
     files, eos_id, pad_id = _tokenizer_files(tokenizer_file, args.max_seq_len)
     torch_dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[dtype]
-    state = {name: t.detach().to(torch_dtype) for name, t in model.state_dict().items()}
-    tensors = list(to_hf_tensors(family, args, state))
+    tensors = to_hf_tensors(family, args, CheckpointTensors(path, expected, torch_dtype))  # read while written
     config = hf_config(family, args, eos_id, pad_id, {"fp32": "float32", "bf16": "bfloat16"}[dtype])
     generation = {"bos_token_id": eos_id, "eos_token_id": eos_id, "pad_token_id": pad_id}
     marker = {"source": str(path), "arch": arch, "args": args_dict(args), "dtype": dtype, "format": "hf"}

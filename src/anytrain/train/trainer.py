@@ -246,6 +246,7 @@ class Trainer:
                                   self.cfg.train.seed)  # fmt: skip
         self.pp_parts = []
         for part in parts:
+            init_from_hf(part, self.cfg.model, self.log.print)  # model.init_from: only this stage's tensors are read
             if not self.cfg.train.compile:  # one autocast region runs all micro-batches: keep autocast's shared casts
                 for module in part.modules():
                     if hasattr(module, "wide_grads"):
