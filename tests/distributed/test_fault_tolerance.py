@@ -172,7 +172,8 @@ def _worker_pid(parent: int, rank: int) -> int:
     raise AssertionError("worker not found")
 
 
-@pytest.mark.parametrize("nproc,impl", [(1, "auto"), pytest.param(2, "auto", marks=pytest.mark.slow),
+@pytest.mark.parametrize("nproc,impl", [pytest.param(1, "auto", marks=pytest.mark.slow),
+                                        pytest.param(2, "auto", marks=pytest.mark.slow),
                                         (2, "fused")])  # fused: lagged checks  # fmt: skip
 def test_sigterm_saves_the_current_step_and_resume_is_exact(tmp_path, small_data, nproc, impl):
     # many slow-ish steps so the signal lands mid-run; the schedule is fixed by train.steps
@@ -249,10 +250,11 @@ def assert_same_state(a, b, where: str = "") -> None:
         assert a == b, where
 
 
-# make test runs one case per mechanism (DDP lag, FSDP, async save); the rest under the slow marker
-LAGGED_CASES = [(7, "ddp", False), pytest.param(5, "ddp", False, marks=pytest.mark.slow), (7, "fsdp", False),
-                pytest.param(7, "zero1", False, marks=pytest.mark.slow), (6, "ddp", True),
-                pytest.param(7, "pp", False, marks=pytest.mark.slow)]  # fmt: skip
+# make test runs one case per mechanism (FSDP, DDP with async save); the rest under the slow marker
+_SLOW = pytest.mark.slow
+LAGGED_CASES = [pytest.param(7, "ddp", False, marks=_SLOW), pytest.param(5, "ddp", False, marks=_SLOW),
+                (7, "fsdp", False), pytest.param(7, "zero1", False, marks=_SLOW), (6, "ddp", True),
+                pytest.param(7, "pp", False, marks=_SLOW)]  # fmt: skip
 
 
 @pytest.mark.parametrize("nan_step,layout,async_save", LAGGED_CASES)
@@ -323,7 +325,9 @@ def windowed(tmp_path_factory, small_data):
     return tmp, config
 
 
-@pytest.mark.parametrize("nproc,seed", [(1, 0), pytest.param(1, 1, marks=pytest.mark.slow), (2, 2)])
+@pytest.mark.parametrize(
+    "nproc,seed", [pytest.param(1, 0, marks=pytest.mark.slow), pytest.param(1, 1, marks=pytest.mark.slow), (2, 2)]
+)
 def test_every_logged_record_after_a_kill_and_resume_equals_the_uninterrupted_run(windowed, nproc, seed):
     """kill -9 at a random step, resume from the checkpoint inside the log window: the first record after the resume
     averages the same steps (the window's per-rank loss sums are in the checkpoint), and every record equals the

@@ -17,32 +17,39 @@ LAYOUTS = {
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory, small_data):
+    """(tmp, config, run(name) -> (run dir, records)): each layout trains once, when a test first asks for it."""
     tmp = tmp_path_factory.mktemp("mp")
     config = write_config(tmp, small_data)
-    out = {"single": (tmp / "single", train(config, tmp / "single", 1, "--train.eval_batches", "0"))}
-    for name, (nproc, extra) in LAYOUTS.items():
-        out[name] = (tmp / name, train(config, tmp / name, nproc, "--train.eval_batches", "0", *extra))
-    return tmp, config, out
+    done = {}
+
+    def run(name):
+        if name not in done:
+            nproc, extra = (1, ()) if name == "single" else LAYOUTS[name]
+            done[name] = (tmp / name, train(config, tmp / name, nproc, "--train.eval_batches", "0", *extra))
+        return done[name]
+
+    return tmp, config, run
 
 
-@pytest.mark.parametrize("name", list(LAYOUTS))
+@pytest.mark.parametrize("name", ["tp2", "dp2_tp2", pytest.param("pp2_tp2", marks=pytest.mark.slow)])
 def test_first_losses_match_single_process(runs, name):
-    _, _, out = runs
-    single, other = losses(out["single"][1]), losses(out[name][1])
+    _, _, run = runs
+    single, other = losses(run("single")[1]), losses(run(name)[1])
     assert len(other) == STEPS
     np.testing.assert_allclose(other, single, rtol=0, atol=1e-4)
-    grads = [[r["grad_norm"] for r in out[k][1] if r["kind"] == "train"] for k in ("single", name)]
+    grads = [[r["grad_norm"] for r in run(k)[1] if r["kind"] == "train"] for k in ("single", name)]
     np.testing.assert_allclose(grads[1], grads[0], rtol=1e-3)
 
 
+@pytest.mark.slow  # four-process runs twice; resharding across layouts stays in the default run in test_pipeline.py
 def test_dp2_tp2_checkpoint_resumes_at_dp4(runs):
-    tmp, config, out = runs
+    tmp, config, run = runs
     mid = tmp / "tp_mid"
     train(config, mid, 4, "--train.eval_batches", "0", "--parallel.tp", "2", "--parallel.strategy", "fsdp",
           "--train.stop_at_step", "3")  # fmt: skip
     train(config, mid, 4, "--train.eval_batches", "0", "--parallel.strategy", "fsdp", "--resume")
     resumed = losses(train_records(mid))
-    reference = losses(out["dp2_tp2"][1])
+    reference = losses(run("dp2_tp2")[1])
     np.testing.assert_allclose(resumed[-2:], reference[-2:], rtol=0, atol=1e-5)
 
 
