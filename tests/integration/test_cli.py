@@ -15,7 +15,8 @@ def tiny_run(tmp_path_factory, shakespeare_data):
     run_dir = tmp_path_factory.mktemp("cli") / "tiny"
     proc = run_cli("train", "configs/tiny.yaml", "--train.steps", "4", "--train.warmup_steps", "2", "--data.path",
                    str(shakespeare_data), "--run-dir", str(run_dir), "--train.eval_interval", "0",
-                   "--train.log_interval", "1", "--checkpoint.interval", "2")  # fmt: skip
+                   "--train.log_interval", "1", "--checkpoint.interval", "2", "--train.global_batch", "8",
+                   "--train.eval_batches", "1")  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
     return run_dir, proc
 
@@ -28,7 +29,7 @@ def test_train_tiny_end_to_end(tiny_run):
     for key in ("loss", "lr", "grad_norm", "tokens_seen", "tokens_per_s", "mfu", "peak_mem_gib"):
         assert key in train[-1]
     assert train[-1]["mfu"] is None  # CPU: no invented peak
-    assert train[-1]["tokens_seen"] == 4 * 16 * 256
+    assert train[-1]["tokens_seen"] == 4 * 8 * 256
     assert train[-1]["loss"] < train[0]["loss"]
     evals = [r for r in records if r["kind"] == "eval"]
     assert [r["step"] for r in evals] == [0, 4] and evals[-1]["val_loss"] < evals[0]["val_loss"]
