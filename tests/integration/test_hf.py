@@ -12,7 +12,8 @@ import torch
 from anytrain.config import load_config
 from anytrain.errors import ConfigError, RunDirError
 from anytrain.evals import load_run_model, validation_loss
-from anytrain.evals.hf import INDEX_FILE, MARKER, export_hf, init_from_hf
+from anytrain.evals.hf import INDEX_FILE, init_from_hf
+from anytrain.evals.hf_export import MARKER, export_hf
 from anytrain.models import build_model
 from tests.conftest import cli_in_process as cli
 

@@ -79,7 +79,7 @@ def torchrun(run_dir: Path, *args: str) -> None:
 
 def hf_logits_equal(run_dir: Path, out: Path, vocab: int = 512) -> None:
     from anytrain.evals import load_run_model
-    from anytrain.evals.hf import export_hf
+    from anytrain.evals.hf_export import export_hf
 
     export_hf(run_dir, out)
     _, ours, _ = load_run_model(run_dir, torch.device("cpu"))

@@ -13,7 +13,8 @@ import torch
 from anytrain.config import load_config
 from anytrain.errors import ConfigError
 from anytrain.evals import load_run_model
-from anytrain.evals.hf import export_hf, hf_family, init_from_hf
+from anytrain.evals.hf import hf_family, init_from_hf
+from anytrain.evals.hf_export import export_hf
 from anytrain.models import build_model
 from anytrain.models.llama.model import TransformerArgs
 from tests.conftest import cli_in_process as cli

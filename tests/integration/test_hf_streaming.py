@@ -67,7 +67,8 @@ def test_export_of_an_fsdp_checkpoint_equals_the_whole_model_export(fsdp_run, tm
     import torch.distributed.checkpoint as dcp
 
     from anytrain.evals import load_run_model
-    from anytrain.evals.hf import INDEX_FILE, export_hf, hf_family, to_hf_tensors
+    from anytrain.evals.hf import INDEX_FILE, hf_family, to_hf_tensors
+    from anytrain.evals.hf_export import export_hf
     from anytrain.models import resolve_args
 
     checkpoint = sorted((fsdp_run / "checkpoints").iterdir())[-1]
@@ -91,7 +92,7 @@ def test_export_of_an_fsdp_checkpoint_equals_the_whole_model_export(fsdp_run, tm
 def _export_peak(source: str, warm_source: str, out: str, shard: int, queue) -> None:
     """In a fresh process: export ``warm_source`` (a tiny run: the code's first use), then ``source``; the peak RSS
     (ru_maxrss, KiB) before and after the second export."""
-    from anytrain.evals.hf import export_hf
+    from anytrain.evals.hf_export import export_hf
 
     export_hf(warm_source, out + "-warm", max_shard_bytes=shard)
     before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss

@@ -1,5 +1,5 @@
 """CLI verbs of the evaluation package (``anytrain export``, ``anytrain compare``), registered by ``cli.py``; the work
-is done in ``evals/hf.py`` and ``evals/compare.py``."""
+is done in ``evals/hf.py``, ``evals/hf_export.py`` and ``evals/compare.py``."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ def export_command(
     """Write a checkpoint as a Hugging Face model folder: safetensors, config.json, generation_config.json and the
     tokenizer (loads with AutoModelForCausalLM / AutoTokenizer.from_pretrained)."""
     from anytrain.errors import RunDirError
-    from anytrain.evals.hf import export_hf, parse_size
+    from anytrain.evals.hf_export import export_hf, parse_size
 
     if format != "hf":
         raise RunDirError(f"--format: expected hf, got {format!r} (anytrain's own format: export-checkpoint)")
