@@ -191,6 +191,7 @@ def main() -> None:
               "speedup": speedup, "memory_ratio": memory, "note": args.note, "versions": versions()}  # fmt: skip
     host = (platform.processor() or platform.machine()).lower().replace(" ", "-") or "cpu"
     path = Path(args.out) / f"prepare_{host}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(result, indent=1) + "\n")
     print(f"wrote {path}")
 
