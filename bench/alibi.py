@@ -21,12 +21,8 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import re
-import subprocess
 import sys
-import tempfile
-import time
 from pathlib import Path
 
 import torch
@@ -34,7 +30,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
-from bench_common import RandomBatches, release, row_error, versions  # noqa: E402
+from bench_common import RandomBatches, print_row, release, row_error, run_row_in_child, timed, versions  # noqa: E402
 
 from anytrain import hardware  # noqa: E402
 from anytrain.config import ModelConfig, RunConfig  # noqa: E402
@@ -43,26 +39,12 @@ from anytrain.models.llama.model import apply_rope, rope_tables  # noqa: E402
 from anytrain.train.trainer import Trainer  # noqa: E402
 
 ROWS = ["train-rope-sdpa", "train-alibi-flex", "attention-rope-sdpa", "attention-alibi-flex"]
-ROW_MARK = "ROW-JSON "
 
 
 def shape(smoke: bool) -> dict:
     if smoke:
         return {"flavour": "mpt-debug", "seq": 64, "micro": 2, "global_batch": 4, "heads": 4, "head_dim": 16}
     return {"flavour": "mpt-1b", "seq": 2048, "micro": 4, "global_batch": 8, "heads": 16, "head_dim": 128}
-
-
-def timed(step, device: torch.device, warmup: int, steps: int) -> dict:
-    for i in range(warmup):
-        step(i)
-    hardware.synchronize(device)
-    hardware.reset_peak_memory(device)
-    started = time.perf_counter()
-    for i in range(steps):
-        step(warmup + i)
-    hardware.synchronize(device)
-    return {"seconds_per_step": (time.perf_counter() - started) / steps,
-            "peak_mem_gib": hardware.peak_memory_gib(device)}  # fmt: skip
 
 
 def train_row(pos: str, s: dict, device: torch.device, args: argparse.Namespace) -> dict:
@@ -132,14 +114,7 @@ def run_row(name: str, args: argparse.Namespace) -> dict:
 
 def run_child(name: str, args: argparse.Namespace) -> dict:
     argv = ["--out", args.out, "--steps", str(args.steps), "--warmup", str(args.warmup), *(["--smoke"] * args.smoke)]
-    cmd = [sys.executable, str(Path(__file__).resolve()), *argv, "--one-row", name]
-    with tempfile.TemporaryDirectory(prefix="anytrain-bench-inductor-") as cache:
-        env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": cache}
-        proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith(ROW_MARK)]
-    if not lines:
-        return {"row": name, "error": f"child exited {proc.returncode}: {proc.stdout[-600:]}"}
-    return json.loads(lines[-1][len(ROW_MARK) :])
+    return run_row_in_child(__file__, argv, name)
 
 
 def print_table(rows: list[dict]) -> None:
@@ -169,7 +144,7 @@ def main() -> None:
     if args.smoke:
         args.steps, args.warmup = 2, 1
     if args.one_row:
-        print(ROW_MARK + json.dumps(run_row(args.one_row, args), default=str), flush=True)
+        print_row(run_row(args.one_row, args))
         return
     rows = [run_child(name, args) for name in args.rows]
     print_table(rows)

@@ -3,7 +3,12 @@
 from __future__ import annotations
 
 import gc
+import json
+import os
+import subprocess
 import sys
+import tempfile
+import time
 from pathlib import Path
 
 import torch
@@ -51,3 +56,39 @@ def row_error(exc: BaseException) -> str:
     if isinstance(exc, torch.OutOfMemoryError):
         return f"out of memory: {str(exc).splitlines()[0][:200]}"
     return f"{type(exc).__name__}: {str(exc)[:400]}"
+
+
+ROW_MARK = "ROW-JSON "
+"""A child process prints its row as this prefix + JSON (``print_row``); the parent reads the last such line."""
+
+
+def timed(step, device: torch.device, warmup: int, steps: int) -> dict:
+    """``step(i)`` for ``warmup`` untimed then ``steps`` timed iterations: seconds per step and the peak memory of
+    the timed ones."""
+    for i in range(warmup):
+        step(i)
+    hardware.synchronize(device)
+    hardware.reset_peak_memory(device)
+    started = time.perf_counter()
+    for i in range(steps):
+        step(warmup + i)
+    hardware.synchronize(device)
+    return {"seconds_per_step": (time.perf_counter() - started) / steps,
+            "peak_mem_gib": hardware.peak_memory_gib(device)}  # fmt: skip
+
+
+def print_row(row: dict) -> None:
+    print(ROW_MARK + json.dumps(row, default=str), flush=True)
+
+
+def run_row_in_child(script: str, argv: list[str], name: str) -> dict:
+    """``python SCRIPT ARGV --one-row NAME`` in a fresh process with its own empty inductor cache (a shared process
+    or cache biases compiled rows); the row it printed with ``print_row``, or ``{"row": name, "error": ...}``."""
+    cmd = [sys.executable, str(Path(script).resolve()), *argv, "--one-row", name]
+    with tempfile.TemporaryDirectory(prefix="anytrain-bench-inductor-") as cache:
+        env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": cache}
+        proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith(ROW_MARK)]
+    if not lines:
+        return {"row": name, "error": f"child exited {proc.returncode}: {proc.stdout[-600:]}"}
+    return json.loads(lines[-1][len(ROW_MARK) :])

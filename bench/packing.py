@@ -28,11 +28,8 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import re
-import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -41,7 +38,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
-from bench_common import release, row_error, versions  # noqa: E402
+from bench_common import print_row, release, row_error, run_row_in_child, timed, versions  # noqa: E402
 
 from anytrain import hardware  # noqa: E402
 from anytrain.config import ModelConfig, RunConfig  # noqa: E402
@@ -49,7 +46,6 @@ from anytrain.models import layers  # noqa: E402
 from anytrain.train.trainer import Trainer  # noqa: E402
 
 ROWS = ["train-rope-causal", "train-rope-document", "train-alibi-causal", "train-alibi-document"]
-ROW_MARK = "ROW-JSON "
 EOS_ID = 0
 
 
@@ -88,19 +84,6 @@ class PackedBatches:
         """Mean number of documents (whole or cut) a sequence holds."""
         inputs = torch.cat([b[:, :-1] for b in self.bank])
         return float((layers.document_ids(inputs, EOS_ID)[0][:, -1] + 1).float().mean())
-
-
-def timed(step, device: torch.device, warmup: int, steps: int) -> dict:
-    for i in range(warmup):
-        step(i)
-    hardware.synchronize(device)
-    hardware.reset_peak_memory(device)
-    started = time.perf_counter()
-    for i in range(steps):
-        step(warmup + i)
-    hardware.synchronize(device)
-    return {"seconds_per_step": (time.perf_counter() - started) / steps,
-            "peak_mem_gib": hardware.peak_memory_gib(device)}  # fmt: skip
 
 
 def mask_build_ms(batches: PackedBatches, micro: int, device: torch.device, repeats: int = 10) -> float:
@@ -161,14 +144,7 @@ def run_row(name: str, args: argparse.Namespace) -> dict:
 def run_child(name: str, args: argparse.Namespace) -> dict:
     argv = ["--out", args.out, "--steps", str(args.steps), "--warmup", str(args.warmup), "--doc-len",
             str(args.doc_len)]  # fmt: skip
-    cmd = [sys.executable, str(Path(__file__).resolve()), *argv, "--one-row", name]
-    with tempfile.TemporaryDirectory(prefix="anytrain-bench-inductor-") as cache:
-        env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": cache}
-        proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith(ROW_MARK)]
-    if not lines:
-        return {"row": name, "error": f"child exited {proc.returncode}: {proc.stdout[-600:]}"}
-    return json.loads(lines[-1][len(ROW_MARK) :])
+    return run_row_in_child(__file__, argv, name)
 
 
 def print_table(rows: list[dict]) -> None:
@@ -200,7 +176,7 @@ def main() -> None:
     if args.smoke:
         args.steps, args.warmup, args.doc_len = 2, 1, min(args.doc_len, 16)
     if args.one_row:
-        print(ROW_MARK + json.dumps(run_row(args.one_row, args), default=str), flush=True)
+        print_row(run_row(args.one_row, args))
         return
     rows = [run_row(name, args) if args.smoke else run_child(name, args) for name in args.rows]
     print_table(rows)
