@@ -32,7 +32,8 @@ injections: `ANYTRAIN_TEST_KILL_AT_STEP` / `ANYTRAIN_TEST_KILL_RANK` (the proces
 step, on that rank), `ANYTRAIN_TEST_NAN_AT_STEP` / `ANYTRAIN_TEST_NAN_RANK` (the loss turns NaN there; CUDA graphs
 are then not captured), read by `train/guard.py`, and two read by `anytrain doctor`: `ANYTRAIN_TEST_CORRUPT_RANK`
 (that rank corrupts one all_reduce element) and `ANYTRAIN_TEST_OVERLAP_RANK` (that rank reports the next rank's
-sample ids in the data-partition check).
+sample ids in the data-partition check), and `ANYTRAIN_TEST_KILL_PREPARE_AT_CHUNK` (`anytrain prepare` kills itself
+with SIGKILL after writing that chunk, before committing it; `data/prepare.py`).
 """
 
 
