@@ -9,8 +9,9 @@ is written by ``save_pretrained`` of its own class.
 
 from __future__ import annotations
 
+import contextlib
 import json
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 import torch
@@ -22,6 +23,7 @@ from anytrain.evals.hf import INDEX_FILE, SINGLE_FILE, hf_config, hf_family, to_
 MARKER = "anytrain_export.json"
 """Written into every export directory: ``--overwrite`` replaces only a directory holding it (or an empty one)."""
 DEFAULT_SHARD_BYTES = 5 * 1024**3
+TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}  # export --dtype
 
 # --------------------------------------------------------------------------------------------------------------------
 # export
@@ -93,6 +95,22 @@ def write_weights(directory: Path, tensors: Iterable[tuple[str, torch.Tensor]], 
     for name, tensor in tensors:
         writer.add(name, tensor)
     return writer.close()
+
+
+@contextlib.contextmanager
+def _assembled(out: Path) -> Iterator[Path]:
+    """A temporary sibling of ``out`` for the export to be written into (a full disk is one line), renamed to ``out``
+    when the block succeeds; on any failure it is removed, with the parent folders this export created."""
+    created, temp = missing_parents(out), temp_sibling(out)
+    try:
+        temp.mkdir(parents=True)
+        with disk_full_as_error(out):
+            yield temp
+        move_into_place(temp, out)
+    except BaseException:
+        for leftover in [temp] + ([created] if created is not None else []):
+            remove(leftover)
+        raise
 
 
 def _resolve_source(source: str | Path) -> tuple[Path, Path | None]:
@@ -175,25 +193,17 @@ def export_hf(source: str | Path, out: str | Path, dtype: str = "fp32", overwrit
         raise RunDirError(f"{tokenizer_file or Path(cfg.data.path) / 'tokenizer.json'}: the run's tokenizer is not "
                           "there; pass --tokenizer FILE (the tokenizer.json the data was prepared with)")  # fmt: skip
     files, eos_id, pad_id = _tokenizer_files(tokenizer_file, args.max_seq_len)
-    torch_dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[dtype]
+    torch_dtype = TORCH_DTYPES[dtype]
     tensors = to_hf_tensors(family, args, CheckpointTensors(path, expected, torch_dtype))  # read while written
     config = hf_config(family, args, eos_id, pad_id, {"fp32": "float32", "bf16": "bfloat16"}[dtype])
     generation = {"bos_token_id": eos_id, "eos_token_id": eos_id, "pad_token_id": pad_id}
     marker = {"source": str(path), "arch": arch, "args": args_dict(args), "dtype": dtype, "format": "hf"}
-    created, temp = missing_parents(out), temp_sibling(out)
-    try:
-        temp.mkdir(parents=True)
-        with disk_full_as_error(out):
-            shards = write_weights(temp, tensors, max_shard_bytes)
-            for name, text in {**files, "config.json": json.dumps(config, indent=2),
-                               "generation_config.json": json.dumps(generation, indent=2),
-                               MARKER: json.dumps({**marker, "weights": shards}, indent=1)}.items():  # fmt: skip
-                (temp / name).write_text(text)
-        move_into_place(temp, out)
-    except BaseException:
-        for leftover in [temp] + ([created] if created is not None else []):
-            remove(leftover)
-        raise
+    with _assembled(out) as temp:
+        shards = write_weights(temp, tensors, max_shard_bytes)
+        for name, text in {**files, "config.json": json.dumps(config, indent=2),
+                           "generation_config.json": json.dumps(generation, indent=2),
+                           MARKER: json.dumps({**marker, "weights": shards}, indent=1)}.items():  # fmt: skip
+            (temp / name).write_text(text)
     return out
 
 
@@ -247,23 +257,15 @@ def export_hf_arch(run_dir: Path, checkpoint: Path | None, out: Path, dtype: str
             raise RunDirError(f"{tokenizer_file}: no tokenizer to ship; pass --tokenizer FILE")
         files, _, _ = _tokenizer_files(tokenizer_file, model.args.max_seq_len)
         copies = [f for f in copies if f.name not in HF_TOKENIZER_FILES]
-    hf = model.hf.to({"fp32": torch.float32, "bf16": torch.bfloat16}[dtype])
+    hf = model.hf.to(TORCH_DTYPES[dtype])
     marker = {"source": str(path), "arch": "hf", "hf_path": str(source), "class": type(hf).__name__, "dtype": dtype,
               "format": "hf"}  # fmt: skip
-    created, temp = missing_parents(out), temp_sibling(out)
-    try:
-        temp.mkdir(parents=True)
-        with disk_full_as_error(out):
-            hf.save_pretrained(temp, max_shard_size=max_shard_bytes)
-            for file in copies:
-                shutil.copyfile(file, temp / file.name)
-            for name, text in files.items():
-                (temp / name).write_text(text)
-            weights = sorted(p.name for p in temp.glob("*.safetensors"))
-            (temp / MARKER).write_text(json.dumps({**marker, "weights": weights}, indent=1))
-        move_into_place(temp, out)
-    except BaseException:
-        for leftover in [temp] + ([created] if created is not None else []):
-            remove(leftover)
-        raise
+    with _assembled(out) as temp:
+        hf.save_pretrained(temp, max_shard_size=max_shard_bytes)
+        for file in copies:
+            shutil.copyfile(file, temp / file.name)
+        for name, text in files.items():
+            (temp / name).write_text(text)
+        weights = sorted(p.name for p in temp.glob("*.safetensors"))
+        (temp / MARKER).write_text(json.dumps({**marker, "weights": weights}, indent=1))
     return out
