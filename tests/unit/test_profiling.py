@@ -53,6 +53,7 @@ def test_summarize_a_cpu_profile_and_the_step_profiler_window(tmp_path):
         torch.ones(64, 64) @ torch.ones(64, 64)
     s = summarize(prof)
     assert any("mm" in r["kernel"] for r in s["top"]) and s["timeline"]["span_ms"] == 0.0
+    assert any("mm" in r["op"] for r in s["host_top"]) and s["host_ms"] >= max(r["ms"] for r in s["host_top"])
     p = StepProfiler(start=1, steps=2, out_dir=tmp_path, rank=3, device=torch.device("cpu"))
     for step in range(4):
         p.before_step(step)

@@ -114,7 +114,12 @@ def summarize(prof, top: int = 15) -> dict:
         for e in prof.events()
         if e.device_type == DeviceType.CUDA and not getattr(e, "is_user_annotation", False)
     ]
+    # host side: operators by self CPU time (where a host-bound step's time goes: dispatch, hooks, Python)
+    host = sorted(((e.key, e.self_cpu_time_total, e.count) for e in averages
+                   if e.device_type == DeviceType.CPU and e.self_cpu_time_total > 0), key=lambda r: -r[1])  # fmt: skip
     return {
+        "host_ms": sum(t for _, t, _ in host) / 1e3,
+        "host_top": [{"op": n[:110], "ms": t / 1e3, "calls": c} for n, t, c in host[:top]],
         "kernel_ms": total_us / 1e3,
         "top": [
             {"kernel": n[:110], "ms": t / 1e3, "calls": c, "share": t / total_us}
@@ -135,6 +140,9 @@ def format_summary(summary: dict, title: str) -> str:
     lines += [
         f"  {r['ms']:9.1f} ms {100 * r['share']:5.1f}% x{r['calls']:<5} {r['kernel'][:90]}" for r in summary["top"]
     ]
+    if summary.get("host_top") and t["span_ms"] > 0:  # a GPU profile: the host operators too
+        lines.append(f"  host: {summary['host_ms']:.1f} ms of self CPU time in operators; the top ones:")
+        lines += [f"  {r['ms']:9.1f} ms x{r['calls']:<6} {r['op'][:90]}" for r in summary["host_top"][:8]]
     return "\n".join(lines)
 
 
