@@ -86,6 +86,8 @@ def default_cases(max_gpus: int) -> list[Case]:
     gathered = ["--parallel.reshard_during_accumulation", "false"]
     group2, group4 = (["--parallel.fsdp_group_blocks", str(k)] for k in (2, 4))
     profiled = ["--profile.start_step", "4", "--profile.steps", "1"]
+    async_tp = ["--parallel.async_tp", "true"]
+    interleaved = ["--parallel.pp_schedule", "Interleaved1F1B", "--parallel.pp_virtual_stages", "2"]
     cases = [
         Case("t-1-g32", t, 1, "single", 32, studies=("strong",)),
         Case("t-1-g8", t, 1, "single", 8, studies=("weak",)),
@@ -138,6 +140,17 @@ def default_cases(max_gpus: int) -> list[Case]:
         Case("t-ddp-4-g32", t, 4, "ddp", 32, studies=("strong", "layout")),
         Case("m-ddp-4-g32", m, 4, "ddp", 32, studies=("strong", "layout")),
         Case("m-pp4-4-g32", m, 4, "pp", 32, pp=4, studies=("layout",), extra=["--model.args.tie_embeddings", "false"]),
+        # tensor parallelism with a micro-batch of 16 (TP divides the activations, so the larger micro-batch fits:
+        # 4x fewer, 4x larger collectives and host launches per token), and with async TP on top; the interleaved
+        # pipeline schedule; the 2D layouts
+        Case("t-tp4mb16-4-g32", t, 4, "tp", 32, micro=16, tp=4, studies=("layout",)),
+        Case("t-tp4async-4-g32", t, 4, "tp", 32, micro=16, tp=4, studies=("layout",), extra=async_tp),
+        Case("t-tp2mb16-2-g32", t, 2, "tp", 32, micro=16, tp=2, studies=("layout",)),
+        Case("t-tp2async-2-g32", t, 2, "tp", 32, micro=16, tp=2, studies=("layout",), extra=async_tp),
+        Case("t-pp4i-4-g32", t, 4, "pp", 32, pp=4, studies=("layout",), extra=interleaved),
+        Case("t-pp2-fsdp2-4-g32", t, 4, "pp", 32, pp=2, studies=("layout",)),
+        Case("t-tp2-pp2-4-g32", t, 4, "pp", 32, tp=2, pp=2, studies=("layout",)),
+        Case("t-tp2async-fsdp2-4-g32", t, 4, "tp", 32, micro=16, tp=2, studies=("layout",), extra=async_tp),
         # 8 GPUs (issue #8; needs an 8-GPU host): the goal row (FSDP strong at the recipe's global batch of 32, one
         # micro-batch per GPU), the weak rows at 8 sequences per GPU (global 64, vs t-1-g8 / m-1-g8 / hf-ddp-1-g8),
         # the plain layouts and HSDP 2x4
@@ -370,9 +383,14 @@ def add_efficiencies(rows: list[dict]) -> None:
     good = [r for r in rows if "tokens_per_s_per_gpu" in r]
 
     def base(row: dict, global_batch: int) -> dict | None:
+        """The same-shape 1-GPU row; for a model-parallel row whose micro-batch one GPU cannot hold (TP at 16), the
+        1-GPU row of the same model, recipe and sequence at another micro-batch (its name is recorded as the ref)."""
         hf = row["layout"] == "hf-ddp"
         found = [r for r in good if r["gpus"] == 1 and (r["layout"] == "hf-ddp") == hf
                  and shape_key(r) == shape_key(row) and r["global_batch"] == global_batch]  # fmt: skip
+        if not found and (row["tp"] > 1 or row["pp"] > 1):
+            found = [r for r in good if r["gpus"] == 1 and (r["layout"] == "hf-ddp") == hf
+                     and shape_key(r)[:3] == shape_key(row)[:3] and r["global_batch"] == global_batch]  # fmt: skip
         return found[0] if found else None
 
     for r in good:

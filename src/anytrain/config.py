@@ -179,6 +179,11 @@ class ParallelConfig:
     ``pp_virtual_stages`` stages per rank (round-robin: rank r holds stages r, r+pp, ...), a smaller bubble."""
     pp_virtual_stages: int = 1
     """Stages per pipeline rank (Interleaved1F1B only; the layers split into pp x pp_virtual_stages stages)."""
+    async_tp: bool = False
+    """Tensor parallelism only (tp > 1, train.compile true, CUDA GPUs): overlap each sequence-parallel all-gather and
+    reduce-scatter with the matmul that consumes or produces it (inductor's micro-pipelined TP over symmetric memory,
+    torchtitan's async TP): the collective runs in chunks while the GEMM works on the chunks already there. Same
+    numerics up to summation order; speed only. See docs/scaling.md for when it pays."""
     auto: bool = False
     """Let the cost model choose strategy, micro-batch and activation checkpointing for this device and world size
     (``anytrain plan`` shows the ranking); the choice is written into the resolved config.yaml."""
@@ -535,6 +540,10 @@ def _validate_others(cfg: RunConfig) -> None:
     for name in ("dp_replicate", "tp", "pp", "pp_virtual_stages"):
         if getattr(p, name) < 1:
             raise ConfigError(f"parallel.{name}: must be >= 1, got {getattr(p, name)}")
+    if p.async_tp and (p.tp < 2 or not cfg.train.compile):
+        raise ConfigError(f"parallel.async_tp: overlaps tensor-parallel collectives inside compiled blocks, so it needs "
+                          f"--parallel.tp >= 2 and --train.compile true (got tp {p.tp}, compile "
+                          f"{str(cfg.train.compile).lower()}); set --parallel.async_tp false")  # fmt: skip
     if p.dp_shard == 0 or p.dp_shard < -1:
         raise ConfigError(f"parallel.dp_shard: must be >= 1 or -1 (infer), got {p.dp_shard}")
     if cfg.device not in ("auto", "cpu", "gpu", "cuda"):

@@ -224,6 +224,25 @@ def apply_env_defaults() -> None:
         os.environ.setdefault("TORCH_BLAS_PREFER_HIPBLASLT", "1")
 
 
+def enable_async_tp(device: torch.device, group_name: str) -> None:
+    """Switch on inductor's micro-pipelined tensor parallelism (all-gather/matmul and matmul/reduce-scatter fused over
+    symmetric memory) for the process group ``group_name``. Raises ConfigError where it cannot run: CPU devices
+    (gloo has no symmetric memory) and GPUs whose PyTorch build lacks it."""
+    if not is_gpu(device):
+        raise ConfigError("parallel.async_tp: needs GPUs (symmetric memory between the tensor-parallel ranks); set "
+                          "--parallel.async_tp false on CPU")  # fmt: skip
+    try:
+        import torch._inductor.config as inductor_config
+        from torch.distributed import _symmetric_memory as symm_mem
+    except ImportError as exc:  # a build without symmetric memory
+        raise ConfigError(f"parallel.async_tp: this PyTorch build has no symmetric memory ({exc}); set "
+                          "--parallel.async_tp false") from exc  # fmt: skip
+    inductor_config._micro_pipeline_tp = True
+    enable = getattr(symm_mem, "enable_symm_mem_for_group", None)  # needed by older releases, a no-op in newer ones
+    if enable is not None:
+        enable(group_name)
+
+
 def topology_command() -> list[str] | None:
     """The vendor tool that prints the GPU interconnect matrix (NVLink / PCIe / NUMA affinity), or None on CPU."""
     if vendor() == CUDA:

@@ -28,6 +28,7 @@ def test_efficiencies_use_the_matching_one_gpu_baseline():
         _row(cases["t-fsdp-2-g32"], 950.0, 20.0),
         _row(cases["t-fsdp-2-g16"], 880.0, 20.0),
         _row(cases["t-tp2-2-g32"], 700.0, 20.0),
+        _row(cases["t-tp2mb16-2-g32"], 800.0, 40.0),
         _row(cases["hf-ddp-1-g8"], 500.0, 40.0),
         _row(cases["hf-ddp-2-g16"], 450.0, 40.0),
     ]
@@ -36,6 +37,9 @@ def test_efficiencies_use_the_matching_one_gpu_baseline():
     assert by["t-fsdp-2-g32"]["strong_efficiency"] == pytest.approx(0.95)  # vs the 1-GPU run of the same global batch
     assert by["t-fsdp-2-g16"]["weak_efficiency"] == pytest.approx(880 / 900)  # vs 1 GPU with the same per-GPU batch
     assert by["t-tp2-2-g32"]["weak_efficiency"] is None  # dp != gpus: no weak-scaling partner
+    # micro-batch 16 does not fit one GPU: a model-parallel row falls back to the 1-GPU row at its own micro-batch
+    assert by["t-tp2mb16-2-g32"]["strong_ref"] == "t-1-g32" and by["t-tp2mb16-2-g32"]["strong_efficiency"] == 0.8
+    assert by["t-fsdp-2-g16"]["strong_ref"] is None  # data-parallel rows keep the strict same-shape rule
     assert by["hf-ddp-2-g16"]["weak_efficiency"] == pytest.approx(0.9)  # HF against HF
     assert by["t-fsdp-2-g16"]["vs_hf_ddp_same_gpus"] == pytest.approx(880 / 450)
 

@@ -74,3 +74,10 @@ def test_peak_flops_override_is_an_argument(monkeypatch):
     assert hardware.peak_flops(cpu, 500.0) == pytest.approx(500e12)
     assert hardware.summary(cpu, 500.0)["peak_bf16_tflops"] == pytest.approx(500.0)
     assert hardware.summary(cpu)["peak_bf16_tflops"] is None
+
+
+def test_async_tp_refuses_a_cpu_device_in_one_line():
+    from anytrain.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=r"^parallel\.async_tp: needs GPUs .* set --parallel\.async_tp false on CPU$"):
+        hardware.enable_async_tp(torch.device("cpu"), "0")

@@ -265,7 +265,10 @@ def parallelize(model: nn.Module, cfg: RunConfig, dims: ParallelDims, device: to
         spec = spec_of(model)
         if spec.parallelize_plan.tensor_parallel is None:
             raise ConfigError(f"parallel.tp: tensor parallelism is not implemented for {spec.name}; set tp 1")
-        spec.parallelize_plan.tensor_parallel(model, dims.build_mesh(device.type)["tp"])
+        tp_mesh = dims.build_mesh(device.type)["tp"]
+        spec.parallelize_plan.tensor_parallel(model, tp_mesh)
+        if cfg.parallel.async_tp:  # before compile: the blocks' graphs are built with the fused collectives
+            hardware.enable_async_tp(device, tp_mesh.get_group().group_name)
     if cfg.train.activation_checkpointing != "none":
         apply_activation_checkpointing(model, cfg.train.activation_checkpointing)
     if cfg.train.compile:
