@@ -57,3 +57,33 @@ def test_mamba_train_hf_row_halves_its_micro_batch_when_it_runs_out_of_memory(mo
     # a global batch that the halved micro-batch does not divide (9 / 4): no retry, an error row
     row = mamba_train.run_case(mamba_train.Case("hf-y", "debug", 64, 9, 9, "hf", "stand-in"), torch.device("cpu"))
     assert row["error"].startswith("out of memory") and built[3:] == [9], row
+
+
+def test_eval_throughput_smoke_trains_exports_and_scores_three_ways(tmp_path):
+    # bench/eval_throughput.py --smoke: tiny Llama and Mamba runs trained and exported through the CLI, loaded in
+    # transformers; the native scorer, the lm-eval bridge and (where accelerate is installed) lm-eval's own HFLM score
+    # the same task from the corpus. In fp32 on the CPU they must see the same sequences and agree exactly.
+    import importlib.util
+
+    import pytest
+
+    pytest.importorskip("lm_eval")
+    pytest.importorskip("transformers")
+    stacks = ["native", "bridge"] + (["hflm"] if importlib.util.find_spec("accelerate") else [])
+    rows = _bench(tmp_path, "eval_throughput", "--smoke", "--stacks", *stacks)
+    classes = [(r["name"], r["generate"]["class"]) for r in rows]
+    assert classes == [("tiny", "LlamaForCausalLM"), ("tiny-mamba", "MambaForCausalLM")], rows
+    for row in rows:
+        assert "error" not in row and row["stages"]["train_s"] > 0 and row["stages"]["export_s"] > 0, row
+        runs = row["stacks"]
+        assert sorted(runs) == sorted(stacks) and all(s.get("examples_per_s", 0) > 0 for s in runs.values()), runs
+        native, bridge = runs["native"], runs["bridge"]
+        assert native["n"] == bridge["n"] == 12 and native["requests"] == 48, runs
+        # lm-eval normalises acc_norm by the choice's characters, anytrain by the bytes of " " + choice
+        assert (bridge["acc"], bridge["acc_norm"]) == (native["acc"], native["acc_norm_chars"]), runs
+        if "hflm" in runs:
+            assert runs["hflm"]["eos_first"], runs  # add_bos_token: <|endoftext|> first, as anytrain
+            assert (runs["hflm"]["acc"], runs["hflm"]["acc_norm"]) == (bridge["acc"], bridge["acc_norm"]), runs
+        generated = row["generate"]
+        assert generated["new_tokens"] == 8 and generated["tokens_per_s"] > 0, generated
+        assert generated["common_prefix_chars"] == len(generated["native_text"]), generated  # same greedy text
