@@ -428,7 +428,8 @@ def run_config(case: dict):
 
     recipe = case.get("recipe") or RECIPES[case["model"]]
     overrides = [*case.get("extra", []), "--data.seq_len", str(case["seq"]), "--train.global_batch",
-                 str(case["global_batch"]), "--train.micro_batch", str(case["micro"])]  # fmt: skip
+                 str(case["global_batch"]), "--train.micro_batch", str(case["micro"]), "--parallel.tp",
+                 str(case["tp"]), "--parallel.pp", str(case["pp"])]  # fmt: skip
     overrides = [o for o in overrides if o not in ("--device", "cpu")]
     return load_config(ROOT / recipe, overrides)
 
