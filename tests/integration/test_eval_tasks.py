@@ -91,3 +91,60 @@ def test_lm_eval_bridge_asks_for_the_native_prompts_and_agrees(run, task_dir, mo
     from lm_eval.api.registry import get_model
 
     assert get_model("anytrain") is model_class()
+
+
+# acc_norm: lm-eval divides each choice's log-likelihood by len(choice), the choice's characters without the " "
+# delimiter; that picks choice 1, the label, in every item. The raw sum picks choice 0 in every item, and each other
+# plausible normalisation (UTF-8 bytes of " " + choice, as anytrain had; characters of " " + choice; bytes of the
+# choice) picks choice 0 in at least one item: a scorer using any of them fails the test.
+NORM_ITEMS = [
+    ({"context": "Q1:", "choices": ["a", "bbbb"], "label": 1}, {" a": -1.0, " bbbb": -3.8}),  # ASCII: the space
+    ({"context": "Q2:", "choices": ["ééé", "abcd"], "label": 1}, {" ééé": -3.3, " abcd": -4.2}),  # 2-byte chars
+    ({"context": "Q3:", "choices": ["日本", "nihon"], "label": 1}, {" 日本": -2.4, " nihon": -5.5}),  # 3-byte chars
+]
+
+
+class FixedScorer:
+    """A scorer stand-in: a fixed log-likelihood per continuation (what lm-eval and the native scorer then rank)."""
+
+    eos_id, max_len = 0, 64
+
+    def __init__(self, lls: dict[str, float]) -> None:
+        self.lls, self.asked = lls, []
+
+    def loglikelihood(self, pairs):
+        pairs = list(pairs)
+        self.asked.extend(pairs)
+        return [(self.lls[continuation], False) for _, continuation in pairs]
+
+
+def test_acc_norm_divides_by_the_characters_of_the_choice_as_lm_eval(tmp_path, monkeypatch):
+    from anytrain.evals.tasks import load_task, norm_scores, score_task
+
+    conventions = {"bytes of ' ' + choice": lambda c: len((" " + c).encode()), "chars of ' ' + choice": lambda c:
+                   len(" " + c), "bytes of choice": lambda c: len(c.encode())}  # fmt: skip
+    wrong = dict.fromkeys(conventions, 0)
+    for record, lls in NORM_ITEMS:
+        choices, label = record["choices"], record["label"]
+        scores = [lls[" " + c] for c in choices]
+        assert max((0, 1), key=scores.__getitem__) != label, record
+        assert list(norm_scores(scores, choices)) == [ll / len(c) for ll, c in zip(scores, choices, strict=True)]
+        for name, length in conventions.items():
+            other = [ll / length(c) for ll, c in zip(scores, choices, strict=True)]
+            wrong[name] += max((0, 1), key=other.__getitem__) != label
+    assert all(wrong.values()), wrong
+    (tmp_path / "norm.jsonl").write_text("".join(json.dumps(r) + "\n" for r, _ in NORM_ITEMS), encoding="utf-8")
+    (tmp_path / "norm_lm.yaml").write_text(YAML.replace("toy_lm", "norm_lm").format(path=tmp_path / "norm.jsonl"))
+    scorer = FixedScorer({k: v for _, lls in NORM_ITEMS for k, v in lls.items()})
+    native = score_task(scorer, load_task(tmp_path / "norm.jsonl"))
+    assert native == {"acc": 0.0, "acc_norm": 1.0, "n": 3}
+
+    # lm-eval's own process_results over the same log-likelihoods (the bridge): the same acc_norm, item for item
+    # (every item right, so the mean cannot hide a disagreement)
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    pytest.importorskip("lm_eval")
+    from anytrain.evals.lm_eval_bridge import run_lm_eval
+
+    bridged = run_lm_eval(scorer, ["norm_lm"], tmp_path, builtin_tasks=False)["norm_lm"]
+    assert (bridged["acc"], bridged["acc_norm"], bridged["n"]) == (0.0, 1.0, 3)

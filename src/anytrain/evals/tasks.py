@@ -13,7 +13,8 @@
 Scoring follows lm-evaluation-harness: each choice is a (context, continuation) pair; its score is the summed
 log-probability of the continuation's tokens given the context (the context's trailing spaces move to the
 continuation; the pair is tokenized whole and the context's tokens split off). ``acc`` takes the best sum, ``acc_norm``
-the best sum per UTF-8 byte of the continuation (lm-eval divides by characters: the same for ASCII). Every sequence
+the best sum divided by ``len(choice)``: the characters (code points) of the choice string without the leading target
+delimiter, exactly lm-eval's ``ConfigurableTask.process_results`` (``Item.choices``, ``norm_scores``). Every sequence
 starts with the end-of-text token, as every document does in the prepared data. k-shot prompts put k other items of
 the same file (drawn with a fixed seed) before the item, each as context + its correct continuation, separated by a
 blank line.
@@ -30,6 +31,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -142,11 +144,18 @@ class Scorer:
 @dataclass
 class Item:
     """One question: choice j is scored as ``contexts[j]`` (or ``contexts[0]`` when shared) followed by
-    ``continuations[j]``; ``label`` is the correct choice."""
+    ``continuations[j]``; ``label`` is the correct choice. ``choices``: the strings lm-eval's ``doc_to_choice`` gives
+    for the item, whose lengths in characters normalise ``acc_norm`` (default: each continuation without its leading
+    target delimiter; Winogrande: the two contexts, as lm-eval's winogrande task)."""
 
     contexts: list[str]
     continuations: list[str]
     label: int
+    choices: list[str] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if not self.choices:
+            self.choices = [c.removeprefix(TARGET_DELIMITER) for c in self.continuations]
 
     def context(self, j: int) -> str:
         return self.contexts[j if len(self.contexts) > 1 else 0]
@@ -165,7 +174,7 @@ class Task:
 
 
 def _choices(context: str, choices: list[str], label: int) -> Item:
-    return Item([context], [TARGET_DELIMITER + c for c in choices], label)
+    return Item([context], [TARGET_DELIMITER + c for c in choices], label, list(choices))
 
 
 def _mc(doc: dict) -> Item:
@@ -208,7 +217,7 @@ def _winogrande(doc: dict) -> Item:
     blank = sentence.index("_")
     target = TARGET_DELIMITER + sentence[blank + 1 :].strip()
     contexts = [sentence[:blank] + option for option in (doc["option1"], doc["option2"])]
-    return Item(contexts, [target, target], {"1": 0, "2": 1}[str(doc["answer"])])
+    return Item(contexts, [target, target], {"1": 0, "2": 1}[str(doc["answer"])], contexts)
 
 
 def _lambada(doc: dict) -> Item:
@@ -294,6 +303,16 @@ def build_requests(task: Task, k: int = 0, seed: int = 1234, count: int | None =
     return pairs
 
 
+def norm_scores(lls: list[float], choices: list[str]) -> np.ndarray:
+    """The scores ``acc_norm`` takes the best of: each log-likelihood over ``len(choice)``, the choice's characters
+    without the target delimiter, in float64 — lm-eval 0.4's ``lls / completion_len`` in ``process_results`` (an empty
+    choice gives -inf or nan there, and here). Not UTF-8 bytes, and not the length of the scored continuation
+    ``" " + choice``: both can pick another choice (" a" at -1.0 beats " bbbb" at -3.8 per byte, not per character)."""
+    lengths = np.array([float(len(c)) for c in choices])
+    with np.errstate(divide="ignore", invalid="ignore"):
+        return np.array(lls, dtype=np.float64) / lengths
+
+
 def score_task(scorer: Scorer, task: Task, k: int = 0, seed: int = 1234, limit: int = 0) -> dict[str, Any]:
     """Metrics of a multiple-choice task (acc, acc_norm) or a cloze task (acc, ppl) over its first ``limit`` items
     (all with 0); k-shot examples come from all the task's items."""
@@ -309,9 +328,8 @@ def score_task(scorer: Scorer, task: Task, k: int = 0, seed: int = 1234, limit: 
             correct += scores[0][1]
             total_ll += lls[0]
             continue
-        norm = [ll / max(1, len(c.encode("utf-8"))) for ll, c in zip(lls, item.continuations, strict=True)]
-        correct += max(range(len(lls)), key=lls.__getitem__) == item.label
-        correct_norm += max(range(len(norm)), key=norm.__getitem__) == item.label
+        correct += int(np.argmax(lls)) == item.label
+        correct_norm += int(np.argmax(norm_scores(lls, item.choices))) == item.label
     n = len(items)
     if task.kind == "cloze":
         return {"acc": correct / n, "ppl": math.exp(-total_ll / n), "n": n}
