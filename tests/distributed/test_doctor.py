@@ -24,7 +24,12 @@ def test_quick_suite_passes_on_two_ranks(quick):
     assert coll["world_size"] == 2 and coll["backend"] == "gloo" and coll["all_reduce_correct"]
     assert [row["bytes"] for row in coll["sweep"]] == [8 * 2**i for i in range(18)]  # 8 B ... 1 MiB
     assert all(row["busbw_gb_per_s"] == row["algbw_gb_per_s"] for row in coll["sweep"])  # 2(n-1)/n = 1 at n=2
-    assert "all_reduce over 2 ranks (gloo): ok" in proc.stdout and "        8B " in proc.stdout
+    assert "all_reduce over 2 ranks (gloo): ok" in proc.stdout
+    lines = [line.split() for line in proc.stdout.splitlines()]
+    assert ["size", "time", "ms", "algbw", "GB/s", "busbw", "GB/s"] in lines  # the sweep table
+    assert sum(line[:1] == ["8B"] for line in lines) == 1 and sum(line[:1] == ["1MiB"] for line in lines) == 1
+    assert {row["status"] for row in report["summary"]} == {"ok", "not checked", "skipped"}  # nothing failed
+    assert "FAILED" not in proc.stdout and "summary: " in proc.stdout
 
 
 def test_report_lists_collective_variables_and_topology(quick):

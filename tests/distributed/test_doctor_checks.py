@@ -1,6 +1,7 @@
-"""anytrain doctor's checks: nccl-tests bus factors, expectations, thresholds, the p2p schedule, the partition and
-training comparisons, and planted faults over 2 real gloo ranks (``ANYTRAIN_TEST_CORRUPT_RANK``,
-``ANYTRAIN_TEST_OVERLAP_RANK`` and thresholds no machine meets) that must each fail, naming the rank and check."""
+"""anytrain doctor's checks: nccl-tests bus factors, the sweep's message sizes, expectations, thresholds, the p2p
+schedule, the partition and training comparisons, the report's tables and summary (a made-up report, small and beyond
+16 ranks), and planted faults over 2 real gloo ranks (``ANYTRAIN_TEST_CORRUPT_RANK``, ``ANYTRAIN_TEST_OVERLAP_RANK``
+and thresholds no machine meets) that must each fail, naming the rank and check."""
 
 import itertools
 import json
@@ -9,10 +10,11 @@ import pytest
 import torch
 
 from anytrain import hardware
-from anytrain.doctor import check_failures, expectation_failures, training_failures
-from anytrain.doctor.collectives import bus_factor
+from anytrain.doctor import check_failures, expectation_failures, sweep_sizes, training_failures
+from anytrain.doctor.collectives import bus_factor, message_numels
 from anytrain.doctor.inventory import collective_env, gemm_check, network_interfaces, slurm_allocation
 from anytrain.doctor.p2p import round_robin
+from anytrain.doctor.report import failure_check, print_report, rank_ranges, summarize
 from anytrain.doctor.smoke import partition_failures
 from anytrain.doctor.thresholds import Thresholds, load_thresholds
 from anytrain.errors import ConfigError
@@ -24,6 +26,15 @@ from tests.conftest import cli_in_process, run_cli
                                                  ("broadcast", 8, 1.0), ("send_recv", 8, 1.0)])  # fmt: skip
 def test_bus_factors_are_nccl_tests(name, world, factor):
     assert bus_factor(name, world) == factor
+
+
+def test_sweep_sizes_appear_once_after_rounding():
+    sizes = sweep_sizes(8, 1)  # 8 B ... 1 MiB
+    assert message_numels("all_reduce", sizes, 2) == [2**i for i in range(1, 19)]
+    assert message_numels("all_reduce", sizes, 4) == [2**i for i in range(2, 19)]  # 8 B and 16 B: 4 elements once
+    numels = message_numels("all_gather", sizes, 3)  # whole multiples of the world size
+    assert numels[:4] == [3, 6, 15, 30] and numels == sorted(set(numels)) and all(n % 3 == 0 for n in numels)
+    assert message_numels("broadcast", sweep_sizes(1, 1)[:4], 8) == [8]  # 1, 2, 4, 8 B: one element per rank
 
 
 def test_expectations_and_failures_name_the_rank_and_check():
@@ -111,6 +122,64 @@ def test_training_comparisons_name_the_check():
     ]
 
 
+def _made_up_report(world: int, failures: list[str]) -> dict:
+    """A report of ``world`` ranks on hosts of 8 ranks, as run_doctor writes it (quick suite, no trainings)."""
+    hosts = [{"host": f"node{r // 8}", "device": "GPU [x]", "gpus_visible": 8} for r in range(world)]
+    sweep = [{"bytes": 2**i, "seconds": 1e-4 * i, "algbw_gb_per_s": 0.5 * i, "busbw_gb_per_s": 0.75 * i}
+             for i in range(3, 6)]  # fmt: skip
+    functional = [[{"name": name, "elements": 4096, "wrong": int(name == "all_reduce" and r == 1), "error": None}
+                   for name in ("all_reduce", "send_recv")] for r in range(world)]  # fmt: skip
+    latency = [[None if s == d else 10.0 + s + d for d in range(world)] for s in range(world)]
+    report = {"suite": "quick", "hosts": hosts, "slurm": None, "network": [], "collective_env": {},
+              "collective_env_differs": {}, "topology": [], "launch": {"launcher": "srun", "world_size": world},
+              "hardware": {"device": "GPU", "vendor": "cuda", "torch": "2", "cuda": "13", "hip": None, "triton": "3"},
+              "gemm": [{"dtype": "bfloat16", "shape": 512, "finite": True, "max_rel_error": 2e-3, "ok": True}] * world,
+              "gemm_throughput": [{"dtype": "bfloat16", "shape": 4096, "tflops": 700.0 + r, "peak_tflops": 989.0,
+                                   "fraction": (700.0 + r) / 989, "skipped": None} for r in range(world)],
+              "thresholds": {**Thresholds().__dict__, "p2p_latency_max_us": 30.0}, "functional": functional,
+              "collectives": {"world_size": world, "backend": "nccl", "all_reduce_correct": False, "sweep": sweep},
+              "p2p": {"small_bytes": 8, "large_bytes": 2**26, "latency_us": latency, "bandwidth_gb_per_s": latency},
+              "data_partition": {"steps": [0, 1, 9], "ranks": world},
+              "expectations": {"gpus_per_node": 8, "nodes": None}, "failures": failures}  # fmt: skip
+    report["summary"] = summarize(report)
+    return report
+
+
+def test_report_tables_and_summary_as_plain_text(capsys):
+    failures = ["rank 1 (node0): all_reduce: #wrong 1 of 4096 elements",
+                "rank 2 (node0): p2p to rank 3 (node0): latency 35.0 us > 30 us (p2p_latency_max_us)",
+                "rank 9 (node1): gemm bfloat16 512^3: non-finite output", "rank 0 (node0): odd: something"]  # fmt: skip
+    assert [failure_check(line) for line in failures] == [("all_reduce", [1]), ("p2p latency", [2, 3]),
+                                                          ("gemm vs float64", [9]), ("odd", [0])]  # fmt: skip
+    assert rank_ranges([7, 0, 1, 2, 5, 8]) == "0-2, 5, 7-8" and rank_ranges([]) == ""
+    for world in (4, 20):
+        report = _made_up_report(world, failures[:1] if world == 4 else failures)
+        print_report(report)
+        out = capsys.readouterr().out
+        assert "\x1b" not in out and "[x]" in out  # no colour codes into a pipe; brackets are text, not markup
+        lines = out.splitlines()
+        assert max(len(line) for line in lines if "─" in line) <= 100  # the tables' rules: no table wider
+        assert not any(line.endswith(" ") for line in lines)
+        rows = {row["check"]: row for row in report["summary"]}
+        assert rows["all_reduce"]["status"] == "FAIL" and rows["all_reduce"]["ranks"] == [1]
+        assert rows["inventory"]["note"] == "expected 8 GPUs per node"
+        assert rows["all_reduce busbw"]["status"] == "not checked" and rows["send_recv"]["status"] == "ok"
+        assert "FAILED rank 1 (node0): all_reduce: #wrong 1 of 4096 elements" in lines
+        summary_row = next(line for line in lines if line.startswith("all_reduce  ") and "FAIL" in line)
+        assert summary_row.split()[:3] == ["all_reduce", "FAIL", "1"]  # the summary row names the failing rank
+        assert sum(line.split()[:1] == ["32B"] for line in lines) == 1  # the sweep: one row per size
+        if world == 4:
+            assert ["all_reduce", "0", "1", "0", "0"] in [line.split() for line in lines]  # #wrong per rank
+            assert ["1", "11.0", "-", "13.0", "14.0"] in [line.split() for line in lines]  # latency, sender 1
+            assert len(report["summary"]) == 9 and rows["p2p latency"]["status"] == "ok"
+        else:  # per host rows, #wrong totals, worst pairs
+            assert any(line.split()[:3] == ["8-15", "node1", "GPU"] for line in lines)
+            assert ["all_reduce", "1", "1", "-"] in [line.split() for line in lines]
+            assert ["19", "18", "47.0"] in [line.split() for line in lines] and "the 5 worst pairs" in out
+            assert rows["p2p latency"]["ranks"] == [2, 3] and rows["gemm vs float64"]["ranks"] == [9]
+            assert rows["odd"] == {"check": "odd", "status": "FAIL", "ranks": [0], "failures": 1, "note": ""}
+
+
 def test_planted_faults_and_unmet_thresholds_fail_naming_rank_and_check(tmp_path):
     out = tmp_path / "doctor.json"
     (tmp_path / "thresholds.json").write_text(json.dumps({"busbw_min_gb_per_s": 1e6}))
@@ -136,4 +205,10 @@ def test_planted_faults_and_unmet_thresholds_fail_naming_rank_and_check(tmp_path
     assert len(p2p) == 2 and {line[:6] for line in p2p} == {"rank 0", "rank 1"}
     assert len(report["failures"]) == 1 + 6 + 1 + 2
     assert "error: doctor: 10 check(s) failed: rank 1 (" in proc.stderr
-    assert "all_reduce             0       1" in proc.stdout  # the #wrong table, one column per rank
+    lines = [line.split() for line in proc.stdout.splitlines()]
+    assert ["all_reduce", "0", "1"] in lines  # the #wrong table, one column per rank
+    assert ["all_reduce", "FAIL", "1", "exact", "result,", "4096", "elements"] in lines  # the summary table
+    summary = {row["check"]: (row["status"], row["ranks"]) for row in report["summary"]}
+    assert summary["all_reduce"] == ("FAIL", [1]) and summary["data partition"] == ("FAIL", [0, 1])
+    assert summary["p2p latency"] == ("FAIL", [0, 1]) and summary["all_reduce busbw"] == ("FAIL", [0])
+    assert summary["all_gather"] == ("ok", []) and summary["p2p bandwidth"] == ("not checked", [])

@@ -8,8 +8,9 @@ With several ranks it runs every collective once with exact expected values (``c
 latency and bandwidth (``p2p``). The full suite adds device ceilings, the sweeps of every collective up to
 ``max_mib``, and the tiny trainings with a checkpoint killed and resumed (``smoke``). Rank 0 compares the inventory
 with ``--expect-gpus`` (per node) and ``--expect-nodes`` and the measurements with the thresholds
-(``thresholds.Thresholds``), prints the report and writes it as JSON. Any failure is listed as
-``rank <r> (<host>): <check>: <what>``; the CLI then exits non-zero on every rank.
+(``thresholds.Thresholds``), prints the report (``report``: rich tables, a pass / fail summary of every check with
+its failing ranks) and writes it as JSON. Any failure is listed as ``rank <r> (<host>): <check>: <what>``; the CLI
+then exits non-zero on every rank.
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ from anytrain.doctor.inventory import (
     topology,
 )
 from anytrain.doctor.p2p import as_matrices, p2p_matrix
-from anytrain.doctor.report import print_report
+from anytrain.doctor.report import print_report, summarize
 from anytrain.doctor.thresholds import Thresholds
 from anytrain.errors import ConfigError
 from anytrain.parallel import gather_object, init_distributed, shutdown
@@ -71,7 +72,8 @@ def device_ceilings(device: torch.device) -> dict:
 
 
 def sweep_sizes(min_bytes: int, max_mib: int) -> list[int]:
-    """min_bytes, 2 x min_bytes, ... up to max_mib MiB (nccl-tests' -b/-e/-f 2)."""
+    """min_bytes, 2 x min_bytes, ... up to max_mib MiB (nccl-tests' -b/-e/-f 2); ``collectives.message_numels``
+    rounds them per collective and drops the repeats."""
     sizes, size = [], max(1, min_bytes)
     while size <= max(1, max_mib) * 2**20:
         sizes.append(size)
@@ -249,7 +251,8 @@ def run_doctor(out: str | None = None, max_mib: int = 1024, repeats: int = 5, su
                   "gemm": gather_object(gemm_check(device)),
                   "gemm_throughput": gather_object(gemm_throughput(device, GEMM_SIZE[suite], repeats)),
                   "slurm": slurm_allocation(), "network": network_interfaces(), "rank_devices": None,
-                  "functional": None}  # fmt: skip
+                  "functional": None,
+                  "expectations": {"gpus_per_node": expect_gpus, "nodes": expect_nodes}}  # fmt: skip
         report["data_partition"] = {"steps": sorted(partition[0]["ids"]), "ranks": info.world_size}
         if suite == "full":
             report["ceilings"] = device_ceilings(device)
@@ -265,6 +268,7 @@ def run_doctor(out: str | None = None, max_mib: int = 1024, repeats: int = 5, su
             + threshold_failures(report, th)
             + (training_failures(hosts, report["training"], th) if "training" in report else [])
         )
+        report["summary"] = summarize(report)
         if info.is_main:
             print_report(report)
             if out:

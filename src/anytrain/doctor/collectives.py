@@ -165,14 +165,26 @@ def _timed_op(name: str, numel: int, world: int, rank: int, device: torch.device
     return ring
 
 
-def sweep(name: str, device: torch.device, sizes_bytes: list[int], repeats: int) -> list[dict]:
-    """Median time, algbw and busbw of ``name`` at each message size (GB/s = 1e9 bytes per second)."""
-    rank, world = dist.get_rank(), dist.get_world_size()
-    rows = []
+def message_numels(name: str, sizes_bytes: list[int], world: int) -> list[int]:
+    """The float32 element counts ``name`` is swept at: each size in whole elements, at least one per rank, a
+    multiple of ``world`` for the collectives that split the buffer over the ranks; sizes that round to the same count
+    (8 B and 16 B over 4 ranks are both 4 elements) appear once."""
+    numels: list[int] = []
     for size in sizes_bytes:
         numel = max(world, size // 4)
         if name in ("all_gather", "reduce_scatter", "all_to_all"):
             numel = numel // world * world
+        if numel not in numels:
+            numels.append(numel)
+    return numels
+
+
+def sweep(name: str, device: torch.device, sizes_bytes: list[int], repeats: int) -> list[dict]:
+    """Median time, algbw and busbw of ``name`` at each message size (``message_numels``; GB/s = 1e9 bytes per
+    second)."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    rows = []
+    for numel in message_numels(name, sizes_bytes, world):
         seconds = _median_seconds(_timed_op(name, numel, world, rank, device), device, repeats)
         algbw = numel * 4 / seconds / 1e9
         rows.append({"bytes": numel * 4, "seconds": seconds, "algbw_gb_per_s": algbw,

@@ -9,6 +9,11 @@ both ranks of a pair take the initiator's role in turn:
   median over ``repeats`` (the answer's latency is small next to a large message's transfer).
 
 Pairs of one round run at the same time, so ranks that share a NIC or a PCIe switch share it here as in training.
+
+Every send and receive is a one-operation ``batch_isend_irecv``: NCCL runs it on the group's communicator as a batched
+point-to-point op, where an unbatched ``send`` / ``recv`` makes it warn on every rank (in eager initialisation mode)
+and serialise the op with all other collectives of the group. The exchange itself is unchanged: the initiator's
+receive starts after its send, the partner's answer after its receive (gloo runs the same ops directly).
 """
 
 from __future__ import annotations
@@ -37,16 +42,22 @@ def _median(times: list[float]) -> float:
     return sorted(times)[len(times) // 2]
 
 
+def _one(op, tensor: torch.Tensor, peer: int) -> None:
+    """``op`` (``dist.isend`` / ``dist.irecv``) with ``peer`` as a batch of one, waited for."""
+    for work in dist.batch_isend_irecv([dist.P2POp(op, tensor, peer)]):
+        work.wait()
+
+
 def _ping(partner: int, initiator: bool, out: torch.Tensor, back: torch.Tensor, device: torch.device) -> float:
     """One exchange: the initiator sends ``out`` and waits for ``back``; the partner mirrors it. Seconds on the
     initiator (0.0 on the partner)."""
     start = time.perf_counter()
     if initiator:
-        dist.send(out, partner)
-        dist.recv(back, partner)
+        _one(dist.isend, out, partner)
+        _one(dist.irecv, back, partner)
     else:
-        dist.recv(out, partner)
-        dist.send(back, partner)
+        _one(dist.irecv, out, partner)
+        _one(dist.isend, back, partner)
     hardware.synchronize(device)
     return time.perf_counter() - start
 
