@@ -275,12 +275,11 @@ def main() -> None:
     except (typer.Abort, KeyboardInterrupt):
         print("aborted", file=sys.stderr)
         sys.exit(130)
-    except Exception as exc:  # click usage errors
-        import click
-
-        if isinstance(exc, click.exceptions.Exit):
+    except Exception as exc:  # usage errors of typer's click (the click package, or the copy newer typers vendor)
+        kinds = {c.__name__ for c in type(exc).__mro__}
+        if "Exit" in kinds and hasattr(exc, "exit_code"):
             sys.exit(exc.exit_code)
-        if isinstance(exc, click.ClickException):
+        if "ClickException" in kinds:
             exc.show()
             sys.exit(exc.exit_code)
         raise

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import run_cli
+from tests.conftest import cli_in_process, run_cli
 
 
 @pytest.fixture(scope="module")
@@ -116,3 +116,12 @@ def test_export_checkpoint_to_safetensors(tiny_run, tmp_path):
         assert torch.equal(tensors[key], value), key
     again = run_cli("export-checkpoint", str(run_dir), "--out", str(out))
     assert again.returncode == 2 and "exists; pass --overwrite" in again.stderr
+
+
+@pytest.mark.parametrize("args, message", [
+    (("plan", "configs/1.1b.yaml", "--device", "h100"), "No such option: --device"),
+    (("plan",), "Missing option '--model'"),
+])  # fmt: skip
+def test_usage_errors_exit_2_without_a_traceback(capsys, args, message):
+    code, _, err = cli_in_process(capsys, *args)
+    assert code == 2 and message in err and "Traceback" not in err and "│" not in err
