@@ -265,8 +265,9 @@ def tag_suffix(tag: str) -> str:
     return tag if not tag or tag[0] in "_-" else f"_{tag}"
 
 
-def run_cases(cases: list[Case], args: argparse.Namespace, n_gpus: int) -> list[dict]:
-    """Greedy packing of jobs onto free GPUs (disjoint sets), in priority order; one job at a time with --serial."""
+def run_cases(cases: list[Case], args: argparse.Namespace, n_gpus: int, partial: Path | None = None) -> list[dict]:
+    """Greedy packing of jobs onto free GPUs (disjoint sets), in priority order; one job at a time with --serial.
+    With ``partial``, the rows measured so far are rewritten there after every job (a killed run keeps them)."""
     rows: dict[str, dict] = {}
     pending, running, free = list(cases), [], list(range(n_gpus))
     started = time.perf_counter()
@@ -297,6 +298,8 @@ def run_cases(cases: list[Case], args: argparse.Namespace, n_gpus: int) -> list[
                 ok = "tokens_per_s_per_gpu" in r
                 state = f"{r['tokens_per_s_per_gpu']:,.0f} tok/s/GPU" if ok else r["error"][:300]
                 print(f"[{time.perf_counter() - started:6.0f}s] done  {job.case.name}: {state}", flush=True)
+                if partial is not None:
+                    partial.write_text(json.dumps({"rows": list(rows.values())}, indent=1, default=str))
     return [rows[c.name] for c in cases]
 
 
@@ -462,7 +465,11 @@ def add_predictions(rows: list[dict], device_key: str, gpus_per_node: int, calib
         for label, dev in (("catalogue", device), ("calibrated", fitted)):
             if dev is None:
                 continue
-            est = predict_row(r, dev)
+            try:
+                est = predict_row(r, dev)
+            except Exception as exc:  # a row the cost model cannot take must not cost the file its measured rows
+                r["predicted"][label] = {"error": f"{type(exc).__name__}: {exc}"}
+                continue
             pred = {"step_s": est.step_s, "allocated_gib": est.allocated_gib, "efficiency": dev.efficiency,
                     "exposed_comm_s": est.exposed_comm_s, "bubble_s": est.bubble_s, "host_s": est.host_s,
                     "elementwise_s": est.elementwise_s, "calibration_run": r["name"] == calibrate}  # fmt: skip
@@ -733,6 +740,7 @@ def merge_main(args: argparse.Namespace) -> None:
     path = Path(args.out) / f"scaling_{slug}{tag_suffix(args.tag)}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(payload, indent=1, default=str))
+    partial.unlink(missing_ok=True)
     print(f"\nwrote {path}")
 
 
@@ -805,18 +813,20 @@ def main() -> None:
 
     env = hardware.summary(hardware.resolve_device("auto"))
     print(json.dumps({"gpus": n_gpus, **env}), flush=True)
-    rows = run_cases(cases, args, n_gpus)
-    add_efficiencies(rows)
-    add_predictions(rows, "h200" if "H200" in env.get("device", "") else "h100", n_gpus)
-    print_table(rows)
     slug = re.sub(r"[^a-z0-9]+", "-", env.get("device", "unknown").lower()).strip("-")
     path = Path(args.out) / f"scaling_{slug}{tag_suffix(args.tag)}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
+    partial = path.with_suffix(".partial.json")
+    rows = run_cases(cases, args, n_gpus, partial)
+    add_efficiencies(rows)
+    add_predictions(rows, "h200" if "H200" in env.get("device", "") else "h100", n_gpus)
+    print_table(rows)
     payload = {"date": time.strftime("%Y-%m-%d"), "device": env.get("device"), "gpus_on_host": n_gpus,
                "versions": env, "settings": {"steps": args.steps, "log_interval": args.log_interval,
                                              "concurrent": not args.serial, "train_args": args.train_args},
                "rows": rows}  # fmt: skip
     path.write_text(json.dumps(payload, indent=1, default=str))
+    partial.unlink(missing_ok=True)
     print(f"\nwrote {path}")
 
 

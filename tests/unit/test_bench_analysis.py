@@ -192,3 +192,13 @@ def test_transformer_bench_recipe_row_matches_its_config():
         cfg.train.global_batch,
     )
     assert case.options.get("train.compile_scope", "blocks") == cfg.train.compile_scope and cfg.train.compile
+
+
+def test_a_row_the_cost_model_cannot_take_keeps_the_others_predicted():
+    cases = {c.name: c for c in scaling.default_cases(4)}
+    good = _row(cases["t-tp4mb16-4-g32"], 28000.0, 20.0)
+    bad = {**_row(cases["t-pp4-4-g32"], 48000.0, 18.0), "extra": ["--parallel.pp_schedule", "Bogus"]}
+    rows = [_row(cases["t-1-g32"], 71000.0, 29.0), good, bad]
+    scaling.add_predictions(rows, "h100", 4)
+    assert "parallel.pp_schedule" in bad["predicted"]["catalogue"]["error"]
+    assert good["predicted"]["calibrated"]["step_s"] > 0 and "step_error" in good["predicted"]["catalogue"]
