@@ -2,8 +2,8 @@
 generated corpus.
 
 The corpus (``--size-mb``, default ~1 GB) is JSONL documents of words drawn with their frequencies from the embedded
-Shakespeare corpus, written to a temporary folder. One byte-level BPE tokenizer is trained on its first 20 MB and
-used by both sides:
+Shakespeare corpus, written to a temporary folder (``--workdir DIR``: kept in DIR and reused). One byte-level BPE
+tokenizer is trained on its first 20 MB and used by both sides:
 
 * anytrain: ``prepare(corpus, out, tokenizer_path=..., workers=W)`` (train/val shards, index, EOS after each document);
 * datasets: ``Dataset.from_json(files).map(encode, batched=True, num_proc=W, remove_columns=["text"])`` where
@@ -11,7 +11,8 @@ used by both sides:
 
 Each side runs in a fresh process; the time is measured inside it (imports excluded), and the peak memory is the
 largest sum over that process and its children of the proportional set size (PSS: pages shared after a fork are
-split between the processes that share them), sampled every 50 ms from /proc. Both sides run with
+split between the processes that share them), sampled every 50 ms from /proc; the CPU seconds (user + system, over the
+process tree, imports included) are less sensitive than the time to other jobs on the machine. Both sides run with
 TOKENIZERS_PARALLELISM=false and W processes. Writes a table and bench/results/prepare_<host cpu>.json with versions.
 
     python bench/prepare.py --size-mb 1000 --workers 2
@@ -81,8 +82,9 @@ def make_corpus(folder: Path, size_mb: float, seed: int = 0) -> int:
     target, written, part = int(size_mb * 1e6), 0, 0
     while written < target:
         with open(folder / f"part{part:03d}.jsonl", "w") as fh:
-            for _ in range(2000):
-                doc = " ".join(words[rng.choice(len(words), 700, p=p)])
+            # one draw per file: the same uniforms, in the same order, as one draw of 700 per document
+            for row in rng.choice(len(words), (2000, 700), p=p):
+                doc = " ".join(words[row])
                 line = json.dumps({"text": doc}) + "\n"
                 fh.write(line)
                 written += len(line)
@@ -90,6 +92,32 @@ def make_corpus(folder: Path, size_mb: float, seed: int = 0) -> int:
                     break
         part += 1
     return written
+
+
+def corpus_and_tokenizer(folder: Path, size_mb: float, vocab_size: int) -> int:
+    """``folder``/corpus (:func:`make_corpus`) and ``folder``/tokenizer.json (trained on the corpus's first 20 MB),
+    made unless ``folder`` already holds both; returns the corpus's bytes."""
+    from anytrain.data.prepare import train_tokenizer
+    from anytrain.data.readers import iter_documents, list_inputs
+
+    done = folder / "made.json"
+    if done.is_file():
+        return json.loads(done.read_text())["corpus_bytes"]
+    if (folder / "corpus").exists():
+        import shutil
+
+        shutil.rmtree(folder / "corpus")  # an unfinished one
+    folder.mkdir(parents=True, exist_ok=True)
+    size = make_corpus(folder / "corpus", size_mb)
+    texts, taken = [], 0
+    for doc, _ in iter_documents(list_inputs([str(folder / "corpus")]), None, "text", "strict"):
+        texts.append(doc.text)
+        taken += len(doc.text)
+        if taken > 20e6:
+            break
+    train_tokenizer(iter(texts), vocab_size).save(str(folder / "tokenizer.json"))
+    done.write_text(json.dumps({"corpus_bytes": size, "size_mb": size_mb, "vocab_size": vocab_size}) + "\n")
+    return size
 
 
 def _descendants(pid: int) -> list[int]:
@@ -120,7 +148,11 @@ def _pss_kib(pid: int) -> int:
 
 
 def run_side(code: str, args: list[str]) -> dict:
-    """Run one side in a fresh process; its JSON result plus the peak PSS (MiB) of its process tree."""
+    """Run one side in a fresh process; its JSON result plus the peak PSS (MiB) and the CPU seconds (user + system,
+    imports included) of its process tree."""
+    import resource
+
+    used = resource.getrusage(resource.RUSAGE_CHILDREN)
     env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", "PYTHONPATH": str(ROOT / "src")}
     proc = subprocess.Popen([sys.executable, "-c", code, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True, env=env)  # fmt: skip
@@ -137,8 +169,11 @@ def run_side(code: str, args: list[str]) -> dict:
     thread.join()
     if proc.returncode != 0:
         raise SystemExit(f"side failed (exit {proc.returncode}): {err[-2000:]}")
+    now = resource.getrusage(resource.RUSAGE_CHILDREN)
+    cpu = now.ru_utime + now.ru_stime - used.ru_utime - used.ru_stime
     result = json.loads(out.strip().splitlines()[-1])
-    return {**result, "tokens_per_s": result["tokens"] / result["seconds"], "peak_pss_mib": peak[0] / 1024}
+    return {**result, "tokens_per_s": result["tokens"] / result["seconds"], "peak_pss_mib": peak[0] / 1024,
+            "cpu_s": cpu, "tokens_per_cpu_s": result["tokens"] / cpu}  # fmt: skip
 
 
 def versions() -> dict:
@@ -159,31 +194,25 @@ def main() -> None:
     parser.add_argument("--vocab-size", type=int, default=8192)
     parser.add_argument("--out", default=str(ROOT / "bench" / "results"), help="folder for the JSON result")
     parser.add_argument("--note", default="", help="recorded with the result (e.g. 'shared machine')")
+    parser.add_argument("--workdir", help="keep the generated corpus and tokenizer in this folder and reuse them on "
+                        "the next run of the same size (default: a temporary folder, removed)")  # fmt: skip
     args = parser.parse_args()
-    from anytrain.data.prepare import train_tokenizer
-    from anytrain.data.readers import iter_documents, list_inputs
-
-    with tempfile.TemporaryDirectory(prefix="bench-prepare-") as tmp:
-        tmp = Path(tmp)
-        size = make_corpus(tmp / "corpus", args.size_mb)
-        texts, taken = [], 0
-        for doc, _ in iter_documents(list_inputs([str(tmp / "corpus")]), None, "text", "strict"):
-            texts.append(doc.text)
-            taken += len(doc.text)
-            if taken > 20e6:
-                break
-        train_tokenizer(iter(texts), args.vocab_size).save(str(tmp / "tokenizer.json"))
-        del texts
-        common = [str(tmp / "corpus"), "", str(tmp / "tokenizer.json"), str(args.workers)]
+    if args.workdir:
+        Path(args.workdir).mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix="bench-prepare-", dir=args.workdir) as tmp:
+        inputs = Path(args.workdir) / f"{args.size_mb:g}mb" if args.workdir else Path(tmp)
+        size = corpus_and_tokenizer(inputs, args.size_mb, args.vocab_size)
+        common = [str(inputs / "corpus"), "", str(inputs / "tokenizer.json"), str(args.workers)]
         rows = {
-            "anytrain prepare": run_side(ANYTRAIN_SIDE, [common[0], str(tmp / "out"), *common[2:]]),
-            "datasets from_json + map": run_side(DATASETS_SIDE, [common[0], str(tmp / "hf_cache"), *common[2:]]),
+            "anytrain prepare": run_side(ANYTRAIN_SIDE, [common[0], str(Path(tmp) / "out"), *common[2:]]),
+            "datasets from_json + map": run_side(DATASETS_SIDE, [common[0], str(Path(tmp) / "hf_cache"), *common[2:]]),
         }
     base = rows["datasets from_json + map"]
     print(f"corpus {size / 1e6:,.0f} MB, {args.workers} workers, vocab {args.vocab_size}")
-    print(f"{'':28s} {'seconds':>9s} {'tokens/s':>12s} {'peak PSS MiB':>13s}")
+    print(f"{'':28s} {'seconds':>9s} {'tokens/s':>12s} {'peak PSS MiB':>13s} {'CPU s':>8s}")
     for name, row in rows.items():
-        print(f"{name:28s} {row['seconds']:9.1f} {row['tokens_per_s']:12,.0f} {row['peak_pss_mib']:13,.0f}")
+        print(f"{name:28s} {row['seconds']:9.1f} {row['tokens_per_s']:12,.0f} {row['peak_pss_mib']:13,.0f} "
+              f"{row['cpu_s']:8.1f}")  # fmt: skip
     speedup = rows["anytrain prepare"]["tokens_per_s"] / base["tokens_per_s"]
     memory = rows["anytrain prepare"]["peak_pss_mib"] / base["peak_pss_mib"]
     print(f"anytrain / datasets: {speedup:.2f}x tokens/s, {memory:.2f}x peak memory")

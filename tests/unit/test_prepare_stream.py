@@ -153,13 +153,15 @@ print(json.dumps({"before_kib": before, "after_kib": maxrss()}))
 def test_peak_memory_does_not_grow_with_the_corpus(tmp_path, corpus_mb, fraction):
     """Peak RSS of the main process and of each of 2 workers grows, over a warm-up prepare, by less than
     1/``fraction`` of the corpus (40 MB in the slow case: a 4 MB bound, 10x smaller than the corpus). What stays in
-    memory is the chunks in flight; the whole-corpus reader this replaced grew by more than the corpus."""
-    from anytrain.data.prepare import train_tokenizer
+    memory is the chunks in flight and each worker's bounded piece cache (filled to its bound by the warm-up); the
+    whole-corpus reader this replaced grew by more than the corpus."""
+    from anytrain.data.prepare import PIECE_CACHE, train_tokenizer
 
     (tmp_path / "warm").mkdir()
     (tmp_path / "big").mkdir()
     warm = make_docs(12_000, 0, words=3)  # more distinct words than the tokenizer's word cache holds
-    write_jsonl(tmp_path / "warm" / "w.jsonl", warm)
+    numbers = [" ".join(map(str, range(i, i + 2000))) for i in range(0, 2 * PIECE_CACHE + 50_000, 2000)]
+    write_jsonl(tmp_path / "warm" / "w.jsonl", numbers + warm)  # more distinct pieces than each worker caches
     train_tokenizer(iter(warm[:2000]), 300).save(str(tmp_path / "tokenizer.json"))
     big = make_docs(corpus_mb * 1350, 1, words=200)
     for i in range(4):
@@ -171,3 +173,29 @@ def test_peak_memory_does_not_grow_with_the_corpus(tmp_path, corpus_mb, fraction
     rss = json.loads(proc.stdout.strip().splitlines()[-1])
     grown = [after - before for before, after in zip(rss["before_kib"], rss["after_kib"], strict=True)]
     assert corpus_kib > corpus_mb * 900 and max(grown) < corpus_kib / fraction, (grown, corpus_kib, rss)
+
+
+def test_piece_cache_gives_the_tokenizer_ids_on_any_whitespace_and_added_tokens():
+    """The workers' TextEncoder (pieces looked up in a cache) gives exactly ``encode_batch_fast``'s ids: on random
+    texts mixing every kind of whitespace (Unicode spaces, NEL, separators), contractions, digits, combining marks and
+    added tokens, for a byte-level BPE trained on such texts; a tokenizer with a normalizer is encoded whole."""
+    import random
+
+    from tokenizers import normalizers
+
+    from anytrain.data.prepare import TextEncoder, train_tokenizer
+
+    alphabet = [*" \t\n\r\x0b\x0c\x1c\x1f\x85\xa0\u1680\u2003\u2028\u2029\u3000\u180e", *"abcXYZ019'.,!?-_\"#",
+                "'s", "'ll", "'re", "e\u0301", "日本語", "😀", "٣", "Ⅻ", "<|endoftext|>", "<|pad|>", "<|", "  ", "\n\n",
+                " \n", "\t "]  # fmt: skip
+    rng = random.Random(0)
+    texts = ["".join(rng.choice(alphabet) for _ in range(rng.randint(0, 40))) for _ in range(3000)]
+    tokenizer = train_tokenizer(iter(texts[:1000]), 500)
+    lowercase = train_tokenizer(iter(texts[:1000]), 500)
+    lowercase.normalizer = normalizers.Lowercase()
+    for tok, cached in ((tokenizer, True), (lowercase, False)):
+        encodings = tok.encode_batch_fast(texts, add_special_tokens=False)
+        expected = [np.array(e.ids, np.uint16).tobytes() for e in encodings]
+        encoder = TextEncoder(tok, np.dtype(np.uint16), batch_docs=256)
+        assert (encoder.cache is not None) == cached
+        assert encoder(texts) == expected and encoder(texts) == expected  # cold cache, then warm

@@ -1,11 +1,12 @@
 """``anytrain prepare``: raw documents -> token shards, streamed in bounded memory, in parallel, resumable.
 
-Documents are read one at a time (``data/readers.py``) and cut into chunks of about ``chunk_bytes`` characters. Worker
-processes (``workers``; 1 = this process) tokenize whole chunks, and the main process appends each chunk's tokens to
-the shards in chunk order, so the output does not depend on the worker count. A document goes to the validation split
-when a hash of its source name falls below ``val_fraction``, so the split does not depend on file order or workers
-either. Each document is encoded with a byte-level BPE tokenizer (a given ``tokenizer.json``, or one trained here on a
-sample of the training documents of about ``tokenizer_sample_bytes``) and followed by EOS.
+The main process reads the inputs (``data/readers.py``) into chunks of about ``chunk_bytes`` bytes: JSONL as raw
+blocks of whole lines, other formats as documents. Worker processes (``workers``; 1 = this process) decode and parse
+whole chunks and tokenize them (:class:`TextEncoder`), and the main process appends each chunk's tokens to the shards
+in chunk order, so the output does not depend on the worker count. A document goes to the validation split when a
+hash of its source name falls below ``val_fraction``, so the split does not depend on file order or workers either.
+Each document is encoded with a byte-level BPE tokenizer (a given ``tokenizer.json``, or one trained here on a sample
+of the training documents of about ``tokenizer_sample_bytes``) and followed by EOS.
 
 The dataset is built in the hidden sibling folder ``.<out>.prepare-partial`` and renamed onto ``out`` when complete.
 That folder's ``progress.json`` (written atomically at every shard boundary and at least every
@@ -20,6 +21,7 @@ import fcntl
 import hashlib
 import json
 import os
+import re
 import signal
 import sys
 import threading
@@ -37,8 +39,9 @@ from anytrain.data.readers import (
     InputFile,
     Position,
     embedded_corpus_dir,
-    iter_documents,
+    item_documents,
     iter_file,
+    iter_items,
     list_inputs,
 )
 from anytrain.data.shards import INDEX, ShardWriter, token_dtype, write_index
@@ -135,23 +138,105 @@ def _sample_texts(files: list[InputFile], budget: int, opts: dict, forced_val: s
 
 
 # ---------------------------------------------------------------------------------------------------------------------
-# Workers: one chunk of documents -> the tokens of each split
+# Encoding texts
+
+# A text cut before every space, tab, newline or carriage return that follows a non-whitespace character: each match
+# is one piece, and the pieces partition the text.
+PIECES = re.compile(r"\s*\S+(?:[^\S \t\n\r]\s*\S*)*|\s+")
+PIECE_CACHE = 1 << 17  # cached pieces per process (about 15 MB); emptied when a batch of texts starts with more
+PIECE_BATCH = 4096  # new pieces per encode_batch_fast call
+
+
+def pieces_compose(config: dict) -> bool:
+    """Whether a tokenizer (its JSON ``config``) encodes a text without added tokens as the concatenation of the ids
+    of its :data:`PIECES`. True for a byte-level BPE without normalizer, truncation or padding (the tokenizer this
+    command trains): no match of its pre-tokenizer's GPT-2 pattern holds a non-whitespace character followed by a
+    whitespace one, so every cut of :data:`PIECES` is a pre-token boundary (space, tab, newline and carriage return are
+    whitespace to the pattern, and Python's whitespace includes the pattern's, so a character that is not whitespace
+    here is not there either); pre-tokens are encoded independently, and no branch of the pattern looks behind, so a
+    piece splits alone as it does inside the text."""
+    pre, model = config.get("pre_tokenizer") or {}, config.get("model") or {}
+    return (config.get("normalizer") is None and config.get("truncation") is None and config.get("padding") is None
+            and pre.get("type") == "ByteLevel" and pre.get("use_regex", True) and not pre.get("add_prefix_space")
+            and model.get("type") == "BPE" and not model.get("dropout")
+            and (config.get("post_processor") or {"type": "ByteLevel"})["type"] == "ByteLevel")  # fmt: skip
+
+
+class TextEncoder:
+    """Each text's token ids as bytes of ``dtype``, the ids of ``tokenizer.encode_batch_fast`` (no special tokens
+    added). When :func:`pieces_compose` holds, a text is cut into :data:`PIECES` and each piece's ids are looked up in
+    a cache of the pieces seen before (pieces repeat: words with their leading space), the new ones encoded together;
+    a text holding an added token's content is encoded whole."""
+
+    def __init__(self, tokenizer, dtype: np.dtype, batch_docs: int) -> None:
+        self.encode = getattr(tokenizer, "encode_batch_fast", tokenizer.encode_batch)  # the same ids, no offsets
+        self.dtype, self.batch_docs = dtype, batch_docs
+        config = json.loads(tokenizer.to_str())
+        self.cache: dict[str, bytes] | None = {} if pieces_compose(config) else None
+        self.added = [token["content"] for token in config.get("added_tokens") or []]
+
+    def _ids(self, texts: list[str], batch: int) -> list[bytes]:
+        out = []
+        for lo in range(0, len(texts), batch):
+            encodings = self.encode(texts[lo : lo + batch], add_special_tokens=False)
+            out.extend(np.array(e.ids, dtype=self.dtype).tobytes() for e in encodings)
+        return out
+
+    def __call__(self, texts: list[str]) -> list[bytes]:
+        if self.cache is None:
+            return self._ids(texts, self.batch_docs)
+        out: list[bytes] = []
+        for lo in range(0, len(texts), self.batch_docs):
+            out.extend(self._pieces(texts[lo : lo + self.batch_docs]))
+        return out
+
+    def _pieces(self, texts: list[str]) -> list[bytes]:
+        cache = self.cache
+        if len(cache) > PIECE_CACHE:
+            cache.clear()
+        lookup, pieces_of = cache.__getitem__, PIECES.findall
+        out: list[bytes | None] = []
+        missing: list[tuple[int, list[str]]] = []  # texts with a piece not in the cache
+        whole: list[int] = []  # texts holding an added token's content
+        for i, text in enumerate(texts):
+            if any(token in text for token in self.added):
+                whole.append(i)
+                out.append(None)
+                continue
+            pieces = pieces_of(text)
+            try:
+                out.append(b"".join(map(lookup, pieces)))
+            except KeyError:
+                missing.append((i, pieces))
+                out.append(None)
+        if missing:
+            new = list(set().union(*(pieces for _, pieces in missing)).difference(cache))
+            cache.update(zip(new, self._ids(new, PIECE_BATCH), strict=True))
+            for i, pieces in missing:
+                out[i] = b"".join(map(lookup, pieces))
+        for i, ids in zip(whole, self._ids([texts[i] for i in whole], self.batch_docs), strict=True):
+            out[i] = ids
+        return out  # type: ignore[return-value]
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Workers: one chunk of input items -> the tokens of each split
 
 _worker: dict = {}
 
 
-def _init_worker(tokenizer_file: str, val_fraction: float, forced_val: str | None, batch_docs: int,
-                 separate_process: bool) -> None:  # fmt: skip
+def _init_worker(tokenizer_file: str, val_fraction: float, forced_val: str | None, batch_docs: int, text_field: str,
+                 encoding_errors: str, separate_process: bool) -> None:  # fmt: skip
     if separate_process:  # one tokenizer thread per worker process; exit when the main process dies (kill -9)
         os.environ["TOKENIZERS_PARALLELISM"] = "false"
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the main process's to handle (it stops the pool)
         parent = os.getppid()
         threading.Thread(target=_exit_with_parent, args=(parent,), daemon=True).start()
     tokenizer = load_tokenizer(tokenizer_file)
-    vocab = tokenizer.get_vocab_size(with_added_tokens=True)
-    encode = getattr(tokenizer, "encode_batch_fast", tokenizer.encode_batch)  # the same ids, without offsets
-    _worker.update(encode=encode, eos=_eos_id(tokenizer, tokenizer_file), dtype=token_dtype(vocab),
-                   val_fraction=val_fraction, forced_val=forced_val, batch_docs=batch_docs)  # fmt: skip
+    dtype = token_dtype(tokenizer.get_vocab_size(with_added_tokens=True))
+    eos = np.array([_eos_id(tokenizer, tokenizer_file)], dtype=dtype).tobytes()
+    _worker.update(encoder=TextEncoder(tokenizer, dtype, batch_docs), eos=eos, val_fraction=val_fraction,
+                   forced_val=forced_val, text_field=text_field, encoding_errors=encoding_errors)  # fmt: skip
 
 
 def _exit_with_parent(parent: int) -> None:
@@ -160,22 +245,21 @@ def _exit_with_parent(parent: int) -> None:
     os._exit(1)
 
 
-def _encode_chunk(docs: list[tuple[str, str]]) -> dict:
-    """Tokens (each document followed by EOS) and document counts per split, and the chunk's lowest-hash name."""
+def _encode_chunk(items: list[tuple]) -> dict:
+    """Decode and parse the chunk's items; the tokens (bytes: each document's ids, then EOS) and document counts of
+    each split, the null texts skipped, and the chunk's lowest-hash document name."""
     w = _worker
-    ids: dict[str, list[int]] = {"train": [], "val": []}
-    counts = {"train": 0, "val": 0}
-    lowest = min((_name_hash(source), source) for source, _ in docs) if docs else None
-    for lo in range(0, len(docs), w["batch_docs"]):
-        batch = docs[lo : lo + w["batch_docs"]]
-        encodings = w["encode"]([text for _, text in batch], add_special_tokens=False)
-        for (source, _), enc in zip(batch, encodings, strict=True):
-            split = "val" if source == w["forced_val"] or _name_hash(source) < w["val_fraction"] else "train"
-            ids[split].extend(enc.ids)
-            ids[split].append(w["eos"])
-            counts[split] += 1
-    return {"tokens": {k: np.array(v, dtype=w["dtype"]) for k, v in ids.items()}, "documents": counts,
-            "lowest": lowest}  # fmt: skip
+    docs = item_documents(items, w["text_field"], w["encoding_errors"])
+    texts = [(source, text) for source, text in docs if text is not None]
+    hashes = [_name_hash(source) for source, _ in texts]
+    tokens: dict[str, list[bytes]] = {"train": [], "val": []}
+    for (source, _), name_hash, ids in zip(texts, hashes, w["encoder"]([t for _, t in texts]), strict=True):
+        split = tokens["val" if source == w["forced_val"] or name_hash < w["val_fraction"] else "train"]
+        split.append(ids)
+        split.append(w["eos"])
+    return {"tokens": {k: b"".join(v) for k, v in tokens.items()},
+            "documents": {k: len(v) // 2 for k, v in tokens.items()}, "nulls": len(docs) - len(texts),
+            "lowest": min(zip(hashes, (s for s, _ in texts), strict=True)) if texts else None}  # fmt: skip
 
 
 class _Encoder:
@@ -202,20 +286,20 @@ class _Encoder:
             else:
                 os.environ["TOKENIZERS_PARALLELISM"] = saved
 
-    def run(self, chunks: Iterator[tuple[list, int, Position]]) -> Iterator[tuple[dict, int, Position]]:
+    def run(self, chunks: Iterator[tuple[list, Position]]) -> Iterator[tuple[dict, Position]]:
         if self.pool is None:
-            for docs, nulls, end in chunks:
-                yield _encode_chunk(docs), nulls, end
+            for items, end in chunks:
+                yield _encode_chunk(items), end
             return
         pending: deque = deque()
-        for docs, nulls, end in chunks:
-            pending.append((self.pool.apply_async(_encode_chunk, (docs,)), nulls, end))
+        for items, end in chunks:
+            pending.append((self.pool.apply_async(_encode_chunk, (items,)), end))
             if len(pending) >= 2 * self.workers:
-                result, n, e = pending.popleft()
-                yield result.get(), n, e
+                result, e = pending.popleft()
+                yield result.get(), e
         while pending:
-            result, n, e = pending.popleft()
-            yield result.get(), n, e
+            result, e = pending.popleft()
+            yield result.get(), e
 
     def close(self, ok: bool) -> None:
         if self.pool is not None:
@@ -227,21 +311,19 @@ class _Encoder:
 
 
 def _chunks(files: list[InputFile], start: Position | None, opts: dict, chunk_bytes: int):
-    """``(docs [(source, text)], null texts, position after the chunk)``, about ``chunk_bytes`` characters each."""
-    docs: list[tuple[str, str]] = []
-    size = nulls = 0
+    """``(items, position after the chunk)``: input items (:func:`iter_items`) of about ``chunk_bytes`` bytes each,
+    read but not decoded or parsed (that is the workers' job)."""
+    items: list[tuple] = []
+    size = 0
     end = start
-    for doc, end in iter_documents(files, start, opts["text_field"], opts["encoding_errors"]):
-        if doc.text is None:
-            nulls += 1
-        else:
-            docs.append((doc.source, doc.text))
-            size += len(doc.text)
+    for item, n, end in iter_items(files, start, opts["text_field"], opts["encoding_errors"], chunk_bytes):
+        items.append(item)
+        size += n
         if size >= chunk_bytes:
-            yield docs, nulls, end
-            docs, size, nulls = [], 0, 0
-    if docs or nulls:
-        yield docs, nulls, end
+            yield items, end
+            items, size = [], 0
+    if items:
+        yield items, end
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -385,22 +467,24 @@ class _Run:
         start = Position.from_list(state["position"]) if state["position"] else None
         kill_at = int(os.environ.get(KILL_AT_CHUNK, "0"))
         encoder = _Encoder(self.workers, (str(tokenizer_file), self.opts["val_fraction"], state["forced_val"],
-                                          self.opts["batch_docs"]))  # fmt: skip
+                                          self.opts["batch_docs"], self.opts["text_field"],
+                                          self.opts["encoding_errors"]))  # fmt: skip
         bar = _ProgressBar(self.total_bytes, self.files, state, self.show_progress)
         ok, last_commit = False, time.monotonic()
         try:
-            for result, nulls, end in encoder.run(_chunks(self.files, start, self.opts, self.chunk_bytes)):
+            for result, end in encoder.run(_chunks(self.files, start, self.opts, self.chunk_bytes)):
                 shards_before = sum(len(w.shards) for w in writers.values())
+                tokens = {name: np.frombuffer(result["tokens"][name], dtype=dtype) for name in writers}
                 for name, writer in writers.items():
-                    writer.write(result["tokens"][name])
+                    writer.write(tokens[name])
                     state["documents"][name] += result["documents"][name]
-                state["skipped_null"] += nulls
+                state["skipped_null"] += result["nulls"]
                 if result["lowest"] is not None and (state["lowest"] is None or result["lowest"] < tuple(
                         state["lowest"])):  # fmt: skip
                     state["lowest"] = list(result["lowest"])
                 state["chunks"] += 1
                 state["position"] = end.to_list()
-                bar.update(end, state, sum(int(t.size) for t in result["tokens"].values()))
+                bar.update(end, state, sum(int(t.size) for t in tokens.values()))
                 if state["chunks"] == kill_at:
                     os.kill(os.getpid(), signal.SIGKILL)
                 shard_closed = sum(len(w.shards) for w in writers.values()) != shards_before

@@ -4,9 +4,11 @@ Inputs are files (.txt: one document per file; .jsonl, .jsonl.gz, .jsonl.zst: on
 folders of such files, local Hugging Face ``datasets`` folders written by ``save_to_disk`` (one document per row of
 each split), or the single name ``shakespeare`` (the embedded corpus). Each document comes with its :class:`Position`:
 the point just after it, from which :func:`iter_documents` can start again without reading what came before (a byte
-offset for plain JSONL; lines, rows or files skipped otherwise). Memory is bounded by the largest document (and a
-Parquet / Arrow batch), whatever the corpus size. Non-UTF-8 text is refused (file and byte) unless ``errors`` is
-'replace'; a null text yields a document whose text is None (skipped and counted by the caller).
+offset for plain JSONL; lines, rows or files skipped otherwise). :func:`iter_items` reads the same stream for
+``prepare`` with the least work in the reading process: JSONL as raw blocks of whole lines, decoded and parsed later
+(by :func:`item_documents`, in the worker processes). Memory is bounded by the largest document (and a Parquet /
+Arrow batch or a JSONL block), whatever the corpus size. Non-UTF-8 text is refused (file and byte) unless ``errors``
+is 'replace'; a null text yields a document whose text is None (skipped and counted by the caller).
 """
 
 from __future__ import annotations
@@ -165,32 +167,91 @@ def _open_compressed(f: InputFile, raw: io.BufferedReader):
     return io.BufferedReader(zstandard.ZstdDecompressor().stream_reader(raw))
 
 
-def _jsonl(f: InputFile, index: int, start: Position, text_field: str, errors: str):
-    """One document per non-blank line. Plain files resume by seeking to the byte offset; compressed ones by skipping
-    lines (decompressed, not parsed)."""
+def _jsonl_blocks(f: InputFile, index: int, start: Position, block: int):
+    """``(number of the first line, bytes of whole lines, Position after them)`` from ``start``: blocks of at least
+    ``block`` bytes (but the last) that end with a newline (or the end of the file). Plain files resume by seeking to
+    the byte offset; compressed ones by skipping lines (decompressed, not parsed)."""
     with open(f.path, "rb") as raw:
         compressed = f.kind != ".jsonl"
         stream = _open_compressed(f, raw) if compressed else raw
         lineno, offset = start.record, start.offset
         try:
             if compressed:
-                for _ in range(lineno):
-                    stream.readline()
+                _skip_lines(stream, lineno)
             else:
                 raw.seek(offset)
-            for line in stream:
-                lineno += 1
-                offset += len(line)
-                done = raw.tell() if compressed else offset
-                where = f"{f.path}:{lineno}"
-                text = _decode(line, where, errors)
-                if text.strip():
-                    yield Document(f"{f.name}:{lineno}", _json_text(text, where, text_field)), Position(
-                        index, lineno, 0 if compressed else offset, done)  # fmt: skip
+            parts: list[bytes] = []  # read, not yet yielded; only the last one may hold a newline past `block`
+            size = 0
+            while True:
+                data = stream.read(block - size if size < block else block)
+                if data:
+                    parts.append(data)
+                    size += len(data)
+                    if size < block:
+                        continue
+                    cut = data.find(b"\n", max(0, block - 1 - (size - len(data)))) + 1
+                    if cut == 0:  # a line runs past `block`: read on to its end
+                        continue
+                    parts[-1], rest = data[:cut], data[cut:]
+                elif not parts:
+                    return
+                else:
+                    rest = b""
+                blob = b"".join(parts)
+                first = lineno + 1
+                lineno += blob.count(b"\n") + (0 if blob.endswith(b"\n") else 1)
+                offset += len(blob)
+                yield first, blob, Position(index, lineno, 0 if compressed else offset,
+                                            raw.tell() if compressed else offset)  # fmt: skip
+                if not data:
+                    return
+                parts, size = ([rest], len(rest)) if rest else ([], 0)
         except (OSError, EOFError) as exc:  # gzip / zstd: a truncated or damaged stream
             if not compressed:
                 raise
             raise DataError(f"{f.path}: cannot decompress after line {lineno} ({exc})") from None
+
+
+def _skip_lines(stream, count: int) -> None:
+    """Read ``stream`` to just after its ``count``-th newline."""
+    while count > 0:
+        line = stream.readline()
+        if not line:
+            return
+        count -= 1
+
+
+def parse_lines(blob: bytes, name: str, path: str, first: int, text_field: str,
+                errors: str) -> list[tuple[str, str | None]]:  # fmt: skip
+    """``(source, text)`` of each non-blank JSONL line of ``blob`` (whole lines, the first numbered ``first``) of the
+    input named ``name`` at ``path``."""
+    lines = blob.split(b"\n")
+    if blob.endswith(b"\n"):
+        lines.pop()
+    docs = []
+    for lineno, line in enumerate(lines, start=first):
+        where = f"{path}:{lineno}"
+        text = _decode(line, where, errors)
+        if text.strip():
+            docs.append((f"{name}:{lineno}", _json_text(text, where, text_field)))
+    return docs
+
+
+def _jsonl(f: InputFile, index: int, start: Position, text_field: str, errors: str):
+    """One document per non-blank line, with the Position after its line."""
+    compressed = f.kind != ".jsonl"
+    for first, blob, end in _jsonl_blocks(f, index, start, 1 << 20):
+        lines = blob.split(b"\n")
+        if blob.endswith(b"\n"):
+            lines.pop()
+        offset = end.offset - len(blob)
+        for lineno, line in enumerate(lines, start=first):
+            offset = min(offset + len(line) + 1, end.offset)  # the last line of a file may lack its newline
+            where = f"{f.path}:{lineno}"
+            text = _decode(line, where, errors)
+            if text.strip():
+                yield Document(f"{f.name}:{lineno}", _json_text(text, where, text_field)), Position(
+                    index, lineno, 0 if compressed else offset, end.done if compressed else offset)  # fmt: skip
 
 
 def _check_text_column(path: Path, names: list[str], kind, text_field: str) -> None:
@@ -273,3 +334,31 @@ def iter_documents(files: list[InputFile], start: Position | None, text_field: s
     first = start.file if start is not None else 0
     for index in range(first, len(files)):
         yield from iter_file(files[index], index, start, text_field, errors)
+
+
+def iter_items(files: list[InputFile], start: Position | None, text_field: str, errors: str,
+               block: int) -> Iterator[tuple[tuple, int, Position]]:  # fmt: skip
+    """What :func:`item_documents` turns into documents, read from ``start`` with the least work: ``(item, bytes,
+    Position after it)``. An item is ``("lines", name, path, first line number, bytes of whole lines)`` for JSONL
+    (blocks of about ``block`` bytes, not decoded or parsed here) or ``("doc", source, text)`` for the other kinds."""
+    first = start.file if start is not None else 0
+    for index in range(first, len(files)):
+        f = files[index]
+        if f.kind.startswith(".jsonl"):
+            begin = start if start is not None and start.file == index else Position(index)
+            for lineno, blob, end in _jsonl_blocks(f, index, begin, block):
+                yield ("lines", f.name, str(f.path), lineno, blob), len(blob), end
+        else:
+            for doc, end in iter_file(f, index, start, text_field, errors):
+                yield ("doc", doc.source, doc.text), len(doc.text or ""), end
+
+
+def item_documents(items: list[tuple], text_field: str, errors: str) -> list[tuple[str, str | None]]:
+    """``(source, text)`` of every document of ``items`` (from :func:`iter_items`), in order; None for a null text."""
+    docs: list[tuple[str, str | None]] = []
+    for item in items:
+        if item[0] == "lines":
+            docs.extend(parse_lines(item[4], item[1], item[2], item[3], text_field, errors))
+        else:
+            docs.append((item[1], item[2]))
+    return docs
