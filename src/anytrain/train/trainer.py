@@ -2,74 +2,55 @@
 
 Host/device synchronisation happens only on log and eval steps, and once per step for the finite check
 (``train.check_finite``, which reads the global gradient norm so every rank takes the same decision).
+
+``Trainer`` holds the set-up, the step, the loop, logging and checkpoint / stop handling; its model and layout
+construction is in train/build.py (``ModelSetup`` and the helpers ``compute_dtype``, ``clip_in_optimizer``,
+``lagged_checks_apply``), its validation loss in train/evaluation.py (``Evaluation``).
 """
 
 from __future__ import annotations
 
 import contextlib
 import gc
-import inspect
 import json
 import math
-import os
 import time
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
-from torch.distributed.fsdp import FSDPModule
 
 from anytrain import hardware
-from anytrain.config import RunConfig, check_document_mask, plan_batches, to_dict
+from anytrain.config import RunConfig, to_dict
 from anytrain.data.loader import BatchProvider, BatchSource, SampleIndex
 from anytrain.data.mixture import open_mixture
 from anytrain.data.sft import masked_sources
 from anytrain.data.shards import TokenDataset
-from anytrain.errors import ConfigError, RunDirError, TrainingError
+from anytrain.errors import RunDirError, TrainingError
 from anytrain.evals.hf import init_from_hf
 from anytrain.kernels import configure as configure_kernels
 from anytrain.kernels import mamba_inner, wide_mm
-from anytrain.models import build_model, get_spec, resolve_args
-from anytrain.parallel import (
-    DistInfo,
-    all_reduce_mean,
-    barrier,
-    dp_mesh_1d,
-    gather_object,
-    gradient_sync,
-    init_distributed,
-    parallelize,
-    unwrap,
+from anytrain.models import build_model, get_spec
+from anytrain.parallel import DistInfo, barrier, gather_object, gradient_sync, parallelize, unwrap
+from anytrain.train import rundir
+from anytrain.train.build import (
+    ModelSetup,
+    check_data_fits_model,
+    clip_in_optimizer,
+    compute_dtype,
+    init_weights,
+    lagged_checks_apply,
+    setup_document_mask,
 )
-from anytrain.parallel.compression import GradCommMeter
-from anytrain.parallel.dims import ParallelDims, validate_for_model
-from anytrain.parallel.pipeline import (
-    build_schedule,
-    build_stage_parts,
-    merge_parts,
-    pipeline_forward,
-    rank_stages,
-    step_accepts_return_outputs,
-)
-from anytrain.train import cuda_graph, rundir
 from anytrain.train.checkpoint import Checkpointer, TrainState
 from anytrain.train.energy import EnergyMeter, energy_metrics
+from anytrain.train.evaluation import Evaluation
 from anytrain.train.guard import Preempted, StepGuard, StepStatus
 from anytrain.train.metrics import MetricsLogger, MetricWindow, ThroughputMeter, mfu
-from anytrain.train.optim import Zero1AdamW, build_optimizer, build_scheduler
 from anytrain.train.profiling import StepProfiler, format_summary
 
 
-def compute_dtype(cfg: RunConfig, device: torch.device) -> torch.dtype:
-    if cfg.train.dtype == "fp32":
-        return torch.float32
-    if cfg.train.dtype == "bf16":
-        return torch.bfloat16
-    return torch.bfloat16 if hardware.supports_bf16(device) else torch.float32
-
-
-class Trainer:
+class Trainer(ModelSetup, Evaluation):
     """One process's share of a training run.
 
     ``Trainer(cfg)`` is what ``anytrain train`` runs: data from ``cfg.data``, outputs in a run directory (``run_dir``,
@@ -86,7 +67,7 @@ class Trainer:
         self._setup_layout()
         self.dataset = None if batches is not None else TokenDataset(cfg.data.path)
         if self.dataset is not None:
-            self._check_data_fits_model()
+            check_data_fits_model(self.dataset, self.model_args, cfg.data.seq_len)
         writes = batches is None or run_dir is not None
         resume = resume or cfg.checkpoint.auto_resume
         self.run_dir = self._setup_run_dir(run_dir, resume, overwrite, resume_allow) if writes else None
@@ -95,7 +76,7 @@ class Trainer:
             self.log.print(f"parallel.auto: {self._auto_reason}")
         self.dtype = compute_dtype(cfg, self.device)
         self._build_model()
-        self._setup_document_mask(batches)
+        setup_document_mask(cfg, self.raw_model, self.dataset, batches)
         self.progress: dict = {"step": 0, "tokens_seen": 0}
         self.state = TrainState(self.model, self.optimizer, self.scheduler, self.progress,
                                 extras=self.grad_comm.checkpoint_state(self.progress, self.log.print))  # fmt: skip
@@ -119,20 +100,6 @@ class Trainer:
         self.energy = EnergyMeter(self.device.index or 0) if hardware.is_gpu(self.device) else None
         logs_samples = cfg.train.log_sample_ids and self.run_dir is not None
         self._sample_log = self._open_sample_log() if logs_samples else None
-
-    def _setup_layout(self) -> None:
-        """Processes and devices, the parallel layout (``parallel.auto`` applied), the batch plan, the model args."""
-        cfg = self.cfg
-        self.info, self.device = init_distributed(cfg.device, cpu_affinity=cfg.parallel.cpu_affinity)
-        self._affinity_per_rank = self._gather_affinity() if cfg.parallel.cpu_affinity == "cores" else None
-        self._auto_reason = self._apply_auto_layout() if cfg.parallel.auto else None
-        self.dims = ParallelDims.from_config(cfg.parallel, self.info.world_size)
-        self.dp_rank, self.dp_world = self.dims.dp_rank(self.info.rank), self.dims.dp
-        self.plan = plan_batches(cfg.train, self.dp_world)
-        self.model_args = resolve_args(cfg.model)
-        validate_for_model(self.dims, self.model_args.n_layers, getattr(self.model_args, "n_heads", None),
-                           getattr(self.model_args, "n_kv_heads", None), cfg.parallel, self.plan.grad_accum,
-                           getattr(self.model_args, "tie_embeddings", False))  # fmt: skip
 
     def _setup_batches(self, batches: BatchProvider | None) -> None:
         """The training batches (the prepared dataset's, or ``batches``) and the validation ones (dataset only)."""
@@ -167,29 +134,6 @@ class Trainer:
             path.write_text("".join(line + "\n" for line in kept))
         return open(path, "a", buffering=1)  # noqa: SIM115 - closed in close()
 
-    def _apply_auto_layout(self) -> str | None:
-        """parallel.auto: take strategy / micro-batch / activation checkpointing from the cost model's plan."""
-        from anytrain.cost.planner import choose_layout
-
-        choice = choose_layout(self.cfg, self.info.world_size, hardware.device_spec(self.device))
-        for key in ("parallel.strategy", "parallel.reshard_after_forward", "train.micro_batch",
-                    "train.activation_checkpointing"):  # fmt: skip
-            if key in choice:
-                section, name = key.split(".")
-                setattr(getattr(self.cfg, section), name, choice[key])
-        return choice.get("reason")
-
-    def _check_data_fits_model(self) -> None:
-        if self.dataset.vocab_size > self.model_args.vocab_size:
-            raise ConfigError(
-                f"model.args.vocab_size: {self.model_args.vocab_size} is smaller than the tokenizer vocabulary "
-                f"{self.dataset.vocab_size} of {self.dataset.path}; set --model.args.vocab_size "
-                f"{self.dataset.vocab_size} or larger"
-            )
-        if self.cfg.data.seq_len > self.model_args.max_seq_len:
-            raise ConfigError(f"data.seq_len: {self.cfg.data.seq_len} exceeds model.args.max_seq_len "
-                              f"{self.model_args.max_seq_len}")  # fmt: skip
-
     def _setup_run_dir(self, run_dir: str | None, resume: bool, overwrite: bool, allow: tuple[str, ...]) -> Path:
         """Marker, lock (rank 0, for the run's lifetime) and, on resume, the config comparison: train/rundir.py."""
         self._run = rundir.setup_run_dir(self.cfg, run_dir, resume, overwrite, allow, self.info.is_main)
@@ -209,101 +153,13 @@ class Trainer:
             self._build_pipeline(spec)
         else:
             model = full
-            model.to_empty(device=self.device)
-            torch.manual_seed(self.cfg.train.seed)  # identical weights on every rank of the same device type
-            if "seed" in inspect.signature(model.init_weights).parameters:
-                model.init_weights(seed=self.cfg.train.seed)  # per-parameter streams: independent of the layout
-            else:
-                model.init_weights()
+            init_weights(model, self.device, self.cfg.train.seed)  # identical on every rank of the same device type
             self.raw_model = model
             init_from_hf(model, self.cfg.model, self.log.print)  # model.init_from: HF weights (evals/hf.py)
             self.model, self.strategy = parallelize(model, self.cfg, self.dims, self.device, self.dtype)
         # ranks holding a copy of the loss: all but the non-final pipeline stages (TP peers hold equal copies)
         self.loss_ranks = self.info.world_size // self.dims.pp
-        if self.strategy == "zero1":
-            self.optimizer = Zero1AdamW(
-                unwrap(self.model), self.cfg.train, self.device, dp_mesh_1d(self.dims, self.device)
-            )
-        else:
-            self.optimizer = build_optimizer(self.model, self.cfg.train, self.device, per_tensor=self.dims.tp > 1)
-        self.scheduler = build_scheduler(self.optimizer, self.cfg.train)
-        # grad_comm_bytes of the log records (parallel.grad_compression's hook counts them where there is one)
-        self.grad_comm = GradCommMeter(self.model, self.strategy, self.cfg.parallel, self.dims.dp_replicate,
-                                       self.dims.dp_shard)  # fmt: skip
-        # FSDP casts parameters itself (bf16 params, fp32 reduce); otherwise autocast does mixed precision.
-        use_autocast = self.dtype != torch.float32 and self.strategy != "fsdp"
-        self._autocast = (lambda: torch.autocast(self.device.type, dtype=self.dtype)) if use_autocast else (
-            contextlib.nullcontext)  # fmt: skip
-
-    def _build_pipeline(self, spec) -> None:
-        """This rank's stage parts (parallelized one by one), their schedule, and ``self.model``: one module naming
-        all of this rank's parameters by their full-model names (for the optimizer, clipping and checkpoints)."""
-        pcfg = self.cfg.parallel
-        self.pp_rank = self.dims.coordinates(self.info.rank)["pp"]
-        self.pp_n_stages = self.dims.pp * pcfg.pp_virtual_stages
-        self.pp_stages = rank_stages(self.pp_rank, self.dims.pp, pcfg.pp_virtual_stages)
-        parts = build_stage_parts(lambda: spec.build(self.model_args), self.pp_stages, self.pp_n_stages, self.device,
-                                  self.cfg.train.seed)  # fmt: skip
-        self.pp_parts = []
-        for part in parts:
-            init_from_hf(part, self.cfg.model, self.log.print)  # model.init_from: only this stage's tensors are read
-            if not self.cfg.train.compile:  # one autocast region runs all micro-batches: keep autocast's shared casts
-                for module in part.modules():
-                    if hasattr(module, "wide_grads"):
-                        module.wide_grads = False
-            part, self.strategy = parallelize(part, self.cfg, self.dims, self.device, self.dtype)
-            self.pp_parts.append(part)
-        self.pp_group = self.dims.build_mesh(self.device.type)["pp"].get_group()
-        self.pp_schedule = build_schedule(self.pp_parts, self.pp_stages, self.pp_n_stages, self.device,
-                                          self.pp_group, pcfg.pp_schedule, self.plan.grad_accum,
-                                          loss_fn=self._pipeline_loss)  # fmt: skip
-        self._pp_step_kwargs = {"return_outputs": False} if step_accepts_return_outputs(self.pp_schedule) else {}
-        self.pp_first, self.pp_last = 0 in self.pp_stages, self.pp_n_stages - 1 in self.pp_stages
-        self.model = merge_parts(self.pp_parts)
-        self.raw_model = self.accounting_model
-
-    def _setup_document_mask(self, batches: BatchProvider | None) -> None:
-        """data.document_mask: the model splits its input at the data's EOS id (the dataset's index.json, or the
-        ``eos_id`` attribute of the ``batches`` given to the trainer) and keeps attention inside each document."""
-        if not self.cfg.data.document_mask:
-            return
-        check_document_mask(self.cfg)  # also for a config built in code (the benches), which load_config did not see
-        eos_id = self.dataset.eos_id if self.dataset is not None else getattr(batches, "eos_id", None)
-        if eos_id is None:
-            raise ConfigError("data.document_mask: the batches given to Trainer have no eos_id attribute (the token "
-                              "that ends each document); set one or turn data.document_mask off")  # fmt: skip
-        self.raw_model.document_eos_id = int(eos_id)
-
-    def _log_model_size(self) -> None:
-        """One line at start: parameters, training FLOPs per token and the cost model's peak memory per device."""
-        from anytrain.cost.devices import from_spec
-        from anytrain.cost.memory import run_memory_estimate
-
-        model, cfg = self.accounting_model, self.cfg
-        device = from_spec(hardware.device_spec(self.device))
-        est = run_memory_estimate(cfg, self.dims, self.strategy, self.plan.micro_batch, self.dtype == torch.float32,
-                                  device.blas_workspace_mib if device is not None else 0.0)  # fmt: skip
-        size = (f"{est[0]:.2f} GiB" if est[0] >= 0.1 else f"{est[0] * 1024:.1f} MiB") if est else ""
-        memory = f"cost model: {size} peak allocated per device ({est[1]})" if est else "cost model: n/a"
-        self.log.print(f"model: {cfg.model.arch}/{cfg.model.flavour}, {model.num_params():,} parameters "
-                       f"({model.num_params(exclude_embedding=True):,} without input embeddings), "
-                       f"{self.flops_per_token:.4g} FLOPs/token at seq {cfg.data.seq_len}; {memory}")  # fmt: skip
-
-    def _setup_cuda_graphs(self) -> None:
-        """train.cuda_graphs: capture the micro-step where that is sound (train/cuda_graph.py), else say why."""
-        self._graphed = None
-        if not self.cfg.train.cuda_graphs:
-            return
-        reason = cuda_graph.applicability(self.device, self.info.world_size, self.pp_schedule is not None,
-                                          bool(self.guard.test_nan_step))  # fmt: skip
-        if not reason and self.cfg.data.document_mask:
-            reason = "data.document_mask builds its block mask per batch, not captured"
-        if reason:
-            if self.info.is_main and hasattr(self, "log"):
-                self.log.print(f"train.cuda_graphs: eager micro-steps ({reason})")
-            return
-        self._graphed = cuda_graph.GraphedMicroStep(lambda x, y: self.forward_backward(x, y, sync=True),
-                                                    list(self.model.parameters()))  # fmt: skip
+        self._setup_optimizer()
 
     def _zero_grad(self) -> None:
         """Drop the step's gradients: freed (set to None), or zeroed in place when a captured graph writes to them."""
@@ -462,44 +318,6 @@ class Trainer:
         torch.nn.utils.clip_grads_with_norm_(params, max_norm, total, foreach=False)
         return total
 
-    def evaluate(self) -> float:
-        """Mean next-token loss over the first ``eval_batches`` global batches of the validation split; with
-        data.sources, the weighted mean of each source's (those are kept in ``self.val_by_source``)."""
-        if self.val_sources is None:
-            return self._evaluate_split(self.val_source)
-        self.val_by_source = {name: self._evaluate_split(source) for name, source in self.val_sources.items()}
-        weights = self.train_source.weights
-        return float(sum(w * loss for w, loss in zip(weights, self.val_by_source.values(), strict=True)))
-
-    @torch.no_grad()
-    def _evaluate_split(self, val_source: BatchSource) -> float:
-        self.model.eval()
-        total = torch.zeros(2, device=self.device, dtype=torch.float64)  # (loss sum, token count)
-        micro = self.plan.micro_batch
-        for batch in range(self.cfg.train.eval_batches):
-            inputs, targets, _ = val_source.rank_batch(batch, self.dp_rank, self.dp_world)
-            for i in range(0, inputs.shape[0], micro):
-                x, y = inputs[i : i + micro].to(self.device), targets[i : i + micro].to(self.device)
-                with self._autocast():
-                    logits = self.model(x) if self.pp_schedule is None else self._pipeline_logits(x)
-                if logits is None:  # a pipeline rank without the last stage
-                    continue
-                total[0] += F.cross_entropy(logits.float().flatten(0, 1), y.flatten(), reduction="sum").double()
-                total[1] += (y != -100).sum()  # targets of -100 (prompt tokens of SFT data) are not scored
-        self.model.train()
-        for part in self.pp_parts if self.pp_schedule is not None else [self.model]:
-            for module in part.modules():  # no backward follows: free what FSDP kept gathered (root, last block)
-                if isinstance(module, FSDPModule):
-                    module.reshard()
-        total = all_reduce_mean(total)
-        return (total[0] / total[1]).item() if total[1] > 0 else float("nan")
-
-    def _pipeline_logits(self, tokens: torch.Tensor) -> torch.Tensor | None:
-        """Forward-only pass of one micro-batch through the pipeline, stage after stage; logits on the last stage."""
-        width = getattr(self.model_args, "dim", None) or self.model_args.d_model
-        return pipeline_forward(self.pp_parts, self.pp_stages, self.pp_n_stages, self.pp_group, self.pp_rank,
-                                self.dims.pp, tokens, (*tokens.shape, width))  # fmt: skip
-
     # ----------------------------------------------------------------------------------------------------------------
     # loop
 
@@ -596,20 +414,12 @@ class Trainer:
         return {"window_loss": sums, "window_steps": steps, "loss_ranks": self.loss_ranks,
                 "spike": self.guard.spike_state()}  # fmt: skip
 
-    def _eval_batches(self) -> int:
-        """Validation batches per evaluation: none without a validation split (a trainer fed ``batches``)."""
-        return self.cfg.train.eval_batches if self.val_source is not None else 0
-
     def _save(self, step: int, final: bool = False) -> None:
         if self.checkpointer is None:  # a trainer without a run directory writes nothing
             return
         self.state.metrics = self._metrics_state()
         self.checkpointer.save(step, self.state, asynchronous=self.cfg.checkpoint.async_save and not final)
         self.guard.saved()
-
-    def _gather_affinity(self) -> list:
-        """Every rank's CPUs after ``parallel.cpu_affinity: cores`` (for summary.json)."""
-        return gather_object(sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None)
 
     def _sync_point(self, step: int, end: int, status: StepStatus) -> bool:
         """Whether the loop synchronises after ``step`` steps anyway (log, eval, checkpoint, end): the lagged checks
@@ -719,12 +529,6 @@ class Trainer:
         dist.all_reduce(total)
         return total / self.loss_ranks
 
-    def _eval_and_log(self, step: int) -> float:
-        val = self.evaluate()
-        per_source = {f"val_loss/{name}": loss for name, loss in getattr(self, "val_by_source", {}).items()}
-        self.log.log({"step": step, "val_loss": val, "val_ppl": math.exp(min(val, 50.0)), **per_source}, kind="eval")
-        return val
-
     def _finish(self, first_val: float | None, last_val: float | None, rates: list[float]) -> dict:
         steady = rates[1:] or rates  # the first window includes warm-up / compilation
         tokens_per_s = sum(steady) / len(steady) if steady else 0.0
@@ -770,21 +574,6 @@ class Trainer:
         run = getattr(self, "_run", None)
         if run is not None and run.lock is not None:
             run.lock.release()
-
-
-def clip_in_optimizer(optimizer: torch.optim.Optimizer, strategy: str, dims: ParallelDims) -> bool:
-    """Whether gradient clipping hands its factor to the fused AdamW (``grad_scale``, which the kernel divides each
-    gradient by as it reads it) instead of scaling every gradient in a pass of its own: plain (non-DTensor) gradients
-    on one mesh (one process or DDP) and torch's fused AdamW. The trainer asks only with ``train.clip_in_optimizer``."""
-    fused = type(optimizer) is torch.optim.AdamW and all(g.get("fused") for g in optimizer.param_groups)
-    return fused and strategy in ("single", "ddp") and dims.tp == 1 and dims.pp == 1
-
-
-def lagged_checks_apply(cfg: RunConfig, optimizer: torch.optim.Optimizer) -> bool:
-    """train.lagged_checks takes effect with the fused AdamW (its found_inf skips a non-finite update on the device)
-    and without the spike guard (which needs the step's loss on the host before the update)."""
-    fused = all(group.get("fused") for group in optimizer.param_groups)
-    return bool(cfg.train.lagged_checks and fused and not cfg.train.spike_factor)
 
 
 def run_training(cfg: RunConfig, run_dir: str | None = None, resume: bool = False, overwrite: bool = False,
