@@ -215,7 +215,10 @@ def start_job(case: Case, gpus: list[int], work: Path, args: argparse.Namespace)
     else:
         cmd = anytrain_command(case, job_dir / "run", args.data, args.steps, args.log_interval,
                                tuple(args.train_args.split()))  # fmt: skip
-    env = dict(os.environ, CUDA_VISIBLE_DEVICES=",".join(map(str, gpus)), PYTHONUNBUFFERED="1",
+    from anytrain import hardware
+
+    # the job's GPUs as this process numbers them, inside any visible-devices list it was started with
+    env = dict(os.environ, **hardware.devices_env(gpus), PYTHONUNBUFFERED="1",
                PYTHONPATH=str(ROOT / "src") + os.pathsep + os.environ.get("PYTHONPATH", ""))  # fmt: skip
     log = job_dir / "log.txt"
     with open(log, "w") as fh:

@@ -253,17 +253,22 @@ def topology_command() -> list[str] | None:
 
 
 def single_device_env(device: torch.device, environ: dict[str, str] | None = None) -> dict[str, str]:
-    """Variables that make a child process see only ``device`` (as its device 0): the visible-devices list of this
-    vendor, narrowed to the entry ``device`` is in this process (CUDA_VISIBLE_DEVICES; HIP_VISIBLE_DEVICES on ROCm,
-    whose indices count inside any ROCR_VISIBLE_DEVICES, which the child inherits). Empty on CPU."""
+    """Variables that make a child process see only ``device`` (as its device 0); empty on CPU. See devices_env."""
     if not is_gpu(device):
         return {}
+    return devices_env([device.index or 0], environ)
+
+
+def devices_env(indices: list[int], environ: dict[str, str] | None = None) -> dict[str, str]:
+    """Variables that make a child process see only the GPUs ``indices`` (as its devices 0, 1, ...), indices counted
+    as this process sees them: the visible-devices list of this vendor, narrowed to those entries of any list already
+    in force (CUDA_VISIBLE_DEVICES; HIP_VISIBLE_DEVICES on ROCm, whose indices count inside any ROCR_VISIBLE_DEVICES,
+    which the child inherits)."""
     environ = dict(os.environ) if environ is None else environ
     key = "HIP_VISIBLE_DEVICES" if vendor() == ROCM else "CUDA_VISIBLE_DEVICES"
     visible = environ.get(key) or (environ.get("CUDA_VISIBLE_DEVICES") if vendor() == ROCM else None)
-    index = device.index or 0
     entries = [e.strip() for e in visible.split(",") if e.strip()] if visible else []
-    return {key: entries[index] if index < len(entries) else str(index)}
+    return {key: ",".join(entries[i] if i < len(entries) else str(i) for i in indices)}
 
 
 def summary(device: torch.device, peak_tflops: float | None = None) -> dict:

@@ -81,3 +81,12 @@ def test_async_tp_refuses_a_cpu_device_in_one_line():
 
     with pytest.raises(ConfigError, match=r"^parallel\.async_tp: needs GPUs .* set --parallel\.async_tp false on CPU$"):
         hardware.enable_async_tp(torch.device("cpu"), "0")
+
+
+def test_devices_env_narrows_the_visible_list_a_process_was_started_with(monkeypatch):
+    monkeypatch.setattr(hardware, "vendor", lambda: hardware.CUDA)
+    assert hardware.devices_env([0, 1], {"CUDA_VISIBLE_DEVICES": "2,3"}) == {"CUDA_VISIBLE_DEVICES": "2,3"}
+    assert hardware.devices_env([1], {"CUDA_VISIBLE_DEVICES": "5, 7"}) == {"CUDA_VISIBLE_DEVICES": "7"}
+    assert hardware.devices_env([0, 2], {}) == {"CUDA_VISIBLE_DEVICES": "0,2"}  # nothing in force: the indices
+    monkeypatch.setattr(hardware, "vendor", lambda: hardware.ROCM)
+    assert hardware.devices_env([1], {"CUDA_VISIBLE_DEVICES": "4,6"}) == {"HIP_VISIBLE_DEVICES": "6"}
