@@ -99,6 +99,7 @@ def test_checkpoint_written_by_every_strategy(runs):
         assert (final / "COMMITTED").is_file() and (final / ".metadata").is_file()
 
 
+@pytest.mark.slow  # the core-share arithmetic is unit-tested in test_parallel_dims.py
 def test_cpu_affinity_cores_binds_ranks_apart_and_keeps_the_losses(runs, tmp_path, small_data):
     from anytrain.parallel import core_share, physical_cores
 

@@ -7,6 +7,8 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 from tests.conftest import ROOT, cli_env
 
 
@@ -59,6 +61,7 @@ def test_mamba_train_hf_row_halves_its_micro_batch_when_it_runs_out_of_memory(mo
     assert row["error"].startswith("out of memory") and built[3:] == [9], row
 
 
+@pytest.mark.slow  # the native scorer and the bridge agree item for item in test_eval_tasks.py
 def test_eval_throughput_smoke_trains_exports_and_scores_three_ways(tmp_path):
     # bench/eval_throughput.py --smoke: tiny Llama and Mamba runs trained and exported through the CLI, loaded in
     # transformers; the native scorer, the lm-eval bridge and (where accelerate is installed: the eval and dev extras)

@@ -46,6 +46,7 @@ def test_whole_model_compile_gives_the_same_losses(baseline, small_data, tmp_pat
     np.testing.assert_allclose(compiled, baseline, rtol=0, atol=1e-4)
 
 
+@pytest.mark.slow  # the Transformer case of the same mechanism stays in make test
 def test_whole_model_compile_of_mamba_gives_the_same_losses(small_data, tmp_path):
     def mamba(run_dir, *extra):
         proc = run_cli("train", "configs/tiny-mamba.yaml", "--data.path", str(small_data), "--data.seq_len", "16",
