@@ -743,7 +743,6 @@ def merge_main(args: argparse.Namespace) -> None:
     path = Path(args.out) / f"scaling_{slug}{tag_suffix(args.tag)}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(payload, indent=1, default=str))
-    partial.unlink(missing_ok=True)
     print(f"\nwrote {path}")
 
 

@@ -541,8 +541,8 @@ def _validate_others(cfg: RunConfig) -> None:
         if getattr(p, name) < 1:
             raise ConfigError(f"parallel.{name}: must be >= 1, got {getattr(p, name)}")
     if p.async_tp and (p.tp < 2 or not cfg.train.compile):
-        raise ConfigError(f"parallel.async_tp: overlaps tensor-parallel collectives inside compiled blocks, so it needs "
-                          f"--parallel.tp >= 2 and --train.compile true (got tp {p.tp}, compile "
+        raise ConfigError(f"parallel.async_tp: overlaps tensor-parallel collectives inside compiled blocks, so it "
+                          f"needs --parallel.tp >= 2 and --train.compile true (got tp {p.tp}, compile "
                           f"{str(cfg.train.compile).lower()}); set --parallel.async_tp false")  # fmt: skip
     if p.dp_shard == 0 or p.dp_shard < -1:
         raise ConfigError(f"parallel.dp_shard: must be >= 1 or -1 (infer), got {p.dp_shard}")

@@ -48,10 +48,17 @@ def test_int_accepted_for_float_field(tmp_path):
             "parallel.fsdp_group_blocks applies to FSDP only, but the strategy is ddp",
         ),
         ("", ["--parallel.fsdp_group_blocks", "0"], "parallel.fsdp_group_blocks: expected >= 1, got 0"),
-        ("", ["--parallel.async_tp", "true"], "parallel.async_tp: overlaps tensor-parallel collectives inside compiled "
-         "blocks, so it needs --parallel.tp >= 2 and --train.compile true"),
-        ("", ["--parallel.async_tp", "true", "--parallel.tp", "2", "--train.compile", "false"],
-         "got tp 2, compile false"),
+        (
+            "",
+            ["--parallel.async_tp", "true"],
+            "parallel.async_tp: overlaps tensor-parallel collectives inside compiled "
+            "blocks, so it needs --parallel.tp >= 2 and --train.compile true",
+        ),
+        (
+            "",
+            ["--parallel.async_tp", "true", "--parallel.tp", "2", "--train.compile", "false"],
+            "got tp 2, compile false",
+        ),
     ],
 )
 def test_config_errors_name_the_field(tmp_path, text, overrides, message):

@@ -338,7 +338,8 @@ def host_seconds(shape: ModelShape | MambaShape, layout: Layout, wl: Workload, d
     Eager blocks: ``shape.eager_ops_per_block`` ATen ops (121 per Llama block, forward + backward) × ``host_op_us``
     (the host's cost of one eager op with autocast and autograd; fitted on the tiny run, which is host-bound);
     compiled blocks: ``host_layer_us_compiled`` per block (a few graph launches); tensor-parallel blocks
-    ``host_tp_layer_us`` (fitted: TP blocks are host-bound on DTensor's hooks and their collectives' issue and wait). Outside the blocks
+    ``host_tp_layer_us`` (fitted: TP blocks are host-bound on DTensor's hooks and their collectives' issue and
+    wait). Outside the blocks
     ``HEAD_EAGER_OPS`` ops per micro-batch; per step ``host_step_us`` (optimizer, clipping, the guard's check).
     ``wl.cuda_graphs`` on one device (the trainer captures only single-process runs): ``host_graph_us`` per
     micro-batch (copy the ids in, launch the graph) instead of the blocks' and head's launches."""
