@@ -7,6 +7,9 @@ Two kinds of rows, each in a fresh subprocess of this script (its own inductor c
   ``train_step``) on random token batches, for ``pos_encoding`` alibi (compiled flex_attention with the ALiBi
   ``score_mod`` and a causal block mask) and rope (SDPA, FlashAttention), everything else equal; tokens/s, MFU
   (anytrain's flops_per_token, equal for both: position encodings add no matmul FLOPs) and peak memory;
+* ``train-alibi-hfmpt``: transformers' ``MptForCausalLM`` of the same shape (the config anytrain's HF export writes
+  for this model), fp32 weights, bf16 autocast, ``torch.compile``, fused AdamW, clipping, its own loss: what a user
+  would train MPT with instead (issue #39's comparison; MFU with anytrain's FLOPs per token for the same model);
 * ``attention``: the attention op alone, forward + backward, (B, H, T, E) = (micro-batch, 16, 2048, 128) bf16:
   ``layers.alibi_attention`` with the block mask vs ``F.scaled_dot_product_attention(is_causal=True)`` after RoPE.
 
@@ -38,7 +41,7 @@ from anytrain.models import layers  # noqa: E402
 from anytrain.models.llama.model import apply_rope, rope_tables  # noqa: E402
 from anytrain.train.trainer import Trainer  # noqa: E402
 
-ROWS = ["train-rope-sdpa", "train-alibi-flex", "attention-rope-sdpa", "attention-alibi-flex"]
+ROWS = ["train-rope-sdpa", "train-alibi-flex", "train-alibi-hfmpt", "attention-rope-sdpa", "attention-alibi-flex"]
 
 
 def shape(smoke: bool) -> dict:
@@ -61,6 +64,47 @@ def train_row(pos: str, s: dict, device: torch.device, args: argparse.Namespace)
     tokens = s["global_batch"] * s["seq"]
     row.update(params=model.num_params(), flops_per_token=model.flops_per_token(s["seq"]),
                tokens_per_s=tokens / row["seconds_per_step"], driver="Trainer.train_step")  # fmt: skip
+    peak = hardware.peak_flops(device)
+    row["mfu"] = row["flops_per_token"] * row["tokens_per_s"] / peak if peak else None
+    return row
+
+
+def hf_mpt_row(s: dict, device: torch.device, args: argparse.Namespace) -> dict:
+    """transformers' MptForCausalLM equal to anytrain's ``s["flavour"]`` with ALiBi, trained as bench/transformer.py
+    trains HF's Llama: fp32 master weights, bf16 autocast, torch.compile (not in the smoke), fused AdamW on GPUs."""
+    from transformers import MptConfig, MptForCausalLM
+
+    from anytrain.evals.hf import hf_config
+    from anytrain.models import build_model
+
+    with torch.device("meta"):
+        ours = build_model(ModelConfig(arch="transformer", flavour=s["flavour"], args={"pos_encoding": "alibi"}))
+    config = hf_config("mpt", ours.args, eos_id=0, pad_id=None, dtype="float32")
+    config = MptConfig(**{k: v for k, v in config.items() if k not in ("architectures", "model_type")})
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = MptForCausalLM(config).float().train()
+    gpu = hardware.is_gpu(device)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=2e-4, betas=(0.9, 0.95), weight_decay=0.1, fused=gpu)
+    run = torch.compile(model) if not args.smoke else model
+    batches = RandomBatches(config.vocab_size, s["global_batch"], s["seq"])
+    accum = s["global_batch"] // s["micro"]
+
+    def step(i: int) -> None:
+        inputs = batches.rank_batch(i)[0].to(device, non_blocking=True)
+        for k in range(accum):
+            x = inputs[k * s["micro"] : (k + 1) * s["micro"]]
+            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=gpu):
+                loss = run(input_ids=x, labels=x).loss / accum  # HF shifts the labels itself
+            loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0, foreach=True)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    row = timed(step, device, args.warmup, args.steps)
+    tokens = s["global_batch"] * s["seq"]
+    row.update(params=sum(p.numel() for p in model.parameters()), flops_per_token=ours.flops_per_token(s["seq"]),
+               tokens_per_s=tokens / row["seconds_per_step"], driver="MptForCausalLM + torch.compile")  # fmt: skip
     peak = hardware.peak_flops(device)
     row["mfu"] = row["flops_per_token"] * row["tokens_per_s"] / peak if peak else None
     return row
@@ -102,11 +146,14 @@ def run_row(name: str, args: argparse.Namespace) -> dict:
     if hardware.is_gpu(device):
         torch.backends.cuda.matmul.allow_tf32 = True
     release(device)
-    kind, pos, _ = name.split("-", 2)
+    kind, pos, impl = name.split("-", 2)
     s = shape(args.smoke)
     row = {"row": name, "kind": kind, "pos_encoding": pos, **s}
     try:
-        row.update((train_row if kind == "train" else attention_row)(pos, s, device, args))
+        if impl == "hfmpt":
+            row.update(hf_mpt_row(s, device, args))
+        else:
+            row.update((train_row if kind == "train" else attention_row)(pos, s, device, args))
     except Exception as exc:  # noqa: BLE001 - one failing row must not lose the others
         row["error"] = row_error(exc)
     return row
@@ -120,6 +167,7 @@ def run_child(name: str, args: argparse.Namespace) -> dict:
 def print_table(rows: list[dict]) -> None:
     print(f"\n{'row':<24}{'ms/step':>10}{'tokens/s':>12}{'MFU':>8}{'TFLOP/s':>9}{'peak GiB':>10}{'vs rope':>9}")
     base = {r["kind"]: r["seconds_per_step"] for r in rows if r.get("pos_encoding") == "rope" and "error" not in r}
+    by_name = {r["row"]: r for r in rows if "error" not in r}
     for r in rows:
         if "error" in r:
             print(f"{r['row']:<24}  {r['error'][:90]}")
@@ -130,6 +178,10 @@ def print_table(rows: list[dict]) -> None:
         ratio = f"{r['seconds_per_step'] / base[r['kind']]:.2f}x" if r["kind"] in base else ""
         print(f"{r['row']:<24}{1e3 * r['seconds_per_step']:>10.1f}{tokens:>12}{mfu:>8}{tflops:>9}"
               f"{r['peak_mem_gib']:>10.1f}{ratio:>9}")  # fmt: skip
+    ours, hf = by_name.get("train-alibi-flex"), by_name.get("train-alibi-hfmpt")
+    if ours and hf:
+        speedup = hf["seconds_per_step"] / ours["seconds_per_step"]
+        print(f"anytrain MPT (ALiBi) vs MptForCausalLM + torch.compile: {speedup:.2f}x")
 
 
 def main() -> None:

@@ -30,6 +30,16 @@ def test_transformer_bench_smoke_rows_run(tmp_path):
     assert rows and all(r.get("error") is None and r.get("tokens_per_s", 0) > 0 for r in rows), rows
 
 
+@pytest.mark.slow  # two child processes; the Trainer path of the rows is covered by the transformer bench smoke
+def test_alibi_bench_trains_ours_and_transformers_mpt_of_the_same_shape(tmp_path):
+    rows = _bench(tmp_path, "alibi", "--smoke", "--rows", "train-alibi-flex", "train-alibi-hfmpt")
+    by = {r["row"]: r for r in rows}
+    assert all("error" not in r and r["tokens_per_s"] > 0 for r in rows), rows
+    # the same model: equal parameter counts, the HF row built from the config anytrain's export writes
+    assert by["train-alibi-hfmpt"]["params"] == by["train-alibi-flex"]["params"]
+    assert by["train-alibi-hfmpt"]["driver"] == "MptForCausalLM + torch.compile"
+
+
 def test_mamba_train_hf_row_halves_its_micro_batch_when_it_runs_out_of_memory(monkeypatch):
     # HF's slow path needs ~80 GiB at mamba-130m x micro-batch 8: on an 80 GB card the row must halve its micro-batch
     # (same global batch) instead of losing the side-by-side baseline. A stand-in for HF's step runs out of memory
