@@ -40,6 +40,7 @@ import json
 import os
 import re
 import signal
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -261,6 +262,38 @@ def collect(job: Job, timed_out: bool) -> dict:
     if profiles:
         row["profile"] = [json.loads(p.read_text()) for p in profiles]
     return row
+
+
+REPEAT_MARK = "#"  # a repeated case runs as "<name>#2", "<name>#3", ...; aggregate_repeats folds them back
+
+
+def with_repeats(cases: list[Case], repeats: int) -> list[Case]:
+    """Every case ``repeats`` times, round-robin (all cases once, then all again: drift of the host touches every
+    case alike); repeat k > 1 is named ``<name>#k``."""
+    from dataclasses import replace
+
+    return [c if k == 1 else replace(c, name=f"{c.name}{REPEAT_MARK}{k}") for k in range(1, repeats + 1) for c in cases]
+
+
+def aggregate_repeats(rows: list[dict]) -> list[dict]:
+    """One row per case: the run with the median tokens/s per GPU (the lower middle one for an even count), with every
+    run's rate in ``repeat_tokens_per_s_per_gpu``; a case none of whose runs measured keeps its first run's error."""
+    groups: dict[str, list[dict]] = {}
+    for r in rows:
+        groups.setdefault(r["name"].split(REPEAT_MARK)[0], []).append(r)
+    out = []
+    for name, runs in groups.items():
+        measured = [r for r in runs if "tokens_per_s_per_gpu" in r]
+        if not measured:
+            out.append({**runs[0], "name": name})
+            continue
+        rates = [r["tokens_per_s_per_gpu"] for r in measured]
+        middle = statistics.median_low(rates)
+        row = next(r for r in measured if r["tokens_per_s_per_gpu"] == middle)
+        out.append(
+            {**row, "name": name, "repeat_tokens_per_s_per_gpu": rates, "repeats_failed": len(runs) - len(rates)}
+        )
+    return out
 
 
 def tag_suffix(tag: str) -> str:
@@ -763,6 +796,7 @@ def main() -> None:
     parser.add_argument("--data", default="data/shakespeare")
     parser.add_argument("--serial", action="store_true", help="one job at a time (no concurrent disjoint jobs)")
     parser.add_argument("--budget-s", type=float, default=0.0, help="start no job after this many seconds (0 = none)")
+    parser.add_argument("--repeats", type=int, default=1, help="runs per case, round-robin; each row is the median run")
     parser.add_argument("--job-timeout-s", type=float, default=200.0)
     parser.add_argument("--out", default="bench/results")
     parser.add_argument("--tag", default="", help="suffix for the results file name")
@@ -819,13 +853,14 @@ def main() -> None:
     path = Path(args.out) / f"scaling_{slug}{tag_suffix(args.tag)}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
     partial = path.with_suffix(".partial.json")
-    rows = run_cases(cases, args, n_gpus, partial)
+    rows = aggregate_repeats(run_cases(with_repeats(cases, args.repeats), args, n_gpus, partial))
     add_efficiencies(rows)
     add_predictions(rows, "h200" if "H200" in env.get("device", "") else "h100", n_gpus)
     print_table(rows)
     payload = {"date": time.strftime("%Y-%m-%d"), "device": env.get("device"), "gpus_on_host": n_gpus,
                "versions": env, "settings": {"steps": args.steps, "log_interval": args.log_interval,
-                                             "concurrent": not args.serial, "train_args": args.train_args},
+                                             "repeats": args.repeats, "concurrent": not args.serial,
+                                             "train_args": args.train_args},
                "rows": rows}  # fmt: skip
     path.write_text(json.dumps(payload, indent=1, default=str))
     partial.unlink(missing_ok=True)

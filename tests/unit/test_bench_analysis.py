@@ -202,3 +202,18 @@ def test_a_row_the_cost_model_cannot_take_keeps_the_others_predicted():
     scaling.add_predictions(rows, "h100", 4)
     assert "parallel.pp_schedule" in bad["predicted"]["catalogue"]["error"]
     assert good["predicted"]["calibrated"]["step_s"] > 0 and "step_error" in good["predicted"]["catalogue"]
+
+
+def test_repeats_run_round_robin_and_fold_into_the_median_run():
+    cases = {c.name: c for c in scaling.default_cases(4)}
+    runs = scaling.with_repeats([cases["t-1-g32"], cases["t-ddp-4-g32"]], 3)
+    assert [c.name for c in runs] == ["t-1-g32", "t-ddp-4-g32", "t-1-g32#2", "t-ddp-4-g32#2", "t-1-g32#3",
+                                      "t-ddp-4-g32#3"]  # fmt: skip
+    rows = [{**_row(c, rate, peak), "name": c.name} for c, rate, peak in zip(runs, (70, 60, 72, 62, 71, 10), range(6))]
+    rows[5] = {"name": "t-ddp-4-g32#3", "error": "exit 1"}
+    by = {r["name"]: r for r in scaling.aggregate_repeats(rows)}
+    assert by["t-1-g32"]["tokens_per_s_per_gpu"] == 71 and by["t-1-g32"]["peak_mem_gib"] == 4  # the median run's row
+    assert by["t-1-g32"]["repeat_tokens_per_s_per_gpu"] == [70, 72, 71]
+    assert by["t-ddp-4-g32"]["tokens_per_s_per_gpu"] == 60 and by["t-ddp-4-g32"]["repeats_failed"] == 1  # lower middle
+    failed = scaling.aggregate_repeats([{"name": "x", "error": "a"}, {"name": "x#2", "error": "b"}])
+    assert failed == [{"name": "x", "error": "a"}]
