@@ -3,7 +3,8 @@ must reproduce the losses stored in tests/assets/losses/ within the tolerance st
 
 A change of the model maths, the init, the data order, the tokenizer training, the optimizer or configs/tiny*.yaml shows
 up here. After an intended change, regenerate (and say why in the commit):
-``PYTHONPATH=src python -m tests.integration.test_golden_losses``.
+``PYTHONPATH=src python -m tests.integration.test_golden_losses``. The same runs on a GPU (fp32, TF32 off) are
+tests/gpu/test_golden_losses_gpu.py, against the CPU file and a GPU file written on a GPU machine with ``--gpu``.
 """
 
 from __future__ import annotations
@@ -42,12 +43,13 @@ def make_corpus(root: Path) -> Path:
     return root / "data"
 
 
-def train_losses(arch: str, data: Path, run_dir: Path) -> list[float]:
+def train_losses(arch: str, data: Path, run_dir: Path, device: str = "cpu") -> list[float]:
     from anytrain.config import load_config
     from anytrain.train.trainer import run_training
 
     torch.set_num_threads(1)  # the same reduction order whatever the machine's core count
-    cfg = load_config(RECIPES[arch], OVERRIDES + ["--data.path", str(data)])
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False  # fp32 means fp32 on GPUs too
+    cfg = load_config(RECIPES[arch], OVERRIDES + ["--data.path", str(data), "--device", device])
     run_training(cfg, run_dir=str(run_dir))
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     return [r["loss"] for r in records if r["kind"] == "train"]
@@ -65,23 +67,31 @@ def test_first_losses_match_the_golden_file(arch, corpus, tmp_path):
         losses = train_losses(arch, corpus, tmp_path / "run")
     finally:
         torch.set_num_threads(threads)
-    golden = json.loads((ASSETS / f"{arch}-debug-cpu-fp32.json").read_text())
+    golden = json.loads(golden_path(arch).read_text())
     assert golden["overrides"] == OVERRIDES and len(losses) == STEPS
     assert losses == pytest.approx(golden["losses"], abs=golden["tolerance"], rel=0)
 
 
-def regenerate() -> None:
+def golden_path(arch: str, device: str = "cpu") -> Path:
+    return ASSETS / f"{arch}-debug-{device}-fp32.json"
+
+
+def regenerate(device: str = "cpu") -> None:
+    from anytrain import hardware
+
     ASSETS.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory() as tmp:
         data = make_corpus(Path(tmp))
         for arch in RECIPES:
-            losses = train_losses(arch, data, Path(tmp) / arch)
+            losses = train_losses(arch, data, Path(tmp) / arch, device)
+            flag = " --gpu" if device == "gpu" else ""
             record = {"arch": arch, "recipe": RECIPES[arch], "overrides": OVERRIDES, "tolerance": TOLERANCE,
-                      "torch": torch.__version__, "losses": losses,
-                      "regenerate": "PYTHONPATH=src python -m tests.integration.test_golden_losses"}  # fmt: skip
-            (ASSETS / f"{arch}-debug-cpu-fp32.json").write_text(json.dumps(record, indent=1) + "\n")
+                      "torch": torch.__version__, "device": hardware.device_name(hardware.resolve_device(device)),
+                      "losses": losses,
+                      "regenerate": f"PYTHONPATH=src python -m tests.integration.test_golden_losses{flag}"}  # fmt: skip
+            golden_path(arch, device).write_text(json.dumps(record, indent=1) + "\n")
             print(f"{arch}: {losses}", file=sys.stderr)
 
 
 if __name__ == "__main__":
-    regenerate()
+    regenerate("gpu" if "--gpu" in sys.argv[1:] else "cpu")

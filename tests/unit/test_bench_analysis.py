@@ -209,7 +209,10 @@ def test_repeats_run_round_robin_and_fold_into_the_median_run():
     runs = scaling.with_repeats([cases["t-1-g32"], cases["t-ddp-4-g32"]], 3)
     assert [c.name for c in runs] == ["t-1-g32", "t-ddp-4-g32", "t-1-g32#2", "t-ddp-4-g32#2", "t-1-g32#3",
                                       "t-ddp-4-g32#3"]  # fmt: skip
-    rows = [{**_row(c, rate, peak), "name": c.name} for c, rate, peak in zip(runs, (70, 60, 72, 62, 71, 10), range(6))]
+    rows = [
+        {**_row(c, rate, peak), "name": c.name}
+        for c, rate, peak in zip(runs, (70, 60, 72, 62, 71, 10), range(6), strict=True)
+    ]
     rows[5] = {"name": "t-ddp-4-g32#3", "error": "exit 1"}
     by = {r["name"]: r for r in scaling.aggregate_repeats(rows)}
     assert by["t-1-g32"]["tokens_per_s_per_gpu"] == 71 and by["t-1-g32"]["peak_mem_gib"] == 4  # the median run's row
