@@ -110,3 +110,22 @@ def test_eval_throughput_smoke_trains_exports_and_scores_three_ways(tmp_path):
         generated = row["generate"]
         assert generated["new_tokens"] == 8 and generated["tokens_per_s"] > 0, generated
         assert generated["common_prefix_chars"] == len(generated["native_text"]), generated  # same greedy text
+
+
+def test_spread_runs_each_job_on_one_gpu_under_its_limit_and_packs_one_file(tmp_path):
+    """bench/device/spread.sh with two GPUs named by count (no GPU needed: jobs only read the variable)."""
+    import tarfile
+
+    jobs = tmp_path / "jobs.txt"
+    jobs.write_text('# a comment\nT=5 echo "gpu $CUDA_VISIBLE_DEVICES" > $JOB_OUT/a.txt\n\nT=1 sleep 5\n'
+                    'echo "gpu $CUDA_VISIBLE_DEVICES" > $JOB_OUT/c.txt\n')  # fmt: skip
+    proc = subprocess.run(["bash", "bench/device/spread.sh", str(jobs), "2"], cwd=ROOT, capture_output=True, text=True,
+                          env={**cli_env(), "OUT": str(tmp_path / "out")}, timeout=60)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    with tarfile.open(tmp_path / "out" / "spread.tgz") as tar:
+        tar.extractall(tmp_path / "x", filter="data")
+    summary = (tmp_path / "x" / "summary.txt").read_text()
+    assert "job 1 on GPU 1: rc 124" in summary  # its own limit (T=1) stopped it
+    assert (tmp_path / "x" / "0" / "a.txt").read_text() == "gpu 0\n"
+    assert (tmp_path / "x" / "2" / "c.txt").read_text() == "gpu 1\n"  # the least-loaded GPU (1 s queued vs 5 s)
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["spread.tgz"]
