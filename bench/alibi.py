@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import re
 import sys
 from pathlib import Path
 
@@ -33,7 +32,16 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
-from bench_common import RandomBatches, print_row, release, row_error, run_row_in_child, timed, versions  # noqa: E402
+from bench_common import (  # noqa: E402
+    RandomBatches,
+    print_row,
+    release,
+    results_path,
+    row_error,
+    run_row_in_child,
+    timed,
+    versions,
+)
 
 from anytrain import hardware  # noqa: E402
 from anytrain.config import ModelConfig, RunConfig  # noqa: E402
@@ -201,9 +209,7 @@ def main() -> None:
     rows = [run_child(name, args) for name in args.rows]
     print_table(rows)
     env = versions(hardware.resolve_device("cpu" if args.smoke else "auto"))
-    slug = re.sub(r"[^a-z0-9]+", "-", env["device"].lower()).strip("-") if not args.smoke else "smoke"
-    path = Path(args.out) / f"alibi_{slug}.json"
-    path.parent.mkdir(parents=True, exist_ok=True)
+    path = results_path(args.out, "alibi", env, args.smoke)
     path.write_text(json.dumps({"device": env, "rows": rows}, indent=1, default=str))
     print(f"\nwrote {path}")
     if any("error" in r for r in rows):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import gc
 import json
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -49,6 +50,14 @@ def versions(device: torch.device) -> dict:
             out[name] = None
     out["python"] = sys.version.split()[0]
     return out
+
+
+def results_path(out: str, bench: str, env: dict, smoke: bool = False) -> Path:
+    """``<out>/<bench>_<device slug>.json`` (``<bench>_smoke.json`` for a CPU smoke run), its folder created."""
+    slug = "smoke" if smoke else re.sub(r"[^a-z0-9]+", "-", str(env["device"]).lower()).strip("-")
+    path = Path(out) / f"{bench}_{slug}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    return path
 
 
 def row_error(exc: BaseException) -> str:

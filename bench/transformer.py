@@ -36,7 +36,6 @@ import argparse
 import contextlib
 import json
 import os
-import re
 import subprocess
 import sys
 import tempfile
@@ -49,7 +48,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
-from bench_common import RandomBatches, release, row_error, versions  # noqa: E402
+from bench_common import RandomBatches, release, results_path, row_error, versions  # noqa: E402
 
 from anytrain import hardware  # noqa: E402
 from anytrain.config import ModelConfig, RunConfig  # noqa: E402
@@ -448,9 +447,7 @@ def main() -> None:
     if hardware.is_gpu(device):
         torch.backends.cuda.matmul.allow_tf32 = True  # fp32 matmuls outside autocast: same for every stack
     env = versions(device)
-    slug = re.sub(r"[^a-z0-9]+", "-", env["device"].lower()).strip("-") if not args.smoke else "smoke"
-    out_path = Path(args.out) / f"transformer_{slug}.json"
-    out_path.parent.mkdir(parents=True, exist_ok=True)
+    out_path = results_path(args.out, "transformer", env, args.smoke)
     print(json.dumps(env), flush=True)
     started, rows = time.perf_counter(), []
     for case in cases:
