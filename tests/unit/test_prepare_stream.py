@@ -155,7 +155,8 @@ def test_peak_memory_does_not_grow_with_the_corpus(tmp_path, corpus_mb, fraction
     1/``fraction`` of the corpus (40 MB in the slow case: a 4 MB bound, 10x smaller than the corpus). What stays in
     memory is the chunks in flight and each worker's bounded piece cache (filled to its bound by the warm-up); the
     whole-corpus reader this replaced grew by more than the corpus."""
-    from anytrain.data.prepare import PIECE_CACHE, train_tokenizer
+    from anytrain.data.encoding import PIECE_CACHE
+    from anytrain.data.prepare import train_tokenizer
 
     (tmp_path / "warm").mkdir()
     (tmp_path / "big").mkdir()
@@ -183,7 +184,8 @@ def test_piece_cache_gives_the_tokenizer_ids_on_any_whitespace_and_added_tokens(
 
     from tokenizers import normalizers
 
-    from anytrain.data.prepare import TextEncoder, train_tokenizer
+    from anytrain.data.encoding import TextEncoder
+    from anytrain.data.prepare import train_tokenizer
 
     alphabet = [*" \t\n\r\x0b\x0c\x1c\x1f\x85\xa0\u1680\u2003\u2028\u2029\u3000\u180e", *"abcXYZ019'.,!?-_\"#",
                 "'s", "'ll", "'re", "e\u0301", "日本語", "😀", "٣", "Ⅻ", "<|endoftext|>", "<|pad|>", "<|", "  ", "\n\n",
