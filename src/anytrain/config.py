@@ -19,6 +19,15 @@ from typing import Any, Literal
 
 import yaml
 
+from anytrain.config_checks import (  # noqa: F401 (re-exported: callers import the checks from anytrain.config)
+    GRAD_COMPRESSION_SYNTAX,
+    MAX_SEQ_LEN,
+    check_document_mask,
+    check_fsdp_only_options,
+    check_grad_compression,
+    parse_grad_compression,
+    validate,
+)
 from anytrain.errors import ConfigError
 
 
@@ -474,169 +483,6 @@ def _resolve_sources(cfg: RunConfig) -> None:
         names.append(name)
         cfg.data.sources[i] = {"path": path, "weight": float(weight), "name": name}
     cfg.data.path = cfg.data.sources[0]["path"]
-
-
-MAX_SEQ_LEN = 2**20  # tokens; larger sequences (and RoPE tables) do not fit any accelerator's memory
-
-
-def _positive(value: float, where: str, allow_zero: bool = False) -> None:
-    if value < 0 or (value == 0 and not allow_zero):
-        raise ConfigError(f"{where}: must be {'>= 0' if allow_zero else '> 0'}, got {value}")
-
-
-def _in_range(value: float, where: str, low: float, high: float, closed: str = "[]") -> None:
-    """``low <= value <= high`` with the ends open or closed as in ``closed`` ('[)', '(]', '()' or '[]')."""
-    above = value >= low if closed[0] == "[" else value > low
-    below = value <= high if closed[1] == "]" else value < high
-    if not (above and below):
-        raise ConfigError(f"{where}: must be in {closed[0]}{low}, {high}{closed[1]}, got {value}")
-
-
-def _check_finite(obj: Any, prefix: str = "") -> None:
-    """Every float field of every section (and of model.args) must be a finite number: YAML reads .nan / .inf."""
-    values = dataclasses.asdict(obj) if dataclasses.is_dataclass(obj) else obj
-    for key, value in values.items():
-        if isinstance(value, dict):
-            _check_finite(value, f"{prefix}{key}.")
-        elif isinstance(value, float) and not math.isfinite(value):
-            raise ConfigError(f"{prefix}{key}: must be a finite number, got {value}")
-
-
-def _validate_train(t: TrainConfig) -> None:
-    _positive(t.steps, "train.steps")
-    _positive(t.global_batch, "train.global_batch")
-    _positive(t.stop_at_step, "train.stop_at_step", allow_zero=True)
-    _positive(t.micro_batch, "train.micro_batch", allow_zero=True)
-    _positive(t.lr, "train.lr")
-    _positive(t.warmup_steps, "train.warmup_steps", allow_zero=True)
-    _positive(t.log_interval, "train.log_interval")
-    _positive(t.eval_interval, "train.eval_interval", allow_zero=True)
-    _positive(t.eval_batches, "train.eval_batches", allow_zero=True)
-    _positive(t.grad_clip, "train.grad_clip", allow_zero=True)
-    _positive(t.spike_factor, "train.spike_factor", allow_zero=True)
-    _positive(t.gc_interval, "train.gc_interval", allow_zero=True)
-    _positive(t.peak_tflops, "train.peak_tflops", allow_zero=True)
-    _positive(t.weight_decay, "train.weight_decay", allow_zero=True)
-    _positive(t.eps, "train.eps")
-    _in_range(t.beta1, "train.beta1", 0.0, 1.0, "[)")
-    _in_range(t.beta2, "train.beta2", 0.0, 1.0, "[)")
-    _in_range(t.min_lr_ratio, "train.min_lr_ratio", 0.0, 1.0)
-    _in_range(t.decay_fraction, "train.decay_fraction", 0.0, 1.0, "(]")
-    _in_range(t.seed, "train.seed", 0, 2**63 - 1)
-    if t.micro_batch > t.global_batch:
-        raise ConfigError(f"train.micro_batch: {t.micro_batch} is larger than train.global_batch {t.global_batch}")
-    if 0 < t.spike_factor <= 1:
-        raise ConfigError(f"train.spike_factor: must be 0 (off) or > 1 (a multiple of the mean loss), got "
-                          f"{t.spike_factor}")  # fmt: skip
-
-
-def _validate_others(cfg: RunConfig) -> None:
-    _positive(cfg.checkpoint.interval, "checkpoint.interval", allow_zero=True)
-    _positive(cfg.checkpoint.interval_minutes, "checkpoint.interval_minutes", allow_zero=True)
-    _positive(cfg.checkpoint.keep_last, "checkpoint.keep_last")
-    _positive(cfg.profile.steps, "profile.steps", allow_zero=True)
-    _positive(cfg.profile.start_step, "profile.start_step", allow_zero=True)
-    p = cfg.parallel
-    for name in ("dp_replicate", "tp", "pp", "pp_virtual_stages"):
-        if getattr(p, name) < 1:
-            raise ConfigError(f"parallel.{name}: must be >= 1, got {getattr(p, name)}")
-    if p.async_tp and (p.tp < 2 or not cfg.train.compile):
-        raise ConfigError(f"parallel.async_tp: overlaps tensor-parallel collectives inside compiled blocks, so it "
-                          f"needs --parallel.tp >= 2 and --train.compile true (got tp {p.tp}, compile "
-                          f"{str(cfg.train.compile).lower()}); set --parallel.async_tp false")  # fmt: skip
-    if p.dp_shard == 0 or p.dp_shard < -1:
-        raise ConfigError(f"parallel.dp_shard: must be >= 1 or -1 (infer), got {p.dp_shard}")
-    if cfg.device not in ("auto", "cpu", "gpu", "cuda"):
-        raise ConfigError(f"device: expected auto, cpu or gpu, got {cfg.device!r}")
-
-
-def _validate_seq_len(cfg: RunConfig) -> None:
-    """data.seq_len against the model's max_seq_len, a sane bound, and (when it is there) the prepared dataset."""
-    from anytrain.models import resolve_args  # the registry imports this module
-
-    args = resolve_args(cfg.model)
-    _check_finite(dataclasses.asdict(args), "model.args.")
-    _in_range(args.max_seq_len, "model.args.max_seq_len", 1, MAX_SEQ_LEN)
-    _positive(cfg.data.seq_len, "data.seq_len")
-    if cfg.data.seq_len > args.max_seq_len:
-        raise ConfigError(f"data.seq_len: {cfg.data.seq_len} exceeds model.args.max_seq_len {args.max_seq_len}; "
-                          "lower data.seq_len or raise model.args.max_seq_len")  # fmt: skip
-    from anytrain.data.shards import check_seq_len
-
-    for path in [s["path"] for s in cfg.data.sources] or [cfg.data.path]:
-        check_seq_len(path, cfg.data.seq_len)
-
-
-def validate(cfg: RunConfig) -> None:
-    """Every numeric field's domain and the cross-field checks that do not need the world size (those live in
-    ``batching``); runs at load, before anything is written."""
-    _check_finite(cfg)
-    _validate_train(cfg.train)
-    _validate_others(cfg)
-    if not cfg.data.path:
-        raise ConfigError("data.path: must name the folder written by `anytrain prepare`")
-    _validate_seq_len(cfg)
-    check_document_mask(cfg)
-    check_fsdp_only_options(cfg.parallel, cfg.parallel.strategy)
-
-
-def check_document_mask(cfg: RunConfig) -> None:
-    """data.document_mask: the Transformer family only, and no pipeline stages (they receive hidden states, not the
-    token ids the document boundaries are read from)."""
-    if not cfg.data.document_mask:
-        return
-    if cfg.model.arch == "mamba":
-        raise ConfigError("data.document_mask: Mamba carries its scan state across documents (a per-document state "
-                          "reset is not implemented); set --data.document_mask false")  # fmt: skip
-    if cfg.model.arch != "transformer":
-        raise ConfigError(f"data.document_mask: applies to model.arch transformer only, not {cfg.model.arch}; set "
-                          "--data.document_mask false")  # fmt: skip
-    if cfg.parallel.pp > 1:
-        raise ConfigError(f"data.document_mask: not available with pipeline parallelism (parallel.pp "
-                          f"{cfg.parallel.pp}: later stages see hidden states, not the token ids that mark documents); "
-                          "set --parallel.pp 1 or --data.document_mask false")  # fmt: skip
-
-
-def check_fsdp_only_options(parallel: ParallelConfig, strategy: str) -> None:
-    """Refuse FSDP-only settings with a DDP-family strategy, and PowerSGD with FSDP (called at load with the
-    configured strategy and again by ``parallelize`` with the resolved one, which catches ``auto``'s choice)."""
-    if parallel.fsdp_group_blocks < 1:
-        raise ConfigError(f"parallel.fsdp_group_blocks: expected >= 1, got {parallel.fsdp_group_blocks}")
-    if parallel.fsdp_group_blocks > 1 and strategy in ("ddp", "zero1"):
-        raise ConfigError(f"parallel.fsdp_group_blocks applies to FSDP only, but the strategy is {strategy}; set "
-                          "--parallel.strategy fsdp or --parallel.fsdp_group_blocks 1")  # fmt: skip
-    check_grad_compression(parallel, strategy)
-    if not parallel.reshard_during_accumulation and strategy in ("ddp", "zero1"):
-        raise ConfigError(f"parallel.reshard_during_accumulation: false applies to FSDP only, but the strategy is "
-                          f"{strategy}; set --parallel.strategy fsdp or --parallel.reshard_during_accumulation "
-                          "true")  # fmt: skip
-
-
-GRAD_COMPRESSION_SYNTAX = "none, bf16, fp16 or powersgd:rank=R (R an integer >= 1, e.g. powersgd:rank=4)"
-
-
-def parse_grad_compression(text: str) -> tuple[str, int]:
-    """``parallel.grad_compression`` as (kind, PowerSGD rank): 'none' | 'bf16' | 'fp16' -> (kind, 0);
-    'powersgd:rank=R' -> ('powersgd', R). Anything else is a ConfigError naming the field and the syntax."""
-    if text in ("none", "bf16", "fp16"):
-        return text, 0
-    kind, _, option = str(text).partition(":")
-    key, _, value = option.partition("=")
-    if kind == "powersgd" and key.strip() == "rank" and value.strip().isdigit() and int(value) >= 1:
-        return "powersgd", int(value)
-    hint = "; PowerSGD needs its rank, e.g. powersgd:rank=4" if kind == "powersgd" and not option else ""
-    raise ConfigError(f"parallel.grad_compression: expected {GRAD_COMPRESSION_SYNTAX}, got {text!r}{hint}")
-
-
-def check_grad_compression(parallel: ParallelConfig, strategy: str) -> None:
-    """The compression's syntax, PowerSGD's start step, and PowerSGD only where DDP's communication hooks run."""
-    kind, _ = parse_grad_compression(parallel.grad_compression)
-    if parallel.powersgd_start_step < 0 or parallel.powersgd_start_step == 1:
-        raise ConfigError(f"parallel.powersgd_start_step: must be 0 (= train.warmup_steps) or >= 2, got "
-                          f"{parallel.powersgd_start_step}")  # fmt: skip
-    if kind == "powersgd" and strategy == "fsdp":
-        raise ConfigError("parallel.grad_compression: powersgd runs with ddp or zero1 only (PyTorch has no PowerSGD "
-                          "for FSDP); set --parallel.strategy ddp, or use bf16 (FSDP's reduce dtype)")  # fmt: skip
 
 
 @dataclass(frozen=True)
