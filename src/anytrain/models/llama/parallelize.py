@@ -63,6 +63,17 @@ def _to_full() -> PrepareModuleOutput:
     return PrepareModuleOutput(output_layouts=Shard(1), desired_output_layouts=Replicate(), use_local_output=True)
 
 
+def _wait_for_async_output(module: torch.nn.Module, inputs, output):
+    """A row-parallel embedding's sequence-sharded output as a plain tensor: DTensor leaves its reduce-scatter in
+    flight (an ``AsyncCollectiveTensor``), and a compiled block that takes one as input returns a plain gradient where
+    the redistribute's backward needs a DTensor (torch 2.13: "'Tensor' object has no attribute '_local_tensor'"). The
+    first block waits for the collective at once anyway."""
+    from torch.distributed._functional_collectives import AsyncCollectiveTensor
+
+    # an op on the wrapper waits and returns a plain tensor inside autograd (``wait()`` would detach the embedding)
+    return output.clone() if isinstance(output, AsyncCollectiveTensor) else output
+
+
 def apply_tensor_parallel(model: Transformer, tp_mesh) -> None:
     """Shard the Transformer (or a pipeline stage of it) over the 1D ``tp_mesh`` in place."""
     top_plan = {}
@@ -77,6 +88,10 @@ def apply_tensor_parallel(model: Transformer, tp_mesh) -> None:
         top_plan["norm"] = SequenceParallel()
     if top_plan:
         parallelize_module(model, tp_mesh, top_plan)
+    if split_embeddings:  # after parallelize_module's own output hooks
+        for table in (model.tok_embeddings, model.pos_embeddings):
+            if table is not None:
+                table.register_forward_hook(_wait_for_async_output)
     if model.norm is not None:  # the head and the loss see the whole sequence as a plain tensor on every TP rank
         parallelize_module(model.norm, tp_mesh, _to_full())
     blocks = model.blocks()
