@@ -23,7 +23,6 @@ on the CPU, where ALiBi takes the explicit-bias SDPA path: a check that the benc
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
@@ -36,11 +35,10 @@ from bench_common import (  # noqa: E402
     RandomBatches,
     print_row,
     release,
-    results_path,
     row_error,
     run_row_in_child,
+    save_rows,
     timed,
-    versions,
 )
 
 from anytrain import hardware  # noqa: E402
@@ -208,12 +206,7 @@ def main() -> None:
         return
     rows = [run_child(name, args) for name in args.rows]
     print_table(rows)
-    env = versions(hardware.resolve_device("cpu" if args.smoke else "auto"))
-    path = results_path(args.out, "alibi", env, args.smoke)
-    path.write_text(json.dumps({"device": env, "rows": rows}, indent=1, default=str))
-    print(f"\nwrote {path}")
-    if any("error" in r for r in rows):
-        sys.exit(1)
+    save_rows("alibi", args.out, rows, args.smoke)
 
 
 if __name__ == "__main__":

@@ -60,6 +60,16 @@ def results_path(out: str, bench: str, env: dict, smoke: bool = False) -> Path:
     return path
 
 
+def save_rows(bench: str, out: str, rows: list[dict], smoke: bool = False) -> None:
+    """Write ``{"device": versions, "rows": rows}`` to :func:`results_path` and exit 1 when a row failed."""
+    env = versions(hardware.resolve_device("cpu" if smoke else "auto"))
+    path = results_path(out, bench, env, smoke)
+    path.write_text(json.dumps({"device": env, "rows": rows}, indent=1, default=str))
+    print(f"\nwrote {path}")
+    if any("error" in r for r in rows):
+        sys.exit(1)
+
+
 def row_error(exc: BaseException) -> str:
     """What a failed row records (one failing row must not lose the others): OOM in one line, else type and text."""
     if isinstance(exc, torch.OutOfMemoryError):

@@ -27,7 +27,6 @@ measurement).
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from pathlib import Path
@@ -37,7 +36,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
-from bench_common import print_row, release, results_path, row_error, run_row_in_child, timed, versions  # noqa: E402
+from bench_common import print_row, release, row_error, run_row_in_child, save_rows, timed  # noqa: E402
 
 from anytrain import hardware  # noqa: E402
 from anytrain.config import ModelConfig, RunConfig  # noqa: E402
@@ -179,12 +178,7 @@ def main() -> None:
         return
     rows = [run_row(name, args) if args.smoke else run_child(name, args) for name in args.rows]
     print_table(rows)
-    env = versions(hardware.resolve_device("cpu" if args.smoke else "auto"))
-    path = results_path(args.out, "packing", env, args.smoke)
-    path.write_text(json.dumps({"device": env, "rows": rows}, indent=1, default=str))
-    print(f"\nwrote {path}")
-    if any("error" in r for r in rows):
-        sys.exit(1)
+    save_rows("packing", args.out, rows, args.smoke)
 
 
 if __name__ == "__main__":
