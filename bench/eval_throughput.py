@@ -89,6 +89,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 sys.path.insert(0, str(ROOT / "bench"))
 
+from anytrain.evals.lm_eval_bridge import write_local_task  # noqa: E402 (imports no lm-eval: a YAML writer)
+
 RECIPES = ["configs/1.1b.yaml:100", "configs/mamba-1.4b.yaml:100"]
 SMOKE_RECIPES = ["configs/tiny.yaml", "configs/tiny-mamba.yaml"]
 STACKS = ["native", "bridge", "hflm"]
@@ -98,24 +100,6 @@ STACK_ITEMS = ["hflm@mamba=64"]
 PARTIAL = "eval_throughput.partial.json"  # not eval_throughput_<device>.json
 TASK = "anytrain_corpus_mc"
 SEED = 1234
-YAML = """task: {task}
-dataset_path: json
-dataset_kwargs:
-  data_files:
-    test: {path}
-output_type: multiple_choice
-test_split: test
-doc_to_text: "{{{{context}}}}"
-doc_to_choice: "{{{{choices}}}}"
-doc_to_target: "{{{{label}}}}"
-metric_list:
-  - metric: acc
-    aggregation: mean
-    higher_is_better: true
-  - metric: acc_norm
-    aggregation: mean
-    higher_is_better: true
-"""
 
 
 def log(message: str) -> None:
@@ -178,7 +162,7 @@ def build_task(data_dir: Path, out_dir: Path, items: int, choices: int, context_
     out_dir.mkdir(parents=True, exist_ok=True)
     jsonl = out_dir / f"{TASK}.jsonl"
     jsonl.write_text("".join(json.dumps(r) + "\n" for r in records), encoding="utf-8")
-    (out_dir / f"{TASK}.yaml").write_text(YAML.format(task=TASK, path=jsonl.resolve()), encoding="utf-8")
+    write_local_task(TASK, jsonl, out_dir)
     return {"file": str(jsonl), "items": items, "choices": choices, "context_words": context_words,
             "choice_words": choice_words, "seed": seed, "corpus_words": len(words)}  # fmt: skip
 

@@ -9,28 +9,11 @@ from pathlib import Path
 import pytest
 
 from anytrain.config import load_config
+from anytrain.evals.lm_eval_bridge import write_local_task
 from tests.conftest import cli_in_process as cli
 
 ITEMS = [{"context": f"ROMEO. Scene {i}:", "choices": ["love", "hate", "death and night"][: 2 + i % 2],
           "label": i % 2} for i in range(10)]  # fmt: skip
-YAML = """task: toy_lm
-dataset_path: json
-dataset_kwargs:
-  data_files:
-    test: {path}
-output_type: multiple_choice
-test_split: test
-doc_to_text: "{{{{context}}}}"
-doc_to_choice: "{{{{choices}}}}"
-doc_to_target: "{{{{label}}}}"
-metric_list:
-  - metric: acc
-    aggregation: mean
-    higher_is_better: true
-  - metric: acc_norm
-    aggregation: mean
-    higher_is_better: true
-"""
 
 
 @pytest.fixture(scope="module")
@@ -50,7 +33,7 @@ def run(tmp_path_factory, small_data) -> Path:
 def task_dir(tmp_path_factory) -> Path:
     folder = tmp_path_factory.mktemp("tasks")
     (folder / "toy.jsonl").write_text("".join(json.dumps(r) + "\n" for r in ITEMS))
-    (folder / "toy_lm.yaml").write_text(YAML.format(path=folder / "toy.jsonl"))
+    write_local_task("toy_lm", folder / "toy.jsonl", folder)
     (folder / "lines.txt").write_text("But, soft! what light through yonder window breaks?\n" * 8)
     return folder
 
@@ -134,7 +117,7 @@ def test_acc_norm_divides_by_the_characters_of_the_choice_as_lm_eval(tmp_path, m
             wrong[name] += max((0, 1), key=other.__getitem__) != label
     assert all(wrong.values()), wrong
     (tmp_path / "norm.jsonl").write_text("".join(json.dumps(r) + "\n" for r, _ in NORM_ITEMS), encoding="utf-8")
-    (tmp_path / "norm_lm.yaml").write_text(YAML.replace("toy_lm", "norm_lm").format(path=tmp_path / "norm.jsonl"))
+    write_local_task("norm_lm", tmp_path / "norm.jsonl", tmp_path)
     scorer = FixedScorer({k: v for _, lls in NORM_ITEMS for k, v in lls.items()})
     native = score_task(scorer, load_task(tmp_path / "norm.jsonl"))
     assert native == {"acc": 0.0, "acc_norm": 1.0, "n": 3}

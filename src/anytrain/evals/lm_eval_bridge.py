@@ -20,6 +20,34 @@ from anytrain.errors import AnytrainError
 EVAL_INSTALL_HINT = "pip install 'anytrain[eval]'"
 
 
+LOCAL_TASK_YAML = """task: {task}
+dataset_path: json
+dataset_kwargs:
+  data_files:
+    test: {path}
+output_type: multiple_choice
+test_split: test
+doc_to_text: "{{{{context}}}}"
+doc_to_choice: "{{{{choices}}}}"
+doc_to_target: "{{{{label}}}}"
+metric_list:
+  - metric: acc
+    aggregation: mean
+    higher_is_better: true
+  - metric: acc_norm
+    aggregation: mean
+    higher_is_better: true
+"""
+
+
+def write_local_task(task: str, jsonl: str | Path, folder: str | Path) -> Path:
+    """``folder/<task>.yaml``: an lm-eval multiple-choice task over a local JSONL file in anytrain's task schema
+    (``context``, ``choices``, ``label``), for ``--include-path folder`` offline (docs/evaluation.md)."""
+    path = Path(folder) / f"{task}.yaml"
+    path.write_text(LOCAL_TASK_YAML.format(task=task, path=Path(jsonl).resolve()), encoding="utf-8")
+    return path
+
+
 def _lm_eval():
     try:
         import lm_eval
