@@ -33,6 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 from bench_common import (  # noqa: E402
     RandomBatches,
+    bench_device,
     print_row,
     release,
     row_error,
@@ -148,9 +149,7 @@ def attention_row(pos: str, s: dict, device: torch.device, args: argparse.Namesp
 
 
 def run_row(name: str, args: argparse.Namespace) -> dict:
-    device = hardware.resolve_device("cpu" if args.smoke else "auto")
-    if hardware.is_gpu(device):
-        torch.backends.cuda.matmul.allow_tf32 = True
+    device = bench_device(args.smoke)
     release(device)
     kind, pos, impl = name.split("-", 2)
     s = shape(args.smoke)

@@ -31,6 +31,15 @@ class RandomBatches:
         return tokens[:, :-1], tokens[:, 1:], torch.arange(tokens.shape[0])
 
 
+def bench_device(smoke: bool = False) -> torch.device:
+    """The device a bench row runs on (the CPU for a smoke run), with TF32 allowed for fp32 matmuls outside autocast
+    on GPUs: the same for every row and stack."""
+    device = hardware.resolve_device("cpu" if smoke else "auto")
+    if hardware.is_gpu(device):
+        torch.backends.cuda.matmul.allow_tf32 = True
+    return device
+
+
 def release(device: torch.device) -> None:
     """Free the previous row completely (its closures and reference cycles too) before the next one starts."""
     gc.collect()

@@ -36,7 +36,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
-from bench_common import print_row, release, row_error, run_row_in_child, save_rows, timed  # noqa: E402
+from bench_common import bench_device, print_row, release, row_error, run_row_in_child, save_rows, timed  # noqa: E402
 
 from anytrain import hardware  # noqa: E402
 from anytrain.config import ModelConfig, RunConfig  # noqa: E402
@@ -126,9 +126,7 @@ def train_row(pos: str, document: bool, device: torch.device, args: argparse.Nam
 
 
 def run_row(name: str, args: argparse.Namespace) -> dict:
-    device = hardware.resolve_device("cpu" if args.smoke else "auto")
-    if hardware.is_gpu(device):
-        torch.backends.cuda.matmul.allow_tf32 = True
+    device = bench_device(args.smoke)
     release(device)
     _, pos, mask = name.split("-")
     row = {"row": name, "pos_encoding": pos, "document_mask": mask == "document"}

@@ -48,7 +48,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
-from bench_common import RandomBatches, release, results_path, row_error, versions  # noqa: E402
+from bench_common import RandomBatches, bench_device, release, results_path, row_error, versions  # noqa: E402
 
 from anytrain import hardware  # noqa: E402
 from anytrain.config import ModelConfig, RunConfig  # noqa: E402
@@ -407,9 +407,7 @@ def run_child(args: argparse.Namespace) -> None:
     case = Case(**json.loads(args.one_case))
     if args.smoke:
         args.steps, args.warmup, args.no_compile = 2, 1, True
-    device = hardware.resolve_device("cpu" if args.smoke else "auto")
-    if hardware.is_gpu(device):
-        torch.backends.cuda.matmul.allow_tf32 = True
+    device = bench_device(args.smoke)
     print(ROW_MARK + json.dumps(run_case_here(case, device, args), default=str), flush=True)
 
 
@@ -432,7 +430,7 @@ def main() -> None:
     if args.one_case is not None:
         run_child(args)
         return
-    device = hardware.resolve_device("cpu" if args.smoke else "auto")
+    device = bench_device(args.smoke)
     if args.smoke:
         cases = [
             Case("debug", "debug", 64, 2, 4, "anytrain", label="anytrain"),
@@ -444,8 +442,6 @@ def main() -> None:
         cases = [c for c in default_cases(args.ablations) if (args.groups is None or c.group in args.groups)
                  and (args.stacks is None or c.stack in args.stacks)
                  and (args.match is None or any(m in c.label for m in args.match))]  # fmt: skip
-    if hardware.is_gpu(device):
-        torch.backends.cuda.matmul.allow_tf32 = True  # fp32 matmuls outside autocast: same for every stack
     env = versions(device)
     out_path = results_path(args.out, "transformer", env, args.smoke)
     print(json.dumps(env), flush=True)
