@@ -20,6 +20,7 @@ whole when the embedding is tied).
 from __future__ import annotations
 
 import torch
+from torch.distributed._functional_collectives import AsyncCollectiveTensor
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
@@ -68,8 +69,6 @@ def _wait_for_async_output(module: torch.nn.Module, inputs, output):
     flight (an ``AsyncCollectiveTensor``), and a compiled block that takes one as input returns a plain gradient where
     the redistribute's backward needs a DTensor (torch 2.13: "'Tensor' object has no attribute '_local_tensor'"). The
     first block waits for the collective at once anyway."""
-    from torch.distributed._functional_collectives import AsyncCollectiveTensor
-
     # an op on the wrapper waits and returns a plain tensor inside autograd (``wait()`` would detach the embedding)
     return output.clone() if isinstance(output, AsyncCollectiveTensor) else output
 
