@@ -46,6 +46,11 @@ class ModelConfig:
     config.json sets ``model.args`` (an explicit field that disagrees is an error; max_seq_len may be changed). The
     data must be prepared with the same tokenizer (``anytrain prepare --tokenizer DIR/tokenizer.json``). Empty = random
     init. See docs/evaluation.md."""
+    init_device: str = "device"
+    """Where the initial weights are drawn: 'device' (on the training device, from its generator: fast, and the same
+    on every GPU of one vendor's generator) or 'cpu' (drawn by the CPU generator, then copied to the device: the same
+    initial weights on CPUs, NVIDIA and AMD GPUs, for comparing training across hardware; costs ~5 s per billion
+    parameters on one core; Megatron's ``--use-cpu-initialization``). Ignored with ``init_from``'s weights."""
     hf_path: str = ""
     """With ``arch: hf``: a local Hugging Face model folder (config.json + safetensors) whose
     ``AutoModelForCausalLM`` class is trained as it is (FSDP2/DDP per decoder layer, bf16, activation checkpointing,

@@ -26,7 +26,9 @@ RECIPES = {"transformer": "configs/tiny.yaml", "mamba": "configs/tiny-mamba.yaml
 OVERRIDES = ["--model.flavour", "debug", "--model.args.n_layers", "2", "--data.seq_len", "32",
              "--train.global_batch", "4", "--train.steps", str(STEPS), "--train.log_interval", "1",
              "--train.eval_interval", "0", "--train.eval_batches", "1", "--train.dtype", "fp32",
-             "--train.warmup_steps", "2", "--train.lr", "3e-3", "--checkpoint.save_final", "false"]  # fmt: skip
+             "--train.warmup_steps", "2", "--train.lr", "3e-3", "--checkpoint.save_final", "false",
+             "--model.init_device", "cpu"]  # fmt: skip
+"""``model.init_device cpu``: the GPU runs start from the CPU's initial weights (a GPU's generator draws others)."""
 
 
 def make_corpus(root: Path) -> Path:

@@ -94,29 +94,32 @@ def prune_to_stage(model: nn.Module, stage: int, n_stages: int, copy_model: bool
     return split(model, layers, stage == 0, stage == n_stages - 1)
 
 
-def build_stage_parts(build, stages: list[int], n_stages: int, device: torch.device, seed: int) -> list[nn.Module]:
-    """Initialised stage modules for ``stages`` on ``device``; weights equal the same stages of an unsplit model.
+def build_stage_parts(build, stages: list[int], n_stages: int, device: torch.device, seed: int,
+                      init_device: str = "device") -> list[nn.Module]:  # fmt: skip
+    """Initialised stage modules for ``stages`` on ``device``; weights equal the same stages of an unsplit model
+    (drawn on the CPU and copied to ``device`` with ``init_device`` 'cpu': model.init_device).
 
     Families whose plan says ``stage_init`` draw each parameter from its own stream: their stages are built on the
     meta device and only the stage's parameters are allocated. Others (Mamba) draw from the global generator in
     order, so the whole model is initialised on ``device`` first and then cut (the full model is held briefly).
     """
     torch.manual_seed(seed)  # the global generator's state is the same in every run (it is checkpointed: rng_cpu)
+    draw_on = torch.device("cpu") if init_device == "cpu" else device
     with torch.device("meta"):
         full = build()
     if spec_of(full).parallelize_plan.stage_init:
         parts = []
         for stage in stages:
             part = prune_to_stage(full, stage, n_stages)
-            part.to_empty(device=device)
+            part.to_empty(device=draw_on)
             part.init_weights(seed=seed)
-            parts.append(part)
+            parts.append(part.to(device))
         return parts
     _pipeline_split(full)
-    full.to_empty(device=device)
+    full.to_empty(device=draw_on)
     full.init_weights(seed=seed)
     parts = [prune_to_stage(full, stage, n_stages, copy_model=i < len(stages) - 1) for i, stage in enumerate(stages)]
-    return parts
+    return [part.to(device) for part in parts]
 
 
 def merge_parts(parts: list[nn.Module]) -> nn.Module:

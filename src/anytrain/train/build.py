@@ -66,14 +66,17 @@ def check_data_fits_model(dataset, model_args, seq_len: int) -> None:
                           f"{model_args.max_seq_len}")  # fmt: skip
 
 
-def init_weights(model: torch.nn.Module, device: torch.device, seed: int) -> None:
-    """Materialise a meta-device model on ``device`` and initialise its weights from ``seed``."""
-    model.to_empty(device=device)
+def init_weights(model: torch.nn.Module, device: torch.device, seed: int, init_device: str = "device") -> None:
+    """Materialise a meta-device model on ``device`` and initialise its weights from ``seed``; with ``init_device``
+    'cpu' (model.init_device) the weights are drawn on the CPU and copied to ``device``."""
+    model.to_empty(device="cpu" if init_device == "cpu" else device)
     torch.manual_seed(seed)  # identical weights on every rank of the same device type
     if "seed" in inspect.signature(model.init_weights).parameters:
         model.init_weights(seed=seed)  # per-parameter streams: independent of the layout
     else:
         model.init_weights()
+    if init_device == "cpu":
+        model.to(device)
 
 
 def setup_document_mask(cfg: RunConfig, model: torch.nn.Module, dataset, batches: BatchProvider | None) -> None:
@@ -129,7 +132,7 @@ class ModelSetup:
         self.pp_n_stages = self.dims.pp * pcfg.pp_virtual_stages
         self.pp_stages = rank_stages(self.pp_rank, self.dims.pp, pcfg.pp_virtual_stages)
         parts = build_stage_parts(lambda: spec.build(self.model_args), self.pp_stages, self.pp_n_stages, self.device,
-                                  self.cfg.train.seed)  # fmt: skip
+                                  self.cfg.train.seed, self.cfg.model.init_device)  # fmt: skip
         self.pp_parts = []
         for part in parts:
             init_from_hf(part, self.cfg.model, self.log.print)  # model.init_from: only this stage's tensors are read

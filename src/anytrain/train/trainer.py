@@ -153,7 +153,7 @@ class Trainer(ModelSetup, Evaluation):
             self._build_pipeline(spec)
         else:
             model = full
-            init_weights(model, self.device, self.cfg.train.seed)  # identical on every rank of the same device type
+            init_weights(model, self.device, self.cfg.train.seed, self.cfg.model.init_device)
             self.raw_model = model
             init_from_hf(model, self.cfg.model, self.log.print)  # model.init_from: HF weights (evals/hf.py)
             self.model, self.strategy = parallelize(model, self.cfg, self.dims, self.device, self.dtype)
