@@ -172,9 +172,12 @@ def _worker_pid(parent: int, rank: int) -> int:
     raise AssertionError("worker not found")
 
 
+# all cases slow: make test covers SIGTERM's save of the current step with test_preemption (torchrun forwards the
+# signal; 0 steps lost, requeued resume), the bitwise resume with test_kill_9_of_one_rank_then_resume_is_exact, and the
+# lagged checks with test_lagged_checks_stop_a_nan_step_with_the_state_before_it ("fused": the lagged checks)
 @pytest.mark.parametrize("nproc,impl", [pytest.param(1, "auto", marks=pytest.mark.slow),
                                         pytest.param(2, "auto", marks=pytest.mark.slow),
-                                        (2, "fused")])  # fused: lagged checks  # fmt: skip
+                                        pytest.param(2, "fused", marks=pytest.mark.slow)])  # fmt: skip
 def test_sigterm_saves_the_current_step_and_resume_is_exact(tmp_path, small_data, nproc, impl):
     # many slow-ish steps so the signal lands mid-run; the schedule is fixed by train.steps
     config = write_config(tmp_path, small_data, steps=100_000, interval=0, log_sample_ids=False, optimizer_impl=impl)
