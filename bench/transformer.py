@@ -91,8 +91,8 @@ def default_cases(ablations: bool = False) -> list[Case]:
     fp32_residual = {"model.args.residual_in_fp32": True}
     cases = [
         Case(g16, **mb16, stack="anytrain", label="anytrain recipe (configs/1.1b.yaml)", profile=True, options=auto),
-        Case(g16, **mb16, stack="hf-compile", label="HF + torch.compile, mb 16"),
-        Case(g16, **mb16, stack="anytrain-hf", label="model.arch hf (HF Llama class), auto scope", options=auto),
+        Case(g16, **mb16, stack="hf-compile", label="HF + torch.compile, mb 16", profile=True),
+        Case(g16, **mb16, stack="anytrain-hf", label="model.arch hf, auto scope", profile=True, options=auto),
         Case("tiny-512", "tiny", 512, 32, 64, "hf-compile", label="HF + torch.compile"),
         Case("tiny-512", "tiny", 512, 32, 64, "anytrain-hf", label="model.arch hf (HF Llama class)", options=auto),
         Case("tiny-512", "tiny", 512, 32, 64, "anytrain", label="anytrain (compile_scope auto)", options=auto),
