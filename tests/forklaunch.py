@@ -60,6 +60,20 @@ def _child(argv: list[str], env: dict[str, str], cwd: str, out_path: str, err_pa
     os._exit(code)
 
 
+class RanksTimedOut(subprocess.TimeoutExpired):
+    """A command whose ranks did not all exit in time; its message names the hung ranks and ends with each rank's
+    last stderr lines (where a flaky hang says where it stood)."""
+
+    def __init__(self, cmd, timeout, output, stderr, hung_ranks: list[int], tails: list[str]):
+        super().__init__(cmd, timeout, output, stderr)
+        self.hung_ranks, self.tails = hung_ranks, tails
+
+    def __str__(self) -> str:
+        parts = [f"{super().__str__()}; ranks still running: {self.hung_ranks}"]
+        parts += [f"--- rank {rank} stderr (last 1,500 characters):\n{tail}" for rank, tail in enumerate(self.tails)]
+        return "\n".join(parts)
+
+
 def _read(path: str) -> str:
     return Path(path).read_text(errors="replace") if os.path.exists(path) else ""
 
@@ -95,8 +109,10 @@ def run(argv: list[str], env: dict[str, str], cwd: Path, nproc: int = 1, timeout
             proc.join()
         stdout = "".join(_read(out) for out, _ in files)
         stderr = "".join(_read(err) for _, err in files)
+        tails = [_read(err)[-1500:] for _, err in files]
     if hung:
-        raise subprocess.TimeoutExpired(["anytrain", *argv], timeout, stdout, stderr)
+        hung_ranks = [rank for rank, proc in enumerate(procs) if proc in hung]
+        raise RanksTimedOut(["anytrain", *argv], timeout, stdout, stderr, hung_ranks, tails)
     codes = [p.exitcode for p in procs]
     code = codes[0] if nproc == 1 else (0 if not any(codes) else 1)
     return subprocess.CompletedProcess(["anytrain", *argv], code, stdout, stderr)
