@@ -46,7 +46,7 @@ class ModelConfig:
     config.json sets ``model.args`` (an explicit field that disagrees is an error; max_seq_len may be changed). The
     data must be prepared with the same tokenizer (``anytrain prepare --tokenizer DIR/tokenizer.json``). Empty = random
     init. See docs/evaluation.md."""
-    init_device: str = "device"
+    init_device: Literal["device", "cpu"] = "device"
     """Where the initial weights are drawn: 'device' (on the training device, from its generator: fast, and the same
     on every GPU of one vendor's generator) or 'cpu' (drawn by the CPU generator, then copied to the device: the same
     initial weights on CPUs, NVIDIA and AMD GPUs, for comparing training across hardware; costs ~5 s per billion

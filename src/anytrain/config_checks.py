@@ -83,8 +83,6 @@ def _validate_others(cfg: RunConfig) -> None:
                           f"{str(cfg.train.compile).lower()}); set --parallel.async_tp false")  # fmt: skip
     if p.dp_shard == 0 or p.dp_shard < -1:
         raise ConfigError(f"parallel.dp_shard: must be >= 1 or -1 (infer), got {p.dp_shard}")
-    if cfg.model.init_device not in ("device", "cpu"):
-        raise ConfigError(f"model.init_device: expected device or cpu, got {cfg.model.init_device!r}")
     if cfg.device not in ("auto", "cpu", "gpu", "cuda"):
         raise ConfigError(f"device: expected auto, cpu or gpu, got {cfg.device!r}")
 

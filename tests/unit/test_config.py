@@ -48,7 +48,7 @@ def test_int_accepted_for_float_field(tmp_path):
             "parallel.fsdp_group_blocks applies to FSDP only, but the strategy is ddp",
         ),
         ("", ["--parallel.fsdp_group_blocks", "0"], "parallel.fsdp_group_blocks: expected >= 1, got 0"),
-        ("", ["--model.init_device", "gpu"], "model.init_device: expected device or cpu, got 'gpu'"),
+        ("", ["--model.init_device", "gpu"], "model.init_device: expected one of"),
         (
             "",
             ["--parallel.async_tp", "true"],
