@@ -129,3 +129,17 @@ def test_spread_runs_each_job_on_one_gpu_under_its_limit_and_packs_one_file(tmp_
     assert (tmp_path / "x" / "0" / "a.txt").read_text() == "gpu 0\n"
     assert (tmp_path / "x" / "2" / "c.txt").read_text() == "gpu 1\n"  # the least-loaded GPU (1 s queued vs 5 s)
     assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["spread.tgz"]
+
+
+def test_tp_optimizer_bench_times_per_parameter_and_per_mesh_updates_on_two_ranks(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                           "bench/tp_optimizer.py", "--steps", "2", "--warmup", "1", "--out", str(tmp_path)], cwd=ROOT,
+                          env=cli_env(), capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (path,) = tmp_path.glob("tp_optimizer_tp2_*.json")
+    rows = {r["row"]: r for r in json.loads(path.read_text())["rows"]}
+    per_param, ours = rows["per-parameter AdamW (foreach=False)"], rows["anytrain (groups per mesh, foreach)"]
+    assert per_param["params"] == ours["params"] == 201  # the 1.1B's parameter structure, tensor-parallel
+    # decay / no-decay; the decay matrices split by mesh: the TP DTensors and the plain (replicated) LM-head weight
+    assert per_param["param_groups"] == 2 and ours["param_groups"] == 3
+    assert per_param["ms_per_step"] > 0 and ours["ms_per_step"] > 0

@@ -51,3 +51,22 @@ def test_mamba_state_params_are_not_decayed():
         if name.endswith(("A_log", ".D")):
             assert id(param) in exempt, name
     assert any(p.ndim == 2 for p in decay["params"])
+
+
+def test_split_by_mesh_keeps_plain_tensors_together_and_the_group_options():
+    from anytrain.train.optim import split_by_mesh
+
+    params = [torch.nn.Parameter(torch.zeros(2, 2)) for _ in range(3)]
+    (part,) = split_by_mesh({"params": params, "weight_decay": 0.1})
+    assert part["params"] == params and part["weight_decay"] == 0.1
+
+
+def test_a_saved_schedule_fits_an_optimizer_with_another_group_count():
+    """A tensor-parallel run's checkpoint (a group per mesh) resumes without TP, and the other way round."""
+    from anytrain.train.checkpoint import _fit_groups
+
+    saved = {"base_lrs": [3e-4] * 3, "_last_lr": [1.5e-4] * 3, "last_epoch": 7, "lr_lambdas": [None] * 3}
+    fitted = _fit_groups(saved, 2)
+    assert fitted["base_lrs"] == [3e-4, 3e-4] and fitted["_last_lr"] == [1.5e-4, 1.5e-4]
+    assert fitted["last_epoch"] == 7 and saved["base_lrs"] == [3e-4] * 3  # the saved state is not modified
+    assert _fit_groups(saved, 3)["base_lrs"] == saved["base_lrs"]

@@ -158,7 +158,7 @@ class ModelSetup:
                 unwrap(self.model), self.cfg.train, self.device, dp_mesh_1d(self.dims, self.device)
             )
         else:
-            self.optimizer = build_optimizer(self.model, self.cfg.train, self.device, per_tensor=self.dims.tp > 1)
+            self.optimizer = build_optimizer(self.model, self.cfg.train, self.device, by_mesh=self.dims.tp > 1)
         self.scheduler = build_scheduler(self.optimizer, self.cfg.train)
         # grad_comm_bytes of the log records (parallel.grad_compression's hook counts them where there is one)
         self.grad_comm = GradCommMeter(self.model, self.strategy, self.cfg.parallel, self.dims.dp_replicate,

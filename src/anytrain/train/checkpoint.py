@@ -96,13 +96,25 @@ class TrainState(Stateful):
             set_optimizer_state_dict(self.model, self.optimizer, state["optim"], options=self.OPTIONS)
             for group, keys in zip(self.optimizer.param_groups, kept, strict=True):
                 group.update(keys)
-        self.scheduler.load_state_dict(state["scheduler"])
+        self.scheduler.load_state_dict(_fit_groups(state["scheduler"], len(self.optimizer.param_groups)))
         self.progress.clear()
         self.progress.update(state["progress"])
         torch.set_rng_state(state["rng_cpu"])
         self.metrics = state.get("metrics")
         for name, extra in self.extras.items():
             extra.load_state_dict(state.get(name, {}))
+
+
+def _fit_groups(scheduler_state: dict, n_groups: int) -> dict:
+    """A saved LR-schedule state for an optimizer with ``n_groups`` param groups: a layout with another group count (a
+    tensor-parallel run has a group per device mesh, train/optim.py) saved per-group lists of one value repeated —
+    every group shares train.lr and the schedule — so the first entry stands for every group here."""
+    fitted = dict(scheduler_state)
+    for key in ("base_lrs", "_last_lr"):
+        values = fitted.get(key)
+        if isinstance(values, list) and values and len(values) != n_groups:
+            fitted[key] = [values[0]] * n_groups
+    return fitted
 
 
 def _saved_only(tree: dict, prefix: str, keys: set[str] | None) -> dict:
