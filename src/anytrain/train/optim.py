@@ -41,7 +41,7 @@ def build_optimizer(model: nn.Module, cfg: TrainConfig, device: torch.device,
     ``by_mesh``: for models whose parameters mix DTensors of different meshes with plain tensors (tensor parallelism
     here), which one fused/foreach call cannot batch together: each weight-decay group is split by device mesh and
     every part is updated with the foreach kernels (one DTensor dispatch per operation and group, not per parameter:
-    the host cost of the step is a third of per-parameter updates at the 1.1B's 201 parameters, bench/tp_optimizer.py).
+    a fourth to a fifth of the host time of per-parameter updates at the 1.1B's 201 parameters, bench/tp_optimizer.py).
     """
     if by_mesh:
         groups = [part for group in param_groups(model, cfg.weight_decay) for part in split_by_mesh(group)]
