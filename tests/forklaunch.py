@@ -15,6 +15,7 @@ from __future__ import annotations
 import atexit
 import multiprocessing
 import os
+import random
 import socket
 import subprocess
 import sys
@@ -79,6 +80,19 @@ def _read(path: str) -> str:
 
 
 def _free_port() -> int:
+    """A port for rank 0's TCPStore, from a range of its own per pytest-xdist worker, below Linux's ephemeral range: a
+    port the kernel hands out for ``bind(0)`` is free only until it is bound, and two workers (or a torchrun
+    ``--standalone`` of another test) asking at once could get the same one — one job's rank then joins the other's
+    store and both wait until the test times out."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "gw0")[2:]
+    low = 20_000 + 1_500 * (int(worker) % 8 if worker.isdigit() else 0)
+    for port in random.Random().sample(range(low, low + 1_500), 50):  # its own generator: tests' seeds untouched
+        with socket.socket() as sock:
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
