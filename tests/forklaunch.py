@@ -122,8 +122,8 @@ def run(argv: list[str], env: dict[str, str], cwd: Path, nproc: int = 1, timeout
             proc.kill()
             proc.join()
         stdout = "".join(_read(out) for out, _ in files)
-        stderr = "".join(_read(err) for _, err in files)
-        tails = [_read(err)[-1500:] for _, err in files]
+        errors = [_read(err) for _, err in files]
+        stderr, tails = "".join(errors), [text[-1500:] for text in errors]
     if hung:
         hung_ranks = [rank for rank, proc in enumerate(procs) if proc in hung]
         raise RanksTimedOut(["anytrain", *argv], timeout, stdout, stderr, hung_ranks, tails)
