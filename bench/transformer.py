@@ -93,9 +93,45 @@ def default_cases(ablations: bool = False) -> list[Case]:
         Case(g16, **mb16, stack="anytrain", label="anytrain recipe (configs/1.1b.yaml)", profile=True, options=auto),
         Case(g16, **mb16, stack="hf-compile", label="HF + torch.compile, mb 16", profile=True),
         Case(g16, **mb16, stack="anytrain-hf", label="model.arch hf, auto scope", profile=True, options=auto),
+        Case(
+            g16,
+            **mb16,
+            stack="anytrain-hf",
+            label="model.arch hf, whole-body compile (masked SDPA)",
+            options=whole,
+            ablation=True,
+        ),  # fmt: skip
+        Case(
+            g16,
+            **mb16,
+            stack="anytrain-hf",
+            label="model.arch hf, fp32 residual stream",
+            options={**auto, "model.args.residual_in_fp32": True},
+            ablation=True,
+        ),  # fmt: skip
         Case("tiny-512", "tiny", 512, 32, 64, "hf-compile", label="HF + torch.compile"),
-        Case("tiny-512", "tiny", 512, 32, 64, "anytrain-hf", label="model.arch hf (HF Llama class)", options=auto),
+        Case(
+            "tiny-512",
+            "tiny",
+            512,
+            32,
+            64,
+            "anytrain-hf",
+            label="model.arch hf (HF Llama class)",
+            options=auto,
+            profile=True,
+        ),  # fmt: skip
         Case("tiny-512", "tiny", 512, 32, 64, "anytrain", label="anytrain (compile_scope auto)", options=auto),
+        Case(
+            "tiny-512",
+            "tiny",
+            512,
+            32,
+            64,
+            "anytrain",
+            label="anytrain + CUDA graphs",
+            options={**auto, "train.cuda_graphs": 1},
+        ),  # fmt: skip
         Case(g16, **mb16, stack="anytrain", label="anytrain + CUDA graphs", options={**auto, "train.cuda_graphs": 1}),
         Case(g16, **mb16, stack="anytrain", label="anytrain, per-block compile (the recipe before)", options=blocks),
         Case(g32, **mb32, stack="anytrain", label="anytrain micro-batch 32"),

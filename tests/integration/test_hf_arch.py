@@ -224,6 +224,61 @@ def test_fused_loss_only_where_the_head_output_is_the_logits(small_data, hf_mode
         torch.testing.assert_close(model(ids[:, :-1], ids[:, 1:]), expected, rtol=0, atol=1e-5)
 
 
+def test_residual_stream_dtype_under_autocast(small_data, hf_models):
+    """residual_in_fp32 false (default): the embedding outputs (GPT-2's token and position tables) take the autocast
+    dtype, so every block receives bf16 hidden states; true: transformers' fp32 stream. The losses agree to bf16
+    rounding, and without autocast the option changes nothing."""
+    from anytrain.models import build_model
+
+    ids = torch.randint(0, 512, (2, 17), generator=torch.Generator().manual_seed(0))
+    losses, seen = {}, {}
+    for keep in (False, True):
+        cfg = load_config("configs/tiny.yaml", train_args(small_data, hf_models["gpt2"])
+                          + ["--model.args.residual_in_fp32", str(keep).lower()])  # fmt: skip
+        model = build_model(cfg.model)
+        dtypes = []
+        for block in model.blocks():
+            block.register_forward_pre_hook(lambda _m, args, _kw, d=dtypes: d.append(args[0].dtype), with_kwargs=True)
+        with torch.no_grad():
+            plain = model(ids[:, :-1], ids[:, 1:])
+        with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+            losses[keep] = model(ids[:, :-1], ids[:, 1:]).float()
+        seen[keep] = dtypes[len(model.blocks()) :]  # the autocast forward's blocks
+        assert dtypes[: len(model.blocks())] == [torch.float32] * 2  # no autocast: fp32 either way
+        losses[f"plain-{keep}"] = plain
+    assert seen[False] == [torch.bfloat16] * 2 and seen[True] == [torch.float32] * 2
+    assert losses["plain-False"] == losses["plain-True"]
+    torch.testing.assert_close(losses[False], losses[True], rtol=0, atol=0.05)
+
+
+def test_auto_compile_scope_is_per_block_so_sdpa_gets_is_causal(small_data, hf_models):
+    """compile_scope auto compiles each decoder layer of an HF model, also in one process: the mask code runs eagerly,
+    so the compiled attention calls SDPA with is_causal and native GQA instead of a materialised mask (which
+    transformers builds when the whole body is compiled, with torch < 2.14)."""
+    from anytrain.models import build_model
+    from anytrain.parallel import apply_compile, resolve_compile_scope, spec_of
+
+    cfg = load_config("configs/tiny.yaml", train_args(small_data, hf_models["llama"]))
+    model = build_model(cfg.model)
+    scope = resolve_compile_scope("auto", "single", spec_of(model).parallelize_plan.whole_model_when_auto)
+    assert scope == "blocks"
+    calls = []
+
+    def backend(gm, _inputs):
+        calls.extend(n.kwargs for n in gm.graph.nodes if "scaled_dot_product_attention" in str(n.target))
+        return gm.forward
+
+    torch._dynamo.reset()
+    apply_compile(model, scope)
+    for block in model.blocks():  # same graphs, inspected: recompile with the recording backend
+        block._compiled_call_impl = torch.compile(block._call_impl, backend=backend)
+    ids = torch.randint(0, 512, (2, 17), generator=torch.Generator().manual_seed(0))
+    model(ids[:, :-1], ids[:, 1:])
+    assert calls, "no SDPA call traced"
+    assert all(c.get("attn_mask") is None and c.get("is_causal") is True for c in calls), calls
+    assert all(c.get("enable_gqa") is True for c in calls), calls
+
+
 @pytest.mark.parametrize("overrides, message", [
     ([], "model.hf_path: model.arch hf needs a local Hugging Face model folder"),
     (["--model.hf_path", "{tmp}"], "has no config.json"),
@@ -233,6 +288,7 @@ def test_fused_loss_only_where_the_head_output_is_the_logits(small_data, hf_mode
     (["--model.hf_path", "{llama}", "--model.args.n_layers", "4"], "model.args.n_layers: is read from model.hf_path"),
     (["--model.hf_path", "{llama}", "--model.init_from", "{llama}"], "model.init_from: not used with model.arch hf"),
     (["--model.hf_path", "{llama}", "--model.args.init", "zeros"], "model.args.init: expected one of"),
+    (["--model.hf_path", "{llama}", "--train.cuda_graphs", "true"], "train.cuda_graphs: not available with model.arch"),
 ])  # fmt: skip
 def test_config_errors_name_the_field(tmp_path, small_data, hf_models, overrides, message):
     args = [a.format(tmp=tmp_path, llama=hf_models["llama"]) for a in overrides]

@@ -190,10 +190,11 @@ def apply_activation_checkpointing(model: nn.Module, policy: str = "full") -> No
                 parent.register_module(name, checkpoint_wrapper(child, preserve_rng_state=False))
 
 
-def resolve_compile_scope(scope: str, strategy: str) -> str:
-    """train.compile_scope for a run with this strategy: auto = the whole model in a one-process run, else blocks."""
+def resolve_compile_scope(scope: str, strategy: str, whole_model_when_auto: bool = True) -> str:
+    """train.compile_scope for a run with this strategy: auto = the whole model in a one-process run (unless the
+    family's ``ParallelizePlan.whole_model_when_auto`` says blocks), else blocks."""
     if scope == "auto":
-        return "model" if strategy == "single" else "blocks"
+        return "model" if strategy == "single" and whole_model_when_auto else "blocks"
     if scope == "model" and strategy != "single":
         raise ConfigError("train.compile_scope: 'model' needs a one-process run; use --train.compile_scope blocks "
                           "(or auto)")  # fmt: skip
@@ -272,7 +273,8 @@ def parallelize(model: nn.Module, cfg: RunConfig, dims: ParallelDims, device: to
     if cfg.train.activation_checkpointing != "none":
         apply_activation_checkpointing(model, cfg.train.activation_checkpointing)
     if cfg.train.compile:
-        apply_compile(model, resolve_compile_scope(cfg.train.compile_scope, strategy))
+        whole = spec_of(model).parallelize_plan.whole_model_when_auto
+        apply_compile(model, resolve_compile_scope(cfg.train.compile_scope, strategy, whole))
     if strategy == "fsdp":
         mp_dtype = compute_dtype if compute_dtype != torch.float32 else None
         model = apply_fsdp(model, dims, device, mp_dtype, cfg.parallel.reshard_after_forward,

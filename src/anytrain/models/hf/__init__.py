@@ -26,6 +26,9 @@ def check_run_config(cfg: Any) -> None:
     if model.init_from:
         raise ConfigError("model.init_from: not used with model.arch hf (the weights come from model.hf_path); "
                           "drop it")  # fmt: skip
+    if cfg.train.cuda_graphs:
+        raise ConfigError("train.cuda_graphs: not available with model.arch hf (transformers' model code broke CUDA "
+                          "graph capture on an H100); set --train.cuda_graphs false")  # fmt: skip
     for name in ("tp", "pp"):
         if getattr(cfg.parallel, name) > 1:
             raise ConfigError(f"parallel.{name}: model.arch hf trains with data parallelism only (DDP / FSDP); set "

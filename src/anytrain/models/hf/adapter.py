@@ -31,6 +31,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from anytrain.errors import ConfigError
+from anytrain.models.layers import residual_stream
 from anytrain.models.losses import lm_cross_entropy
 from anytrain.models.sampling import SamplingMixin
 
@@ -54,6 +55,11 @@ class HFArgs:
     ``from_config``), seeded by train.seed, for training from scratch."""
     attn_implementation: Literal["sdpa", "eager"] = "sdpa"
     """transformers' attention kernel: sdpa (``scaled_dot_product_attention``, FlashAttention on GPUs) or eager."""
+    residual_in_fp32: bool = False
+    """Under bf16/fp16 autocast with fp32 weights, keep the residual stream fp32 as transformers does (the embedding
+    tables' fp32 output carries it). False (default, as the anytrain Transformer, and as FSDP's bf16 parameters give
+    anyway): the embedding outputs take the autocast dtype, so the residual adds and the norms' inputs are bf16 —
+    half the bytes of the elementwise work. No effect without autocast."""
     model_type: str = ""
     architecture: str = ""
     """The ``AutoModelForCausalLM`` class the folder's config maps to, e.g. LlamaForCausalLM."""
@@ -74,7 +80,7 @@ class HFArgs:
                                   "expected a decoder-only causal LM config")  # fmt: skip
 
 
-SETTABLE = ("init", "attn_implementation")
+SETTABLE = ("init", "attn_implementation", "residual_in_fp32")
 """The ``model.args`` fields a recipe may set for ``arch: hf``; the rest describe the folder's model."""
 
 
@@ -141,6 +147,7 @@ def resolve_args(model_cfg: Any) -> HFArgs:
     mapping = _transformers().MODEL_FOR_CAUSAL_LM_MAPPING
     args = HFArgs(
         path=str(folder), init=chosen.init, attn_implementation=chosen.attn_implementation,
+        residual_in_fp32=chosen.residual_in_fp32,
         model_type=config.model_type, architecture=mapping[type(config)].__name__,
         vocab_size=int(text.vocab_size), n_layers=int(getattr(text, "num_hidden_layers", 0) or 0),
         hidden_size=hidden, num_attention_heads=heads,
@@ -211,6 +218,10 @@ class HFCausalLM(SamplingMixin, nn.Module):
         self._buffer_values = {name: b.detach().clone() for name, b in self.named_buffers() if b.device.type != "meta"}
         self._blocks_name, _ = find_blocks(self.hf)
         self._blocks_name = "hf." + self._blocks_name
+        if not args.residual_in_fp32:  # the embedding tables outside the blocks start the residual stream
+            for name, module in self.named_modules():
+                if isinstance(module, nn.Embedding) and not name.startswith(self._blocks_name + "."):
+                    module.register_forward_hook(_stream_dtype)
         self.fused_head = False
         if not on_meta:  # built for use (eval, export): materialise on the CPU now, as the other families do
             self.to_empty(device="cpu")
@@ -366,6 +377,11 @@ class HFCausalLM(SamplingMixin, nn.Module):
     @property
     def hidden_size(self) -> int:
         return self.args.hidden_size
+
+
+def _stream_dtype(_module: nn.Module, _inputs: Any, output: torch.Tensor) -> torch.Tensor:
+    """Forward hook on an embedding table: its output in the autocast dtype (``residual_in_fp32: false``)."""
+    return residual_stream(output, keep_fp32=False)
 
 
 def _safetensors_files(folder: Path) -> list[Path]:

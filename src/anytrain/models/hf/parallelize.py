@@ -12,9 +12,14 @@ from anytrain.models.protocol import ParallelizePlan
 
 def compile_model(model: HFCausalLM) -> None:
     """Compile the body (``hf.base_model``: embeddings, layers, final norm) as one graph; the head and the loss stay
-    outside."""
+    outside. (Under this scope transformers materialises the causal mask: see ``PLAN``.)"""
     body = model.hf.base_model
     body.forward = torch.compile(body.forward, fullgraph=False)
 
 
-PLAN = ParallelizePlan(compile_model=compile_model)
+PLAN = ParallelizePlan(compile_model=compile_model, whole_model_when_auto=False)
+"""``train.compile_scope: auto`` compiles per block here even in a one-process run: with torch < 2.14, transformers
+builds the causal mask as a (B, 1, T, T) tensor when its mask function runs under torch.compile (it skips the mask,
+for SDPA's ``is_causal``, only in eager code), and a masked SDPA call takes neither FlashAttention nor native GQA (K/V
+are repeated). Compiled per block, the body's mask code runs eagerly and every block gets ``is_causal`` with
+``enable_gqa``."""
