@@ -124,7 +124,8 @@ def predict_row(row: dict, device, use_as_run: bool = True, extra: dict[str, lis
     from anytrain.cost.cli import shape_from_config
 
     cfg = row_config(row, use_as_run, extra)
-    wl = Workload(row["seq"], row["global_batch"], compiled=cfg.train.compile)
+    wl = Workload(row["seq"], row["global_batch"], compiled=cfg.train.compile,
+                  ddp_bucket_mib=row.get("ddp_bucket_mb") or 25.0)  # fmt: skip  # rows before the field: torch's 25
     return estimate(shape_from_config(cfg), row_layout(row), wl, device), cfg.train.compile
 
 

@@ -52,6 +52,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 
 RECIPES = {"transformer": "configs/1.1b.yaml", "mamba": "configs/mamba-1.4b.yaml"}
+LEGACY_DDP_BUCKET_MB = 25.0
+"""DDP's bucket size of rows recorded before the rows carried ``ddp_bucket_mb`` (PyTorch's default, used until then)."""
 MODEL_NAMES = {"transformer": "llama-1.1b", "mamba": "mamba-1.4b"}
 
 
@@ -227,6 +229,14 @@ def start_job(case: Case, gpus: list[int], work: Path, args: argparse.Namespace)
     return Job(case, gpus, proc, time.perf_counter(), job_dir, log)
 
 
+def run_setting(run_dir: Path, section: str, name: str):
+    """One field of the config a run recorded in its directory (config.yaml), None if absent."""
+    import yaml
+
+    path = run_dir / "config.yaml"
+    return (yaml.safe_load(path.read_text()) or {}).get(section, {}).get(name) if path.exists() else None
+
+
 def collect(job: Job, timed_out: bool) -> dict:
     case = job.case
     row = {**asdict(case), "dp": case.dp, "accum": case.accum, "gpu_ids": job.gpus,
@@ -257,6 +267,7 @@ def collect(job: Job, timed_out: bool) -> dict:
         "flops_per_token": summary["flops_per_token"],
         "strategy": summary["strategy"],
         "device": summary["hardware"].get("device"),
+        "ddp_bucket_mb": run_setting(job.work / "run", "parallel", "ddp_bucket_mb"),
     })  # fmt: skip
     profiles = sorted((job.work / "run" / "profile").glob("rank*.json"))  # cases run with --profile.steps
     if profiles:
@@ -479,7 +490,8 @@ def predict_row(row: dict, device):
     from anytrain.cost.cli import shape_from_config
 
     cfg = run_config(row)
-    wl = Workload(row["seq"], row["global_batch"], compiled=cfg.train.compile)
+    wl = Workload(row["seq"], row["global_batch"], compiled=cfg.train.compile,
+                  ddp_bucket_mib=row.get("ddp_bucket_mb") or LEGACY_DDP_BUCKET_MB)  # fmt: skip
     return estimate(shape_from_config(cfg), cost_layout(row), wl, device)
 
 

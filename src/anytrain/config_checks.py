@@ -142,6 +142,8 @@ def check_fsdp_only_options(parallel: ParallelConfig, strategy: str) -> None:
     if parallel.fsdp_group_blocks > 1 and strategy in ("ddp", "zero1"):
         raise ConfigError(f"parallel.fsdp_group_blocks applies to FSDP only, but the strategy is {strategy}; set "
                           "--parallel.strategy fsdp or --parallel.fsdp_group_blocks 1")  # fmt: skip
+    if not parallel.ddp_bucket_mb > 0:
+        raise ConfigError(f"parallel.ddp_bucket_mb: expected a size in MB > 0, got {parallel.ddp_bucket_mb}")
     check_grad_compression(parallel, strategy)
     if not parallel.reshard_during_accumulation and strategy in ("ddp", "zero1"):
         raise ConfigError(f"parallel.reshard_during_accumulation: false applies to FSDP only, but the strategy is "

@@ -91,6 +91,7 @@ def test_batch_plan():
 
 
 NUMERIC_BAD_VALUES = [
+    ("parallel.ddp_bucket_mb", "0", "parallel.ddp_bucket_mb: expected a size in MB > 0, got 0.0"),
     ("train.steps", "0", "train.steps: must be > 0"),
     ("train.global_batch", "0", "train.global_batch: must be > 0"),
     ("train.micro_batch", "-1", "train.micro_batch: must be >= 0"),

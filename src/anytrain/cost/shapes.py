@@ -306,7 +306,7 @@ class Workload:
     overlap: float = 0.8  # fraction of the overlap window in which data-parallel traffic hides
     fragmentation: float = 0.05
     overhead_gib: float = 1.0  # CUDA/HIP context, NCCL buffers: outside the allocator (not in its peak)
-    ddp_bucket_mib: float = 25.0  # DDP's bucket cap (torch default); torch.compile splits blocks at its buckets
+    ddp_bucket_mib: float = 100.0  # parallel.ddp_bucket_mb (DDP's bucket cap); torch.compile splits blocks at buckets
     grad_compression: str = "none"  # parallel.grad_compression: none | bf16 | fp16 | powersgd:rank=R
 
 

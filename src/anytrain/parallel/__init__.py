@@ -284,7 +284,8 @@ def parallelize(model: nn.Module, cfg: RunConfig, dims: ParallelDims, device: to
 
         mesh = _dp_mesh(dims, device)
         group = mesh.get_group() if mesh.ndim == 1 else mesh["dp"].get_group()
-        model = DDP(model, device_ids=[device.index] if hardware.is_gpu(device) else None, process_group=group)
+        model = DDP(model, device_ids=[device.index] if hardware.is_gpu(device) else None, process_group=group,
+                    bucket_cap_mb=cfg.parallel.ddp_bucket_mb)  # fmt: skip
         compression.attach(model, cfg.parallel, cfg.train, group)  # parallel.grad_compression's comm hook, if any
     return model, strategy
 
