@@ -13,13 +13,16 @@ it, srun, mpirun) start those for real instead.
 from __future__ import annotations
 
 import atexit
+import faulthandler
 import multiprocessing
 import os
 import random
+import signal
 import socket
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 _PRELOAD = ["torch", "torch.utils.tensorboard", "anytrain.cli", "anytrain.train.trainer", "anytrain.launch.env"]
@@ -42,6 +45,7 @@ def _child(argv: list[str], env: dict[str, str], cwd: str, out_path: str, err_pa
         target = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
         os.dup2(target, fd)
         os.close(target)
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # run() asks a hung rank for its threads' stacks
     sys.argv = ["anytrain", *argv]
     code = 0
     try:
@@ -63,7 +67,7 @@ def _child(argv: list[str], env: dict[str, str], cwd: str, out_path: str, err_pa
 
 class RanksTimedOut(subprocess.TimeoutExpired):
     """A command whose ranks did not all exit in time; its message names the hung ranks and ends with each rank's
-    last stderr lines (where a flaky hang says where it stood)."""
+    last stderr lines: a hung rank's end with every thread's Python stack (where a flaky hang stood)."""
 
     def __init__(self, cmd, timeout, output, stderr, hung_ranks: list[int], tails: list[str]):
         super().__init__(cmd, timeout, output, stderr)
@@ -71,7 +75,7 @@ class RanksTimedOut(subprocess.TimeoutExpired):
 
     def __str__(self) -> str:
         parts = [f"{super().__str__()}; ranks still running: {self.hung_ranks}"]
-        parts += [f"--- rank {rank} stderr (last 1,500 characters):\n{tail}" for rank, tail in enumerate(self.tails)]
+        parts += [f"--- rank {r} stderr (last {len(tail):,} characters):\n{tail}" for r, tail in enumerate(self.tails)]
         return "\n".join(parts)
 
 
@@ -118,12 +122,17 @@ def run(argv: list[str], env: dict[str, str], cwd: Path, nproc: int = 1, timeout
         for proc in procs:
             proc.join(timeout)
         hung = [p for p in procs if p.exitcode is None]
+        for proc in hung:  # each hung rank writes every thread's Python stack to its stderr file first
+            os.kill(proc.pid, signal.SIGUSR1)
+        if hung:
+            time.sleep(2.0)
         for proc in hung:
             proc.kill()
             proc.join()
         stdout = "".join(_read(out) for out, _ in files)
         errors = [_read(err) for _, err in files]
-        stderr, tails = "".join(errors), [text[-1500:] for text in errors]
+        stderr = "".join(errors)
+        tails = [text[-(8000 if proc in hung else 1500) :] for text, proc in zip(errors, procs, strict=True)]
     if hung:
         hung_ranks = [rank for rank, proc in enumerate(procs) if proc in hung]
         raise RanksTimedOut(["anytrain", *argv], timeout, stdout, stderr, hung_ranks, tails)
