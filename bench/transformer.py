@@ -97,7 +97,7 @@ def default_cases(ablations: bool = False) -> list[Case]:
             g16,
             **mb16,
             stack="anytrain-hf",
-            label="model.arch hf, whole-body compile (masked SDPA)",
+            label="model.arch hf, whole-body compile",
             options=whole,
             ablation=True,
         ),  # fmt: skip

@@ -251,32 +251,78 @@ def test_residual_stream_dtype_under_autocast(small_data, hf_models):
     torch.testing.assert_close(losses[False], losses[True], rtol=0, atol=0.05)
 
 
-def test_auto_compile_scope_is_per_block_so_sdpa_gets_is_causal(small_data, hf_models):
-    """compile_scope auto compiles each decoder layer of an HF model, also in one process: the mask code runs eagerly,
-    so the compiled attention calls SDPA with is_causal and native GQA instead of a materialised mask (which
-    transformers builds when the whole body is compiled, with torch < 2.14)."""
+@pytest.mark.parametrize("shape", ["llama", "gpt2"])
+def test_compiled_attention_gets_is_causal_per_block_and_whole_body(small_data, hf_models, shape):
+    """Plain causal models run transformers' SDPA attention under the adapter's registered name, which has no mask
+    function: under torch.compile too (where transformers with torch < 2.14 would build a (B, 1, T, T) mask), every
+    traced SDPA call has no mask, ``is_causal`` and, for GQA, ``enable_gqa`` — compiled per block (``compile_scope:
+    auto`` for this family, also in one process) and as one whole-body graph (``model``). The loss equals the eager
+    model's."""
     from anytrain.models import build_model
+    from anytrain.models.hf.adapter import CAUSAL_SDPA
     from anytrain.parallel import apply_compile, resolve_compile_scope, spec_of
 
-    cfg = load_config("configs/tiny.yaml", train_args(small_data, hf_models["llama"]))
-    model = build_model(cfg.model)
-    scope = resolve_compile_scope("auto", "single", spec_of(model).parallelize_plan.whole_model_when_auto)
-    assert scope == "blocks"
-    calls = []
-
-    def backend(gm, _inputs):
-        calls.extend(n.kwargs for n in gm.graph.nodes if "scaled_dot_product_attention" in str(n.target))
-        return gm.forward
-
-    torch._dynamo.reset()
-    apply_compile(model, scope)
-    for block in model.blocks():  # same graphs, inspected: recompile with the recording backend
-        block._compiled_call_impl = torch.compile(block._call_impl, backend=backend)
+    cfg = load_config("configs/tiny.yaml", train_args(small_data, hf_models[shape]))
     ids = torch.randint(0, 512, (2, 17), generator=torch.Generator().manual_seed(0))
-    model(ids[:, :-1], ids[:, 1:])
-    assert calls, "no SDPA call traced"
-    assert all(c.get("attn_mask") is None and c.get("is_causal") is True for c in calls), calls
-    assert all(c.get("enable_gqa") is True for c in calls), calls
+    eager = build_model(cfg.model)
+    assert eager.hf.config._attn_implementation == CAUSAL_SDPA
+    with torch.no_grad():
+        expected = eager(ids[:, :-1], ids[:, 1:])
+    for scope in ("blocks", "model"):
+        model = build_model(cfg.model)
+        if scope == "blocks":
+            assert (
+                resolve_compile_scope("auto", "single", spec_of(model).parallelize_plan.whole_model_when_auto) == scope
+            )
+        calls = []
+
+        def backend(gm, _inputs, calls=calls):
+            calls.extend(n.kwargs for n in gm.graph.nodes if "scaled_dot_product_attention" in str(n.target))
+            return gm.forward
+
+        torch._dynamo.reset()
+        apply_compile(model, scope)
+        compiled = [b for b in model.blocks()] if scope == "blocks" else [model.hf.base_model]
+        for module in compiled:  # the same graphs, through a backend that records them
+            if scope == "blocks":
+                module._compiled_call_impl = torch.compile(module._call_impl, backend=backend)
+            else:
+                module.forward = torch.compile(type(module).forward.__get__(module), backend=backend)
+        with torch.no_grad():
+            loss = model(ids[:, :-1], ids[:, 1:])
+        torch.testing.assert_close(loss, expected, rtol=0, atol=1e-6)
+        assert calls, f"{scope}: no SDPA call traced"
+        assert all(c.get("attn_mask") is None and c.get("is_causal") is True for c in calls), (scope, calls)
+        if shape == "llama":  # 4 query heads on 2 K/V heads
+            assert all(c.get("enable_gqa") is True for c in calls), (scope, calls)
+
+
+def test_models_with_windowed_attention_keep_transformers_masks(tmp_path, small_data):
+    """A sliding window (Mistral's, shorter than the sequence) keeps transformers' own SDPA masks: same loss as the
+    transformers model; the mask-free name is only for plain causal configs."""
+    from anytrain.models import build_model
+    from anytrain.models.hf.adapter import plain_causal
+
+    conf = transformers.MistralConfig(hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+                                      num_key_value_heads=2, max_position_embeddings=64, sliding_window=4,
+                                      vocab_size=512, bos_token_id=0, eos_token_id=0)  # fmt: skip
+    assert not plain_causal(conf)
+    assert plain_causal(transformers.Qwen2Config()) and plain_causal(transformers.GPT2Config())
+    assert not plain_causal(transformers.Qwen2Config(use_sliding_window=True, sliding_window=16, max_window_layers=0))
+    torch.manual_seed(0)
+    transformers.AutoModelForCausalLM.from_config(conf).save_pretrained(tmp_path / "mistral")
+    args = train_args(small_data, tmp_path / "mistral")
+    eager = build_model(load_config("configs/tiny.yaml", [*args, "--model.args.attn_implementation", "eager"]).model)
+    model = build_model(load_config("configs/tiny.yaml", args).model)
+    assert model.hf.config._attn_implementation == "sdpa"
+    assert eager.hf.config._attn_implementation == "eager"  # each model has its own copy of the folder's config
+    ref = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "mistral", attn_implementation="sdpa").eval()
+    ids = torch.randint(0, 512, (2, 16), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        logits = ref(ids).logits
+        loss = model(ids[:, :-1], ids[:, 1:])
+    expected = torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), ids[:, 1:].flatten())
+    torch.testing.assert_close(loss, expected, rtol=0, atol=1e-5)
 
 
 @pytest.mark.parametrize("overrides, message", [

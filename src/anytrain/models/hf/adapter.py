@@ -19,6 +19,7 @@ No ``torch.distributed`` here; tensor and pipeline parallelism are not offered f
 from __future__ import annotations
 
 import contextlib
+import copy
 import functools
 import json
 import re
@@ -200,12 +201,15 @@ class HFCausalLM(SamplingMixin, nn.Module):
         super().__init__()
         self.args = args
         transformers = _transformers()
-        config = read_config(args.path)
+        config = copy.deepcopy(read_config(args.path))  # from_config keeps (and sets attributes on) the object it gets
         on_meta = torch.get_default_device().type == "meta"
+        implementation = args.attn_implementation
+        if implementation == "sdpa" and plain_causal(config):
+            implementation = causal_sdpa()
         try:
             with torch.device("cpu"), _parameters_on_meta():
                 self.hf = transformers.AutoModelForCausalLM.from_config(
-                    config, dtype=torch.float32, attn_implementation=args.attn_implementation
+                    config, dtype=torch.float32, attn_implementation=implementation
                 )
         except ValueError as exc:
             if "attention implementation" not in str(exc) and "attn_implementation" not in str(exc):
@@ -377,6 +381,36 @@ class HFCausalLM(SamplingMixin, nn.Module):
     @property
     def hidden_size(self) -> int:
         return self.args.hidden_size
+
+
+CAUSAL_SDPA = "anytrain_causal_sdpa"
+"""``attn_implementation: sdpa`` for a model whose every layer attends causally over the whole sequence: transformers'
+own SDPA attention function registered under this name, with no attention-mask function. transformers then builds no
+mask at all (its mask code returns at once for an implementation without one), so SDPA always runs with ``is_causal``
+(the causal FlashAttention / cuDNN kernels, native GQA): also under ``torch.compile``, where transformers itself (torch
+< 2.14) materialises a (B, 1, T, T) mask, and without its check for packed position ids, which reads a GPU tensor on
+the host. Exact because anytrain passes no padding mask and no position ids (one causal sequence per row)."""
+
+
+@functools.cache
+def causal_sdpa() -> str:
+    """Register ``CAUSAL_SDPA`` with transformers' attention interface (once) and return the name."""
+    from transformers import AttentionInterface
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    AttentionInterface.register(CAUSAL_SDPA, sdpa_attention_forward)
+    return CAUSAL_SDPA
+
+
+def plain_causal(config: Any) -> bool:
+    """Whether every layer of the config's model attends causally over the whole sequence: no sliding window (unless
+    switched off), no chunked attention, every entry of ``layer_types`` (if any) "full_attention"."""
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    layer_types = getattr(text, "layer_types", None)
+    if layer_types is not None:
+        return all(kind == "full_attention" for kind in layer_types) and not getattr(text, "attention_chunk_size", None)
+    window = getattr(text, "sliding_window", None) and getattr(text, "use_sliding_window", True)
+    return not window and not getattr(text, "attention_chunk_size", None)
 
 
 def _stream_dtype(_module: nn.Module, _inputs: Any, output: torch.Tensor) -> torch.Tensor:

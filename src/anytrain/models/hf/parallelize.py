@@ -12,14 +12,15 @@ from anytrain.models.protocol import ParallelizePlan
 
 def compile_model(model: HFCausalLM) -> None:
     """Compile the body (``hf.base_model``: embeddings, layers, final norm) as one graph; the head and the loss stay
-    outside. (Under this scope transformers materialises the causal mask: see ``PLAN``.)"""
+    outside."""
     body = model.hf.base_model
     body.forward = torch.compile(body.forward, fullgraph=False)
 
 
 PLAN = ParallelizePlan(compile_model=compile_model, whole_model_when_auto=False)
-"""``train.compile_scope: auto`` compiles per block here even in a one-process run: with torch < 2.14, transformers
-builds the causal mask as a (B, 1, T, T) tensor when its mask function runs under torch.compile (it skips the mask,
-for SDPA's ``is_causal``, only in eager code), and a masked SDPA call takes neither FlashAttention nor native GQA (K/V
-are repeated). Compiled per block, the body's mask code runs eagerly and every block gets ``is_causal`` with
-``enable_gqa``."""
+"""``train.compile_scope: auto`` compiles per block here even in a one-process run. Under torch.compile with
+torch < 2.14 transformers builds the causal mask as a (B, 1, T, T) tensor (it skips the mask, for SDPA's
+``is_causal``, only in eager code), and a masked SDPA call takes neither the causal kernels nor native GQA: that is
+still so for models with windowed or chunked attention. Compiled per block, the body's mask code runs eagerly. Plain
+causal models get no mask in either scope (``adapter.CAUSAL_SDPA``); per block is the scope measured (1.26x HF +
+compile at 1.1B on an H100, docs/hf-models.md), the whole body under that attention has not been measured yet."""
