@@ -124,8 +124,9 @@ class TrainConfig:
     """With ``compile``: blocks = each block on its own (same-shaped blocks share one graph; composes with every
     parallelism); model = the whole body (embedding, all blocks, final norm) as one graph, so that inductor can fuse
     across block boundaries (one process only; ~4x the compile time; +1.3% for the 1.1B Transformer on an H200);
-    auto = model in a one-process run, blocks otherwise. Tested for loss parity on CPU (Transformer, Mamba) and
-    with CUDA graphs (mamba-130m, GPU bench); not tested with activation checkpointing."""
+    auto = model in a one-process run (blocks for model.arch hf, docs/hf-models.md), blocks otherwise. Tested for loss
+    parity on CPU (Transformer, Mamba) and with CUDA graphs (mamba-130m, GPU bench); not tested with activation
+    checkpointing."""
     attention_backend: Literal["auto", "flash", "cudnn", "efficient", "math"] = "auto"
     """SDPA kernel preference on GPUs: auto = PyTorch's own choice; flash / cudnn / efficient put that kernel first
     (the others stay as fallbacks for shapes it cannot take); math = the reference kernel. Ignored on CPU."""
