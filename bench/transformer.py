@@ -89,49 +89,28 @@ def default_cases(ablations: bool = False) -> list[Case]:
     whole = {"train.compile_scope": "model"}  # the whole body as one compiled graph instead of per-block
     blocks = {"train.compile_scope": "blocks"}  # each block compiled on its own
     fp32_residual = {"model.args.residual_in_fp32": True}
+    hf_fp32 = {**auto, **fp32_residual}
+    graphs = {**auto, "train.cuda_graphs": 1}
+    tiny = dict(flavour="tiny", seq=512, micro=32, global_batch=64)
     cases = [
         Case(g16, **mb16, stack="anytrain", label="anytrain recipe (configs/1.1b.yaml)", profile=True, options=auto),
         Case(g16, **mb16, stack="hf-compile", label="HF + torch.compile, mb 16", profile=True),
         Case(g16, **mb16, stack="anytrain-hf", label="model.arch hf, auto scope", profile=True, options=auto),
-        Case(
-            g16,
-            **mb16,
-            stack="anytrain-hf",
-            label="model.arch hf, whole-body compile",
-            options=whole,
-            ablation=True,
-        ),  # fmt: skip
+        Case(g16, **mb16, stack="anytrain-hf", label="model.arch hf, whole-body compile", options=whole, ablation=True),
         Case(
             g16,
             **mb16,
             stack="anytrain-hf",
             label="model.arch hf, fp32 residual stream",
-            options={**auto, "model.args.residual_in_fp32": True},
+            options=hf_fp32,
             ablation=True,
-        ),  # fmt: skip
-        Case("tiny-512", "tiny", 512, 32, 64, "hf-compile", label="HF + torch.compile"),
+        ),
+        Case("tiny-512", **tiny, stack="hf-compile", label="HF + torch.compile"),
         Case(
-            "tiny-512",
-            "tiny",
-            512,
-            32,
-            64,
-            "anytrain-hf",
-            label="model.arch hf (HF Llama class)",
-            options=auto,
-            profile=True,
-        ),  # fmt: skip
-        Case("tiny-512", "tiny", 512, 32, 64, "anytrain", label="anytrain (compile_scope auto)", options=auto),
-        Case(
-            "tiny-512",
-            "tiny",
-            512,
-            32,
-            64,
-            "anytrain",
-            label="anytrain + CUDA graphs",
-            options={**auto, "train.cuda_graphs": 1},
-        ),  # fmt: skip
+            "tiny-512", **tiny, stack="anytrain-hf", label="model.arch hf (HF Llama class)", options=auto, profile=True
+        ),
+        Case("tiny-512", **tiny, stack="anytrain", label="anytrain (compile_scope auto)", options=auto),
+        Case("tiny-512", **tiny, stack="anytrain", label="anytrain + CUDA graphs", options=graphs),
         Case(g16, **mb16, stack="anytrain", label="anytrain + CUDA graphs", options={**auto, "train.cuda_graphs": 1}),
         Case(g16, **mb16, stack="anytrain", label="anytrain, per-block compile (the recipe before)", options=blocks),
         Case(g32, **mb32, stack="anytrain", label="anytrain micro-batch 32"),
