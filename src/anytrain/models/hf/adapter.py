@@ -12,6 +12,9 @@
   cross-entropy against the head's weight when the head is a bias-free ``nn.Linear`` whose output the model returns
   unchanged as its logits (checked once per ``init_weights`` with a small probe forward: soft-capped or scaled logits
   fail it), else the model's own logits and ``F.cross_entropy``. Targets equal to -100 are ignored either way.
+* **Attention** (``attn_implementation: sdpa``): models whose every layer attends causally over the whole sequence run
+  transformers' SDPA function under ``CAUSAL_SDPA``, a name without a mask function, so no mask is built (compiled or
+  not) and SDPA gets ``is_causal``; windowed or chunked models keep transformers' ``sdpa`` and its masks.
 
 No ``torch.distributed`` here; tensor and pipeline parallelism are not offered for this family.
 """
@@ -55,7 +58,8 @@ class HFArgs:
     """pretrained: start from the folder's safetensors weights; random: the model class's own initialisation (as
     ``from_config``), seeded by train.seed, for training from scratch."""
     attn_implementation: Literal["sdpa", "eager"] = "sdpa"
-    """transformers' attention kernel: sdpa (``scaled_dot_product_attention``, FlashAttention on GPUs) or eager."""
+    """transformers' attention kernel: sdpa (``scaled_dot_product_attention``; for plain causal models without any mask,
+    ``CAUSAL_SDPA``) or eager."""
     residual_in_fp32: bool = False
     """Under bf16/fp16 autocast with fp32 weights, keep the residual stream fp32 as transformers does (the embedding
     tables' fp32 output carries it). False (default, as the anytrain Transformer, and as FSDP's bf16 parameters give
