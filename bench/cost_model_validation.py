@@ -125,7 +125,7 @@ def predict_row(row: dict, device, use_as_run: bool = True, extra: dict[str, lis
 
     cfg = row_config(row, use_as_run, extra)
     wl = Workload(row["seq"], row["global_batch"], compiled=cfg.train.compile,
-                  ddp_bucket_mib=row.get("ddp_bucket_mb") or 25.0)  # fmt: skip  # rows before the field: torch's 25
+                  ddp_bucket_mib=row.get("ddp_bucket_mb") or scaling.LEGACY_DDP_BUCKET_MB)  # fmt: skip
     return estimate(shape_from_config(cfg), row_layout(row), wl, device), cfg.train.compile
 
 

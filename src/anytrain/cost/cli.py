@@ -212,8 +212,9 @@ def plan_command(
         parse_grad_compression(compression)
     except ConfigError as exc:
         raise ConfigError(str(exc).replace("parallel.grad_compression", "--grad-compression")) from None
+    bucket = {"ddp_bucket_mib": cfg.parallel.ddp_bucket_mb} if cfg else {}
     wl = Workload(seq_len, batch, tokens=tokens or 0.0, compiled=compiled, cuda_graphs=graphs,
-                  grad_compression=compression)  # fmt: skip
+                  grad_compression=compression, **bucket)  # fmt: skip
     if gpus is None:
         if deadline is None and budget is None:
             raise ConfigError("--gpus: give the device count, or --deadline / --budget-gpu-hours to size the job")

@@ -274,8 +274,7 @@ def run_memory_estimate(cfg: object, dims: object, strategy: str, micro_batch: i
                     pp_schedule=pp_schedule, pp_chunks=cfg.parallel.pp_virtual_stages,
                     reshard_after_forward=cfg.parallel.reshard_after_forward,
                     reshard_during_accumulation=cfg.parallel.reshard_during_accumulation)  # fmt: skip
-    wl = Workload(cfg.data.seq_len, cfg.train.global_batch, compiled=cfg.train.compile,
-                  ddp_bucket_mib=cfg.parallel.ddp_bucket_mb)  # fmt: skip
+    wl = Workload.from_config(cfg)
     prec = FP32 if fp32 else trainer_precision(name)
     phases = memory_phases(shape, layout, wl, prec, workspace_mib)
     phase = max(phases, key=lambda key: sum(phases[key].values()))

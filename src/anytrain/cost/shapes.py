@@ -9,6 +9,7 @@ m micro-batches per step, t/p/n tensor-, pipeline-, data-parallel degrees.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from anytrain.errors import ConfigError
 
@@ -308,6 +309,12 @@ class Workload:
     overhead_gib: float = 1.0  # CUDA/HIP context, NCCL buffers: outside the allocator (not in its peak)
     ddp_bucket_mib: float = 100.0  # parallel.ddp_bucket_mb (DDP's bucket cap); torch.compile splits blocks at buckets
     grad_compression: str = "none"  # parallel.grad_compression: none | bf16 | fp16 | powersgd:rank=R
+
+    @classmethod
+    def from_config(cls, cfg: Any, **fields: Any) -> Workload:
+        """A run config's sequence length, global batch, compile switch and DDP bucket size, plus ``fields``."""
+        base = dict(compiled=cfg.train.compile, ddp_bucket_mib=cfg.parallel.ddp_bucket_mb)
+        return cls(cfg.data.seq_len, cfg.train.global_batch, **{**base, **fields})
 
 
 def gradient_matrices(shape: ModelShape | MambaShape) -> list[tuple[int, int]]:

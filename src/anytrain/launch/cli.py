@@ -120,8 +120,7 @@ def _auto_nodes(config: str, overrides: list[str], gpu: str, gpus_per_node: int,
         raise ConfigError("--nodes auto: needs --time (or --deadline): the job is sized to finish by then")
     cfg = _check_config(config, overrides)
     tokens = cfg.train.steps * cfg.train.global_batch * cfg.data.seq_len
-    wl = Workload(cfg.data.seq_len, cfg.train.global_batch, tokens=tokens, compiled=cfg.train.compile,
-                  ddp_bucket_mib=cfg.parallel.ddp_bucket_mb)  # fmt: skip
+    wl = Workload.from_config(cfg, tokens=tokens)
     device = get_device(gpu, gpus_per_node=gpus_per_node)
     seconds = parse_duration(deadline, "--deadline") if deadline else parse_duration(time_limit, "--time")
     try:
