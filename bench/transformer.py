@@ -109,6 +109,8 @@ def default_cases(ablations: bool = False) -> list[Case]:
         Case(
             "tiny-512", **tiny, stack="anytrain-hf", label="model.arch hf (HF Llama class)", options=auto, profile=True
         ),
+        Case("tiny-512", **tiny, stack="anytrain-hf", label="model.arch hf, whole-body compile", options=whole),
+        Case("tiny-512", **tiny, stack="anytrain-hf", label="model.arch hf + CUDA graphs", options=graphs),
         Case("tiny-512", **tiny, stack="anytrain", label="anytrain (compile_scope auto)", options=auto),
         Case("tiny-512", **tiny, stack="anytrain", label="anytrain + CUDA graphs", options=graphs),
         Case(g16, **mb16, stack="anytrain", label="anytrain + CUDA graphs", options={**auto, "train.cuda_graphs": 1}),

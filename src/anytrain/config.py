@@ -124,9 +124,9 @@ class TrainConfig:
     """With ``compile``: blocks = each block on its own (same-shaped blocks share one graph; composes with every
     parallelism); model = the whole body (embedding, all blocks, final norm) as one graph, so that inductor can fuse
     across block boundaries (one process only; ~4x the compile time; +1.3% for the 1.1B Transformer on an H200);
-    auto = model in a one-process run (blocks for model.arch hf, docs/hf-models.md), blocks otherwise. Tested for loss
-    parity on CPU (Transformer, Mamba) and with CUDA graphs (mamba-130m, GPU bench); not tested with activation
-    checkpointing."""
+    auto = model in a one-process run (for model.arch hf only when the model runs no attention-mask code,
+    docs/hf-models.md), blocks otherwise. Tested for loss parity on CPU (Transformer, Mamba) and with CUDA graphs
+    (mamba-130m and an HF Llama, GPU tests); not tested with activation checkpointing."""
     attention_backend: Literal["auto", "flash", "cudnn", "efficient", "math"] = "auto"
     """SDPA kernel preference on GPUs: auto = PyTorch's own choice; flash / cudnn / efficient put that kernel first
     (the others stay as fallbacks for shapes it cannot take); math = the reference kernel. Ignored on CPU."""
@@ -161,7 +161,8 @@ class TrainConfig:
     """Capture one micro-batch's forward + backward as a CUDA/HIP graph on the first step and replay it for every
     micro-batch (train/cuda_graph.py): removes the host's launch overhead where the host, not the GPU, sets the pace
     (small models such as mamba-130m). One GPU process only (no DDP/FSDP/TP/PP) with a fixed micro-batch shape; other
-    runs, and CPU runs of the same config, train eagerly and say so. Gradients then stay allocated between steps."""
+    runs, and CPU runs of the same config, train eagerly and say so. Gradients then stay allocated between steps.
+    model.arch hf: only for models that run no attention-mask code (plain causal, SDPA; refused otherwise)."""
     gc_interval: int = 50
     """Python's automatic garbage collection is off during training and a young-generation collection runs every
     this many steps on every rank at once (torchtitan's gc_freq): an automatic collection pauses one rank at a random

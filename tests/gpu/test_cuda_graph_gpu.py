@@ -121,3 +121,30 @@ def test_graphed_run_resumes_like_an_uninterrupted_one(small_data, tmp_path):
     for a, b in zip(w_split, w_whole, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
     assert abs(second["final_val_loss"] - whole["final_val_loss"]) < 1e-4
+
+
+def test_graph_replay_of_an_hf_model(small_data, tmp_path):
+    """``model.arch: hf`` (a tiny random transformers Llama, mask-free SDPA), bf16 autocast, the whole body compiled
+    (compile_scope auto): the captured micro-step replays without a host sync and trains like the eager one."""
+    transformers = pytest.importorskip("transformers")
+    from anytrain.train.trainer import Trainer
+
+    folder = tmp_path / "llama"
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                                      num_key_value_heads=2, max_position_embeddings=128, vocab_size=512,
+                                      bos_token_id=0, eos_token_id=0)  # fmt: skip
+    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(folder)
+    hf = ("--model.arch", "hf", "--model.hf_path", str(folder), "--train.compile_scope", "auto")
+
+    def trainer(name: str, graphs: bool):
+        return Trainer(_config(small_data, "transformer", graphs, "bf16", compile_blocks=True, extra=hf),
+                       run_dir=str(tmp_path / name))  # fmt: skip
+
+    eager = _run(trainer("eager", False))
+    graphed_trainer = trainer("graphs", True)
+    assert graphed_trainer._graphed is not None and graphed_trainer.raw_model.mask_free
+    graphed = _run(graphed_trainer)
+    assert graphed_trainer._graphed.replays == 6 * 2
+    torch.testing.assert_close(torch.tensor(graphed[0]), torch.tensor(eager[0]), rtol=2e-2, atol=2e-2)
+    assert graphed[0][-1] < graphed[0][0]

@@ -255,8 +255,8 @@ def test_residual_stream_dtype_under_autocast(small_data, hf_models):
 def test_compiled_attention_gets_is_causal_per_block_and_whole_body(small_data, hf_models, shape):
     """Plain causal models run transformers' SDPA attention under the adapter's registered name, which has no mask
     function: under torch.compile too (where transformers with torch < 2.14 would build a (B, 1, T, T) mask), every
-    traced SDPA call has no mask, ``is_causal`` and, for GQA, ``enable_gqa`` — compiled per block (``compile_scope:
-    auto`` for this family, also in one process) and as one whole-body graph (``model``). The loss equals the eager
+    traced SDPA call has no mask, ``is_causal`` and, for GQA, ``enable_gqa`` — compiled per block and as one whole-body
+    graph (``model``, what ``compile_scope: auto`` picks for such a model in one process). The loss equals the eager
     model's."""
     from anytrain.models import build_model
     from anytrain.models.hf.adapter import CAUSAL_SDPA
@@ -270,10 +270,9 @@ def test_compiled_attention_gets_is_causal_per_block_and_whole_body(small_data, 
         expected = eager(ids[:, :-1], ids[:, 1:])
     for scope in ("blocks", "model"):
         model = build_model(cfg.model)
-        if scope == "blocks":
-            assert (
-                resolve_compile_scope("auto", "single", spec_of(model).parallelize_plan.whole_model_when_auto) == scope
-            )
+        if scope == "model":  # what compile_scope auto picks in one process for a mask-free model
+            assert resolve_compile_scope("auto", "single", spec_of(model).parallelize_plan.whole_model_when_auto(model))
+            assert resolve_compile_scope("auto", "single", True) == scope
         calls = []
 
         def backend(gm, _inputs, calls=calls):
@@ -334,13 +333,32 @@ def test_models_with_windowed_attention_keep_transformers_masks(tmp_path, small_
     (["--model.hf_path", "{llama}", "--model.args.n_layers", "4"], "model.args.n_layers: is read from model.hf_path"),
     (["--model.hf_path", "{llama}", "--model.init_from", "{llama}"], "model.init_from: not used with model.arch hf"),
     (["--model.hf_path", "{llama}", "--model.args.init", "zeros"], "model.args.init: expected one of"),
-    (["--model.hf_path", "{llama}", "--train.cuda_graphs", "true"], "train.cuda_graphs: not available with model.arch"),
+    (["--model.hf_path", "{gemma2}", "--train.cuda_graphs", "true"], "train.cuda_graphs: with model.arch hf only for"),
+    (["--model.hf_path", "{llama}", "--train.cuda_graphs", "true", "--model.args.attn_implementation", "eager"],
+     "train.cuda_graphs: with model.arch hf only for"),
 ])  # fmt: skip
 def test_config_errors_name_the_field(tmp_path, small_data, hf_models, overrides, message):
-    args = [a.format(tmp=tmp_path, llama=hf_models["llama"]) for a in overrides]
+    args = [a.format(tmp=tmp_path, llama=hf_models["llama"], gemma2=hf_models["gemma2"]) for a in overrides]
     base = ["--model.arch", "hf", "--data.path", str(small_data), "--data.seq_len", "32"]
     with pytest.raises(ConfigError, match=message.replace(".", r"\.")):
         load_config("configs/tiny.yaml", base + args)
+
+
+def test_mask_code_decides_whole_body_compile_and_cuda_graphs(small_data, hf_models):
+    """A plain causal model (no attention-mask code in its forward) is compiled as one whole body under compile_scope
+    auto in one process and may be CUDA-graphed; Gemma-2 (sliding-window layers, eager attention: transformers' masks)
+    is compiled per block, and its cuda_graphs is refused at config load (the test above)."""
+    from anytrain.models import build_model
+    from anytrain.parallel import resolve_compile_scope, spec_of
+
+    for shape, mask_free in (("llama", True), ("gpt2", True), ("gemma2", False)):
+        extra = ["--train.cuda_graphs", "true"] if mask_free else ["--model.args.attn_implementation", "eager"]
+        cfg = load_config("configs/tiny.yaml", [*train_args(small_data, hf_models[shape]), *extra])
+        model = build_model(cfg.model)
+        assert model.mask_free is mask_free
+        whole = spec_of(model).parallelize_plan.whole_model_when_auto(model)
+        assert resolve_compile_scope("auto", "single", whole) == ("model" if mask_free else "blocks")
+        assert resolve_compile_scope("auto", "ddp", whole) == "blocks"
 
 
 def test_hf_path_without_arch_hf_and_cli_error_line(tmp_path, capsys, small_data, hf_models):

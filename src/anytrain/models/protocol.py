@@ -83,9 +83,10 @@ class ParallelizePlan:
     compile_model: Callable[[nn.Module], None] | None = None
     """``train.compile_scope: model``: compile the model's body (embedding, blocks, final norm) as one graph in
     place, leaving the loss outside. None: only per-block compilation."""
-    whole_model_when_auto: bool = True
+    whole_model_when_auto: bool | Callable[[nn.Module], bool] = True
     """What ``train.compile_scope: auto`` picks in a one-process run: the whole body (True) or per block (False, for
-    a family whose body builds something under the compiler that it would skip in eager code)."""
+    a family whose body builds something under the compiler that it would skip in eager code); a callable decides
+    per built model."""
     stage_init: bool = False
     """True when ``init_weights(seed)`` of a pipeline stage gives the same weights as that stage of the whole model
     (per-parameter random streams): stages are then built on the meta device and only their own parameters are

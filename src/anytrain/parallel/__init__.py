@@ -274,6 +274,7 @@ def parallelize(model: nn.Module, cfg: RunConfig, dims: ParallelDims, device: to
         apply_activation_checkpointing(model, cfg.train.activation_checkpointing)
     if cfg.train.compile:
         whole = spec_of(model).parallelize_plan.whole_model_when_auto
+        whole = whole(model) if callable(whole) else whole
         apply_compile(model, resolve_compile_scope(cfg.train.compile_scope, strategy, whole))
     if strategy == "fsdp":
         mp_dtype = compute_dtype if compute_dtype != torch.float32 else None

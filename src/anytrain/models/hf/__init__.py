@@ -6,7 +6,15 @@ from __future__ import annotations
 from typing import Any
 
 from anytrain.errors import ConfigError
-from anytrain.models.hf.adapter import HFArgs, HFCausalLM, check_folder, find_blocks, read_config, resolve_args
+from anytrain.models.hf.adapter import (
+    HFArgs,
+    HFCausalLM,
+    check_folder,
+    find_blocks,
+    plain_causal,
+    read_config,
+    resolve_args,
+)
 from anytrain.models.hf.parallelize import PLAN
 from anytrain.models.protocol import ModelSpec
 
@@ -26,9 +34,12 @@ def check_run_config(cfg: Any) -> None:
     if model.init_from:
         raise ConfigError("model.init_from: not used with model.arch hf (the weights come from model.hf_path); "
                           "drop it")  # fmt: skip
-    if cfg.train.cuda_graphs:
-        raise ConfigError("train.cuda_graphs: not available with model.arch hf (transformers' model code broke CUDA "
-                          "graph capture on an H100); set --train.cuda_graphs false")  # fmt: skip
+    if cfg.train.cuda_graphs and not (model.args.get("attn_implementation", "sdpa") == "sdpa"
+                                      and plain_causal(read_config(model.hf_path))):  # fmt: skip
+        raise ConfigError("train.cuda_graphs: with model.arch hf only for models whose every layer attends causally "
+                          "over the whole sequence, under attn_implementation sdpa (transformers' attention-mask "
+                          "code reads GPU tensors on the host, which breaks capture); set --train.cuda_graphs "
+                          "false")  # fmt: skip
     for name in ("tp", "pp"):
         if getattr(cfg.parallel, name) > 1:
             raise ConfigError(f"parallel.{name}: model.arch hf trains with data parallelism only (DDP / FSDP); set "

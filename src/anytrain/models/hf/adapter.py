@@ -210,6 +210,9 @@ class HFCausalLM(SamplingMixin, nn.Module):
         implementation = args.attn_implementation
         if implementation == "sdpa" and plain_causal(config):
             implementation = causal_sdpa()
+        self.mask_free = implementation == CAUSAL_SDPA
+        """No attention-mask code runs in forward (``CAUSAL_SDPA``): nothing for the compiler to materialise, nothing
+        read on the host (whole-body compile and CUDA graph capture are sound)."""
         try:
             with torch.device("cpu"), _parameters_on_meta():
                 self.hf = transformers.AutoModelForCausalLM.from_config(
