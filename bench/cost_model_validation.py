@@ -82,22 +82,6 @@ def default_cases() -> list[scaling.Case]:
 # Rows -> cost-model inputs (the same mapping as bench/scaling.py's launcher)
 
 
-def row_layout(row: dict):
-    """The cost-model Layout of a row: strategy as the trainer resolves it (fsdp/tp/pp over one data-parallel rank
-    keep replicated fp32 parameters under autocast), ZeRO-2 = FSDP without resharding after forward."""
-    from anytrain.cost import Layout
-
-    strategy = {"single": "ddp", "fsdp": "fsdp", "zero2": "fsdp", "zero1": "zero1", "hsdp": "hsdp", "ddp": "ddp",
-                "tp": "fsdp", "pp": "fsdp"}[row["layout"]]  # fmt: skip
-    tp, pp = row.get("tp", 1), row.get("pp", 1)
-    dp = row["gpus"] // (tp * pp)
-    if strategy in ("fsdp", "hsdp") and dp == 1:
-        strategy = "ddp"  # nothing to shard: the trainer keeps plain replicated params ("none" / "single")
-    shard = dp // row.get("dp_replicate", 1) if strategy == "hsdp" else 0
-    return Layout(dp=dp, tp=tp, pp=pp, strategy=strategy, shard=shard, micro_batch=row["micro"],
-                  reshard_after_forward=row["layout"] != "zero2")  # fmt: skip
-
-
 def as_run_overrides(row: dict, use_as_run: bool, extra: dict[str, list[str]]) -> list[str]:
     out: list[str] = []
     table = {**(AS_RUN.get(row.get("source_file", ""), {}) if use_as_run else {}), **extra}
@@ -108,25 +92,13 @@ def as_run_overrides(row: dict, use_as_run: bool, extra: dict[str, list[str]]) -
 
 
 def row_config(row: dict, use_as_run: bool = True, extra: dict[str, list[str]] | None = None):
-    """The RunConfig a row trained with: recipe + the row's overrides (+ the as-run facts)."""
-    from anytrain.config import load_config
-
-    recipe = row.get("recipe") or RECIPES[row["model"]]
-    overrides = [*row.get("extra", []), "--data.seq_len", str(row["seq"]), "--train.global_batch",
-                 str(row["global_batch"]), "--train.micro_batch", str(row["micro"]),
-                 *as_run_overrides(row, use_as_run, extra or {})]  # fmt: skip
-    overrides = [o for o in overrides if o not in ("--device", "cpu")]
-    return load_config(ROOT / recipe, overrides)
+    """The RunConfig a row trained with: recipe + the row's layout and overrides (+ the as-run facts)."""
+    return scaling.run_config(row, as_run_overrides(row, use_as_run, extra or {}))
 
 
 def predict_row(row: dict, device, use_as_run: bool = True, extra: dict[str, list[str]] | None = None):
-    from anytrain.cost import Workload, estimate
-    from anytrain.cost.cli import shape_from_config
-
-    cfg = row_config(row, use_as_run, extra)
-    wl = Workload(row["seq"], row["global_batch"], compiled=cfg.train.compile,
-                  ddp_bucket_mib=row.get("ddp_bucket_mb") or scaling.LEGACY_DDP_BUCKET_MB)  # fmt: skip
-    return estimate(shape_from_config(cfg), row_layout(row), wl, device), cfg.train.compile
+    overrides = as_run_overrides(row, use_as_run, extra or {})
+    return scaling.predict_row(row, device, overrides), row_config(row, use_as_run, extra).train.compile
 
 
 def measured_step(row: dict) -> float:
@@ -180,7 +152,7 @@ def predict(rows: list[dict], device_key: str, gpus_per_node: int, calibrate: st
 
 
 def _layout_text(row: dict) -> str:
-    lay = row_layout(row)
+    lay = scaling.cost_layout(row)
     return f"{row['layout']} {lay.label.split()[0]} mb{row['micro']}×{row['global_batch'] // (lay.dp * row['micro'])}"
 
 

@@ -174,20 +174,26 @@ def default_cases(max_gpus: int) -> list[Case]:
 # Launching
 
 
+def layout_overrides(layout: str, tp: int, pp: int, dp_replicate: int) -> list[str]:
+    """The trainer options that make a row's layout (``Case.layout`` and its degrees)."""
+    strategy = {"single": "auto", "fsdp": "fsdp", "hsdp": "fsdp", "ddp": "ddp", "tp": "fsdp", "pp": "fsdp",
+                "zero2": "fsdp", "zero1": "zero1"}[layout]  # fmt: skip
+    args = ["--parallel.strategy", strategy, "--parallel.tp", str(tp), "--parallel.pp", str(pp),
+            "--parallel.dp_replicate", str(dp_replicate)]  # fmt: skip
+    if layout == "zero2":  # FSDP keeping the gathered parameters from forward to backward
+        args += ["--parallel.reshard_after_forward", "false"]
+    return args
+
+
 def anytrain_command(case: Case, run_dir: Path, data: str, steps: int, log_interval: int,
                      extra: tuple[str, ...] = ()) -> list[str]:  # fmt: skip
-    strategy = {"single": "auto", "fsdp": "fsdp", "hsdp": "fsdp", "ddp": "ddp", "tp": "fsdp", "pp": "fsdp",
-                "zero2": "fsdp", "zero1": "zero1"}[case.layout]  # fmt: skip
     overrides = {
         "data.path": data, "data.seq_len": case.seq, "train.global_batch": case.global_batch,
         "train.micro_batch": case.micro, "train.steps": steps, "train.log_interval": log_interval,
         "train.eval_interval": 0, "train.eval_batches": 0, "checkpoint.interval": 0, "checkpoint.save_final": "false",
-        "parallel.strategy": strategy, "parallel.tp": case.tp, "parallel.pp": case.pp,
-        "parallel.dp_replicate": case.dp_replicate,
     }  # fmt: skip
-    if case.layout == "zero2":  # FSDP keeping the gathered parameters from forward to backward
-        overrides["parallel.reshard_after_forward"] = "false"
     args = [a for k, v in overrides.items() for a in (f"--{k}", str(v))]
+    args += layout_overrides(case.layout, case.tp, case.pp, case.dp_replicate)
     recipe = case.recipe or RECIPES[case.model]
     return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={case.gpus}",
             "-m", "anytrain", "train", recipe, "--run-dir", str(run_dir), *args, *case.extra, *extra]  # fmt: skip
@@ -458,41 +464,40 @@ def add_efficiencies(rows: list[dict]) -> None:
         r["vs_hf_ddp_batch_matched"] = bool(same_batch) if ref else None
 
 
-def cost_layout(case: dict):
+def cost_layout(row: dict, cfg=None):
+    """The cost model's Layout of a row: what the trainer builds from the row's config (``run_config``, or ``cfg``)
+    on its number of GPUs."""
     from anytrain.cost import Layout
+    from anytrain.parallel import resolve_strategy
+    from anytrain.parallel.dims import ParallelDims
 
-    strategy = {"single": "ddp", "fsdp": "fsdp", "zero2": "fsdp", "zero1": "zero1", "hsdp": "hsdp", "ddp": "ddp",
-                "tp": "fsdp", "pp": "fsdp"}  # fmt: skip
-    strat = strategy[case["layout"]]
-    dp = case["gpus"] // (case["tp"] * case["pp"])
-    if strat in ("fsdp", "hsdp") and dp == 1:
-        strat = "ddp"  # nothing to shard: the trainer keeps plain replicated params
-    shard = dp // case["dp_replicate"] if strat == "hsdp" else 0
-    return Layout(dp=dp, tp=case["tp"], pp=case["pp"], strategy=strat, shard=shard, micro_batch=case["micro"],
-                  reshard_after_forward=case["layout"] != "zero2")  # fmt: skip
+    cfg = cfg or run_config(row)
+    dims = ParallelDims.from_config(cfg.parallel, row["gpus"])
+    return Layout.from_config(cfg, dims, resolve_strategy(cfg, dims), row["micro"])
 
 
-def run_config(case: dict):
-    """The RunConfig a row trained with (recipe + the row's overrides), for the cost model."""
+def run_config(case: dict, overrides: list[str] | tuple[str, ...] = ()):
+    """The RunConfig a row trained with (recipe + the row's layout and options + ``overrides``), for the cost
+    model."""
     from anytrain.config import load_config
 
     recipe = case.get("recipe") or RECIPES[case["model"]]
-    overrides = [*case.get("extra", []), "--data.seq_len", str(case["seq"]), "--train.global_batch",
-                 str(case["global_batch"]), "--train.micro_batch", str(case["micro"]), "--parallel.tp",
-                 str(case["tp"]), "--parallel.pp", str(case["pp"])]  # fmt: skip
-    overrides = [o for o in overrides if o not in ("--device", "cpu")]
-    return load_config(ROOT / recipe, overrides)
+    layout = case["layout"]
+    degrees = (case.get("tp", 1), case.get("pp", 1), case.get("dp_replicate", 1))
+    args = [] if layout == "hf-ddp" else layout_overrides(layout, *degrees)
+    args += [*case.get("extra", []), "--data.seq_len", str(case["seq"]), "--train.global_batch",
+             str(case["global_batch"]), "--train.micro_batch", str(case["micro"]), *overrides]  # fmt: skip
+    return load_config(ROOT / recipe, [o for o in args if o not in ("--device", "cpu")])
 
 
-def predict_row(row: dict, device):
-    """anytrain.cost.estimate for the model, layout and batch of one row."""
+def predict_row(row: dict, device, overrides: list[str] | tuple[str, ...] = ()):
+    """anytrain.cost.estimate for the model, layout and batch of one row (its config + ``overrides``)."""
     from anytrain.cost import Workload, estimate
     from anytrain.cost.cli import shape_from_config
 
-    cfg = run_config(row)
-    wl = Workload(row["seq"], row["global_batch"], compiled=cfg.train.compile,
-                  ddp_bucket_mib=row.get("ddp_bucket_mb") or LEGACY_DDP_BUCKET_MB)  # fmt: skip
-    return estimate(shape_from_config(cfg), cost_layout(row), wl, device)
+    cfg = run_config(row, overrides)  # the bucket size the row recorded (rows from before the field: PyTorch's)
+    wl = Workload.from_config(cfg, ddp_bucket_mib=row.get("ddp_bucket_mb") or LEGACY_DDP_BUCKET_MB)
+    return estimate(shape_from_config(cfg), cost_layout(row, cfg), wl, device)
 
 
 def add_predictions(rows: list[dict], device_key: str, gpus_per_node: int, calibrate: str = "t-1-g32") -> None:
@@ -586,8 +591,8 @@ def merge_payloads(sources: list[tuple[str, dict]], notes: list[str] | tuple[str
             if n and n != r["name"] and by_name[n]["source"] != r["source"]:
                 cross.setdefault((r["source"], by_name[n]["source"]), []).append(f"{r['name']} ({kind} {n})")
     for (src, ref_src), items in cross.items():
-        auto.append(f"reference rows from another results file (another machine lease): {src} rows against "
-                    f"{ref_src}: {', '.join(items)}")  # fmt: skip
+        auto.append(f"reference rows from another results file (another run; merged_from names the machines): {src} "
+                    f"rows against {ref_src}: {', '.join(items)}")  # fmt: skip
     loose = [f"{r['name']} vs {r['vs_hf_ddp_ref']}" for r in rows if r.get("vs_hf_ddp_batch_matched") is False]
     if loose:
         auto.append("vs HF + DDP at a different global batch (no HF row of the same batch on that GPU count): "

@@ -110,6 +110,13 @@ def test_cost_layout_maps_case_layouts():
     single = scaling.cost_layout(asdict(cases["t-1-g32"]))
     assert (single.strategy, single.dp) == ("ddp", 1)
     assert scaling.cost_layout(asdict(cases["t-tp4-4-g32"])).strategy == "ddp"  # dp 1: nothing to shard
+    # the row's own options reach the layout: gathered FSDP, ZeRO-2, the interleaved schedule
+    assert not scaling.cost_layout(asdict(cases["t-fsdpg-4-g32"])).reshard_during_accumulation
+    assert scaling.cost_layout(asdict(cases["t-fsdp-4-g32"])).reshard_during_accumulation
+    assert not scaling.cost_layout(asdict(cases["t-zero2-4-g32"])).reshard_after_forward
+    pp4i = scaling.cost_layout(asdict(cases["t-pp4i-4-g32"]))
+    assert (pp4i.pp, pp4i.pp_schedule, pp4i.pp_chunks) == (4, "interleaved", 2)
+    assert scaling.cost_layout(asdict(cases["t-pp4-4-g32"])).pp_schedule == "1f1b"
 
 
 def test_validation_calibrates_on_one_run_and_predicts_the_rest():

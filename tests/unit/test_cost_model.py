@@ -566,3 +566,30 @@ def test_selective_checkpointing_sits_between_none_and_full():
     gemm = {ac: e.compute_s - e.elementwise_s for ac, e in est.items()}
     assert gemm["selective"] == pytest.approx(gemm["none"] * (1 + 0.5 / 3))
     assert gemm["full"] == pytest.approx(gemm["none"] * 4 / 3)
+
+
+def test_layout_from_config_is_the_layout_the_trainer_runs():
+    """The run's own options reach the cost model: HSDP from a replicate degree, gathered FSDP, no resharding after
+    forward, the interleaved schedule with its stages per rank, activation checkpointing; model parallelism without
+    data parallelism ('none') and one process ('single') keep replicated parameters."""
+    from anytrain.config import load_config
+    from anytrain.cost.shapes import Layout
+    from anytrain.parallel import resolve_strategy
+    from anytrain.parallel.dims import ParallelDims
+
+    def layout(world: int, *args: str) -> Layout:
+        cfg = load_config("configs/1.1b.yaml", list(args))
+        dims = ParallelDims.from_config(cfg.parallel, world)
+        return Layout.from_config(cfg, dims, resolve_strategy(cfg, dims), cfg.train.micro_batch)
+
+    hsdp = layout(4, "--parallel.strategy", "fsdp", "--parallel.dp_replicate", "2",
+                  "--parallel.reshard_during_accumulation", "false")  # fmt: skip
+    assert (hsdp.strategy, hsdp.dp, hsdp.shard_size, hsdp.reshard_during_accumulation) == ("hsdp", 4, 2, False)
+    zero2 = layout(4, "--parallel.strategy", "fsdp", "--parallel.reshard_after_forward", "false")
+    assert (zero2.strategy, zero2.reshard_after_forward, zero2.shard_size) == ("fsdp", False, 4)
+    pp = layout(4, "--parallel.pp", "4", "--parallel.pp_schedule", "Interleaved1F1B", "--parallel.pp_virtual_stages",
+                "2", "--train.activation_checkpointing", "full", "--train.micro_batch", "2")  # fmt: skip
+    assert (pp.strategy, pp.dp, pp.pp, pp.pp_schedule, pp.pp_chunks, pp.ac, pp.micro_batch) == (
+        "ddp", 1, 4, "interleaved", 2, "full", 2)  # fmt: skip
+    assert (layout(1).strategy, layout(1).dp) == ("ddp", 1)
+    assert layout(2, "--parallel.strategy", "zero1").strategy == "zero1"

@@ -266,16 +266,9 @@ def run_memory_estimate(cfg: object, dims: object, strategy: str, micro_batch: i
         from anytrain import hardware
 
         shape = dataclasses.replace(shape, expand_kv=hardware.vendor() == hardware.ROCM)
-    hsdp = strategy == "fsdp" and dims.dp_replicate > 1
-    name = "hsdp" if hsdp else {"single": "ddp"}.get(strategy, strategy)
-    pp_schedule = cfg.parallel.pp_schedule.lower().replace("interleaved1f1b", "interleaved")
-    layout = Layout(dp=dims.dp_replicate * dims.dp_shard, tp=dims.tp, pp=dims.pp, strategy=name,
-                    shard=dims.dp_shard if hsdp else 0, micro_batch=micro_batch, ac=cfg.train.activation_checkpointing,
-                    pp_schedule=pp_schedule, pp_chunks=cfg.parallel.pp_virtual_stages,
-                    reshard_after_forward=cfg.parallel.reshard_after_forward,
-                    reshard_during_accumulation=cfg.parallel.reshard_during_accumulation)  # fmt: skip
+    layout = Layout.from_config(cfg, dims, strategy, micro_batch)
     wl = Workload.from_config(cfg)
-    prec = FP32 if fp32 else trainer_precision(name)
+    prec = FP32 if fp32 else trainer_precision(layout.strategy)
     phases = memory_phases(shape, layout, wl, prec, workspace_mib)
     phase = max(phases, key=lambda key: sum(phases[key].values()))
     return sum(phases[phase].values()) / GIB, phase

@@ -284,6 +284,19 @@ class Layout:
     def shard_size(self) -> int:
         return self.shard or self.dp if self.strategy in ("zero1", "zero2", "fsdp", "hsdp") else 1
 
+    @classmethod
+    def from_config(cls, cfg: Any, dims: Any, strategy: str, micro_batch: int) -> Layout:
+        """The layout a run trains with: ``cfg`` a RunConfig, ``dims`` its ParallelDims, ``strategy`` the trainer's
+        resolved one ('single': one process; 'none': model parallelism only, nothing replicated or sharded; 'fsdp'
+        with a replicate degree > 1 is HSDP), ``micro_batch`` the micro-batch it runs."""
+        hsdp = strategy == "fsdp" and dims.dp_replicate > 1
+        name = "hsdp" if hsdp else {"single": "ddp", "none": "ddp"}.get(strategy, strategy)
+        return cls(dp=dims.dp_replicate * dims.dp_shard, tp=dims.tp, pp=dims.pp, strategy=name,
+                   shard=dims.dp_shard if hsdp else 0, micro_batch=micro_batch, ac=cfg.train.activation_checkpointing,
+                   pp_schedule=cfg.parallel.pp_schedule.lower().replace("interleaved1f1b", "interleaved"),
+                   pp_chunks=cfg.parallel.pp_virtual_stages, reshard_after_forward=cfg.parallel.reshard_after_forward,
+                   reshard_during_accumulation=cfg.parallel.reshard_during_accumulation)  # fmt: skip
+
     @property
     def label(self) -> str:
         parts = [f"tp{self.tp}"] if self.tp > 1 else []
