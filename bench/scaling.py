@@ -91,6 +91,7 @@ def default_cases(max_gpus: int) -> list[Case]:
     profiled = ["--profile.start_step", "4", "--profile.steps", "1"]
     async_tp = ["--parallel.async_tp", "true"]
     interleaved = ["--parallel.pp_schedule", "Interleaved1F1B", "--parallel.pp_virtual_stages", "2"]
+    graphs = ["--train.cuda_graphs", "true"]
     cases = [
         Case("t-1-g32", t, 1, "single", 32, studies=("strong",)),
         Case("t-1-g8", t, 1, "single", 8, studies=("weak",)),
@@ -150,6 +151,10 @@ def default_cases(max_gpus: int) -> list[Case]:
         Case("t-tp4async-4-g32", t, 4, "tp", 32, micro=16, tp=4, studies=("layout",), extra=async_tp),
         Case("t-tp2mb16-2-g32", t, 2, "tp", 32, micro=16, tp=2, studies=("layout",)),
         Case("t-tp2async-2-g32", t, 2, "tp", 32, micro=16, tp=2, studies=("layout",), extra=async_tp),
+        # TP's host work replayed from CUDA graphs (tensor parallelism alone is captured, collectives included)
+        Case("t-tp4graphs-4-g32", t, 4, "tp", 32, micro=16, tp=4, studies=("layout",), extra=graphs),
+        Case("t-tp4mb4graphs-4-g32", t, 4, "tp", 32, tp=4, studies=("layout",), extra=graphs),
+        Case("t-tp2graphs-2-g32", t, 2, "tp", 32, micro=16, tp=2, studies=("layout",), extra=graphs),
         Case("t-pp4i-4-g32", t, 4, "pp", 32, pp=4, studies=("layout",), extra=interleaved),
         Case("t-pp2-fsdp2-4-g32", t, 4, "pp", 32, pp=2, studies=("layout",)),
         Case("t-tp2-pp2-4-g32", t, 4, "pp", 32, tp=2, pp=2, studies=("layout",)),

@@ -160,8 +160,9 @@ class TrainConfig:
     cuda_graphs: bool = False
     """Capture one micro-batch's forward + backward as a CUDA/HIP graph on the first step and replay it for every
     micro-batch (train/cuda_graph.py): removes the host's launch overhead where the host, not the GPU, sets the pace
-    (small models such as mamba-130m). One GPU process only (no DDP/FSDP/TP/PP) with a fixed micro-batch shape; other
-    runs, and CPU runs of the same config, train eagerly and say so. Gradients then stay allocated between steps.
+    (small models such as mamba-130m). One GPU process, or tensor parallelism alone (its collectives captured with the
+    step; not measured on GPUs yet), with a fixed micro-batch shape; data-parallel and pipeline runs, and CPU runs of
+    the same config, train eagerly and say so. Gradients then stay allocated between steps.
     model.arch hf: only for models that run no attention-mask code (plain causal, SDPA; refused otherwise)."""
     gc_interval: int = 50
     """Python's automatic garbage collection is off during training and a young-generation collection runs every

@@ -499,11 +499,14 @@ def test_host_floor_binds_small_models_only():
     # compiled blocks cost less host time; accumulation multiplies it
     four = estimate(tiny, Layout(dp=1, micro_batch=4), Workload(256, 16, compiled=True), h200)
     assert four.host_s == pytest.approx((4 * (4 * 450 + HEAD_EAGER_OPS * op) + 2000) * 1e-6)
-    # train.cuda_graphs: one replay per micro-batch, on one device only (multi-process runs are not captured)
+    # train.cuda_graphs: one replay per micro-batch, on one device or under TP alone (data-parallel and pipeline runs
+    # are not captured)
     graphs = Workload(256, 16, compiled=True, cuda_graphs=True)
     graphed = estimate(tiny, Layout(dp=1, micro_batch=4), graphs, h200)
     assert graphed.host_s == pytest.approx((4 * h200.host_graph_us + 2000) * 1e-6) and graphed.host_s < four.host_s
+    assert estimate(tiny, Layout(dp=1, tp=2, micro_batch=4), graphs, h200).host_s == pytest.approx(graphed.host_s)
     assert estimate(tiny, Layout(dp=2, micro_batch=4), graphs, h200).host_s > graphed.host_s
+    assert estimate(tiny, Layout(dp=1, pp=2, micro_batch=4), graphs, h200).host_s > graphed.host_s
     # the 1.1B model is compute-bound: the floor does not change its step time
     big = estimate(LLAMA_1B, Layout(dp=1, micro_batch=4), Workload(2048, 32), h200)
     assert big.host_s < big.compute_s and big.step_s == pytest.approx(big.compute_s) and not big.notes

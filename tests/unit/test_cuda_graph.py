@@ -10,8 +10,10 @@ def test_applicability_names_why_a_run_stays_eager():
     gpu = torch.device("cuda", 0)
     assert applicability(gpu, 1, False, False) is None
     assert "GPU only" in applicability(torch.device("cpu"), 1, False, False)
-    assert "multi-process" in applicability(gpu, 2, False, False)
-    assert "multi-process" in applicability(gpu, 1, True, False)
+    assert applicability(gpu, 2, False, False) is None  # tensor parallelism alone: its collectives are captured
+    assert "data-parallel" in applicability(gpu, 2, False, False, data_parallel=True)
+    assert "pipeline" in applicability(gpu, 1, True, False)
+    assert "pipeline" in applicability(gpu, 4, True, False)
     assert "ANYTRAIN_TEST_NAN_AT_STEP" in applicability(gpu, 1, False, True)
 
 

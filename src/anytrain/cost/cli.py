@@ -206,7 +206,7 @@ def plan_command(
     bad = [s for s in strategy or [] if s not in STRATEGIES]
     if bad:
         raise ConfigError(f"--strategy: unknown {bad[0]!r}; choose from {', '.join(STRATEGIES)}")
-    graphs = bool(cfg and cfg.train.cuda_graphs)  # a recipe with train.cuda_graphs: one device replays graphs
+    graphs = bool(cfg and cfg.train.cuda_graphs)  # train.cuda_graphs: one device or TP alone replays graphs
     compression = grad_compression or (cfg.parallel.grad_compression if cfg else "none")
     try:
         parse_grad_compression(compression)

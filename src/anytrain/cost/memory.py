@@ -178,7 +178,7 @@ def _stage_phases(shape, layout: Layout, wl: Workload, prec: Precision, workspac
     }
     grads_final = psi * prec.grad / (z if layout.strategy in ("zero2", "fsdp", "hsdp") else 1)
     # anytrain frees gradients after each step (Megatron keeps its buffers; so do anytrain's CUDA-graph runs)
-    accumulating = m > 1 or not anytrain or (wl.cuda_graphs and layout.world == 1)
+    accumulating = m > 1 or not anytrain or (wl.cuda_graphs and layout.dp == layout.pp == 1)
     grads_fwd = {}
     if accumulating and sharded_params and prec.nosync_grad:
         grads_fwd["nosync_grads"] = psi * prec.nosync_grad  # FSDP2: unsharded, in the reduce dtype

@@ -341,10 +341,10 @@ def host_seconds(shape: ModelShape | MambaShape, layout: Layout, wl: Workload, d
     ``host_tp_layer_us`` (fitted: TP blocks are host-bound on DTensor's hooks and their collectives' issue and
     wait). Outside the blocks
     ``HEAD_EAGER_OPS`` ops per micro-batch; per step ``host_step_us`` (optimizer, clipping, the guard's check).
-    ``wl.cuda_graphs`` on one device (the trainer captures only single-process runs): ``host_graph_us`` per
+    ``wl.cuda_graphs`` on one device or tensor parallelism alone (the runs the trainer captures): ``host_graph_us`` per
     micro-batch (copy the ids in, launch the graph) instead of the blocks' and head's launches."""
     m = max(1, wl.global_batch // (layout.dp * layout.micro_batch))
-    if wl.cuda_graphs and layout.world == 1:
+    if wl.cuda_graphs and layout.dp == layout.pp == 1:
         return (m * device.host_graph_us + device.host_step_us) * 1e-6
     if layout.tp > 1 and dtensor_tp:  # DTensor's sequence-parallel hooks and collectives dominate a TP block's host
         block_us = device.host_tp_layer_us

@@ -298,7 +298,7 @@ def choose_layout(cfg: object, world_size: int, device_spec: object, gpus_per_no
     local = int(os.environ.get("LOCAL_WORLD_SIZE", "0")) or gpus_per_node or min(world_size, device.gpus_per_node)
     device = device.replace(gpus_per_node=max(1, local))
     shape = shape_from_config(cfg)
-    wl = Workload.from_config(cfg, cuda_graphs=cfg.train.cuda_graphs, grad_compression=cfg.parallel.grad_compression)
+    wl = Workload.from_config(cfg)
     strategies = TRAINER_STRATEGIES if world_size > 1 else ("ddp",)
     if not per_rank:
         raise ConfigError(

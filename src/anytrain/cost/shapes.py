@@ -325,8 +325,14 @@ class Workload:
 
     @classmethod
     def from_config(cls, cfg: Any, **fields: Any) -> Workload:
-        """A run config's sequence length, global batch, compile switch and DDP bucket size, plus ``fields``."""
-        base = dict(compiled=cfg.train.compile, ddp_bucket_mib=cfg.parallel.ddp_bucket_mb)
+        """A run config's sequence length, global batch, compile and CUDA-graph switches, DDP bucket size and gradient
+        compression, plus ``fields``."""
+        base = dict(
+            compiled=cfg.train.compile,
+            cuda_graphs=cfg.train.cuda_graphs,
+            ddp_bucket_mib=cfg.parallel.ddp_bucket_mb,
+            grad_compression=cfg.parallel.grad_compression,
+        )
         return cls(cfg.data.seq_len, cfg.train.global_batch, **{**base, **fields})
 
 

@@ -189,7 +189,7 @@ class ModelSetup:
         if not self.cfg.train.cuda_graphs:
             return
         reason = cuda_graph.applicability(self.device, self.info.world_size, self.pp_schedule is not None,
-                                          bool(self.guard.test_nan_step))  # fmt: skip
+                                          bool(self.guard.test_nan_step), data_parallel=self.dims.dp > 1)  # fmt: skip
         if not reason and self.cfg.data.document_mask:
             reason = "data.document_mask builds its block mask per batch, not captured"
         if reason:
@@ -197,4 +197,5 @@ class ModelSetup:
                 self.log.print(f"train.cuda_graphs: eager micro-steps ({reason})")
             return
         self._graphed = cuda_graph.GraphedMicroStep(lambda x, y: self.forward_backward(x, y, sync=True),
-                                                    list(self.model.parameters()))  # fmt: skip
+                                                    list(self.model.parameters()),
+                                                    distributed=self.info.world_size > 1)  # fmt: skip

@@ -15,11 +15,16 @@ to None. Clipping and the (fused) optimizer step run eagerly on those same tenso
 so the graph always reads the current weights. Memory: gradients stay allocated between steps, and the graph's
 activations keep their private pool, which evaluation and the optimizer cannot reuse.
 
-Applies only where it is sound (``applicability``): a GPU device, one process (no DDP/FSDP/TP/PP: their collectives
-and hooks are not captured here) and no loss fault-injection hook (the loss hook depends on the step number). Elsewhere
-the trainer runs its eager micro-step and says why once. The captured code must not synchronise with the host or
-change shapes between micro-batches; anytrain's models and kernels do neither (tests/gpu/test_cuda_graph_gpu.py checks
-graph and eager losses and weights step by step).
+Applies only where it is sound (``applicability``): a GPU device, one process or a tensor-parallel-only run, and no loss
+fault-injection hook (the loss hook depends on the step number). Data parallelism (DDP's and FSDP's hooks run host logic
+per bucket and unit) and pipeline schedules are not captured. A tensor-parallel run's collectives (DTensor's, in the
+compiled blocks and around the embedding and the final norm) are functional collectives: a launch on the communicator's
+stream and a stream wait, no host work, so they are captured with the step on every TP rank; its DTensor gradients
+accumulate in place as plain ones do (checked on CPU). The capture runs in thread-local mode, so that the communicator's
+watchdog thread may keep querying its events meanwhile (tests/gpu/test_tp_cuda_graph_gpu.py, 2 GPUs: not run yet).
+Elsewhere the trainer runs its eager micro-step and says why once. The captured code must not synchronise with the host
+or change shapes between micro-batches; anytrain's models and kernels do neither (tests/gpu/test_cuda_graph_gpu.py
+checks graph and eager losses and weights step by step).
 """
 
 from __future__ import annotations
@@ -31,12 +36,14 @@ import torch
 from anytrain import hardware
 
 
-def applicability(device: torch.device, world_size: int, pipeline: bool, fault_hook: bool) -> str | None:
-    """None when the micro-step can be captured, else the reason it runs eagerly."""
+def applicability(device: torch.device, world_size: int, pipeline: bool, fault_hook: bool,
+                  data_parallel: bool = False) -> str | None:  # fmt: skip
+    """None when the micro-step can be captured, else the reason it runs eagerly. ``world_size`` > 1 without data
+    parallelism or a pipeline is a tensor-parallel-only run: captured."""
     if not hardware.is_gpu(device):
         return f"no graphs on {device.type} (GPU only)"
-    if world_size > 1 or pipeline:
-        return "multi-process runs are not captured (DDP/FSDP/TP/PP hooks and collectives)"
+    if pipeline or (world_size > 1 and data_parallel):
+        return "data-parallel and pipeline runs are not captured (DDP/FSDP hooks, pipeline schedules)"
     if fault_hook:
         return "a loss fault-injection hook (ANYTRAIN_TEST_NAN_AT_STEP) is set"
     return None
@@ -48,8 +55,9 @@ class GraphedMicroStep:
     and dtype; they are copied into the graph's static buffers before each replay."""
 
     def __init__(self, micro_step: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
-                 params: list[torch.nn.Parameter], warmup: int = 3) -> None:  # fmt: skip
+                 params: list[torch.nn.Parameter], warmup: int = 3, distributed: bool = False) -> None:  # fmt: skip
         self.micro_step = micro_step
+        self.capture_error_mode = "thread_local" if distributed else "global"  # NCCL's watchdog queries events
         self.params = [p for p in params if p.requires_grad]
         self.warmup = warmup
         self.graph: torch.cuda.CUDAGraph | None = None
@@ -71,7 +79,7 @@ class GraphedMicroStep:
         self.params = [p for p in self.params if p.grad is not None]
         self.grads = [p.grad for p in self.params]
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
+        with torch.cuda.graph(graph, capture_error_mode=self.capture_error_mode):
             self.loss = self.micro_step(*self.static)
         self.graph = graph
         self.zero_grads()  # the warm-up's gradients (the capture itself ran nothing)
