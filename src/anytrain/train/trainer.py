@@ -574,6 +574,23 @@ class Trainer(ModelSetup, Evaluation):
         run = getattr(self, "_run", None)
         if run is not None and run.lock is not None:
             run.lock.release()
+        self._release_ddp_wrapper()
+
+    def _release_ddp_wrapper(self) -> None:
+        """Drop the DDP wrapper (DDP, ZeRO-1) while the process group is still registered: its C++ Reducer holds a
+        reference to the group. ``destroy_process_group`` then drops the group's last reference from Python, whose
+        binding releases the GIL while gloo joins its worker threads. Left to the unwinding of an error's traceback
+        (a NaN stop raises with the trainer in its frames), the Reducer dropped the last reference after the shutdown,
+        with the GIL held, while a gloo worker waited for the GIL to free a finished collective's tensors: the rank
+        never exited (``tests/distributed/test_shutdown.py``). The trainer keeps the unwrapped module (same
+        parameters); it does not train after ``close``."""
+        model = getattr(self, "model", None)
+        if model is None or self.strategy not in ("ddp", "zero1"):
+            return
+        self.model = unwrap(model)
+        state = getattr(self, "state", None)
+        if state is not None and state.model is model:
+            state.model = self.model
 
 
 def run_training(cfg: RunConfig, run_dir: str | None = None, resume: bool = False, overwrite: bool = False,

@@ -1,0 +1,83 @@
+"""A data-parallel trainer lets go of DDP's wrapper when it closes, before the process group is destroyed.
+
+DDP's C++ Reducer holds a reference to the process group. After a NaN stop the error's traceback keeps the trainer
+alive past ``destroy_process_group``; the Reducer then dropped the group's last reference while the traceback
+unwound, with the GIL held, and gloo's destructor waited for a worker thread that itself waited for the GIL to free a
+finished collective's tensors: one rank of a 2-rank test printed the stop and never exited (py-spy: the main thread
+in ``~ProcessGroupGloo`` joining, a worker in ``~AsyncAllgatherWork`` acquiring the GIL). ``Trainer.close`` now
+unwraps DDP, so the wrapper and its Reducer go while the group is registered and the group's last reference is
+dropped by ``destroy_process_group`` (GIL released). The test launches this file under torchrun; each rank trains the
+debug Transformer for two steps under DDP and under ZeRO-1, closes the trainer while still holding it, and records
+whether the wrapper is gone."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+
+def _wrapper_freed_on_close(config: Path, run_dir: Path, strategy: str) -> dict:
+    import gc
+    import weakref
+
+    from anytrain.config import load_config
+    from anytrain.train.trainer import Trainer
+
+    trainer = Trainer(load_config(config, ["--parallel.strategy", strategy]), run_dir=str(run_dir))
+    for step in range(2):
+        trainer.train_step(step)
+    wrapper = weakref.ref(trainer.model)
+    wrapped = type(trainer.model).__name__
+    trainer.close()  # the trainer object stays referenced, as by a traceback
+    gc.collect()
+    return {"wrapped": wrapped, "freed": wrapper() is None, "params": sum(1 for _ in trainer.model.parameters()),
+            "state_is_module": trainer.state.model is trainer.model}  # fmt: skip
+
+
+def _worker(config: Path, out: Path) -> None:
+    import torch.distributed as dist
+
+    runs = {s: _wrapper_freed_on_close(config, out / s, s) for s in ("ddp", "zero1")}
+    (out / f"rank{dist.get_rank()}.json").write_text(json.dumps(runs))
+    dist.barrier()
+    dist.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)  # as test_fsdp_accumulation: no interpreter teardown with gloo's worker threads alive
+
+
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory, small_data) -> list[dict]:
+    from tests.conftest import ROOT, cli_env
+
+    tmp = tmp_path_factory.mktemp("shutdown")
+    config = tmp / "ddp.yaml"
+    config.write_text(f"""
+model: {{arch: transformer, flavour: debug}}
+data: {{path: {small_data}, seq_len: 32}}
+train: {{steps: 2, global_batch: 4, micro_batch: 2, lr: 3.0e-3, warmup_steps: 1, dtype: fp32, eval_batches: 1}}
+device: cpu
+""")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", __file__,
+           str(config), str(tmp)]  # fmt: skip
+    proc = subprocess.run(cmd, cwd=ROOT, env=cli_env(), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return [json.loads((tmp / f"rank{r}.json").read_text()) for r in range(2)]
+
+
+def test_close_releases_the_ddp_wrapper_before_the_group_is_destroyed(ranks):
+    for rank in ranks:
+        for strategy in ("ddp", "zero1"):
+            run = rank[strategy]
+            assert run["wrapped"] == "DistributedDataParallel"
+            assert run["freed"], strategy  # nothing else in the trainer keeps the wrapper (and its Reducer)
+            assert run["params"] > 0 and run["state_is_module"]  # the module itself stays, for reading weights
+
+
+if __name__ == "__main__":  # one torchrun rank (see ``ranks``)
+    _worker(Path(sys.argv[1]), Path(sys.argv[2]))
