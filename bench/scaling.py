@@ -21,8 +21,10 @@ each job owns its GPUs (CUDA_VISIBLE_DEVICES); the host's NVLink switch gives ea
 ``--serial`` to run one job at a time.
 
 ``--merge`` joins results files of several runs (oldest first): a later file's row replaces an earlier row of the
-same case, except that a failed or skipped row never replaces a measured one; every row keeps its source file and
-machine, and the efficiencies and predictions are recomputed on the merged set (``--note`` adds free-text notes).
+same case, except that a failed or skipped row never replaces a measured one and that measured rows of one case from
+files of the same host (one machine lease, calls one after another) are repeats, merged into their median (each
+file's row counts as one run); every row keeps its source file and machine, and the efficiencies and predictions are
+recomputed on the merged set (``--note`` adds free-text notes).
 
     PYTHONPATH=src python bench/scaling.py --gpus 1 2 4 --out bench/results           # the study (GPU host)
     PYTHONPATH=src python bench/scaling.py --only t-fsdp-2-g32 t-1-g32 --serial       # a subset
@@ -40,6 +42,7 @@ import json
 import os
 import re
 import signal
+import socket
 import statistics
 import subprocess
 import sys
@@ -550,23 +553,36 @@ def _outcome(row: dict) -> dict:
 
 def merge_rows(sources: list[tuple[str, dict]]) -> list[dict]:
     """One row per case name from several results files (``(file name, payload)``, oldest first): a later file's row
-    replaces an earlier one of the same name, except that an error row never replaces a measured row. Each kept row
-    records its ``source`` file, ``machine`` and ``date``, and the runs of the same case it was preferred to
-    (``other_runs``); derived columns are dropped, to be recomputed on the merged set."""
+    replaces an earlier one of the same name, except that an error row never replaces a measured row, and measured
+    runs of one case from files of the same ``host`` (one machine lease, run after run) are repeats: the row is their
+    median run (the lower middle one for an even count) with every run's rate in ``repeat_tokens_per_s_per_gpu``.
+    Each kept row records its ``source`` file, ``machine`` and ``date``, and the runs of the same case it was preferred
+    to (``other_runs``); derived columns are dropped, to be recomputed on the merged set."""
     merged: dict[str, dict] = {}
+    repeats: dict[str, list[dict]] = {}  # name -> measured runs of the kept row's host
     for src, payload in sources:
         machine = f"{payload.get('gpus_on_host', '?')}x {payload.get('device', '?')}"
         for row in payload["rows"]:
             new = {k: v for k, v in row.items() if k not in DERIVED and k != "other_runs"}
-            new.update(source=src, machine=machine, date=payload.get("date"))
-            old = merged.get(row["name"])
+            new.update(source=src, machine=machine, date=payload.get("date"), host=payload.get("host"))
+            name, old = row["name"], merged.get(row["name"])
             if old is None:
-                merged[row["name"]] = new
+                merged[name] = new
+                repeats[name] = [new] if "tokens_per_s_per_gpu" in new else []
             elif "tokens_per_s_per_gpu" in old and "tokens_per_s_per_gpu" not in new:
                 old.setdefault("other_runs", []).append(_outcome(new))  # a failed rerun keeps the measurement
+            elif "tokens_per_s_per_gpu" in old and new["host"] is not None and new["host"] == old["host"]:
+                runs = [*repeats[name], new]
+                repeats[name] = runs
+                rates = [r["tokens_per_s_per_gpu"] for r in runs]
+                median = next(r for r in runs if r["tokens_per_s_per_gpu"] == statistics.median_low(rates))
+                merged[name] = {**median, "repeat_tokens_per_s_per_gpu": rates,
+                                "other_runs": old.get("other_runs", [])}  # fmt: skip
             else:
-                new["other_runs"] = [*old.get("other_runs", []), _outcome(old)]
-                merged[row["name"]] = new
+                replaced = repeats[name] or [old]  # every run of the replaced host
+                new["other_runs"] = [*old.get("other_runs", []), *map(_outcome, replaced)]
+                merged[name] = new
+                repeats[name] = [new] if "tokens_per_s_per_gpu" in new else []
     canonical = {c.name: i for i, c in enumerate(default_cases(1 << 10))}
 
     def order(r: dict) -> tuple:  # anytrain Transformer, HF + DDP, Mamba, then the cost-model validation rows
@@ -880,6 +896,7 @@ def main() -> None:
     add_predictions(rows, "h200" if "H200" in env.get("device", "") else "h100", n_gpus)
     print_table(rows)
     payload = {"date": time.strftime("%Y-%m-%d"), "device": env.get("device"), "gpus_on_host": n_gpus,
+               "host": socket.gethostname(),  # runs of one host: repeats when merged
                "versions": env, "settings": {"steps": args.steps, "log_interval": args.log_interval,
                                              "repeats": args.repeats, "concurrent": not args.serial,
                                              "train_args": args.train_args},

@@ -101,6 +101,28 @@ def test_merge_prefers_later_rows_but_never_an_error_over_a_measurement():
     assert by["t-fsdp-4-g32"]["strong_efficiency"] == pytest.approx(0.8)  # against the 1-GPU row of another file
 
 
+def test_merge_takes_the_median_of_one_hosts_runs():
+    """Files from one host (one machine lease) hold repeats of a case: the merged row is the median run (the lower
+    middle one for an even count) with every rate; a file from another host replaces them as before."""
+    cases = {c.name: c for c in scaling.default_cases(4)}
+
+    def payload(host, rate, date="d1"):
+        return {"device": "NVIDIA H100", "gpus_on_host": 4, "date": date, "host": host,
+                "rows": [_row(cases["t-ddp-4-g32"], rate, 33.0)]}  # fmt: skip
+
+    same = [("a.json", payload("h1", 900.0)), ("b.json", payload("h1", 1000.0)), ("c.json", payload("h1", 950.0))]
+    (row,) = scaling.merge_rows(same)
+    assert row["tokens_per_s_per_gpu"] == 950.0 and row["source"] == "c.json"
+    assert row["repeat_tokens_per_s_per_gpu"] == [900.0, 1000.0, 950.0] and row["host"] == "h1"
+    (even,) = scaling.merge_rows(same[:2])
+    assert even["tokens_per_s_per_gpu"] == 900.0 and even["repeat_tokens_per_s_per_gpu"] == [900.0, 1000.0]
+    (other,) = scaling.merge_rows([*same, ("d.json", payload("h2", 700.0, "d2"))])
+    assert other["tokens_per_s_per_gpu"] == 700.0 and other["source"] == "d.json"
+    assert [r["tokens_per_s_per_gpu"] for r in other["other_runs"]] == [900.0, 1000.0, 950.0]
+    (unknown,) = scaling.merge_rows([("a.json", payload(None, 900.0)), ("b.json", payload(None, 1000.0))])
+    assert unknown["tokens_per_s_per_gpu"] == 1000.0  # files without a host: the later row, as before
+
+
 def test_cost_layout_maps_case_layouts():
     cases = {c.name: c for c in scaling.default_cases(4)}
     hsdp = scaling.cost_layout(asdict(cases["t-hsdp2x2-4-g32"]) | {"dp": 4})
