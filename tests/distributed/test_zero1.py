@@ -1,0 +1,98 @@
+"""ZeRO-1's per-bucket all-gathers overlap the next forward: after a step every bucket's gather is pending, a forward
+completes them (the model's and each block's pre-hook), the parameters then agree on every rank, and the run's
+losses equal DDP's. The test launches this file under torchrun (2 gloo ranks); each rank writes what it saw."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+STEPS = 4
+
+
+def _losses(trainer) -> list[float]:
+    from anytrain.parallel import all_reduce_mean
+
+    out = []
+    for step in range(STEPS):
+        loss, _, _ = trainer.train_step(step)
+        out.append(all_reduce_mean(loss).item())
+    return out
+
+
+def _worker(config: Path, out: Path) -> None:
+    import torch
+    import torch.distributed as dist
+
+    from anytrain.config import load_config
+    from anytrain.train.trainer import Trainer
+
+    ddp = Trainer(load_config(config, ["--parallel.strategy", "ddp"]), run_dir=str(out / "ddp"))
+    ddp_losses = _losses(ddp)
+    ddp.close()
+    trainer = Trainer(load_config(config, ["--parallel.strategy", "zero1"]), run_dir=str(out / "zero1"))
+    zero1_losses = _losses(trainer)
+    optimizer = trainer.optimizer
+    pending_after_step = sorted(optimizer._pending)
+    n_blocks = len(trainer.raw_model.blocks())
+    inputs, _, _ = trainer.val_source.rank_batch(0, trainer.dp_rank, trainer.dp_world)
+    with torch.no_grad():
+        trainer.model(inputs[: trainer.plan.micro_batch])
+    pending_after_forward = sorted(optimizer._pending)
+    flat = torch.cat([p.detach().reshape(-1) for p in trainer.model.parameters()])
+    gathered = [torch.empty_like(flat) for _ in range(dist.get_world_size())]
+    dist.all_gather(gathered, flat)
+    result = {"ddp": ddp_losses, "zero1": zero1_losses, "pending_after_step": pending_after_step,
+              "buckets": len(optimizer.buckets), "n_blocks": n_blocks,
+              "pending_after_forward": pending_after_forward,
+              "ranks_agree": all(torch.equal(gathered[0], g) for g in gathered)}  # fmt: skip
+    trainer.close()
+    (out / f"rank{dist.get_rank()}.json").write_text(json.dumps(result))
+    dist.barrier()
+    dist.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)  # as test_fsdp_accumulation: no interpreter teardown with gloo's worker threads alive
+
+
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory, small_data) -> list[dict]:
+    from tests.conftest import ROOT, cli_env
+
+    tmp = tmp_path_factory.mktemp("zero1")
+    config = tmp / "zero1.yaml"
+    config.write_text(f"""
+model: {{arch: transformer, flavour: debug}}
+data: {{path: {small_data}, seq_len: 32}}
+train: {{steps: {STEPS}, global_batch: 8, micro_batch: 2, lr: 3.0e-3, warmup_steps: 1, dtype: fp32, eval_batches: 1}}
+device: cpu
+""")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", __file__,
+           str(config), str(tmp)]  # fmt: skip
+    proc = subprocess.run(cmd, cwd=ROOT, env=cli_env(), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return [json.loads((tmp / f"rank{r}.json").read_text()) for r in range(2)]
+
+
+def test_gathers_are_pending_after_a_step_and_the_forward_completes_them(ranks):
+    for rank in ranks:
+        assert rank["buckets"] == rank["n_blocks"] + 1  # outside the blocks, then one per block
+        assert rank["pending_after_step"] == list(range(rank["buckets"]))
+        assert rank["pending_after_forward"] == []
+        assert rank["ranks_agree"]
+
+
+def test_losses_equal_ddp(ranks):
+    for rank in ranks:
+        assert rank["zero1"][-1] < rank["zero1"][0]
+        np.testing.assert_allclose(rank["zero1"], rank["ddp"], rtol=0, atol=1e-6)
+
+
+if __name__ == "__main__":  # one torchrun rank (see ``ranks``)
+    _worker(Path(sys.argv[1]), Path(sys.argv[2]))
