@@ -48,6 +48,36 @@ def run_cli(*args: str, cwd: Path | None = None, timeout: int = 600, gpu: bool =
                           text=True, timeout=timeout)  # fmt: skip
 
 
+def torchrun_ranks(script: str, config_yaml: str, tmp: Path, nproc: int = 2, timeout: int = 300) -> list[dict]:
+    """Run a test file as a torchrun job of ``nproc`` CPU (gloo) ranks with the arguments (config file, ``tmp``): the
+    file's ``__main__`` trains in-process and ends with ``end_rank``. Returns each rank's ``tmp/rank<r>.json``."""
+    import json
+
+    config = tmp / "config.yaml"
+    config.write_text(config_yaml)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", script,
+           str(config), str(tmp)]  # fmt: skip
+    proc = subprocess.run(cmd, cwd=ROOT, env=cli_env(), capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return [json.loads((tmp / f"rank{r}.json").read_text()) for r in range(nproc)]
+
+
+def end_rank(out: Path, result: dict) -> None:
+    """A ``torchrun_ranks`` rank's end: write its result, wait for the others, destroy the process group and leave
+    without interpreter teardown (a gloo worker thread still freeing a finished collective's tensors can need the GIL
+    during Py_Finalize and abort the process: "terminate called without an active exception", ~1 run in 15)."""
+    import json
+
+    import torch.distributed as dist
+
+    (out / f"rank{dist.get_rank()}.json").write_text(json.dumps(result))
+    dist.barrier()
+    dist.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
 def cli_in_process(capsys, *args: str) -> tuple[int, str, str]:
     """``anytrain ARGS`` in this process (no interpreter start-up): (exit code, stdout, stderr)."""
     from unittest import mock

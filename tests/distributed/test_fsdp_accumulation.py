@@ -8,9 +8,6 @@ option off) in one process group and writes what it saw to ``<out>/rank<r>.json`
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -80,38 +77,27 @@ def _train(config: Path, run_dir: Path, reshard_during_accumulation: bool, group
 
 
 def _worker(config: Path, out: Path) -> None:
-    import torch.distributed as dist
+    from tests.conftest import end_rank
 
     cases = (("default", True, 1), ("gathered", False, 1), ("grouped", False, 2))
-    runs = {name: _train(config, out / name, flag, group) for name, flag, group in cases}
-    (out / f"rank{dist.get_rank()}.json").write_text(json.dumps(runs))
-    dist.barrier()
-    dist.destroy_process_group()
-    # Skip interpreter teardown: a gloo worker thread still freeing a finished collective's tensors can need the GIL
-    # during Py_Finalize and abort the process ("terminate called without an active exception", ~1 run in 15 here).
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    end_rank(out, {name: _train(config, out / name, flag, group) for name, flag, group in cases})
 
 
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory, small_data) -> list[dict]:
-    from tests.conftest import ROOT, cli_env
+    from tests.conftest import torchrun_ranks
 
-    tmp = tmp_path_factory.mktemp("fsdp_accum")
-    config = tmp / "accum.yaml"
-    config.write_text(f"""
+    return torchrun_ranks(
+        __file__,
+        f"""
 model: {{arch: transformer, flavour: debug}}
 data: {{path: {small_data}, seq_len: 32}}
 train: {{steps: {STEPS}, global_batch: 8, micro_batch: 2, lr: 3.0e-3, warmup_steps: 1, dtype: fp32, eval_batches: 1}}
 parallel: {{strategy: fsdp}}
 device: cpu
-""")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", __file__,
-           str(config), str(tmp)]  # fmt: skip
-    proc = subprocess.run(cmd, cwd=ROOT, env=cli_env(), capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return [json.loads((tmp / f"rank{r}.json").read_text()) for r in range(2)]
+""",
+        tmp_path_factory.mktemp("fsdp_accum"),
+    )
 
 
 def test_losses_match_the_default(ranks):

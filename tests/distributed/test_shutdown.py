@@ -12,9 +12,6 @@ whether the wrapper is gone."""
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -40,34 +37,25 @@ def _wrapper_freed_on_close(config: Path, run_dir: Path, strategy: str) -> dict:
 
 
 def _worker(config: Path, out: Path) -> None:
-    import torch.distributed as dist
+    from tests.conftest import end_rank
 
-    runs = {s: _wrapper_freed_on_close(config, out / s, s) for s in ("ddp", "zero1")}
-    (out / f"rank{dist.get_rank()}.json").write_text(json.dumps(runs))
-    dist.barrier()
-    dist.destroy_process_group()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)  # as test_fsdp_accumulation: no interpreter teardown with gloo's worker threads alive
+    end_rank(out, {s: _wrapper_freed_on_close(config, out / s, s) for s in ("ddp", "zero1")})
 
 
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory, small_data) -> list[dict]:
-    from tests.conftest import ROOT, cli_env
+    from tests.conftest import torchrun_ranks
 
-    tmp = tmp_path_factory.mktemp("shutdown")
-    config = tmp / "ddp.yaml"
-    config.write_text(f"""
+    return torchrun_ranks(
+        __file__,
+        f"""
 model: {{arch: transformer, flavour: debug}}
 data: {{path: {small_data}, seq_len: 32}}
 train: {{steps: 2, global_batch: 4, micro_batch: 2, lr: 3.0e-3, warmup_steps: 1, dtype: fp32, eval_batches: 1}}
 device: cpu
-""")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", __file__,
-           str(config), str(tmp)]  # fmt: skip
-    proc = subprocess.run(cmd, cwd=ROOT, env=cli_env(), capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return [json.loads((tmp / f"rank{r}.json").read_text()) for r in range(2)]
+""",
+        tmp_path_factory.mktemp("shutdown"),
+    )
 
 
 def test_close_releases_the_ddp_wrapper_before_the_group_is_destroyed(ranks):

@@ -4,9 +4,6 @@ losses equal DDP's. The test launches this file under torchrun (2 gloo ranks); e
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -32,6 +29,7 @@ def _worker(config: Path, out: Path) -> None:
 
     from anytrain.config import load_config
     from anytrain.train.trainer import Trainer
+    from tests.conftest import end_rank
 
     ddp = Trainer(load_config(config, ["--parallel.strategy", "ddp"]), run_dir=str(out / "ddp"))
     ddp_losses = _losses(ddp)
@@ -53,31 +51,23 @@ def _worker(config: Path, out: Path) -> None:
               "pending_after_forward": pending_after_forward,
               "ranks_agree": all(torch.equal(gathered[0], g) for g in gathered)}  # fmt: skip
     trainer.close()
-    (out / f"rank{dist.get_rank()}.json").write_text(json.dumps(result))
-    dist.barrier()
-    dist.destroy_process_group()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)  # as test_fsdp_accumulation: no interpreter teardown with gloo's worker threads alive
+    end_rank(out, result)
 
 
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory, small_data) -> list[dict]:
-    from tests.conftest import ROOT, cli_env
+    from tests.conftest import torchrun_ranks
 
-    tmp = tmp_path_factory.mktemp("zero1")
-    config = tmp / "zero1.yaml"
-    config.write_text(f"""
+    return torchrun_ranks(
+        __file__,
+        f"""
 model: {{arch: transformer, flavour: debug}}
 data: {{path: {small_data}, seq_len: 32}}
 train: {{steps: {STEPS}, global_batch: 8, micro_batch: 2, lr: 3.0e-3, warmup_steps: 1, dtype: fp32, eval_batches: 1}}
 device: cpu
-""")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", __file__,
-           str(config), str(tmp)]  # fmt: skip
-    proc = subprocess.run(cmd, cwd=ROOT, env=cli_env(), capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return [json.loads((tmp / f"rank{r}.json").read_text()) for r in range(2)]
+""",
+        tmp_path_factory.mktemp("zero1"),
+    )
 
 
 def test_gathers_are_pending_after_a_step_and_the_forward_completes_them(ranks):
