@@ -34,3 +34,32 @@ def test_zero_grads_keeps_the_captured_tensors():
     step.zero_grads()
     for p, g in zip(step.params, kept, strict=True):
         assert p.grad is g and torch.equal(g, torch.zeros_like(g))
+
+
+def test_zero_grads_of_a_tensor_parallel_model_mixes_dtensors_and_plain_tensors():
+    """Under tensor parallelism the gradients are DTensors (the sequence-parallel norms' ones Partial) and the LM
+    head's is a plain tensor: one foreach call refuses the mix and DTensor refuses an in-place zero of a Partial, so
+    the local tensors are zeroed (a 1-rank gloo group stands in for the TP mesh)."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        mesh = init_device_mesh("cpu", (1,))
+        params = [torch.nn.Parameter(distribute_tensor(torch.ones(4, 2), mesh, [Shard(0)])),
+                  torch.nn.Parameter(distribute_tensor(torch.ones(3), mesh, [Replicate()])),
+                  torch.nn.Parameter(torch.ones(5))]  # fmt: skip
+        step = GraphedMicroStep(lambda x, y: x.sum(), params)
+        for p in params:
+            p.grad = p.detach().clone() * 3
+        partial = DTensor.from_local(torch.full((3,), 3.0), mesh, [Partial()])  # as a norm's gradient under SP
+        params[1].grad = partial
+        step.grads = [p.grad for p in params]
+        kept = list(step.grads)
+        step.zero_grads()
+        for p, g in zip(params, kept, strict=True):
+            local = g.to_local() if hasattr(g, "to_local") else g
+            assert p.grad is g and not local.any()
+    finally:
+        dist.destroy_process_group()

@@ -91,7 +91,11 @@ class GraphedMicroStep:
         for p, g in zip(self.params, self.grads, strict=True):
             if p.grad is not g:
                 p.grad = g
-        torch._foreach_zero_(self.grads)
+        # a DTensor gradient (tensor parallelism) is zeroed through its local tensor: one foreach call takes them
+        # together with plain ones (TP's LM head), and DTensor refuses an in-place zero of a Partial placement (the
+        # sequence-parallel norms' gradients)
+        with torch.no_grad():
+            torch._foreach_zero_([g.to_local() if hasattr(g, "to_local") else g for g in self.grads])
 
     def __call__(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """Replay for one micro-batch. The returned loss is the graph's own output buffer, overwritten by the next
