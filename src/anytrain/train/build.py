@@ -192,6 +192,8 @@ class ModelSetup:
                                           bool(self.guard.test_nan_step), data_parallel=self.dims.dp > 1)  # fmt: skip
         if not reason and self.cfg.data.document_mask:
             reason = "data.document_mask builds its block mask per batch, not captured"
+        if not reason and self.cfg.parallel.async_tp and self.dims.tp > 1:
+            reason = "parallel.async_tp's fused collective matmuls (symmetric memory) are not captured"
         if reason:
             if self.info.is_main and hasattr(self, "log"):
                 self.log.print(f"train.cuda_graphs: eager micro-steps ({reason})")
