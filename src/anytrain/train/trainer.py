@@ -575,12 +575,12 @@ class Trainer(ModelSetup, Evaluation):
         run = getattr(self, "_run", None)
         if run is not None and run.lock is not None:
             run.lock.release()
-        self._finish_parameter_updates()
         self._release_ddp_wrapper()
 
     def _finish_parameter_updates(self) -> None:
         """ZeRO-1 sends each step's updated rows to the other ranks while the next forward runs: after the last step,
-        complete that now, so the parameters are whole for whoever reads them next."""
+        complete that now, so the parameters are whole for whoever reads them next. (Not in ``close``: after an error
+        a peer may never have sent its rows.)"""
         finish = getattr(getattr(self, "optimizer", None), "finish_gather", None)
         if finish is not None:
             finish()
