@@ -48,13 +48,23 @@ def run_cli(*args: str, cwd: Path | None = None, timeout: int = 600, gpu: bool =
                           text=True, timeout=timeout)  # fmt: skip
 
 
-def torchrun_ranks(script: str, config_yaml: str, tmp: Path, nproc: int = 2, timeout: int = 300) -> list[dict]:
+def torchrun_ranks(script: str, data: Path, tmp: Path, steps: int, global_batch: int, parallel: str = "",
+                   nproc: int = 2, timeout: int = 300) -> list[dict]:  # fmt: skip
     """Run a test file as a torchrun job of ``nproc`` CPU (gloo) ranks with the arguments (config file, ``tmp``): the
-    file's ``__main__`` trains in-process and ends with ``end_rank``. Returns each rank's ``tmp/rank<r>.json``."""
+    file's ``__main__`` trains in-process and ends with ``end_rank``. The config: the debug Transformer on ``data``,
+    seq 32, micro-batch 2, fp32, ``steps`` steps of ``global_batch`` sequences, ``parallel`` (e.g. "strategy: fsdp").
+    Returns each rank's ``tmp/rank<r>.json``."""
     import json
 
     config = tmp / "config.yaml"
-    config.write_text(config_yaml)
+    config.write_text(f"""
+model: {{arch: transformer, flavour: debug}}
+data: {{path: {data}, seq_len: 32}}
+train: {{steps: {steps}, global_batch: {global_batch}, micro_batch: 2, lr: 3.0e-3, warmup_steps: 1, dtype: fp32,
+        eval_batches: 1}}
+parallel: {{{parallel}}}
+device: cpu
+""")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", script,
            str(config), str(tmp)]  # fmt: skip
     proc = subprocess.run(cmd, cwd=ROOT, env=cli_env(), capture_output=True, text=True, timeout=timeout)

@@ -87,17 +87,7 @@ def _worker(config: Path, out: Path) -> None:
 def ranks(tmp_path_factory, small_data) -> list[dict]:
     from tests.conftest import torchrun_ranks
 
-    return torchrun_ranks(
-        __file__,
-        f"""
-model: {{arch: transformer, flavour: debug}}
-data: {{path: {small_data}, seq_len: 32}}
-train: {{steps: {STEPS}, global_batch: 8, micro_batch: 2, lr: 3.0e-3, warmup_steps: 1, dtype: fp32, eval_batches: 1}}
-parallel: {{strategy: fsdp}}
-device: cpu
-""",
-        tmp_path_factory.mktemp("fsdp_accum"),
-    )
+    return torchrun_ranks(__file__, small_data, tmp_path_factory.mktemp("fsdp_accum"), STEPS, 8, "strategy: fsdp")
 
 
 def test_losses_match_the_default(ranks):

@@ -46,16 +46,7 @@ def _worker(config: Path, out: Path) -> None:
 def ranks(tmp_path_factory, small_data) -> list[dict]:
     from tests.conftest import torchrun_ranks
 
-    return torchrun_ranks(
-        __file__,
-        f"""
-model: {{arch: transformer, flavour: debug}}
-data: {{path: {small_data}, seq_len: 32}}
-train: {{steps: 2, global_batch: 4, micro_batch: 2, lr: 3.0e-3, warmup_steps: 1, dtype: fp32, eval_batches: 1}}
-device: cpu
-""",
-        tmp_path_factory.mktemp("shutdown"),
-    )
+    return torchrun_ranks(__file__, small_data, tmp_path_factory.mktemp("shutdown"), 2, 4)
 
 
 def test_close_releases_the_ddp_wrapper_before_the_group_is_destroyed(ranks):

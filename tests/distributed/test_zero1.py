@@ -58,16 +58,7 @@ def _worker(config: Path, out: Path) -> None:
 def ranks(tmp_path_factory, small_data) -> list[dict]:
     from tests.conftest import torchrun_ranks
 
-    return torchrun_ranks(
-        __file__,
-        f"""
-model: {{arch: transformer, flavour: debug}}
-data: {{path: {small_data}, seq_len: 32}}
-train: {{steps: {STEPS}, global_batch: 8, micro_batch: 2, lr: 3.0e-3, warmup_steps: 1, dtype: fp32, eval_batches: 1}}
-device: cpu
-""",
-        tmp_path_factory.mktemp("zero1"),
-    )
+    return torchrun_ranks(__file__, small_data, tmp_path_factory.mktemp("zero1"), STEPS, 8)
 
 
 def test_gathers_are_pending_after_a_step_and_the_forward_completes_them(ranks):
