@@ -157,8 +157,10 @@ class Zero1AdamW(torch.optim.AdamW):
 
     def _build_gather_layout(self, model: nn.Module) -> None:
         """Buckets of entries in forward order: 0 = the parameters outside the blocks, k = the (k-1)-th block's (a model
-        without ``blocks()`` has bucket 0 only). Per bucket and rank, the flat segment of the all-gather packs that
-        rank's row-slices of the bucket's parameters, padded to the bucket's longest segment."""
+        without ``blocks()`` has bucket 0 only). Per bucket, rank q's segment of the flat all-gather packs q's
+        row-slices of the bucket's parameters, padded to the bucket's longest segment; what each step needs of it is
+        built here once: this rank's row-slices (flat views, packed into the send buffer) and, for every other rank's
+        rows, the parameter view they go to with their offset and shape in the gathered buffer."""
         blocks = list(model.blocks()) if hasattr(model, "blocks") else []
         block_of = {id(p): k for k, block in enumerate(blocks, start=1) for p in block.parameters()}
         members: list[list[int]] = [[] for _ in range(len(blocks) + 1)]
@@ -166,19 +168,27 @@ class Zero1AdamW(torch.optim.AdamW):
             members[block_of.get(id(p), 0)].append(i)
         self._bucket_blocks = [b for k, b in enumerate(blocks, start=1) if members[k]]
         self.buckets = [m for k, m in enumerate(members) if m or k == 0]  # bucket k+1 <-> _bucket_blocks[k]
-        self.segments = []  # per bucket, per rank: list of (entry index, lo, hi, numel)
-        self.segment_numel = []  # per bucket
+        self.segment_numel: list[int] = []  # per bucket
+        self._own: list[list[torch.Tensor]] = []  # per bucket: this rank's row-slices, flat
+        self._copies: list[tuple[list[torch.Tensor], list[tuple[int, int, tuple[int, ...]]]]] = []  # per bucket
         for bucket in self.buckets:
-            per_rank = []
+            sizes, dsts, srcs = [], [], []
             for q in range(self.world):
-                seg = []
+                offset = 0  # within rank q's segment
                 for i in bucket:
                     p = self.entries[i][1]
                     lo, hi = _row_range(p.shape[0], q, self.world) if p.ndim else (0, 0)
-                    seg.append((i, lo, hi, (hi - lo) * (p[0].numel() if p.ndim else 0)))
-                per_rank.append(seg)
-            self.segments.append(per_rank)
-            self.segment_numel.append(max(sum(s[3] for s in seg) for seg in per_rank))
+                    numel = (hi - lo) * (p[0].numel() if p.ndim else 0)
+                    if numel and q != self.rank:
+                        dsts.append(p.detach()[lo:hi])
+                        srcs.append((q, offset, numel, (hi - lo, *p.shape[1:])))
+                    offset += numel
+                sizes.append(offset)
+            segment = max(sizes)
+            self.segment_numel.append(segment)
+            own = [self.entries[i][2] for i in bucket if self.entries[i][1].ndim]  # (0-dim parameters: no rows)
+            self._own.append([v.reshape(-1) for v in own if v.numel()])
+            self._copies.append((dsts, [(q * segment + offset, numel, shape) for q, offset, numel, shape in srcs]))
 
     @torch.no_grad()
     def step(self, closure=None):  # noqa: ARG002 - same signature as Optimizer.step
@@ -196,7 +206,7 @@ class Zero1AdamW(torch.optim.AdamW):
 
         dtype, device = self.entries[0][1].dtype, self.entries[0][1].device
         local = torch.empty(self.segment_numel[k], dtype=dtype, device=device)  # the padding is never read
-        own = [self.entries[i][2].reshape(-1) for i, _, _, numel in self.segments[k][self.rank] if numel]
+        own = self._own[k]
         if own:
             torch.cat(own, out=local[: sum(t.numel() for t in own)])
         gathered = torch.empty(self.world * self.segment_numel[k], dtype=dtype, device=device)
@@ -211,17 +221,9 @@ class Zero1AdamW(torch.optim.AdamW):
             return
         work, gathered = pending
         work.wait()
-        dsts, srcs = [], []
-        for q, seg in enumerate(self.segments[k]):
-            offset = q * self.segment_numel[k]
-            for i, lo, hi, numel in seg:
-                if numel and q != self.rank:
-                    p = self.entries[i][1]
-                    dsts.append(p.detach()[lo:hi])
-                    srcs.append(gathered[offset : offset + numel].view(hi - lo, *p.shape[1:]))
-                offset += numel
+        dsts, srcs = self._copies[k]
         if dsts:
-            torch._foreach_copy_(dsts, srcs)
+            torch._foreach_copy_(dsts, [gathered[o : o + n].view(shape) for o, n, shape in srcs])
 
     def _waiter(self, k: int):
         @torch._dynamo.disable  # runs before a compiled block's graph, not traced into it
