@@ -65,6 +65,7 @@ class GraphedMicroStep:
         self.static: tuple[torch.Tensor, torch.Tensor] | None = None
         self.loss: torch.Tensor | None = None
         self.replays = 0
+        self._zero_targets: tuple[list[torch.Tensor], list[torch.Tensor]] | None = None  # (grads, what zeroes them)
 
     def _capture(self, inputs: torch.Tensor, targets: torch.Tensor) -> None:
         self.static = (inputs.clone(), targets.clone())
@@ -93,9 +94,12 @@ class GraphedMicroStep:
                 p.grad = g
         # a DTensor gradient (tensor parallelism) is zeroed through its local tensor: one foreach call takes them
         # together with plain ones (TP's LM head), and DTensor refuses an in-place zero of a Partial placement (the
-        # sequence-parallel norms' gradients)
-        with torch.no_grad():
-            torch._foreach_zero_([g.to_local() if hasattr(g, "to_local") else g for g in self.grads])
+        # sequence-parallel norms' gradients). The local views are made once per gradient list, not every step.
+        if self._zero_targets is None or self._zero_targets[0] is not self.grads:
+            with torch.no_grad():
+                local = [g.to_local() if hasattr(g, "to_local") else g for g in self.grads]
+            self._zero_targets = (self.grads, local)
+        torch._foreach_zero_(self._zero_targets[1])
 
     def __call__(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """Replay for one micro-batch. The returned loss is the graph's own output buffer, overwritten by the next
