@@ -75,6 +75,10 @@ class GraphedMicroStep:
             for _ in range(max(1, self.warmup)):
                 self.micro_step(*self.static)
         torch.cuda.current_stream(inputs.device).wait_stream(side)
+        # the warm-up's freed activations stay cached in the default pool, which the graph's private pool cannot
+        # use: return them, or the capture needs a second copy of the activations (TP2 at micro-batch 16 ran out)
+        torch.cuda.synchronize(inputs.device)
+        torch.cuda.empty_cache()
         # The accumulation targets, kept for the whole run (the graph writes to them): the gradients the warm-up
         # created. A parameter the step never reaches keeps .grad None, as in eager (no decay/moment update for it).
         self.params = [p for p in self.params if p.grad is not None]
@@ -100,6 +104,14 @@ class GraphedMicroStep:
                 local = [g.to_local() if hasattr(g, "to_local") else g for g in self.grads]
             self._zero_targets = (self.grads, local)
         torch._foreach_zero_(self._zero_targets[1])
+
+    def release(self) -> None:
+        """Destroy the captured graph (after its last replay finished). A graph that captured NCCL collectives holds
+        the communicator: destroying the process group first waits for the graph forever (tensor-parallel runs)."""
+        if self.graph is not None:
+            torch.cuda.synchronize(self.static[0].device)
+            self.graph.reset()
+            self.graph = None
 
     def __call__(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """Replay for one micro-batch. The returned loss is the graph's own output buffer, overwritten by the next

@@ -575,6 +575,9 @@ class Trainer(ModelSetup, Evaluation):
         run = getattr(self, "_run", None)
         if run is not None and run.lock is not None:
             run.lock.release()
+        graphed = getattr(self, "_graphed", None)
+        if graphed is not None:
+            graphed.release()
         self._release_ddp_wrapper()
 
     def _finish_parameter_updates(self) -> None:
