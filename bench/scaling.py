@@ -551,6 +551,14 @@ def _outcome(row: dict) -> dict:
     return {"source": row.get("source"), **(got or {"error": row.get("error", "not run")})}
 
 
+def machine_id() -> str:
+    """Host name and the first GPU's UUID: lent machines all call themselves ``vm``."""
+    from anytrain import hardware
+
+    uuid = hardware.device_uuid(hardware.resolve_device("auto"))
+    return f"{socket.gethostname()}/{uuid}" if uuid else socket.gethostname()
+
+
 def merge_rows(sources: list[tuple[str, dict]]) -> list[dict]:
     """One row per case name from several results files (``(file name, payload)``, oldest first): a later file's row
     replaces an earlier one of the same name, except that an error row never replaces a measured row, and measured
@@ -896,7 +904,7 @@ def main() -> None:
     add_predictions(rows, "h200" if "H200" in env.get("device", "") else "h100", n_gpus)
     print_table(rows)
     payload = {"date": time.strftime("%Y-%m-%d"), "device": env.get("device"), "gpus_on_host": n_gpus,
-               "host": socket.gethostname(),  # runs of one host: repeats when merged
+               "host": machine_id(),  # runs of one machine: repeats when merged
                "versions": env, "settings": {"steps": args.steps, "log_interval": args.log_interval,
                                              "repeats": args.repeats, "concurrent": not args.serial,
                                              "train_args": args.train_args},

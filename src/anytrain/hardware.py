@@ -271,6 +271,15 @@ def devices_env(indices: list[int], environ: dict[str, str] | None = None) -> di
     return {key: ",".join(entries[i] if i < len(entries) else str(i) for i in indices)}
 
 
+def device_uuid(device: torch.device) -> str | None:
+    """The GPU's UUID (CUDA and ROCm alike through torch), None on the CPU or where torch does not report one. Lent
+    machines share one host name; this tells two machines apart."""
+    if not is_gpu(device):
+        return None
+    uuid = getattr(torch.cuda.get_device_properties(device), "uuid", None)
+    return str(uuid) if uuid else None
+
+
 def summary(device: torch.device, peak_tflops: float | None = None) -> dict:
     """Versions and device facts recorded with every run and benchmark (``peak_tflops``: as for ``peak_flops``)."""
     info = {

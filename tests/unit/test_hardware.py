@@ -90,3 +90,10 @@ def test_devices_env_narrows_the_visible_list_a_process_was_started_with(monkeyp
     assert hardware.devices_env([0, 2], {}) == {"CUDA_VISIBLE_DEVICES": "0,2"}  # nothing in force: the indices
     monkeypatch.setattr(hardware, "vendor", lambda: hardware.ROCM)
     assert hardware.devices_env([1], {"CUDA_VISIBLE_DEVICES": "4,6"}) == {"HIP_VISIBLE_DEVICES": "6"}
+
+
+def test_device_uuid_names_a_gpu_only():
+    """Benchmarks tell lent machines apart by their GPU's UUID (all of them are called ``vm``); a CPU has none."""
+    assert hardware.device_uuid(torch.device("cpu")) is None
+    if torch.cuda.is_available():
+        assert hardware.device_uuid(torch.device("cuda", 0))
