@@ -181,8 +181,7 @@ class ParallelConfig:
     strategy: Literal["auto", "ddp", "fsdp", "zero1"] = "auto"
     """Data parallelism over the dp ranks: DDP (replicated), FSDP2 (sharded over dp_shard, replicated over
     dp_replicate: HSDP when both are > 1), or zero1 (DDP's replicated parameters and all-reduced gradients, each
-    rank keeping and updating only its dim-0 shard of the AdamW state, then all-gathering the parameters per block,
-    overlapped with the next forward).
+    rank keeping and updating only its dim-0 shard of the AdamW state, then all-gathering the parameters).
     auto = ddp, or fsdp with tensor/pipeline parallelism (DDP does not combine with them)."""
     dp_replicate: int = 1
     """Data-parallel replicas (FSDP: HSDP replica groups; DDP: part of the replicated degree)."""

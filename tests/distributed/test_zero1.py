@@ -1,6 +1,6 @@
-"""ZeRO-1's per-bucket all-gathers overlap the next forward: after a step every bucket's gather is pending, a forward
-completes them (the model's and each block's pre-hook), the parameters then agree on every rank, and the run's
-losses equal DDP's. The test launches this file under torchrun (2 gloo ranks); each rank writes what it saw."""
+"""ZeRO-1 (DDP's all-reduce, AdamW sharded across the ranks, the updated rows all-gathered) trains like DDP: the same
+losses, and the same parameters on every rank after the steps. The test launches this file under torchrun (2 gloo
+ranks); each rank writes what it saw."""
 
 from __future__ import annotations
 
@@ -36,19 +36,10 @@ def _worker(config: Path, out: Path) -> None:
     ddp.close()
     trainer = Trainer(load_config(config, ["--parallel.strategy", "zero1"]), run_dir=str(out / "zero1"))
     zero1_losses = _losses(trainer)
-    optimizer = trainer.optimizer
-    pending_after_step = sorted(optimizer._pending)
-    n_blocks = len(trainer.raw_model.blocks())
-    inputs, _, _ = trainer.val_source.rank_batch(0, trainer.dp_rank, trainer.dp_world)
-    with torch.no_grad():
-        trainer.model(inputs[: trainer.plan.micro_batch])
-    pending_after_forward = sorted(optimizer._pending)
     flat = torch.cat([p.detach().reshape(-1) for p in trainer.model.parameters()])
     gathered = [torch.empty_like(flat) for _ in range(dist.get_world_size())]
     dist.all_gather(gathered, flat)
-    result = {"ddp": ddp_losses, "zero1": zero1_losses, "pending_after_step": pending_after_step,
-              "buckets": len(optimizer.buckets), "n_blocks": n_blocks,
-              "pending_after_forward": pending_after_forward,
+    result = {"ddp": ddp_losses, "zero1": zero1_losses,
               "ranks_agree": all(torch.equal(gathered[0], g) for g in gathered)}  # fmt: skip
     trainer.close()
     end_rank(out, result)
@@ -61,12 +52,8 @@ def ranks(tmp_path_factory, small_data) -> list[dict]:
     return torchrun_ranks(__file__, small_data, tmp_path_factory.mktemp("zero1"), STEPS, 8)
 
 
-def test_gathers_are_pending_after_a_step_and_the_forward_completes_them(ranks):
-    for rank in ranks:
-        assert rank["buckets"] == rank["n_blocks"] + 1  # outside the blocks, then one per block
-        assert rank["pending_after_step"] == list(range(rank["buckets"]))
-        assert rank["pending_after_forward"] == []
-        assert rank["ranks_agree"]
+def test_parameters_agree_on_every_rank(ranks):
+    assert all(rank["ranks_agree"] for rank in ranks)
 
 
 def test_losses_equal_ddp(ranks):

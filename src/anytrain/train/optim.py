@@ -114,15 +114,10 @@ class Zero1AdamW(torch.optim.AdamW):
 
     The model is DDP-wrapped, so every rank holds full parameters and all-reduced gradients. The optimizer's params
     are row-slice *views* into the parameters (rank r owns rows chunk r of each one), so AdamW keeps exp_avg /
-    exp_avg_sq for 1/dp of the model and updates the parameters' own storage in place. Each step then sends every
-    rank's updated rows to every rank in one all-gather per *bucket* — the parameters outside the blocks (embedding,
-    final norm, head), then each block's — issued asynchronously in forward order; the next forward waits for a
-    bucket only where it first needs it (a forward pre-hook on the model and on each block), so the gathers of later
-    blocks run while earlier blocks compute. Anything else that reads the parameters first calls ``finish_gather``
-    (``state_dict`` does, through a pre-hook; the trainer does at the end). ``checkpoint_state`` describes the state as
-    Shard(0) DTensors of the parameters' full shapes under the parameters' names (the flattened layout of
-    ``get_optimizer_state_dict``), so DCP loads it under DDP, FSDP, a single process or another dp degree, and loads
-    their checkpoints.
+    exp_avg_sq for 1/dp of the model and updates the parameters' own storage in place; one all-gather per step then
+    sends each rank's updated rows to every rank. ``checkpoint_state`` describes the state as Shard(0) DTensors of the
+    parameters' full shapes under the parameters' names (the flattened layout of ``get_optimizer_state_dict``), so DCP
+    loads it under DDP, FSDP, a single process or another dp degree, and loads their checkpoints.
     """
 
     def __init__(self, model: nn.Module, cfg: TrainConfig, device: torch.device, mesh) -> None:
@@ -148,94 +143,50 @@ class Zero1AdamW(torch.optim.AdamW):
         fused = use_fused(cfg, device)
         super().__init__(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, fused=fused or None,
                          foreach=None if fused else True)  # fmt: skip
-        self._build_gather_layout(model)
-        self._pending: dict[int, tuple] = {}  # bucket -> (work, gathered flat buffer)
-        self._hooks = [model.register_forward_pre_hook(self._waiter(0)),
-                       model.register_state_dict_pre_hook(lambda *_: self.finish_gather())]  # fmt: skip
-        for k, block in enumerate(self._bucket_blocks, start=1):
-            self._hooks.append(block.register_forward_pre_hook(self._waiter(k)))
+        self._build_gather_layout()
 
-    def _build_gather_layout(self, model: nn.Module) -> None:
-        """Buckets of entries in forward order: 0 = the parameters outside the blocks, k = the (k-1)-th block's (a model
-        without ``blocks()`` has bucket 0 only). Per bucket, rank q's segment of the flat all-gather packs q's
-        row-slices of the bucket's parameters, padded to the bucket's longest segment; what each step needs of it is
-        built here once: this rank's row-slices (flat views, packed into the send buffer) and, for every other rank's
-        rows, the parameter view they go to with their offset and shape in the gathered buffer."""
-        blocks = list(model.blocks()) if hasattr(model, "blocks") else []
-        block_of = {id(p): k for k, block in enumerate(blocks, start=1) for p in block.parameters()}
-        members: list[list[int]] = [[] for _ in range(len(blocks) + 1)]
-        for i, (_, p, _) in enumerate(self.entries):
-            members[block_of.get(id(p), 0)].append(i)
-        self._bucket_blocks = [b for k, b in enumerate(blocks, start=1) if members[k]]
-        self.buckets = [m for k, m in enumerate(members) if m or k == 0]  # bucket k+1 <-> _bucket_blocks[k]
-        self.segment_numel: list[int] = []  # per bucket
-        self._own: list[list[torch.Tensor]] = []  # per bucket: this rank's row-slices, flat
-        self._copies: list[tuple[list[torch.Tensor], list[tuple[int, int, tuple[int, ...]]]]] = []  # per bucket
-        for bucket in self.buckets:
-            sizes, dsts, srcs = [], [], []
-            for q in range(self.world):
-                offset = 0  # within rank q's segment
-                for i in bucket:
-                    p = self.entries[i][1]
-                    lo, hi = _row_range(p.shape[0], q, self.world) if p.ndim else (0, 0)
-                    numel = (hi - lo) * (p[0].numel() if p.ndim else 0)
-                    if numel and q != self.rank:
-                        dsts.append(p.detach()[lo:hi])
-                        srcs.append((q, offset, numel, (hi - lo, *p.shape[1:])))
-                    offset += numel
-                sizes.append(offset)
-            segment = max(sizes)
-            self.segment_numel.append(segment)
-            own = [self.entries[i][2] for i in bucket if self.entries[i][1].ndim]  # (0-dim parameters: no rows)
-            self._own.append([v.reshape(-1) for v in own if v.numel()])
-            self._copies.append((dsts, [(q * segment + offset, numel, shape) for q, offset, numel, shape in srcs]))
+    def _build_gather_layout(self) -> None:
+        """Flat all-gather layout: rank q's segment packs its row-slices of every parameter, padded to the longest."""
+        self.segments = []  # per rank: list of (entry index, lo, hi, numel)
+        for q in range(self.world):
+            seg = []
+            for i, (_, p, _) in enumerate(self.entries):
+                lo, hi = _row_range(p.shape[0], q, self.world) if p.ndim else (0, 0)
+                seg.append((i, lo, hi, (hi - lo) * (p[0].numel() if p.ndim else 0)))
+            self.segments.append(seg)
+        self.segment_numel = max(sum(s[3] for s in seg) for seg in self.segments)
 
     @torch.no_grad()
     def step(self, closure=None):  # noqa: ARG002 - same signature as Optimizer.step
-        self.finish_gather()  # (a step without a forward since the last one: its rows first)
         for _, p, view in self.entries:  # the shard's gradient: a view into DDP's all-reduced gradient
             rows = slice(*_row_range(p.shape[0], self.rank, self.world)) if p.ndim else slice(None)
             view.grad = None if p.grad is None else (p.grad[rows] if p.ndim else p.grad)
         super().step()
-        for k in range(len(self.buckets)):
-            self._start_gather(k)
+        self._all_gather()
 
-    def _start_gather(self, k: int) -> None:
-        """Launch bucket k's all-gather of every rank's updated rows (asynchronous: ``_wait`` completes it)."""
+    def _all_gather(self) -> None:
+        """Every rank's updated rows to every rank: one all_gather_into_tensor of padded flat segments, then one
+        batched copy into the parameters (no host sync)."""
         import torch.distributed as dist
 
         dtype, device = self.entries[0][1].dtype, self.entries[0][1].device
-        local = torch.empty(self.segment_numel[k], dtype=dtype, device=device)  # the padding is never read
-        own = self._own[k]
+        local = torch.empty(self.segment_numel, dtype=dtype, device=device)  # the padding is never read
+        own = [self.entries[i][2].reshape(-1) for i, _, _, numel in self.segments[self.rank] if numel]
         if own:
             torch.cat(own, out=local[: sum(t.numel() for t in own)])
-        gathered = torch.empty(self.world * self.segment_numel[k], dtype=dtype, device=device)
-        self._pending[k] = (dist.all_gather_into_tensor(gathered, local, group=self.group, async_op=True), gathered)
-
-    @torch.no_grad()
-    def _wait(self, k: int) -> None:
-        """Complete bucket k's pending all-gather: wait for it (on GPUs the compute stream waits, the host does not)
-        and copy the other ranks' rows into the parameters in one batched copy."""
-        pending = self._pending.pop(k, None)
-        if pending is None:
-            return
-        work, gathered = pending
-        work.wait()
-        dsts, srcs = self._copies[k]
+        gathered = torch.empty(self.world * self.segment_numel, dtype=dtype, device=device)
+        dist.all_gather_into_tensor(gathered, local, group=self.group)
+        dsts, srcs = [], []
+        for q, seg in enumerate(self.segments):
+            offset = q * self.segment_numel
+            for i, lo, hi, numel in seg:
+                if numel and q != self.rank:
+                    p = self.entries[i][1]
+                    dsts.append(p.detach()[lo:hi])
+                    srcs.append(gathered[offset : offset + numel].view(hi - lo, *p.shape[1:]))
+                offset += numel
         if dsts:
-            torch._foreach_copy_(dsts, [gathered[o : o + n].view(shape) for o, n, shape in srcs])
-
-    def _waiter(self, k: int):
-        @torch._dynamo.disable  # runs before a compiled block's graph, not traced into it
-        def hook(_module, _args):
-            self._wait(k)
-
-        return hook
-
-    def finish_gather(self) -> None:
-        """Complete every pending all-gather: all parameters hold the last step's values on every rank."""
-        for k in sorted(self._pending):
-            self._wait(k)
+            torch._foreach_copy_(dsts, srcs)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         super().zero_grad(set_to_none)

@@ -530,7 +530,6 @@ class Trainer(ModelSetup, Evaluation):
         return total / self.loss_ranks
 
     def _finish(self, first_val: float | None, last_val: float | None, rates: list[float]) -> dict:
-        self._finish_parameter_updates()
         steady = rates[1:] or rates  # the first window includes warm-up / compilation
         tokens_per_s = sum(steady) / len(steady) if steady else 0.0
         per_device = tokens_per_s / self.info.world_size
@@ -579,14 +578,6 @@ class Trainer(ModelSetup, Evaluation):
         if graphed is not None:
             graphed.release()
         self._release_ddp_wrapper()
-
-    def _finish_parameter_updates(self) -> None:
-        """ZeRO-1 sends each step's updated rows to the other ranks while the next forward runs: after the last step,
-        complete that now, so the parameters are whole for whoever reads them next. (Not in ``close``: after an error
-        a peer may never have sent its rows.)"""
-        finish = getattr(getattr(self, "optimizer", None), "finish_gather", None)
-        if finish is not None:
-            finish()
 
     def _release_ddp_wrapper(self) -> None:
         """Drop the DDP wrapper (DDP, ZeRO-1) while the process group is still registered: its C++ Reducer holds a
