@@ -54,9 +54,15 @@ class Device:
     host_op_us: float = 26.5  # host cost of one eager ATen op (dispatch + autocast + autograd); fitted, H200 host
     host_layer_us: float = 0.0  # eager host time per block per micro-batch; 0 = eager_ops_per_block × host_op_us
     host_layer_us_compiled: float = 450.0  # host time per compiled block per micro-batch (assumed)
-    host_tp_layer_us: float = 4000.0  # host time per tensor-parallel block per micro-batch, compiled (DTensor
-    # hooks, the issue and wait of its sequence-parallel collectives); fitted on 4 H100s: TP4 of the 1.1B, micro-batch
-    # 4 and 16
+    host_tp_layer_us: float = 6500.0  # host time per tensor-parallel block per micro-batch, compiled (DTensor
+    # hooks, the issue and wait of its sequence-parallel collectives); fitted on 4 H100s: eager TP4 of the 1.1B at
+    # micro-batch 4 (host-bound: CUDA graphs halve its step)
+    tp_link_efficiency: float = 0.35  # achieved fraction of intra_node_gb_per_s by the tensor-parallel collectives
+    # (the doctor: a 32 MiB all-gather at ~160 GB/s bus bandwidth on 4 H100s); fitted with tp_collective_us on the
+    # graphed TP4 1.1B steps at micro-batch 4 and 16
+    tp_collective_us: float = 50.0  # GPU time per tensor-parallel collective beyond its bytes (the ranks' kernels
+    # waiting for each other: every TP collective sits between two GEMMs, so nothing hides it; the doctor's smallest
+    # all-reduce takes ~60 us)
     host_step_us: float = 2000.0  # per optimizer step: optimizer, clipping, the guard's all-reduce (assumed)
     host_graph_us: float = 60.0  # per micro-batch replayed from a CUDA graph: two input copies + one launch (assumed)
     scan_ns: float = 0.062  # Mamba scan fwd+bwd per (token, inner channel), S=16: H200 kernel profile (199.3 ms

@@ -199,7 +199,10 @@ def communication(
     with ``reshard_during_accumulation`` off), plus one reduce_scatter per step: ≈ 1.5 × DDP's volume at equal
     dtypes. hsdp: that within the shard group plus an all_reduce of the Ψ_dev/z shard across replicas.
     tp (sequence parallel): per layer and micro-batch 4 all_gather + 4 reduce_scatter of a·b·s·d (6 + 6 with
-    full AC, which replays the forward). pp: per micro-batch one activation send forward and one gradient back.
+    full AC, which replays the forward); under anytrain's TP (DTensor) these run at ``tp_link_efficiency`` of the
+    link and cost ``tp_collective_us`` each on top, and each micro-batch adds one fp32 all-reduce per norm weight
+    (2L + 1) — Megatron-style precisions keep the plain link terms. pp: per micro-batch one activation send forward
+    and one gradient back.
     Exposure: tp and pp are on the critical path; dp hides in ``overlap`` × (the last micro-batch's backward for
     ddp/zero, all compute for fsdp) — what is left is exposed.
     """
@@ -210,12 +213,15 @@ def communication(
     reduce = gradient_reduce_bytes(shape, prec, wl.grad_compression, layout.strategy)
     out: list[Comm] = []
 
-    def add(axis: str, kind: str, count: int, msg: float, n: int, stride: int) -> Comm:
-        bw, lat, _ = group_bandwidth(device, n, stride)
+    def add_on(dev: Device, axis: str, kind: str, count: int, msg: float, n: int, stride: int = 1) -> Comm:
+        bw, lat, _ = group_bandwidth(dev, n, stride)
         sent, sec = collective_time(kind, msg, n, bw, lat)
         comm = Comm(axis, kind, count, msg, sent * count, sec * count)
         out.append(comm)
         return comm
+
+    def add(axis: str, kind: str, count: int, msg: float, n: int, stride: int) -> Comm:
+        return add_on(device, axis, kind, count, msg, n, stride)
 
     dp_comms: list[Comm] = []
     if dp > 1:
@@ -239,9 +245,17 @@ def communication(
         hidden = max(0.0, hidden - comm.seconds)
     if t > 1:
         per_layer = 4 + 2 * ac_fraction(layout.ac)  # recomputed blocks replay their forward collectives
-        count = per_layer * m * math.ceil(shape.n_layers / p)
-        for kind in ("all_gather", "reduce_scatter"):
-            comm = add("tp", kind, count, act_msg, t, 1)
+        layers = math.ceil(shape.n_layers / p)
+        count = per_layer * m * layers
+        measured = prec.framework == "anytrain"  # anytrain's DTensor TP: the measured link share and per-call cost
+        tp_device = device.replace(intra_node_gb_per_s=device.intra_node_gb_per_s * device.tp_link_efficiency)
+        tp_device = tp_device if measured else device
+        tp_comms = [add_on(tp_device, "tp", kind, count, act_msg, t) for kind in ("all_gather", "reduce_scatter")]
+        if measured:  # the sequence-parallel norms' weight gradients (Partial on every TP rank): one fp32
+            # all-reduce each per micro-batch (two per block and the final norm)
+            tp_comms.append(add_on(tp_device, "tp", "all_reduce", m * (2 * layers + 1), 4.0 * shape.dim, t))
+        for comm in tp_comms:
+            comm.seconds += comm.count * device.tp_collective_us * 1e-6 * measured
             comm.exposed_seconds = comm.seconds
     if p > 1:
         comm = add("pp", "p2p", 2 * m, act_msg / t, 2, t * dp)
@@ -396,8 +410,9 @@ def estimate(
                 + optimizer_seconds
                 (+ under anytrain's TP the LM head's share that every TP rank repeats: 6·V·d and its traffic)
     host_s = host_seconds (the host's launch floor)
-    step_s = max(compute_s · (1 + bubble), host_s) + exposed communication (with tp > 1 the host time adds to the
-             compute instead: measured on 4 H100s, TP blocks' host work does not overlap the GPU's);  steps = D / (B·s);
+    step_s = max(compute_s · (1 + bubble) + exposed communication, host_s) (the GPU's time or the host's launch
+             floor: measured on 4 H100s, eager TP4 at micro-batch 16 and its CUDA-graph replay take the same time,
+             at micro-batch 4 the graphs halve it);  steps = D / (B·s);
     energy = total_s·world·watts.
     """
     prec = prec or trainer_precision(layout.strategy)
@@ -424,10 +439,7 @@ def estimate(
     dtensor_tp = layout.tp > 1 and prec.framework == "anytrain"  # anytrain's TP: DTensor (not Megatron's kernels)
     host_s = host_seconds(shape, layout, wl, device, dtensor_tp)
     notes = ["host-bound: kernel launches take longer than the GPU's work"] if host_s > compute_s + bubble_s else []
-    if dtensor_tp:  # measured (4 H100s): a TP step's host work does not run ahead of the GPU's, it adds to it
-        step_s = compute_s + bubble_s + host_s + sum(c.exposed_seconds for c in comm)
-    else:
-        step_s = max(compute_s + bubble_s, host_s) + sum(c.exposed_seconds for c in comm)
+    step_s = max(compute_s + bubble_s + sum(c.exposed_seconds for c in comm), host_s)
     tokens = wl.tokens or 20.0 * shape.num_params
     phases = memory_phases(shape, layout, wl, prec, device.blas_workspace_mib)
     phase = max(phases, key=lambda name: sum(phases[name].values()))
