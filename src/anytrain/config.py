@@ -161,9 +161,9 @@ class TrainConfig:
     """Capture one micro-batch's forward + backward as a CUDA/HIP graph on the first step and replay it for every
     micro-batch (train/cuda_graph.py): removes the host's launch overhead where the host, not the GPU, sets the pace
     (small models such as mamba-130m). One GPU process, or tensor parallelism alone (its collectives captured with the
-    step: the 1.1B's TP4 at micro-batch 4 trains 2x faster), with a fixed micro-batch shape; data-parallel and pipeline runs, and CPU runs of
-    the same config, train eagerly and say so. Gradients then stay allocated between steps.
-    model.arch hf: only for models that run no attention-mask code (plain causal, SDPA; refused otherwise)."""
+    step: the 1.1B's TP4 at micro-batch 4 trains 2x faster), with a fixed micro-batch shape; data-parallel and
+    pipeline runs, and CPU runs of the same config, train eagerly and say so. Gradients then stay allocated between
+    steps. model.arch hf: only for models that run no attention-mask code (plain causal, SDPA; refused otherwise)."""
     gc_interval: int = 50
     """Python's automatic garbage collection is off during training and a young-generation collection runs every
     this many steps on every rank at once (torchtitan's gc_freq): an automatic collection pauses one rank at a random
