@@ -302,6 +302,41 @@ def unwrap(model: nn.Module) -> nn.Module:
     return model.module if hasattr(model, "module") and isinstance(model.module, nn.Module) else model
 
 
+def reduce_partial_gradients(params) -> int:
+    """Sum the gradients that tensor parallelism leaves Partial (the sequence-parallel norms' weights: each TP rank
+    holds its own tokens' share) with ONE all-reduce per (mesh, placements), and mark them reduced, in place. Left
+    Partial, every consumer reduces each of them again: the clipping norm once and AdamW's ops three times, 4 x (2L
+    + 1) small all-reduces per step that each wait for the slowest rank (180 calls, 54 ms of a 0.49 s TP4 step on 4
+    H100s). The local tensors stay the same objects (a CUDA graph writes to them). Returns the collectives issued."""
+    from torch.distributed.tensor import DTensor, Replicate
+    from torch.distributed.tensor.placement_types import Partial
+
+    groups: dict[tuple, list[nn.Parameter]] = {}
+    for p in params:
+        grad = p.grad
+        if isinstance(grad, DTensor) and any(isinstance(pl, Partial) for pl in grad.placements):
+            groups.setdefault((grad.device_mesh, tuple(grad.placements)), []).append(p)
+    issued = 0
+    with torch.no_grad():
+        for (mesh, placements), members in groups.items():
+            local = [p.grad.to_local() for p in members]
+            flat = torch.cat([t.reshape(-1) for t in local])
+            for dim, placement in enumerate(placements):
+                if isinstance(placement, Partial):
+                    op = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
+                    if placement.reduce_op not in op:
+                        raise ValueError(f"reduce_partial_gradients: Partial({placement.reduce_op}) is not supported")
+                    dist.all_reduce(flat, op=op[placement.reduce_op], group=mesh.get_group(dim))
+                    issued += 1
+            pieces = flat.split([t.numel() for t in local])
+            torch._foreach_copy_(local, [v.view_as(t) for v, t in zip(pieces, local, strict=True)])
+            reduced = tuple(Replicate() if isinstance(pl, Partial) else pl for pl in placements)
+            for p, tensor in zip(members, local, strict=True):
+                p.grad = DTensor.from_local(tensor, mesh, reduced, run_check=False, shape=p.grad.shape,
+                                            stride=p.grad.stride())  # fmt: skip
+    return issued
+
+
 @contextlib.contextmanager
 def gradient_sync(model: nn.Module, strategy: str, sync: bool, keep_gathered: bool = False):
     """Skip the gradient all-reduce on non-final micro-batches of an accumulation step.

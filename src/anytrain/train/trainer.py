@@ -31,7 +31,15 @@ from anytrain.evals.hf import init_from_hf
 from anytrain.kernels import configure as configure_kernels
 from anytrain.kernels import mamba_inner, wide_mm
 from anytrain.models import build_model, get_spec
-from anytrain.parallel import DistInfo, barrier, gather_object, gradient_sync, parallelize, unwrap
+from anytrain.parallel import (
+    DistInfo,
+    barrier,
+    gather_object,
+    gradient_sync,
+    parallelize,
+    reduce_partial_gradients,
+    unwrap,
+)
 from anytrain.train import rundir
 from anytrain.train.build import (
     ModelSetup,
@@ -293,6 +301,8 @@ class Trainer(ModelSetup, Evaluation):
         (``clip_in_optimizer``) by this step's fused AdamW, which divides the gradients by ``optimizer.grad_scale`` as
         it reads them (until then, and on a skipped step, ``.grad`` stays unclipped)."""
         max_norm = self.cfg.train.grad_clip or math.inf
+        if self.dims.tp > 1:
+            reduce_partial_gradients(self.model.parameters())
         if math.isfinite(max_norm) and self._clip_in_optimizer:  # decided once, in __init__
             # the fused AdamW divides each gradient by its grad_scale as it reads it (written back, as clipping would):
             # no separate pass that scales every gradient in place
