@@ -200,8 +200,8 @@ def communication(
     dtypes. hsdp: that within the shard group plus an all_reduce of the Ψ_dev/z shard across replicas.
     tp (sequence parallel): per layer and micro-batch 4 all_gather + 4 reduce_scatter of a·b·s·d (6 + 6 with
     full AC, which replays the forward); under anytrain's TP (DTensor) these run at ``tp_link_efficiency`` of the
-    link and cost ``tp_collective_us`` each on top, and each micro-batch adds one fp32 all-reduce per norm weight
-    (2L + 1) — Megatron-style precisions keep the plain link terms. pp: per micro-batch one activation send forward
+    link and cost ``tp_collective_us`` each on top, plus one fp32 all-reduce per step of the norm weights' gradients
+    (2L + 1 vectors) — Megatron-style precisions keep the plain link terms. pp: per micro-batch one activation send forward
     and one gradient back.
     Exposure: tp and pp are on the critical path; dp hides in ``overlap`` × (the last micro-batch's backward for
     ddp/zero, all compute for fsdp) — what is left is exposed.
@@ -251,9 +251,9 @@ def communication(
         tp_device = device.replace(intra_node_gb_per_s=device.intra_node_gb_per_s * device.tp_link_efficiency)
         tp_device = tp_device if measured else device
         tp_comms = [add_on(tp_device, "tp", kind, count, act_msg, t) for kind in ("all_gather", "reduce_scatter")]
-        if measured:  # the sequence-parallel norms' weight gradients (Partial on every TP rank): one fp32
-            # all-reduce each per micro-batch (two per block and the final norm)
-            tp_comms.append(add_on(tp_device, "tp", "all_reduce", m * (2 * layers + 1), 4.0 * shape.dim, t))
+        if measured:  # the sequence-parallel norms' weight gradients (Partial on every TP rank), summed in one fp32
+            # all-reduce per step (parallel.reduce_partial_gradients)
+            tp_comms.append(add_on(tp_device, "tp", "all_reduce", 1, 4.0 * shape.dim * (2 * layers + 1), t))
         for comm in tp_comms:
             comm.seconds += comm.count * device.tp_collective_us * 1e-6 * measured
             comm.exposed_seconds = comm.seconds
