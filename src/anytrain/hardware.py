@@ -276,8 +276,8 @@ def device_uuid(device: torch.device) -> str | None:
     machines share one host name; this tells two machines apart."""
     if not is_gpu(device):
         return None
-    uuid = getattr(torch.cuda.get_device_properties(device), "uuid", None)
-    return str(uuid) if uuid else None
+    uuid = str(getattr(torch.cuda.get_device_properties(device), "uuid", "") or "")
+    return uuid if uuid.strip("0-") else None  # an all-zero UUID (some VMs) names nothing
 
 
 def summary(device: torch.device, peak_tflops: float | None = None) -> dict:

@@ -201,8 +201,8 @@ def communication(
     tp (sequence parallel): per layer and micro-batch 4 all_gather + 4 reduce_scatter of a·b·s·d (6 + 6 with
     full AC, which replays the forward); under anytrain's TP (DTensor) these run at ``tp_link_efficiency`` of the
     link and cost ``tp_collective_us`` each on top, plus one fp32 all-reduce per step of the norm weights' gradients
-    (2L + 1 vectors) — Megatron-style precisions keep the plain link terms. pp: per micro-batch one activation send forward
-    and one gradient back.
+    (2L + 1 vectors; one each under FSDP, which reduces them itself) — Megatron-style precisions keep the plain link
+    terms. pp: per micro-batch one activation send forward and one gradient back.
     Exposure: tp and pp are on the critical path; dp hides in ``overlap`` × (the last micro-batch's backward for
     ddp/zero, all compute for fsdp) — what is left is exposed.
     """
@@ -251,9 +251,12 @@ def communication(
         tp_device = device.replace(intra_node_gb_per_s=device.intra_node_gb_per_s * device.tp_link_efficiency)
         tp_device = tp_device if measured else device
         tp_comms = [add_on(tp_device, "tp", kind, count, act_msg, t) for kind in ("all_gather", "reduce_scatter")]
-        if measured:  # the sequence-parallel norms' weight gradients (Partial on every TP rank), summed in one fp32
-            # all-reduce per step (parallel.reduce_partial_gradients)
-            tp_comms.append(add_on(tp_device, "tp", "all_reduce", 1, 4.0 * shape.dim * (2 * layers + 1), t))
+        if measured:  # the sequence-parallel norms' weight gradients (Partial on every TP rank): summed in one fp32
+            # all-reduce per step (parallel.reduce_partial_gradients), or one each where FSDP2 reduces them itself
+            norms = 2 * layers + 1
+            fsdp = dp > 1 and layout.strategy in ("fsdp", "hsdp")
+            count, msg = (norms, 4.0 * shape.dim) if fsdp else (1, 4.0 * shape.dim * norms)
+            tp_comms.append(add_on(tp_device, "tp", "all_reduce", count, msg, t))
         for comm in tp_comms:
             comm.seconds += comm.count * device.tp_collective_us * 1e-6 * measured
             comm.exposed_seconds = comm.seconds
@@ -438,8 +441,9 @@ def estimate(
     comm = communication(shape, layout, wl, prec, device, compute_s)
     dtensor_tp = layout.tp > 1 and prec.framework == "anytrain"  # anytrain's TP: DTensor (not Megatron's kernels)
     host_s = host_seconds(shape, layout, wl, device, dtensor_tp)
-    notes = ["host-bound: kernel launches take longer than the GPU's work"] if host_s > compute_s + bubble_s else []
-    step_s = max(compute_s + bubble_s + sum(c.exposed_seconds for c in comm), host_s)
+    gpu_s = compute_s + bubble_s + sum(c.exposed_seconds for c in comm)
+    notes = ["host-bound: kernel launches take longer than the GPU's work"] if host_s > gpu_s else []
+    step_s = max(gpu_s, host_s)
     tokens = wl.tokens or 20.0 * shape.num_params
     phases = memory_phases(shape, layout, wl, prec, device.blas_workspace_mib)
     phase = max(phases, key=lambda name: sum(phases[name].values()))

@@ -307,7 +307,8 @@ def reduce_partial_gradients(params) -> int:
     holds its own tokens' share) with ONE all-reduce per (mesh, placements), and mark them reduced, in place. Left
     Partial, every consumer reduces each of them again: the clipping norm once and AdamW's ops three times, 4 x (2L
     + 1) small all-reduces per step that each wait for the slowest rank (180 calls, 54 ms of a 0.49 s TP4 step on 4
-    H100s). The local tensors stay the same objects (a CUDA graph writes to them). Returns the collectives issued."""
+    H100s). The reduced gradients keep their local storage (a CUDA graph writes to it). Under FSDP2 nothing is left
+    Partial here: its reduction redistributes each gradient itself. Returns the collectives issued."""
     from torch.distributed.tensor import DTensor, Replicate
     from torch.distributed.tensor.placement_types import Partial
 
@@ -315,10 +316,10 @@ def reduce_partial_gradients(params) -> int:
     for p in params:
         grad = p.grad
         if isinstance(grad, DTensor) and any(isinstance(pl, Partial) for pl in grad.placements):
-            groups.setdefault((grad.device_mesh, tuple(grad.placements)), []).append(p)
+            groups.setdefault((grad.device_mesh, tuple(grad.placements), grad.dtype), []).append(p)
     issued = 0
     with torch.no_grad():
-        for (mesh, placements), members in groups.items():
+        for (mesh, placements, _), members in groups.items():
             local = [p.grad.to_local() for p in members]
             flat = torch.cat([t.reshape(-1) for t in local])
             for dim, placement in enumerate(placements):

@@ -576,6 +576,12 @@ class Trainer(ModelSetup, Evaluation):
         return summary
 
     def close(self) -> None:
+        graphed = getattr(self, "_graphed", None)
+        if graphed is not None:  # first: a graph holding NCCL work would stall the process group's shutdown
+            try:
+                graphed.release()
+            except Exception as exc:  # a sticky device error: report it, do not mask the run's own error
+                self.log.print(f"warning: could not release the CUDA graph: {exc}")
         if self.energy is not None:
             self.energy.stop()
         self.log.close()
@@ -584,9 +590,6 @@ class Trainer(ModelSetup, Evaluation):
         run = getattr(self, "_run", None)
         if run is not None and run.lock is not None:
             run.lock.release()
-        graphed = getattr(self, "_graphed", None)
-        if graphed is not None:
-            graphed.release()
         self._release_ddp_wrapper()
 
     def _release_ddp_wrapper(self) -> None:
