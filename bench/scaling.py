@@ -551,11 +551,11 @@ def _outcome(row: dict) -> dict:
     return {"source": row.get("source"), **(got or {"error": row.get("error", "not run")})}
 
 
-def machine_id() -> str:
+def machine_id(device) -> str:
     """Host name and the first GPU's UUID: lent machines all call themselves ``vm``."""
     from anytrain import hardware
 
-    uuid = hardware.device_uuid(hardware.resolve_device("auto"))
+    uuid = hardware.device_uuid(device)
     return f"{socket.gethostname()}/{uuid}" if uuid else socket.gethostname()
 
 
@@ -893,7 +893,8 @@ def main() -> None:
              and (args.only is None or c.name in args.only) and not {c.name, c.layout} & set(args.exclude)]  # fmt: skip
     from anytrain import hardware
 
-    env = hardware.summary(hardware.resolve_device("auto"))
+    device = hardware.resolve_device("auto")
+    env = hardware.summary(device)
     print(json.dumps({"gpus": n_gpus, **env}), flush=True)
     slug = re.sub(r"[^a-z0-9]+", "-", env.get("device", "unknown").lower()).strip("-")
     path = Path(args.out) / f"scaling_{slug}{tag_suffix(args.tag)}.json"
@@ -904,7 +905,7 @@ def main() -> None:
     add_predictions(rows, "h200" if "H200" in env.get("device", "") else "h100", n_gpus)
     print_table(rows)
     payload = {"date": time.strftime("%Y-%m-%d"), "device": env.get("device"), "gpus_on_host": n_gpus,
-               "host": machine_id(),  # runs of one machine: repeats when merged
+               "host": machine_id(device),  # runs of one machine: repeats when merged
                "versions": env, "settings": {"steps": args.steps, "log_interval": args.log_interval,
                                              "repeats": args.repeats, "concurrent": not args.serial,
                                              "train_args": args.train_args},

@@ -302,6 +302,9 @@ def unwrap(model: nn.Module) -> nn.Module:
     return model.module if hasattr(model, "module") and isinstance(model.module, nn.Module) else model
 
 
+_REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
+
+
 def reduce_partial_gradients(params) -> int:
     """Sum the gradients that tensor parallelism leaves Partial (the sequence-parallel norms' weights: each TP rank
     holds its own tokens' share) with ONE all-reduce per (mesh, placements), and mark them reduced, in place. Left
@@ -324,10 +327,9 @@ def reduce_partial_gradients(params) -> int:
             flat = torch.cat([t.reshape(-1) for t in local])
             for dim, placement in enumerate(placements):
                 if isinstance(placement, Partial):
-                    op = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
-                    if placement.reduce_op not in op:
+                    if placement.reduce_op not in _REDUCE_OPS:
                         raise ValueError(f"reduce_partial_gradients: Partial({placement.reduce_op}) is not supported")
-                    dist.all_reduce(flat, op=op[placement.reduce_op], group=mesh.get_group(dim))
+                    dist.all_reduce(flat, op=_REDUCE_OPS[placement.reduce_op], group=mesh.get_group(dim))
                     issued += 1
             pieces = flat.split([t.numel() for t in local])
             torch._foreach_copy_(local, [v.view_as(t) for v, t in zip(pieces, local, strict=True)])
