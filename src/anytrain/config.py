@@ -288,6 +288,37 @@ class KernelsConfig:
 
 
 @dataclass
+class WandbConfig:
+    """Weights & Biases logging beside metrics.jsonl and TensorBoard, from rank 0 (``pip install 'anytrain[wandb]'``;
+    docs/metrics.md)."""
+
+    mode: Literal["disabled", "offline", "online"] = "disabled"
+    """disabled = no W&B (wandb is not imported); offline = the W&B run is written under ``RUN/wandb`` only, with no
+    network access (upload it later with ``wandb sync RUN/wandb/offline-run-*``); online = streamed to the W&B server
+    (``wandb login`` or WANDB_API_KEY first). Logged: the resolved config, the run's identity (``anytrain_run``: run
+    dir, resumed, start step) and every train / eval record of metrics.jsonl as ``train/KEY`` / ``eval/KEY`` at its
+    step. The W&B run id is kept in ``RUN/wandb/run_id``: ``--resume`` continues the same W&B run."""
+    project: str = "anytrain"
+    """W&B project the run goes to."""
+    entity: str = ""
+    """W&B team or user owning the project; empty = the default entity of the logged-in account."""
+    name: str = ""
+    """The run's display name in W&B; empty = the run directory's name."""
+    group: str = ""
+    """W&B run group (e.g. one sweep or ablation); empty = none."""
+    tags: list[str] = field(default_factory=list)
+    """W&B run tags, a list of strings."""
+
+
+@dataclass
+class MetricsConfig:
+    """Where metric records go besides metrics.jsonl and TensorBoard (always written by rank 0)."""
+
+    wandb: WandbConfig = field(default_factory=WandbConfig)
+    """Weights & Biases (``metrics.wandb.mode``, ``project``, ...): see the ``metrics.wandb`` table."""
+
+
+@dataclass
 class RunConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
@@ -296,6 +327,7 @@ class RunConfig:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     profile: ProfileConfig = field(default_factory=ProfileConfig)
     kernels: KernelsConfig = field(default_factory=KernelsConfig)
+    metrics: MetricsConfig = field(default_factory=MetricsConfig)
     device: str = "auto"
     """auto (GPU if present), cpu, or gpu."""
     run_dir: str = ""

@@ -85,6 +85,11 @@ def _validate_others(cfg: RunConfig) -> None:
         raise ConfigError(f"parallel.dp_shard: must be >= 1 or -1 (infer), got {p.dp_shard}")
     if cfg.device not in ("auto", "cpu", "gpu", "cuda"):
         raise ConfigError(f"device: expected auto, cpu or gpu, got {cfg.device!r}")
+    wandb = cfg.metrics.wandb
+    if not wandb.project.strip():
+        raise ConfigError("metrics.wandb.project: must name a W&B project, got an empty string")
+    if not all(isinstance(tag, str) and 0 < len(tag) <= 64 for tag in wandb.tags):
+        raise ConfigError(f"metrics.wandb.tags: expected a list of 1 to 64-character strings, got {wandb.tags!r}")
 
 
 def _validate_seq_len(cfg: RunConfig) -> None:

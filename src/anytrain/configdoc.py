@@ -75,11 +75,16 @@ def section_table(name: str, cls: type) -> list[str]:
     class_doc = inspect.getdoc(cls)
     if class_doc and not class_doc.startswith(cls.__name__ + "("):
         lines += [_one_line(class_doc), ""]
-    lines += ["| field | type | default | meaning |", "|---|---|---|---|"]
+    rows, nested = [], []
     for f in dataclasses.fields(cls):
-        lines.append(f"| `{name}.{f.name}` | {_type_name(hints[f.name])} | `{_default(f)}` | "
-                     f"{_one_line(docs.get(f.name, ''))} |")  # fmt: skip
-    return lines + [""]
+        if dataclasses.is_dataclass(hints[f.name]):  # a sub-section (metrics.wandb): its own table after this one
+            nested += section_table(f"{name}.{f.name}", hints[f.name])
+            continue
+        doc = _one_line(docs.get(f.name, ""))
+        rows.append(f"| `{name}.{f.name}` | {_type_name(hints[f.name])} | `{_default(f)}` | {doc} |")
+    if rows:
+        lines += ["| field | type | default | meaning |", "|---|---|---|---|", *rows, ""]
+    return lines + nested
 
 
 def render() -> str:

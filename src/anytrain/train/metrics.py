@@ -11,10 +11,16 @@ import math
 import sys
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+
+from anytrain.train.wandb_sink import WandbSink
+
+if TYPE_CHECKING:
+    from anytrain.config import RunConfig
 
 
 def mfu(flops_per_token: float, tokens_per_s_per_device: float, peak_flops: float | None) -> float | None:
@@ -87,13 +93,22 @@ def _num(value, spec: str) -> str:
 
 
 class MetricsLogger:
-    def __init__(self, run_dir: Path | None, enabled: bool, total_steps: int, start_step: int = 0,
-                 tensorboard: bool = True) -> None:  # fmt: skip
-        """``enabled``: this rank prints and records (rank 0). ``run_dir`` None: console only, no files."""
+    def __init__(
+        self,
+        run_dir: Path | None,
+        enabled: bool,
+        total_steps: int,
+        start_step: int = 0,
+        tensorboard: bool = True,
+        run_config: RunConfig | None = None,
+    ) -> None:
+        """``enabled``: this rank prints and records (rank 0). ``run_dir`` None: console only, no files.
+        ``run_config``: its ``metrics.wandb`` adds the W&B sink (train/wandb_sink.py)."""
         self.enabled = enabled
         self.console = Console(stderr=True, soft_wrap=True)
         self._jsonl = None
         self._tb = None
+        self._wandb = None
         self._progress = None
         if not enabled or run_dir is None:
             return
@@ -106,6 +121,8 @@ class MetricsLogger:
             except ImportError:
                 self.console.print("[yellow]tensorboard not installed: metrics go to metrics.jsonl only "
                                    "(pip install 'anytrain[tb]')[/]")  # fmt: skip
+        if run_config is not None and run_config.metrics.wandb.mode != "disabled":
+            self._wandb = WandbSink(run_config, run_dir, self.print)
         if sys.stderr.isatty():
             self._progress = Progress(
                 TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[stats]}"),
@@ -129,6 +146,8 @@ class MetricsLogger:
             for key, value in record.items():
                 if key != "step" and isinstance(value, (int, float)) and not isinstance(value, bool):
                     self._tb.add_scalar(f"{kind}/{key}", value, record["step"])
+        if self._wandb is not None:
+            self._wandb.log(record, kind)
         self.console.print(self._format(record, kind), highlight=False)
 
     def _format(self, r: dict, kind: str) -> str:
@@ -158,3 +177,5 @@ class MetricsLogger:
             self._jsonl.close()
         if self._tb is not None:
             self._tb.close()
+        if self._wandb is not None:
+            self._wandb.close()

@@ -56,6 +56,7 @@ from anytrain.train.evaluation import Evaluation
 from anytrain.train.guard import Preempted, StepGuard, StepStatus
 from anytrain.train.metrics import MetricsLogger, MetricWindow, ThroughputMeter, mfu
 from anytrain.train.profiling import StepProfiler, format_summary
+from anytrain.train.wandb_sink import require_wandb
 
 
 class Trainer(ModelSetup, Evaluation):
@@ -72,6 +73,7 @@ class Trainer(ModelSetup, Evaluation):
                  resume: bool = False, overwrite: bool = False,
                  resume_allow: tuple[str, ...] = ()) -> None:  # fmt: skip
         self.cfg = cfg
+        require_wandb(cfg.metrics.wandb)  # metrics.wandb without the package: one line, before anything is written
         self._setup_layout()
         self.dataset = None if batches is not None else TokenDataset(cfg.data.path)
         if self.dataset is not None:
@@ -79,7 +81,7 @@ class Trainer(ModelSetup, Evaluation):
         writes = batches is None or run_dir is not None
         resume = resume or cfg.checkpoint.auto_resume
         self.run_dir = self._setup_run_dir(run_dir, resume, overwrite, resume_allow) if writes else None
-        self.log = MetricsLogger(self.run_dir, self.info.is_main, cfg.train.steps)
+        self.log = MetricsLogger(self.run_dir, self.info.is_main, cfg.train.steps, run_config=cfg)
         if self._auto_reason:
             self.log.print(f"parallel.auto: {self._auto_reason}")
         self.dtype = compute_dtype(cfg, self.device)
