@@ -228,7 +228,7 @@ def test_gelu_default_width_is_four_times_dim():
 # --------------------------------------------------------------------------------------------------------------------
 # recipes
 
-RECIPES = ["mpt-125m", "mpt-350m", "mpt-760m", "mpt-1b", "mpt-3b", "mpt-7b", "mamba-1.6b", "llama-1b"]
+RECIPES = ["mpt-125m", "mpt-350m", "mpt-760m", "mpt-1b", "mpt-3b", "mpt-7b", "mamba-1.6b", "llama-1b", "llama-3b"]
 
 
 def documented_params(recipe: Path) -> int:

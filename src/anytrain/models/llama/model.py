@@ -157,6 +157,18 @@ TRANSFORMER_FLAVOURS: dict[str, dict[str, Any]] = {
         rope_theta=500000.0,
         tie_embeddings=True,
     ),  # fmt: skip
+    # Llama-3.2-3B's shape (meta-llama/Llama-3.2-3B config.json): 3,212,749,824 parameters, tied embeddings.
+    "llama-3b": dict(
+        vocab_size=128256,
+        dim=3072,
+        n_layers=28,
+        n_heads=24,
+        n_kv_heads=8,
+        ffn_dim=8192,
+        max_seq_len=2048,
+        rope_theta=500000.0,
+        tie_embeddings=True,
+    ),
     # MPT (mosaicml/mpt-7b's config.json; LLM Foundry's scripts/train/yamls/pretrain/mpt-*.yaml shapes): ALiBi, no
     # position embeddings, LayerNorm without bias, exact GELU MLP with F = 4·D, no biases, tied embeddings.
     "mpt-debug": dict(vocab_size=512, dim=64, n_layers=2, n_heads=4, max_seq_len=256, **MPT_OPTIONS),
