@@ -12,10 +12,11 @@ needs task YAMLs whose data are local files (``dataset_path: json`` with ``datas
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
-from anytrain.errors import AnytrainError
+from anytrain.errors import AnytrainError, DataError
 
 EVAL_INSTALL_HINT = "pip install 'anytrain[eval]'"
 
@@ -30,6 +31,7 @@ test_split: test
 doc_to_text: "{{{{context}}}}"
 doc_to_choice: "{{{{choices}}}}"
 doc_to_target: "{{{{label}}}}"
+target_delimiter: {delimiter}
 metric_list:
   - metric: acc
     aggregation: mean
@@ -42,9 +44,32 @@ metric_list:
 
 def write_local_task(task: str, jsonl: str | Path, folder: str | Path) -> Path:
     """``folder/<task>.yaml``: an lm-eval multiple-choice task over a local JSONL file in anytrain's task schema
-    (``context``, ``choices``, ``label``), for ``--include-path folder`` offline (docs/evaluation.md)."""
+    (``context``, ``choices``, ``label``), for ``--include-path folder`` offline (docs/evaluation.md). The file's target
+    delimiter (its first line, or the same ``target_delimiter`` in every record) becomes the task's; a file with a
+    first line of options is read by lm-eval from ``folder/<task>.docs.jsonl``, its records without that line."""
+    from anytrain.evals.tasks import TARGET_DELIMITER, load_task, read_records
+
+    jsonl = Path(jsonl).resolve()
+    load_task(jsonl)  # every record checked (format, target_delimiter) as anytrain eval --tasks would
+    options, records = read_records(jsonl)
+    default = options.get("target_delimiter", TARGET_DELIMITER)
+    delimiters = [(number, record.get("target_delimiter", default)) for number, record in records]
+    delimiter = delimiters[0][1]
+    for number, other in delimiters:
+        if other != delimiter:
+            raise DataError(
+                f"{jsonl}:{number}: target_delimiter {json.dumps(other)}, the first record's is "
+                f"{json.dumps(delimiter)}; an lm-eval task has one: set it on the file's first line"
+            )
+    docs = jsonl
+    if options:  # lm-eval would read the options line as a document
+        docs = Path(folder).resolve() / f"{task}.docs.jsonl"
+        if docs == jsonl:
+            raise DataError(f"{jsonl}: write_local_task would overwrite the task file; give another task name")
+        docs.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for _, r in records), encoding="utf-8")
     path = Path(folder) / f"{task}.yaml"
-    path.write_text(LOCAL_TASK_YAML.format(task=task, path=Path(jsonl).resolve()), encoding="utf-8")
+    text = LOCAL_TASK_YAML.format(task=task, path=docs, delimiter=json.dumps(delimiter))
+    path.write_text(text, encoding="utf-8")
     return path
 
 

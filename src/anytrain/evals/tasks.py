@@ -10,14 +10,17 @@
   HellaSwag, ARC, PIQA, BoolQ, Winogrande or LAMBADA as their authors (or the HF datasets) ship them, turned into
   prompts as lm-evaluation-harness does.
 
-Scoring follows lm-evaluation-harness: each choice is a (context, continuation) pair; its score is the summed
-log-probability of the continuation's tokens given the context (the context's trailing spaces move to the
-continuation; the pair is tokenized whole and the context's tokens split off). ``acc`` takes the best sum, ``acc_norm``
-the best sum divided by ``len(choice)``: the characters (code points) of the choice string without the leading target
-delimiter, exactly lm-eval's ``ConfigurableTask.process_results`` (``Item.choices``, ``norm_scores``). Every sequence
-starts with the end-of-text token, as every document does in the prepared data. k-shot prompts put k other items of
-the same file (drawn with a fixed seed) before the item, each as context + its correct continuation, separated by a
-blank line.
+Scoring follows lm-evaluation-harness: each choice is a (context, continuation) pair, the continuation being the
+target delimiter (lm-eval's ``target_delimiter``, " " unless the file or the record sets another) + the choice; its
+score is the summed log-probability of the continuation's tokens given the context (the context's trailing spaces move
+to the continuation; the pair is tokenized whole and the context's tokens split off). ``acc`` takes the best sum,
+``acc_norm`` the best sum divided by ``len(choice)``: the characters (code points) of the choice string without the
+target delimiter, exactly lm-eval's ``ConfigurableTask.process_results`` (``Item.choices``, ``norm_scores``). Every
+sequence starts with one end-of-text token, as every document does in the prepared data (a context that already starts
+with it gets no second one, as lm-eval's HF model). A sequence longer than the model's positions
+(``model.args.max_seq_len``, which lm-eval's HF model reads from the export's config) keeps its last tokens. k-shot
+prompts put k other items of the same file (drawn with a fixed seed) before the item, each as context + its correct
+continuation, separated by a blank line.
 """
 
 from __future__ import annotations
@@ -49,24 +52,31 @@ class Scorer:
     """Log-likelihoods, rolling NLL and greedy generation of a causal LM given token ids.
 
     ``model``: token ids (B, T) -> logits (B, T, V); ``tokenizer``: a ``tokenizers.Tokenizer``; sequences longer than
-    ``max_len`` keep their last ``max_len`` tokens (the continuation is always kept)."""
+    ``max_len`` (the model's positions) keep their last ``max_len`` tokens (the continuation is always kept);
+    ``rolling_nll`` scores windows of ``window`` tokens (default ``max_len``; a run's ``data.seq_len``)."""
 
     def __init__(self, model: Callable[[torch.Tensor], torch.Tensor], tokenizer: Any, eos_id: int, max_len: int,
                  device: torch.device | str = "cpu", batch_size: int = 16,
-                 dtype: torch.dtype = torch.float32) -> None:  # fmt: skip
+                 dtype: torch.dtype = torch.float32, window: int | None = None) -> None:  # fmt: skip
         self.model, self.tokenizer, self.eos_id, self.max_len = model, tokenizer, eos_id, max_len
         self.device, self.batch_size, self.dtype = torch.device(device), batch_size, dtype
+        self.window = min(window or max_len, max_len)
 
     def encode(self, text: str) -> list[int]:
         return self.tokenizer.encode(text, add_special_tokens=False).ids if text else []
 
     def encode_pair(self, context: str, continuation: str) -> tuple[list[int], list[int]]:
-        """(context ids with the leading EOS, continuation ids) as lm-eval's ``_encode_pair``."""
+        """(context ids with the leading EOS, continuation ids) as lm-eval's ``loglikelihood`` and ``_encode_pair``
+        with its HF model's ``add_bos_token``: one EOS first, none added where the text already starts with it (an
+        empty context takes that EOS as its context)."""
         spaces = len(context) - len(context.rstrip())
         if spaces:
             context, continuation = context[:-spaces], context[-spaces:] + continuation
         whole, head = self.encode(context + continuation), self.encode(context)
-        return [self.eos_id] + head, whole[len(head) :]
+        if whole[:1] != [self.eos_id]:
+            whole, head = [self.eos_id] + whole, [self.eos_id] + head
+        split = max(len(head), 1)
+        return whole[:split], whole[split:]
 
     @torch.no_grad()
     def _logits(self, rows: list[list[int]]) -> torch.Tensor:
@@ -103,11 +113,11 @@ class Scorer:
         return out
 
     def rolling_nll(self, ids: list[int]) -> tuple[float, int]:
-        """(summed NLL in nats, tokens scored) of ``ids`` after a leading EOS, in disjoint windows of ``max_len``
+        """(summed NLL in nats, tokens scored) of ``ids`` after a leading EOS, in disjoint windows of ``window``
         predicted tokens (each window sees only its own tokens: the first of each is predicted from the previous
         window's last token)."""
         ids = [self.eos_id] + list(ids)
-        windows = [ids[s : s + self.max_len + 1] for s in range(0, len(ids) - 1, self.max_len)]
+        windows = [ids[s : s + self.window + 1] for s in range(0, len(ids) - 1, self.window)]
         total, count = 0.0, 0
         for start in range(0, len(windows), self.batch_size):
             batch = windows[start : start + self.batch_size]
@@ -144,9 +154,10 @@ class Scorer:
 @dataclass
 class Item:
     """One question: choice j is scored as ``contexts[j]`` (or ``contexts[0]`` when shared) followed by
-    ``continuations[j]``; ``label`` is the correct choice. ``choices``: the strings lm-eval's ``doc_to_choice`` gives
-    for the item, whose lengths in characters normalise ``acc_norm`` (default: each continuation without its leading
-    target delimiter; Winogrande: the two contexts, as lm-eval's winogrande task)."""
+    ``continuations[j]`` (the target delimiter + the choice); ``label`` is the correct choice. ``choices``: the strings
+    lm-eval's ``doc_to_choice`` gives for the item, whose lengths in characters normalise ``acc_norm`` (the loaders
+    give them; default: each continuation without a leading " "; Winogrande: the two contexts, as lm-eval's winogrande
+    task)."""
 
     contexts: list[str]
     continuations: list[str]
@@ -173,12 +184,12 @@ class Task:
     items: list[Item] = field(default_factory=list)
 
 
-def _choices(context: str, choices: list[str], label: int) -> Item:
-    return Item([context], [TARGET_DELIMITER + c for c in choices], label, list(choices))
+def _choices(context: str, choices: list[str], label: int, delimiter: str) -> Item:
+    return Item([context], [delimiter + c for c in choices], label, list(choices))
 
 
-def _mc(doc: dict) -> Item:
-    return _choices(doc["context"], list(doc["choices"]), int(doc["label"]))
+def _mc(doc: dict, delimiter: str) -> Item:
+    return _choices(doc["context"], list(doc["choices"]), int(doc["label"]), delimiter)
 
 
 def _hellaswag_text(text: str) -> str:
@@ -186,13 +197,13 @@ def _hellaswag_text(text: str) -> str:
     return re.sub("\\[.*?\\]", "", text).replace("  ", " ")
 
 
-def _hellaswag(doc: dict) -> Item:
+def _hellaswag(doc: dict, delimiter: str) -> Item:
     context = doc["ctx_a"] + " " + doc["ctx_b"].capitalize()
     query = _hellaswag_text(doc["activity_label"] + ": " + context)
-    return _choices(query, [_hellaswag_text(e) for e in doc["endings"]], int(doc["label"]))
+    return _choices(query, [_hellaswag_text(e) for e in doc["endings"]], int(doc["label"]), delimiter)
 
 
-def _arc(doc: dict) -> Item:
+def _arc(doc: dict, delimiter: str) -> Item:
     question = doc["question"]
     if isinstance(question, dict):  # AI2's jsonl: {"question": {"stem", "choices": [{"text", "label"}]}}
         texts = [c["text"] for c in question["choices"]]
@@ -200,33 +211,34 @@ def _arc(doc: dict) -> Item:
         question = question["stem"]
     else:  # HF datasets: {"question", "choices": {"text": [...], "label": [...]}}
         texts, labels = doc["choices"]["text"], doc["choices"]["label"]
-    return _choices(f"Question: {question}\nAnswer:", texts, labels.index(doc["answerKey"]))
+    return _choices(f"Question: {question}\nAnswer:", texts, labels.index(doc["answerKey"]), delimiter)
 
 
-def _piqa(doc: dict) -> Item:
-    return _choices(f"Question: {doc['goal']}\nAnswer:", [doc["sol1"], doc["sol2"]], int(doc["label"]))
+def _piqa(doc: dict, delimiter: str) -> Item:
+    return _choices(f"Question: {doc['goal']}\nAnswer:", [doc["sol1"], doc["sol2"]], int(doc["label"]), delimiter)
 
 
-def _boolq(doc: dict) -> Item:
+def _boolq(doc: dict, delimiter: str) -> Item:
     answer = doc["answer"] if "answer" in doc else doc["label"]
-    return _choices(f"{doc['passage']}\nQuestion: {doc['question']}?\nAnswer:", ["no", "yes"], int(bool(answer)))
+    prompt = f"{doc['passage']}\nQuestion: {doc['question']}?\nAnswer:"
+    return _choices(prompt, ["no", "yes"], int(bool(answer)), delimiter)
 
 
-def _winogrande(doc: dict) -> Item:
+def _winogrande(doc: dict, delimiter: str) -> Item:
     sentence = doc["sentence"]
     blank = sentence.index("_")
-    target = TARGET_DELIMITER + sentence[blank + 1 :].strip()
+    target = delimiter + sentence[blank + 1 :].strip()
     contexts = [sentence[:blank] + option for option in (doc["option1"], doc["option2"])]
     return Item(contexts, [target, target], {"1": 0, "2": 1}[str(doc["answer"])], contexts)
 
 
-def _lambada(doc: dict) -> Item:
+def _lambada(doc: dict, delimiter: str) -> Item:
     words = doc["text"].split(" ")
-    return Item([" ".join(words[:-1])], [" " + words[-1]], 0)
+    return Item([" ".join(words[:-1])], [delimiter + words[-1]], 0, [words[-1]])
 
 
-FORMATS: dict[str, tuple[tuple[str, ...], str, Callable[[dict], Item]]] = {
-    # format: (keys of a record that identify it, kind, record -> Item)
+FORMATS: dict[str, tuple[tuple[str, ...], str, Callable[[dict, str], Item]]] = {
+    # format: (keys of a record that identify it, kind, (record, target delimiter) -> Item)
     "mc": (("context", "choices", "label"), "multiple_choice", _mc),
     "hellaswag": (("ctx_a", "ctx_b", "endings", "activity_label"), "multiple_choice", _hellaswag),
     "arc": (("question", "answerKey"), "multiple_choice", _arc),
@@ -235,6 +247,7 @@ FORMATS: dict[str, tuple[tuple[str, ...], str, Callable[[dict], Item]]] = {
     "winogrande": (("sentence", "option1", "option2", "answer"), "multiple_choice", _winogrande),
     "lambada": (("text",), "cloze", _lambada),
 }
+FILE_OPTIONS = ("target_delimiter",)  # the keys of a task file's optional first line, {"target_delimiter": ""}
 
 
 def detect_format(record: dict, where: str) -> str:
@@ -251,8 +264,18 @@ def _piqa_labels(path: Path) -> list[int] | None:
     return [int(x) for x in lst.read_text().split()] if lst.is_file() else None
 
 
-def load_task(path: str | Path, name: str | None = None, limit: int = 0) -> Task:
-    """A task file (JSONL, one record a line) as items; ``limit`` > 0 keeps the first ``limit``."""
+def _delimiter(value: Any, default: str, where: str) -> str:
+    if value is None:
+        return default
+    if not isinstance(value, str):
+        got = f"{type(value).__name__} {json.dumps(value)}"
+        raise DataError(f'{where}: target_delimiter must be a string (put before each choice: "" or " "), got {got}')
+    return value
+
+
+def read_records(path: str | Path) -> tuple[dict[str, Any], list[tuple[int, dict]]]:
+    """(file options, [(line number, record)]) of a task file: one JSON object a line; a first line whose keys are
+    all ``FILE_OPTIONS`` (``{"target_delimiter": ""}``) sets them for the whole file and is not an item."""
     path = Path(path)
     if not path.is_file():
         raise DataError(f"{path}: task file not found")
@@ -260,11 +283,29 @@ def load_task(path: str | Path, name: str | None = None, limit: int = 0) -> Task
     for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
         if line.strip():
             try:
-                records.append(json.loads(line))
+                record = json.loads(line)
             except ValueError:
-                raise DataError(f"{path}:{number}: not a JSON object") from None
+                record = None
+            if not isinstance(record, dict):
+                raise DataError(f"{path}:{number}: not a JSON object")
+            records.append((number, record))
+    options: dict[str, Any] = {}
+    if records and records[0][1] and set(records[0][1]) <= set(FILE_OPTIONS):
+        number, header = records.pop(0)
+        where = f"{path}:{number}"
+        options = {"target_delimiter": _delimiter(header.get("target_delimiter"), TARGET_DELIMITER, where)}
     if not records:
         raise DataError(f"{path}: no records")
+    return options, records
+
+
+def load_task(path: str | Path, name: str | None = None, limit: int = 0) -> Task:
+    """A task file (JSONL, one record a line) as items; ``limit`` > 0 keeps the first ``limit``. Each choice is
+    scored after the target delimiter: the record's ``target_delimiter``, else the file's (its first line), else " "."""
+    path = Path(path)
+    options, numbered = read_records(path)
+    default = options.get("target_delimiter", TARGET_DELIMITER)
+    records = [r for _, r in numbered]
     fmt = detect_format(records[0], str(path))
     if fmt == "piqa" and "label" not in records[0]:
         labels = _piqa_labels(path)
@@ -273,9 +314,10 @@ def load_task(path: str | Path, name: str | None = None, limit: int = 0) -> Task
         records = [{**r, "label": y} for r, y in zip(records, labels, strict=False)]
     _, kind, convert = FORMATS[fmt]
     items = []
-    for number, record in enumerate(records, 1):
+    for (number, _), record in zip(numbered, records, strict=True):
+        delimiter = _delimiter(record.get("target_delimiter"), default, f"{path}:{number}")
         try:
-            items.append(convert(record))
+            items.append(convert(record, delimiter))
         except (KeyError, ValueError, IndexError, TypeError) as exc:
             raise DataError(f"{path}:{number}: not a {fmt} record ({type(exc).__name__}: {exc})") from None
     return Task(name or path.stem, fmt, kind, items[:limit] if limit > 0 else items)
@@ -360,17 +402,18 @@ def scorer_for_run(run_dir: str | Path, checkpoint: str | Path | None = None, ba
     tokenizer_file = open_eval_data(cfg, run_dir, data).tokenizer_path
     tokenizer = load_tokenizer(tokenizer_file)
     dtype = torch.bfloat16 if hardware.is_gpu(device) and hardware.supports_bf16(device) else torch.float32
-    max_len = min(resolve_args(cfg.model).max_seq_len, max(cfg.data.seq_len, 1))
-    scorer = Scorer(model, tokenizer, _eos_id(tokenizer, str(tokenizer_file)), max_len, device, batch_size, dtype)
+    max_len = resolve_args(cfg.model).max_seq_len  # as lm-eval's HF model on the export (max_position_embeddings)
+    eos_id, window = _eos_id(tokenizer, str(tokenizer_file)), max(cfg.data.seq_len, 1)
+    scorer = Scorer(model, tokenizer, eos_id, max_len, device, batch_size, dtype, window=window)
     return scorer, cfg, path
 
 
 def _text_task(scorer: Scorer, entry: str, path: Path | None, limit: int) -> dict[str, Any]:
     """Perplexity / bits per byte of a .txt file or of a prepared dataset's validation split (first ``limit``
-    windows of the model's sequence length when > 0)."""
+    windows of the scorer's ``window`` when > 0)."""
     from anytrain.data.shards import INDEX, TokenDataset
 
-    budget = limit * scorer.max_len if limit > 0 else None
+    budget = limit * scorer.window if limit > 0 else None
     if path is not None and path.suffix == ".txt":
         text = path.read_text(encoding="utf-8")
         ids = scorer.encode(text)
@@ -423,10 +466,11 @@ def evaluate_tasks(run_dir: str | Path, tasks: list[str], num_fewshot: int = 0, 
     scorer, cfg, path = scorer_for_run(run_dir, checkpoint, batch_size, data)
     data_path = Path(data) if data is not None else Path(cfg.data.path)
     resolved = [resolve_entry(entry, task_dir, data_path) for entry in tasks]  # every entry checked first
+    # every task file is read (and checked) before any result is written
+    loaded = [load_task(t, n) if t is not None and t.suffix == ".jsonl" else None for n, t in resolved]
     results = []
-    for name, target in resolved:
-        if target is not None and target.suffix == ".jsonl":
-            task = load_task(target, name)
+    for (name, target), task in zip(resolved, loaded, strict=True):
+        if task is not None:
             metrics = {"format": task.format, "file": str(target), "num_fewshot": num_fewshot, "seed": seed,
                        **score_task(scorer, task, num_fewshot, seed, limit)}  # fmt: skip
         else:
