@@ -19,10 +19,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
+from anytrain.checkpoint import safe_load
 from anytrain.errors import RunDirError
 from anytrain.train.checkpoint import COMMIT_MARKER, Checkpointer, is_committed, verify
 from anytrain.train.checkpoint import _one_line as one_line
@@ -31,8 +31,8 @@ MODEL_KEY = "train.model."
 """Prefix of the model's entries in a training checkpoint (``Checkpointer.save`` of ``{"train": TrainState}``)."""
 
 
-class _Reader(dcp.FileSystemReader):
-    """A FileSystemReader that reads the checkpoint's ``.metadata`` once (every ``dcp.load`` asks for it)."""
+class _Reader(safe_load.SafeReader):
+    """A SafeReader that reads the checkpoint's ``.metadata`` once (every ``dcp.load`` asks for it)."""
 
     def __init__(self, path: str | Path) -> None:
         super().__init__(str(path))
@@ -82,7 +82,9 @@ class CheckpointTensors(Mapping):
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
             try:
-                dcp.load({MODEL_KEY + name: tensor}, storage_reader=self._reader, no_dist=True)
+                safe_load.load({MODEL_KEY + name: tensor}, self.path, reader=self._reader, no_dist=True)
+            except safe_load.UnsafeCheckpointError:
+                raise
             except (Exception, CheckpointException) as exc:
                 raise RunDirError(f"{self.path}: cannot be loaded ({one_line(exc)})") from exc
         return tensor if self.dtype is None else tensor.to(self.dtype)
@@ -123,6 +125,8 @@ def _unusable(path: Path, expected: dict[str, tuple[torch.Size, torch.dtype]]) -
         return reason
     try:
         metadata = _Reader(path).read_metadata()
+    except safe_load.UnsafeCheckpointError:
+        raise  # a planted object is refused, not skipped for an older checkpoint
     except Exception as exc:  # noqa: BLE001 - any unreadable metadata makes the checkpoint unusable, in one line
         return f"its .metadata cannot be read ({type(exc).__name__})"
     return misfit(metadata, expected)

@@ -32,6 +32,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.checkpoint.stateful import Stateful
 
+from anytrain.checkpoint import safe_load
 from anytrain.diskio import DiskFullError, disk_full_as_error, write_text_atomic
 from anytrain.errors import RunDirError
 from anytrain.parallel import barrier, broadcast_object
@@ -296,18 +297,21 @@ class Checkpointer:
 
     def load(self, path: Path, target) -> None:
         """Load checkpoint ``path`` into ``target`` (a TrainState, or a dict of state dicts such as {"model": ...}).
-        Raises CheckpointUnusable (on every rank alike) when it is damaged or does not fit the target."""
+        Raises CheckpointUnusable (on every rank alike) when it is damaged or does not fit the target, and
+        UnsafeCheckpointError (a RunDirError) when a file names an object no checkpoint holds."""
         reason = broadcast_object(verify(path) if self.is_main else None)
         if reason:
             raise CheckpointUnusable(reason)
         try:
             if isinstance(target, TrainState):
-                keys = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+                keys = safe_load.SafeReader(str(path)).read_metadata().state_dict_metadata
                 target.expect_metrics = any(k.startswith("train.metrics.") for k in keys)
                 target.saved_keys = set(keys)
             with warnings.catch_warnings():
                 warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
-                dcp.load({"train": target}, checkpoint_id=str(path))
+                safe_load.load({"train": target}, path)  # runs no code from the files (checkpoint/safe_load.py)
+        except safe_load.UnsafeCheckpointError:
+            raise  # a planted object is refused, not taken for damage: no fallback to an older checkpoint
         except (Exception, CheckpointException) as exc:
             raise CheckpointUnusable(_one_line(exc)) from exc
         finally:

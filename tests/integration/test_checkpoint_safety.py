@@ -1,0 +1,197 @@
+"""A checkpoint never runs code when loaded (checkpoint/safe_load.py).
+
+A real run's checkpoint gets a planted pickle — in ``.metadata`` (DCP pickles it) or in a non-tensor value of a
+``.distcp`` file (DCP's planner unpickles those with torch.load) — whose unpickling would call ``os.system("touch
+MARKER")``, and its COMMITTED marker is rewritten with the new sizes and sha256s, as an attacker would. ``eval``,
+``train --resume``, ``export`` and ``export-checkpoint`` must refuse it with one line naming the file (exit 2), create
+nothing, not fall back to an older checkpoint, and never create MARKER. Every case runs the real CLI on the debug
+model (CPU)."""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+import json
+import os
+import pickle
+import shlex
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+
+from anytrain.train.checkpoint import COMMIT_MARKER, file_manifest
+from tests.conftest import run_cli
+
+NEWEST = "checkpoints/step_00000004"
+
+
+class RunsCode:
+    """Unpickles as ``os.system("touch MARKER")``."""
+
+    def __init__(self, marker: Path) -> None:
+        self.command = f"touch {shlex.quote(str(marker))}"
+
+    def __reduce__(self):
+        return os.system, (self.command,)
+
+
+def write_config(tmp: Path, data: Path, steps: int = 4) -> Path:
+    cfg = tmp / "safety.yaml"
+    cfg.write_text(f"""
+model: {{arch: transformer, flavour: debug}}
+data: {{path: {data}, seq_len: 32}}
+train: {{steps: {steps}, global_batch: 8, micro_batch: 4, lr: 3.0e-3, warmup_steps: 2, dtype: fp32,
+        log_interval: 1, eval_interval: 0, eval_batches: 1}}
+checkpoint: {{interval: 2, keep_last: 5}}
+device: cpu
+""")
+    return cfg
+
+
+@pytest.fixture(scope="module")
+def done_run(tmp_path_factory, small_data):
+    """A finished 4-step run with committed checkpoints at steps 2 and 4."""
+    tmp = tmp_path_factory.mktemp("ckpt_safety")
+    config = write_config(tmp, small_data)
+    proc = run_cli("train", str(config), "--run-dir", str(tmp / "run"), timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return tmp, config
+
+
+def copy_run(done_run, dest: Path) -> Path:
+    subprocess.run(["cp", "-a", str(done_run[0] / "run"), str(dest)], check=True)
+    return dest
+
+
+def recommit(checkpoint: Path) -> None:
+    """COMMITTED with the sizes and sha256s of the files as they are now."""
+    marker = json.loads((checkpoint / COMMIT_MARKER).read_text())
+    marker["files"] = file_manifest(checkpoint, checksums=True)
+    (checkpoint / COMMIT_MARKER).write_text(json.dumps(marker))
+
+
+def plant_in_metadata(checkpoint: Path, marker: Path) -> Path:
+    """The real metadata with one more attribute, the payload (without the fix it loads as usual, after the call)."""
+    file = checkpoint / ".metadata"
+    metadata = pickle.loads(file.read_bytes())
+    metadata.note = RunsCode(marker)
+    file.write_bytes(pickle.dumps(metadata))
+    recommit(checkpoint)
+    return file
+
+
+def plant_in_value(checkpoint: Path, marker: Path, key: str = "train.progress.step") -> Path:
+    """The payload, torch.save'd, appended to the .distcp file that holds ``key``, and ``key`` pointed at it."""
+    file = checkpoint / ".metadata"
+    metadata = pickle.loads(file.read_bytes())
+    index = next(i for i in metadata.storage_data if i.fqn == key)
+    info = metadata.storage_data[index]
+    shard = checkpoint / info.relative_path
+    payload = io.BytesIO()
+    torch.save(RunsCode(marker), payload)
+    offset = shard.stat().st_size
+    with open(shard, "ab") as f:
+        f.write(payload.getvalue())
+    metadata.storage_data[index] = dataclasses.replace(info, offset=offset, length=len(payload.getvalue()))
+    file.write_bytes(pickle.dumps(metadata))
+    recommit(checkpoint)
+    return shard
+
+
+def snapshot(path: Path) -> dict:
+    """Size and mtime of every file but what any refused resume writes: the lock (taken, the holder recorded),
+    status.json (``failed`` and the error line) and the tensorboard writer's opened event file."""
+    files = (p for p in path.rglob("*") if p.is_file() and p.name not in (".anytrain-run.lock", "status.json"))
+    files = (p for p in files if p.parent.name != "tensorboard")
+    return {p.relative_to(path): (p.stat().st_size, p.stat().st_mtime_ns) for p in files}
+
+
+def refused(proc: subprocess.CompletedProcess, file: Path, what: str) -> None:
+    """Exit 2 and one stderr line: the refusal naming ``file`` and the planted global."""
+    assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-3000:]
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1, proc.stderr[-3000:]
+    assert lines[0].startswith(f"error: {file}: refusing to load: it names {what}"), lines[0]
+    assert "delete it, or restore it from a copy you trust" in lines[0]
+
+
+def test_a_planted_metadata_pickle_is_refused_by_every_loader(done_run, tmp_path):
+    run = copy_run(done_run, tmp_path / "run")
+    marker = tmp_path / "code-ran"
+    file = plant_in_metadata(run / NEWEST, marker)
+    before = snapshot(run)
+    outputs = {"hf": tmp_path / "hf", "st": tmp_path / "m.safetensors"}
+    commands = {
+        "eval": ("eval", str(run), "--json", "--max-new-tokens", "2"),
+        "resume": ("train", str(done_run[1]), "--run-dir", str(run), "--resume"),
+        "export": ("export", str(run), "--out", str(outputs["hf"])),
+        "export step dir": ("export", str(run / NEWEST), "--out", str(outputs["hf"])),
+        "export-checkpoint": ("export-checkpoint", str(run), "--out", str(outputs["st"])),
+        "export-checkpoint --checkpoint": (
+            "export-checkpoint",
+            str(run),
+            "--out",
+            str(outputs["st"]),
+            "--checkpoint",
+            "step_00000004",
+        ),
+    }
+    for name, args in commands.items():
+        refused(run_cli(*args, timeout=120), file, "posix.system")
+        assert not marker.exists(), f"{name}: the planted pickle ran"
+        assert snapshot(run) == before, f"{name}: the run dir changed"  # nothing renamed, nothing written
+        for out in outputs.values():
+            assert not out.exists() and not out.with_suffix(".json").exists(), f"{name}: wrote {out}"
+    assert not list(tmp_path.glob(".*"))  # no temporary export folders / files left either
+
+
+def test_a_planted_value_pickle_is_refused_on_resume(done_run, tmp_path):
+    """Non-tensor values (progress, schedule) are read by --resume only; eval and export read the model tensors."""
+    run = copy_run(done_run, tmp_path / "run")
+    marker = tmp_path / "code-ran"
+    shard = plant_in_value(run / NEWEST, marker)
+    before = snapshot(run)
+    proc = run_cli("train", str(done_run[1]), "--run-dir", str(run), "--resume", timeout=120)
+    refused(proc, shard, "posix.system (in train.progress.step)")
+    assert not marker.exists()
+    assert snapshot(run) == before
+    proc = run_cli("eval", str(run), "--json", "--max-new-tokens", "2", timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert json.loads(proc.stdout)["step"] == 4 and not marker.exists()
+
+
+def test_a_legitimate_checkpoint_still_resumes_and_exports(done_run, tmp_path):
+    run = copy_run(done_run, tmp_path / "run")
+    proc = run_cli("train", str(done_run[1]), "--run-dir", str(run), "--resume", "--train.steps", "5", timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert f"resumed from {run / NEWEST} (step 4)" in proc.stderr
+    proc = run_cli("export", str(run), "--out", str(tmp_path / "hf"), timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert (tmp_path / "hf" / "model.safetensors").is_file()
+
+
+def test_an_fsdp_sharded_checkpoint_of_two_ranks_loads(tmp_path, small_data):
+    """The metadata of an FSDP-sharded checkpoint (two gloo ranks, DTensor chunks) passes the restricted unpickler:
+    eval and export-checkpoint read it (tests/distributed resume such checkpoints at other world sizes)."""
+    config = write_config(tmp_path, small_data, steps=2)
+    run = tmp_path / "fsdp"
+    proc = run_cli(
+        "train",
+        str(config),
+        "--run-dir",
+        str(run),
+        "--parallel.strategy",
+        "fsdp",
+        "--train.micro_batch",
+        "2",
+        nproc=2,
+        timeout=180,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    proc = run_cli("eval", str(run), "--json", "--max-new-tokens", "2", timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert json.loads(proc.stdout)["step"] == 2
+    proc = run_cli("export-checkpoint", str(run), "--out", str(tmp_path / "m.safetensors"), timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
