@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -126,13 +127,14 @@ def test_sbatch_script_for_gpu_and_cpu_clusters(tmp_path):
                                  partition="gpu", time="01:00:00", vendor="rocm", ifname="hsn0",
                                  workdir=str(tmp_path), overrides=["--train.steps", "9"]))  # fmt: skip
     for line in ("#SBATCH --nodes=4", "#SBATCH --ntasks-per-node=8", "#SBATCH --gpus-per-node=8",
-                 "#SBATCH --partition=gpu", "#SBATCH --time=01:00:00", "#SBATCH --signal=B:TERM@120",
-                 "#SBATCH --requeue", f"#SBATCH --output={tmp_path}/runs/slurm-logs/slurm-%j.out",
+                 '#SBATCH --partition="gpu"', '#SBATCH --time="01:00:00"', "#SBATCH --signal=B:TERM@120",
+                 "#SBATCH --requeue", f'#SBATCH --output="{tmp_path}/runs/slurm-logs/slurm-%j.out"',
                  'export MASTER_ADDR="$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)"',
-                 'export NCCL_SOCKET_IFNAME="hsn0"', 'export HSA_FORCE_FINE_GRAIN_PCIE="1"',
+                 "export NCCL_SOCKET_IFNAME=hsn0", "export HSA_FORCE_FINE_GRAIN_PCIE=1",
+                 'export MIOPEN_USER_DB_PATH="/tmp/miopen-${USER}-${SLURM_JOB_ID:-0}"',
                  ):  # fmt: skip
         assert line in gpu.splitlines(), line
-    assert "--checkpoint.auto_resume true --train.steps 9 &" in gpu and "--device cpu" not in gpu
+    assert "--checkpoint.auto_resume true --train.steps 9\n" in gpu and "--device cpu" not in gpu
     assert 'then scontrol requeue "$SLURM_JOB_ID"; fi' in gpu
     cpu = render_sbatch(SlurmJob(config="c.yaml", run_dir="r", tasks_per_node=2, workdir=str(tmp_path)))
     assert "#SBATCH --ntasks-per-node=2" in cpu and "--gpus-per-node" not in cpu and "NCCL" not in cpu
@@ -216,10 +218,175 @@ def test_launch_slurm_nodes_auto_sizes_the_job_with_the_cost_model(tmp_path, cap
     assert "#SBATCH --nodes=1\n#SBATCH --ntasks-per-node=2\n#SBATCH --gpus-per-node=2\n" in script
     assert (
         "--parallel.strategy fsdp --parallel.tp 1 --parallel.pp 1 --parallel.reshard_after_forward false "
-        "--train.micro_batch 16 --train.activation_checkpointing none --train.steps 152588 &"
+        "--train.micro_batch 16 --train.activation_checkpointing none --train.steps 152588\n"
     ) in script
     short = [*args[:10], "01:00:00", "--max-nodes", "1", *args[11:]]
     code, _, err = cli_in_process(capsys, *short)
     assert code == 2 and err.startswith("error: --time: no device count up to --max-nodes 1 finishes in 1.0 h"), err
     code, _, err = cli_in_process(capsys, *args[:5], "--run-dir", str(tmp_path / "x"))
     assert code == 2 and "error: --nodes auto: needs --gpus-per-node N and --gpu KIND" in err
+
+
+# -- values that reach a script: quoted or refused -------------------------------------------------------------------
+
+# A command the hostile values below would run if a shell or sbatch read them as code: it creates OWNED in the working
+# directory (the tests run the CLI and the script in tmp_path).
+OWNED = "owned"
+INJECT = f"$(touch {OWNED})"
+INJECT_NO_SPACE = f"$(touch${{IFS}}{OWNED})`touch${{IFS}}{OWNED}`"  # for --ifname, which refuses whitespace
+
+
+def hostile_config(tmp_path: Path, data: Path, steps: int = 3) -> Path:
+    """The small-corpus recipe in a folder whose name holds newlines, a command substitution, quotes and spaces."""
+    folder = tmp_path / f"c\ntouch {OWNED}\n#" / f"x {INJECT} 'q\"`touch {OWNED}`"
+    folder.mkdir(parents=True)
+    config = folder / "my cfg.yaml"
+    config.write_text(write_config(tmp_path, data, steps).read_text())
+    return config
+
+
+HOSTILE_RUN_DIR = f"r {INJECT} 'q\"%x/run"  # a space, a substitution, both quotes, a % (SLURM's --output pattern)
+HOSTILE_JOB_NAME = f'j {INJECT} "q" #x'
+
+
+def launch_cli(capsys, monkeypatch, cwd: Path, *args: str) -> tuple[int, str, str]:
+    monkeypatch.chdir(cwd)
+    return cli_in_process(capsys, "launch", "slurm", *args)
+
+
+def test_hostile_paths_and_values_stay_literal_when_bash_runs_the_script(tmp_path, small_data, capsys, monkeypatch):
+    """The whole written script under real bash (srun and scontrol find no cluster, so it ends at the first srun):
+    nothing a config folder, run directory, job name, partition or --ifname holds is run; the exported values and the
+    training's arguments are literal."""
+    config = hostile_config(tmp_path, small_data)
+    ifname = f"lo{INJECT_NO_SPACE}'\""
+    args = [str(config), "-N", "1", "-G", "1", "--run-dir", HOSTILE_RUN_DIR, "--job-name", HOSTILE_JOB_NAME]
+    code, out, err = launch_cli(capsys, monkeypatch, tmp_path, *args, "--partition", f"p{INJECT}", "--ifname", ifname)
+    assert code == 0, err
+    script = tmp_path / (HOSTILE_RUN_DIR + ".sbatch")
+    assert subprocess.run(["bash", "-n", str(script)]).returncode == 0
+    (tmp_path / "empty.conf").write_text("")  # SLURM's clients stop at once on it ("ClusterName needs to be specified")
+    env = {
+        **cli_env(),
+        "SLURM_CONF": str(tmp_path / "empty.conf"),
+        "SLURM_JOB_ID": "7",
+        "SLURM_JOB_NODELIST": "n1",
+        "SLURM_JOB_NUM_NODES": "1",
+    }
+    ran = subprocess.run(["bash", str(script)], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=60)
+    assert ran.returncode != 0 and "anytrain: job 7 (restart 0)" in ran.stdout, ran.stdout + ran.stderr
+    assert not list(tmp_path.rglob(OWNED)), "an injected command ran"
+    exports = [line for line in script.read_text().splitlines() if line.startswith("export ") and "IFNAME=" in line]
+    shown = subprocess.run(
+        ["bash", "-c", "\n".join([*exports, 'printf "%s|%s" "$NCCL_SOCKET_IFNAME" "$GLOO_SOCKET_IFNAME"'])],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+    )
+    assert shown.stdout == f"{ifname}|{ifname}" and not list(tmp_path.rglob(OWNED)), shown.stderr
+    text = script.read_text()  # the training's command as bash reads it (it spans lines: the path holds newlines)
+    start = text.index("\nrun_step ") + 1
+    train = text[start : text.index("\nif [", start)]
+    back = subprocess.run(
+        ["bash", "-c", f'run_step() {{ printf "%s\\0" "$@"; }}\n{train}'], cwd=tmp_path, capture_output=True, text=True
+    )
+    argv = back.stdout.split("\0")
+    assert argv[argv.index("train") + 1] == str(config)
+    assert argv[argv.index("--run-dir") + 1] == str(tmp_path / HOSTILE_RUN_DIR)
+
+
+@pytest.mark.parametrize(
+    "args, line",
+    [
+        (["--job-name", "a\nb"], "error: --job-name: 'a\\nb' holds a control character ('\\n')"),
+        (["--partition", f"gpu\ntouch {OWNED}"], "error: --partition: 'gpu\\ntouch owned' holds a control character"),
+        (["--account", "a\rb"], "error: --account: 'a\\rb' holds a control character ('\\r')"),
+        (["--time", f"01:00:00\ntouch {OWNED}"], "error: --time: expected minutes, MM:SS, HH:MM:SS, D-HH, D-HH:MM or"),
+        (["--time", f"1:00{INJECT}"], "error: --time: expected minutes, MM:SS, HH:MM:SS, D-HH, D-HH:MM or"),
+        (["--run-dir", f"a\ntouch {OWNED}\n#/run"], "error: --run-dir: the job log folder"),
+        (["--run-dir", "a\\b/run"], "error: --run-dir: the job log folder"),
+        (["--ifname", "ib0\nib1"], "error: --ifname: 'ib0\\nib1' holds a space or a control character"),
+    ],
+)
+def test_values_a_script_cannot_hold_are_one_line_errors_and_nothing_is_written(
+    tmp_path, small_data, capsys, monkeypatch, args, line
+):
+    config = write_config(tmp_path, small_data, 3)
+    before = sorted(tmp_path.rglob("*"))
+    code, out, err = launch_cli(capsys, monkeypatch, tmp_path, str(config), "--dry-run", *args)
+    assert code == 2 and err.startswith(line) and err.count("\n") == 1, err
+    assert sorted(tmp_path.rglob("*")) == before and "wrote" not in out
+
+
+def test_script_overwrites_only_its_own_file_and_never_the_config(tmp_path, small_data, capsys, monkeypatch):
+    config = write_config(tmp_path, small_data, 3)
+    foreign = tmp_path / "notes.sh"
+    foreign.write_text("#!/bin/sh\necho mine\n")
+    args = [str(config), "--dry-run", "--run-dir", "run", "--script"]
+    code, _, err = launch_cli(capsys, monkeypatch, tmp_path, *args, str(foreign))
+    assert code == 2 and err.count("\n") == 1, err
+    assert err.startswith(f"error: --script: {foreign} exists and was not written by anytrain launch slurm; "), err
+    assert foreign.read_text() == "#!/bin/sh\necho mine\n" and not (tmp_path / "slurm-logs").exists()
+    for target in (config, Path(os.path.relpath(config, tmp_path))):  # the config itself, also by another name
+        code, _, err = launch_cli(capsys, monkeypatch, tmp_path, *args, str(target), "--overwrite")
+        assert (
+            code == 2
+            and err.startswith(f"error: --script: {target} is the config file; ")
+            and "--overwrite" not in err.split(";")[1]
+        ), err
+    assert "model:" in config.read_text()
+    hostile = hostile_config(tmp_path, small_data)  # its path in the message stays on one line
+    code, _, err = launch_cli(capsys, monkeypatch, tmp_path, str(hostile), *args[1:], str(hostile), "--overwrite")
+    assert code == 2 and err.startswith(f"error: --script: {str(hostile)!r} is the config file; "), err
+    assert err.count("\n") == 1
+    assert "model:" in hostile.read_text()
+    code, _, err = launch_cli(capsys, monkeypatch, tmp_path, *args, str(tmp_path))
+    assert code == 2 and err.startswith(f"error: --script: {tmp_path} is a folder"), err
+    code, out, err = launch_cli(capsys, monkeypatch, tmp_path, *args, str(foreign), "--overwrite")
+    assert code == 0 and "#SBATCH --requeue" in foreign.read_text(), err
+    own = tmp_path / "run.sbatch"  # the default --script; our own file is rewritten without --overwrite
+    for tasks in ("1", "2"):
+        code, _, err = launch_cli(capsys, monkeypatch, tmp_path, *args[:-1], "--tasks-per-node", tasks)
+        assert code == 0, err
+    assert "#SBATCH --ntasks-per-node=2" in own.read_text()
+
+
+def test_mpi_hostfile_names_that_are_not_hosts_are_one_line_errors(tmp_path, small_data, capsys, monkeypatch):
+    config = write_config(tmp_path, small_data, 3)
+    monkeypatch.chdir(tmp_path)
+    for host in ("node$(reboot)", "node1;reboot", "'node1'", "node`x`", "n|x"):
+        hostfile = tmp_path / "hosts"
+        hostfile.write_text(f"# cluster\n{host} slots=8\nnode2\n")
+        code, out, err = cli_in_process(capsys, "launch", "mpi", str(config), "-n", "2", "--hostfile", str(hostfile))
+        assert code == 2 and out == "" and err.count("\n") == 1, err
+        assert err.startswith(f"error: --hostfile: {hostfile} line 2: {host!r} is not a host name"), err
+    assert not list(tmp_path.rglob(OWNED))
+
+
+def test_mpi_line_is_one_shell_command_with_every_value_literal(tmp_path, small_data, capsys, monkeypatch):
+    """The printed mpirun line, read back by real bash (``printf`` in place of mpirun), gives back the same argv."""
+    config = hostile_config(tmp_path, small_data)
+    monkeypatch.chdir(tmp_path)
+    args = [
+        str(config),
+        "-n",
+        "2",
+        "--vendor",
+        "rocm",
+        "--ifname",
+        f"lo{INJECT_NO_SPACE}",
+        "--run-dir",
+        HOSTILE_RUN_DIR,
+    ]
+    code, out, err = cli_in_process(capsys, "launch", "mpi", *args)
+    assert code == 0, err
+    line = out.rstrip("\n")
+    assert line.startswith("mpirun ")
+    back = subprocess.run(
+        ["bash", "-c", "printf '%s\\0' " + line[len("mpirun ") :]], cwd=tmp_path, capture_output=True, text=True
+    )
+    argv = back.stdout.split("\0")[:-1]
+    assert argv == shlex.split(line)[1:] and not list(tmp_path.rglob(OWNED)), back.stderr
+    assert f"GLOO_SOCKET_IFNAME=lo{INJECT_NO_SPACE}" in argv and str(config) in argv
+    miopen = next(a for a in argv if a.startswith("MIOPEN_USER_DB_PATH="))
+    assert "$" not in miopen  # mpirun -x passes values as they are: no shell expands them

@@ -1,5 +1,6 @@
 """Real SLURM (a one-node cluster started by ``conftest.slurm_cluster``): ``srun -n 2`` runs the doctor, and the sbatch
-script ``anytrain launch slurm --dry-run`` writes (2 tasks, a 10-step gloo training) is submitted and completes."""
+script ``anytrain launch slurm --dry-run`` writes (2 tasks, a 10-step gloo training, hostile names, a preflight) is
+submitted and completes; a preflight with a planted fault ends its job before training."""
 
 from __future__ import annotations
 
@@ -11,7 +12,16 @@ from pathlib import Path
 
 import pytest
 
-from tests.cluster.test_launch import losses, write_config
+from anytrain.launch.slurm import SlurmJob, log_dir, render_sbatch, sbatch_value
+from tests.cluster.test_launch import (
+    HOSTILE_JOB_NAME,
+    HOSTILE_RUN_DIR,
+    INJECT,
+    OWNED,
+    hostile_config,
+    losses,
+    write_config,
+)
 from tests.conftest import ROOT
 
 STEPS = 10
@@ -68,35 +78,87 @@ def job_ended(cluster, job_id: str):
 FINAL_STATES = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL", "DEADLINE")
 
 
-def write_job(cluster, tmp_path: Path, config: Path, run_dir: Path, *overrides: str) -> Path:
-    """The script ``anytrain launch slurm --dry-run`` writes for 1 node x 2 CPU tasks."""
+def write_job(
+    cluster, tmp_path: Path, config: Path, run_dir: Path | str, *overrides: str, options: tuple = (), cwd: Path = ROOT
+) -> Path:
+    """The script ``anytrain launch slurm --dry-run`` writes for 1 node x 2 CPU tasks (``options``: more flags)."""
     script = tmp_path / "job.sbatch"
     proc = subprocess.run([sys.executable, "-m", "anytrain", "launch", "slurm", str(config), "--nodes", "1",
                            "--tasks-per-node", "2", "--run-dir", str(run_dir), "--script", str(script), "--dry-run",
-                           "--time", "00:10:00", "--", *overrides],
-                          cwd=ROOT, env=cluster.env(), capture_output=True, text=True, timeout=60)  # fmt: skip
+                           "--time", "00:10:00", *options, "--", *overrides],
+                          cwd=cwd, env=cluster.env(), capture_output=True, text=True, timeout=60)  # fmt: skip
     assert proc.returncode == 0, proc.stderr
     return script
 
 
-def submit(cluster, script: Path) -> str:
-    sub = subprocess.run(["sbatch", "--parsable", str(script)], cwd=ROOT, env=cluster.env(), capture_output=True,
+def submit(cluster, script: Path, cwd: Path = ROOT, **env: str) -> str:
+    sub = subprocess.run(["sbatch", "--parsable", str(script)], cwd=cwd, env=cluster.env(**env), capture_output=True,
                          text=True, timeout=60)  # fmt: skip
     assert sub.returncode == 0, sub.stderr
     return sub.stdout.strip().split(";")[0]
 
 
-def test_sbatch_script_from_launch_dry_run(slurm_cluster, small_data, tmp_path):
-    run_dir = tmp_path / "run"
-    script = write_job(slurm_cluster, tmp_path, write_config(tmp_path, small_data, STEPS), run_dir)
+def render_job(tmp_path: Path, **fields) -> Path:
+    """The script of a 1 node x 2 CPU task ``SlurmJob`` in ``tmp_path`` (in this process: what ``write_job`` gives
+    for these fields without starting an interpreter), and its log folder."""
+    job = SlurmJob(tasks_per_node=2, time="00:10:00", workdir=str(tmp_path), python=sys.executable, **fields)
+    script = tmp_path / "job.sbatch"
+    script.write_text(render_sbatch(job))
+    log_dir(job).mkdir(parents=True, exist_ok=True)
+    return script
+
+
+def test_sbatch_script_with_hostile_paths_and_a_preflight_trains(slurm_cluster, small_data, tmp_path):
+    """The script for a config in a folder named with newlines, quotes and ``$(...)``, a run directory with a space,
+    quotes, ``$(...)`` and ``%``, and such a job name, submitted with sbatch: the preflight doctor passes, the 10-step
+    2-task gloo training completes, the log is where the script says, nothing in a name ran."""
+    config = hostile_config(tmp_path, small_data, STEPS)
+    run_dir = tmp_path / HOSTILE_RUN_DIR
+    options = ("--preflight", "--job-name", HOSTILE_JOB_NAME)
+    script = write_job(slurm_cluster, tmp_path, config, HOSTILE_RUN_DIR, cwd=tmp_path, options=options)
     assert "#SBATCH --signal=B:TERM@120" in script.read_text()
-    job_id = submit(slurm_cluster, script)
+    job_id = submit(slurm_cluster, script, cwd=tmp_path)
     fields = wait_for(lambda: job_ended(slurm_cluster, job_id), 240, f"job {job_id}")
-    log = (tmp_path / "slurm-logs" / f"slurm-{job_id}.out").read_text()
+    log = (run_dir.parent / "slurm-logs" / f"slurm-{job_id}.out").read_text()
     assert (fields["JobState"], fields["ExitCode"]) == ("COMPLETED", "0:0"), log[-3000:]
+    shown = subprocess.run(["scontrol", "show", "job", "-o", job_id], env=slurm_cluster.env(), capture_output=True)
+    assert f"JobName={HOSTILE_JOB_NAME} UserId=" in shown.stdout.decode()
     assert f"anytrain: job {job_id} (restart 0) on 1 node(s), master {slurm_cluster.node}:" in log
+    assert "anytrain: preflight: anytrain doctor --suite quick on 2 task(s)" in log
+    assert "all_reduce over 2 ranks (gloo): ok" in log and "error:" not in log
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["world_size"] == 2 and len(losses(run_dir)) == STEPS
+    assert not list(tmp_path.rglob(OWNED)), "an injected command ran"
+
+
+def test_preflight_failure_ends_the_job_before_training(slurm_cluster, small_data, tmp_path):
+    """A planted fault (the doctor's test-only ``ANYTRAIN_TEST_CORRUPT_RANK=1``: one wrong all_reduce element on rank
+    1) fails the preflight: the job fails with the doctor's exit status and error line, and no training starts."""
+    run_dir = tmp_path / "run"
+    config = str(write_config(tmp_path, small_data, STEPS))
+    script = render_job(tmp_path, config=config, run_dir=str(run_dir), preflight=True)
+    job_id = submit(slurm_cluster, script, ANYTRAIN_TEST_CORRUPT_RANK="1")
+    fields = wait_for(lambda: job_ended(slurm_cluster, job_id), 240, f"job {job_id}")
+    log = (tmp_path / "slurm-logs" / f"slurm-{job_id}.out").read_text()
+    assert (fields["JobState"], fields["ExitCode"]) == ("FAILED", "2:0"), log[-3000:]
+    reason = f"error: doctor: 1 check(s) failed: rank 1 ({slurm_cluster.node}): all_reduce: #wrong 1 of 4096 elements"
+    assert reason in log.splitlines(), log[-3000:]
+    assert "anytrain: preflight failed (exit 2), training not started; the doctor says why above" in log
+    assert not run_dir.exists()
+
+
+def test_sbatch_reads_directive_values_literally(slurm_cluster, small_data, tmp_path):
+    """A partition name with a space, ``$(...)``, ``#`` and both quotes reaches sbatch whole (``--test-only``)."""
+    partition = f"p {INJECT} #\"q'"
+    config = str(write_config(tmp_path, small_data, STEPS))
+    script = render_job(tmp_path, config=config, run_dir="run", partition=partition)
+    test_only = ["sbatch", "--test-only", str(script)]
+    test = subprocess.run(test_only, cwd=tmp_path, env=slurm_cluster.env(), capture_output=True, text=True, timeout=60)
+    assert test.returncode != 0 and f"invalid partition specified: {partition}" in test.stderr, test.stderr
+    script.write_text(script.read_text().replace(sbatch_value("--partition", partition), '"debug"'))
+    test = subprocess.run(test_only, cwd=tmp_path, env=slurm_cluster.env(), capture_output=True, text=True, timeout=60)
+    assert test.returncode == 0, test.stderr
+    assert not list(tmp_path.rglob(OWNED))
 
 
 @pytest.mark.slow

@@ -5,6 +5,7 @@ Arguments after ``--`` are passed to ``anytrain train`` (config overrides such a
 
 from __future__ import annotations
 
+import os
 import shlex
 import subprocess
 import sys
@@ -44,6 +45,8 @@ def slurm(
     requeue: bool = typer.Option(True, "--requeue/--no-requeue", help="Requeue the job after a preemption save."),
     ifname: str = typer.Option("", "--ifname", help="Network interface for NCCL / RCCL / gloo (e.g. ib0)."),
     script: str = typer.Option("", "--script", help="Where to write the script (default <run-dir>.sbatch)."),
+    overwrite: bool = typer.Option(False, "--overwrite", help="Replace a --script file not written by launch slurm."),
+    preflight: bool = typer.Option(False, "--preflight", help="Run `anytrain doctor --suite quick` before training."),
     submit: bool = typer.Option(False, "--submit/--dry-run", help="Run sbatch on the script (default: only write it)."),
 ) -> None:
     """Write an sbatch script for `anytrain train CONFIG` (and submit it with --submit)."""
@@ -59,11 +62,13 @@ def slurm(
     job = SlurmJob(config=config, run_dir=run_dir, nodes=int(nodes), gpus_per_node=gpus_per_node,
                    tasks_per_node=tasks_per_node, cpus_per_task=cpus_per_task, partition=partition,
                    time=time_limit, account=account, job_name=job_name, vendor=vendor, grace_s=grace,
-                   requeue=requeue, ifname=ifname, overrides=overrides)  # fmt: skip
+                   requeue=requeue, preflight=preflight, ifname=ifname, overrides=overrides)  # fmt: skip
     _check_config(config, job.overrides)
+    text = render_sbatch(job)
     path = Path(script or f"{run_dir.rstrip('/')}.sbatch")
+    _check_script_path(path, config, overwrite)
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(render_sbatch(job))
+    path.write_text(text)
     path.chmod(0o755)
     log_dir(job).mkdir(parents=True, exist_ok=True)
     typer.echo(f"wrote {path} (job output: {log_dir(job)}/slurm-<job id>.out)")
@@ -135,10 +140,32 @@ def _auto_nodes(config: str, overrides: list[str], gpu: str, gpus_per_node: int,
     return str(sized.nodes), min(sized.gpus, gpus_per_node), layout + overrides
 
 
+def _check_script_path(path: Path, config: str, overwrite: bool) -> None:
+    """Refuse to write over the config, a folder, or (without ``--overwrite``) a file launch slurm did not write."""
+    from anytrain.launch.slurm import is_own_script
+
+    if not (path.exists() or path.is_symlink()):
+        return
+    shown = _shown(path)
+    if path.is_dir():
+        raise ConfigError(f"--script: {shown} is a folder; give the script's file name")
+    if path.exists() and os.path.samefile(path, config):
+        raise ConfigError(f"--script: {shown} is the config file; write the script elsewhere (e.g. <run-dir>.sbatch)")
+    if not overwrite and not is_own_script(path):
+        what = f"{shown} exists and was not written by anytrain launch slurm"
+        raise ConfigError(f"--script: {what}; choose another --script or pass --overwrite to replace it")
+
+
+def _shown(path: str | Path) -> str:
+    """A path for a one-line message: as it is, or as a Python literal when it holds a control character."""
+    text = str(path)
+    return repr(text) if any(ord(ch) < 32 or ord(ch) == 127 for ch in text) else text
+
+
 def _check_config(config: str, overrides: list[str]):
     """Fail at submission, not in the queue: the recipe must load with the overrides; returns the RunConfig."""
     from anytrain.config import load_config
 
     if not Path(config).is_file():
-        raise ConfigError(f"{config}: no such config file")
+        raise ConfigError(f"{_shown(config)}: no such config file")
     return load_config(config, overrides)

@@ -9,13 +9,18 @@ threads one core (``parallel.cpu_affinity: cores`` is the binding anytrain offer
 
 from __future__ import annotations
 
+import getpass
 import os
+import re
 import shlex
 import sys
 from pathlib import Path
 
 from anytrain.errors import ConfigError
-from anytrain.launch.vendor import VENDORS, collective_env
+from anytrain.launch.vendor import VENDORS, check_ifname, collective_env
+
+# a host name or address as a hostfile gives it (``user@`` allowed): nothing a shell or ssh would read as more
+HOST_NAME = re.compile(r"([A-Za-z0-9_][A-Za-z0-9._-]*@)?[A-Za-z0-9_][A-Za-z0-9._-]*")
 
 
 def hostfile_hosts(path: str) -> list[str]:
@@ -25,10 +30,16 @@ def hostfile_hosts(path: str) -> list[str]:
     except OSError as exc:
         raise ConfigError(f"--hostfile: cannot read {path}: {exc.strerror}") from None
     hosts = []
-    for line in text.splitlines():
+    for number, line in enumerate(text.splitlines(), 1):
         line = line.split("#", 1)[0].strip()
         if line:
-            hosts.append(line.split()[0].split(":")[0])
+            host = line.split()[0].split(":")[0]
+            if not HOST_NAME.fullmatch(host):
+                raise ConfigError(
+                    f"--hostfile: {path} line {number}: {host!r} is not a host name (letters, digits, '.', '-', '_', "
+                    "optionally user@); correct the hostfile"
+                )
+            hosts.append(host)
     if not hosts:
         raise ConfigError(f"--hostfile: {path} names no host")
     return hosts
@@ -43,14 +54,17 @@ def mpirun_command(config: str, run_dir: str, processes: int, hostfile: str = ""
     vendor = vendor if vendor != "auto" else ("cuda" if gpus_per_node > 0 else "cpu")
     if vendor not in VENDORS:
         raise ConfigError(f"--vendor: expected auto, {', '.join(VENDORS)}; got {vendor!r}")
-    master = hostfile_hosts(hostfile)[0] if hostfile else "127.0.0.1"
+    check_ifname(ifname)
+    master = hostfile_hosts(hostfile)[0].rpartition("@")[2] if hostfile else "127.0.0.1"
     cmd = ["mpirun", "-n", str(processes)]
     if hostfile:
         cmd += ["--hostfile", hostfile]
     if gpus_per_node > 0:
         cmd += ["--map-by", f"ppr:{gpus_per_node}:node"]
     cmd += ["--bind-to", "none", *shlex.split(mpirun_args)]
-    env = {"MASTER_ADDR": master, "MASTER_PORT": str(master_port), **collective_env(vendor, ifname)}
+    # no shell reads -x values: the MIOpen cache is named with plain values (this user, the rendezvous port)
+    vendor_env = collective_env(vendor, ifname, user=_user(), job=str(master_port))
+    env = {"MASTER_ADDR": master, "MASTER_PORT": str(master_port), **vendor_env}
     for key, value in env.items():
         cmd += ["-x", f"{key}={value}"]
     for key in ("PATH", "PYTHONPATH", "LD_LIBRARY_PATH", "OMP_NUM_THREADS"):  # the caller's, where set
@@ -60,3 +74,10 @@ def mpirun_command(config: str, run_dir: str, processes: int, hostfile: str = ""
     if vendor == "cpu":
         cmd += ["--device", "cpu"]
     return cmd + list(overrides or [])
+
+
+def _user() -> str:
+    try:
+        return getpass.getuser()
+    except (OSError, KeyError):  # no login name and no passwd entry (some containers)
+        return str(os.getuid())

@@ -8,17 +8,34 @@ SLURM send SIGTERM to the batch shell ``grace`` seconds before the time limit; t
 ``scancel --signal=TERM <job>`` (not through srun, which would cancel the step and SIGKILL the tasks KillWait seconds
 later, possibly in the middle of the save), the trainer saves a checkpoint and exits 143, and the script requeues
 the job (``--requeue``), which resumes from that checkpoint. A job cancelled with ``scancel`` is not requeued.
+
+``preflight``: before training, the same tasks run ``anytrain doctor --suite quick`` (GEMMs, exact collectives, the
+p2p matrix over the training's process layout); a failed check ends the job with the doctor's exit status and its
+``error:`` line in the job log, before the training's process group forms.
+
+Every value is written so that neither bash nor sbatch reads it as code: shell words with ``shlex.quote``, ``#SBATCH``
+values in sbatch's own quoting (double quotes, backslash before ``\\`` and ``"``), and no user value in a comment. A
+value an ``#SBATCH`` line cannot hold (a control character such as a newline; a backslash in the log path, which
+would turn off SLURM's ``%j``) is a :class:`ConfigError` naming the flag.
 """
 
 from __future__ import annotations
 
+import re
 import shlex
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from anytrain.errors import ConfigError
-from anytrain.launch.vendor import VENDORS, collective_env
+from anytrain.launch.vendor import SHELL_EXPANDED, VENDORS, check_ifname, collective_env
+
+MARKER = "# Written by `anytrain launch slurm`"
+"""The second line of every script written here: ``launch slurm`` rewrites a file that has it and no other."""
+# SLURM's time formats (sbatch --time): minutes, MM:SS, HH:MM:SS, D-HH, D-HH:MM, D-HH:MM:SS, or no limit
+PREFLIGHT_WAIT_S = 60
+"""srun --wait of the preflight: how long the other ranks may take to finish after the first one exits."""
+TIME_FORMAT = re.compile(r"\d+(:\d+){0,2}|\d+-\d+(:\d+){0,2}|(?i:infinite|unlimited)")
 
 
 @dataclass
@@ -46,6 +63,8 @@ class SlurmJob:
     grace_s: int = 120
     """Seconds between the SIGTERM and the time limit: time for one step and a checkpoint save."""
     requeue: bool = True
+    preflight: bool = False
+    """Run ``anytrain doctor --suite quick`` on the job's tasks first; train only if it passes."""
     ifname: str = ""
     """Network interface for NCCL / RCCL / gloo sockets (e.g. ib0, hsn0); empty = the library's choice."""
     python: str = field(default_factory=lambda: sys.executable)
@@ -76,19 +95,65 @@ def train_command(job: SlurmJob) -> list[str]:
     return cmd + list(job.overrides)
 
 
+def _control_char(value: str) -> str | None:
+    return next((ch for ch in value if ord(ch) < 32 or ord(ch) == 127), None)
+
+
+def sbatch_value(flag: str, value: str) -> str:
+    """``value`` quoted for an ``#SBATCH`` line as sbatch parses it: inside double quotes, with a backslash before
+    ``\\`` and ``"``; spaces, ``#``, ``'`` and ``$`` then stay literal. A control character (a newline would end the
+    comment and start a shell line) is refused, naming ``flag``."""
+    bad = _control_char(value)
+    if bad is not None:
+        raise ConfigError(
+            f"{flag}: {value!r} holds a control character ({bad!r}), which an #SBATCH line cannot hold; "
+            "give it without one"
+        )
+    return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
+
+
+def default_job_name(config: str) -> str:
+    """``anytrain-<config file name without .yaml>``, control characters as ``_`` (a default is not refused)."""
+    return "anytrain-" + "".join("_" if _control_char(ch) else ch for ch in Path(config).stem)
+
+
+def _output_pattern(log_dir: Path) -> str:
+    """``<log dir>/slurm-%j.out`` as an ``--output`` value: a ``%`` of the path doubled (``%%`` is SLURM's literal
+    ``%``); a backslash is refused, since SLURM then replaces no ``%j`` at all."""
+    text = str(log_dir)
+    if "\\" in text or _control_char(text) is not None:
+        what = "a backslash" if "\\" in text else f"a control character ({_control_char(text)!r})"
+        raise ConfigError(
+            f"--run-dir: the job log folder {text!r} (the run directory's parent) holds {what}, which "
+            "SLURM's #SBATCH --output cannot take; choose a run directory whose path has none"
+        )
+    return text.replace("%", "%%") + "/slurm-%j.out"
+
+
 def _sbatch_lines(job: SlurmJob, log_dir: Path) -> list[str]:
-    options = [f"--job-name={job.job_name or 'anytrain-' + Path(job.config).stem}", f"--nodes={job.nodes}",
-               f"--ntasks-per-node={job.tasks()}"]  # fmt: skip
+    if job.time and not TIME_FORMAT.fullmatch(job.time):
+        raise ConfigError(
+            f"--time: expected minutes, MM:SS, HH:MM:SS, D-HH, D-HH:MM or D-HH:MM:SS (e.g. 04:00:00), got {job.time!r}"
+        )
+    job_name = sbatch_value("--job-name", job.job_name or default_job_name(job.config))
+    options = [f"--job-name={job_name}", f"--nodes={job.nodes}", f"--ntasks-per-node={job.tasks()}"]
     if job.gpus_per_node > 0:
         options.append(f"--gpus-per-node={job.gpus_per_node}")
     if job.cpus_per_task > 0:
         options.append(f"--cpus-per-task={job.cpus_per_task}")
-    options += [f"--{key}={value}" for key, value in
-                (("partition", job.partition), ("time", job.time), ("account", job.account)) if value]  # fmt: skip
-    options += [f"--output={log_dir}/slurm-%j.out", "--open-mode=append", f"--signal=B:TERM@{job.grace_s}"]
+    for flag, value in (("--partition", job.partition), ("--time", job.time), ("--account", job.account)):
+        if value:
+            options.append(f"{flag}={sbatch_value(flag, value)}")
+    output = sbatch_value("--run-dir", _output_pattern(log_dir))
+    options += [f"--output={output}", "--open-mode=append", f"--signal=B:TERM@{job.grace_s}"]
     if job.requeue:
         options.append("--requeue")
     return [f"#SBATCH {option}" for option in options]
+
+
+def preflight_command(job: SlurmJob) -> list[str]:
+    """What every task runs before training with ``preflight``: the doctor's quick suite."""
+    return [job.python, "-m", "anytrain", "doctor", "--suite", "quick"]
 
 
 def log_dir(job: SlurmJob) -> Path:
@@ -96,18 +161,38 @@ def log_dir(job: SlurmJob) -> Path:
     return Path(job.workdir, job.run_dir).parent / "slurm-logs"
 
 
+def _export(key: str, value: str) -> str:
+    if key in SHELL_EXPANDED:  # vendor.py's own constants, expanded by the job's shell
+        return f'export {key}="{value}"'
+    return f"export {key}={shlex.quote(value)}"
+
+
 def render_sbatch(job: SlurmJob) -> str:
     """The whole sbatch script, as text."""
     if job.nodes < 1 or job.tasks() < 1 or job.gpus_per_node < 0:
         raise ConfigError("launch slurm: --nodes and the tasks per node must be >= 1, --gpus-per-node >= 0")
     vendor = job.resolved_vendor()
+    check_ifname(job.ifname)
     env = collective_env(vendor, job.ifname)
     threads = str(job.cpus_per_task) if job.cpus_per_task > 0 else "${SLURM_CPUS_PER_TASK:-1}"
     requeue = 'scontrol requeue "$SLURM_JOB_ID"' if job.requeue else 'echo "anytrain: --requeue is off; not requeued"'
+    preflight = []
+    if job.preflight:
+        preflight = [
+            "# preflight: the doctor's quick suite on the same tasks; its failures end the job before training",
+            f'echo "anytrain: preflight: anytrain doctor --suite quick on {job.nodes * job.tasks()} task(s)"',
+            # no --kill-on-bad-exit: every rank fails alike and exits with the doctor's status (2) unless it is
+            # killed first; --wait ends a step whose other ranks are stuck after one of them died
+            f"run_step --kill-on-bad-exit=0 --wait={PREFLIGHT_WAIT_S} {shlex.join(preflight_command(job))}",
+            f'if [ "$preempted" = 1 ]; then {requeue}; exit "$status"; fi  # the training has not started',
+            'if [ "$status" -ne 0 ]; then',
+            '  echo "anytrain: preflight failed (exit $status), training not started; the doctor says why above"',
+            '  exit "$status"',
+            "fi",
+        ]
     lines = [
         "#!/bin/bash",
-        f"# Written by `anytrain launch slurm` for {job.config}: {job.nodes} node(s) x {job.tasks()} task(s), "
-        f"{vendor}.",
+        f"{MARKER} (it rewrites files that have this line): {job.nodes} node(s) x {job.tasks()} task(s), {vendor}.",
         *_sbatch_lines(job, log_dir(job)),
         "set -uo pipefail",
         f"cd {shlex.quote(job.workdir)}",
@@ -115,7 +200,7 @@ def render_sbatch(job: SlurmJob) -> str:
         'export MASTER_ADDR="$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)"',
         "export MASTER_PORT=$((15000 + SLURM_JOB_ID % 20000))",
         f"export OMP_NUM_THREADS={threads}",
-        *[f'export {key}="{value}"' for key, value in env.items()],
+        *[_export(key, value) for key, value in env.items()],
         'echo "anytrain: job $SLURM_JOB_ID (restart ${SLURM_RESTART_COUNT:-0}) on $SLURM_JOB_NUM_NODES node(s), '
         'master $MASTER_ADDR:$MASTER_PORT"',
         "# SIGTERM (preemption, or the time limit minus the grace period) -> every task: the trainer saves a",
@@ -132,11 +217,23 @@ def render_sbatch(job: SlurmJob) -> str:
         'trap \'state=$(job_state); if [ "$state" = RUNNING ]; then preempted=1; '
         'echo "anytrain: SIGTERM, saving"; scancel --signal=TERM "$SLURM_JOB_ID"; '
         'else echo "anytrain: job cancelled, not requeued (state $state)"; fi\' TERM',
-        f"srun --kill-on-bad-exit=1 {shlex.join(train_command(job))} &",
-        "srun_pid=$!",
-        'wait "$srun_pid"; status=$?',
-        'if [ "$preempted" = 1 ]; then wait "$srun_pid"; status=$?; fi  # the first wait returned for the trap',
+        # srun in the background and `wait`: a trap runs as soon as the signal comes, not when srun ends; after the
+        # trap the first wait returns and the second waits for the step to end.
+        'run_step() { srun "$@" & srun_pid=$!; wait "$srun_pid"; status=$?; '
+        'if [ "$preempted" = 1 ]; then wait "$srun_pid"; status=$?; fi; }',
+        *preflight,
+        f"run_step --kill-on-bad-exit=1 {shlex.join(train_command(job))}",
         f'if [ "$preempted" = 1 ] && [ "$status" -ne 0 ]; then {requeue}; fi',
         'exit "$status"',
     ]
     return "\n".join(lines) + "\n"
+
+
+def is_own_script(path: Path) -> bool:
+    """Whether ``path`` is a script this module wrote (its second line starts with :data:`MARKER`)."""
+    try:
+        with path.open("rb") as handle:
+            head = handle.read(4096).split(b"\n")
+    except OSError:
+        return False
+    return len(head) > 1 and head[0].startswith(b"#!") and head[1].startswith(MARKER.encode())

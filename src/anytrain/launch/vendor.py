@@ -9,13 +9,21 @@ per-vendor PyTorch defaults.
 
 from __future__ import annotations
 
+from anytrain.errors import ConfigError
 from anytrain.hardware import CPU, CUDA, ROCM
 
 VENDORS = (CUDA, ROCM, CPU)
+SHELL_EXPANDED = frozenset({"MIOPEN_USER_DB_PATH"})
+"""Variables whose default value holds ``${...}`` for the job's shell to expand (constants of this module, never a
+user's value); a script writes them in double quotes, every other value single-quoted."""
 
 
-def collective_env(vendor: str, ifname: str = "") -> dict[str, str]:
-    """Environment variables for one vendor's collective library (``ifname``: socket interface, e.g. ib0 / hsn0)."""
+def collective_env(
+    vendor: str, ifname: str = "", user: str = "${USER}", job: str = "${SLURM_JOB_ID:-0}"
+) -> dict[str, str]:
+    """Environment variables for one vendor's collective library (``ifname``: socket interface, e.g. ib0 / hsn0).
+    ``user`` and ``job`` name the per-job MIOpen cache on ROCm: shell expansions for a job script by default, plain
+    values where no shell reads the environment (mpirun ``-x``)."""
     if vendor == CPU:
         return {"GLOO_SOCKET_IFNAME": ifname} if ifname else {}
     env = {
@@ -26,8 +34,18 @@ def collective_env(vendor: str, ifname: str = "") -> dict[str, str]:
         # RCCL on MI200/MI300 nodes: fine-grained PCIe memory for peer transfers, and a per-node MIOpen cache
         # (the default one on a shared file system is a known source of lock contention across nodes).
         env["HSA_FORCE_FINE_GRAIN_PCIE"] = "1"
-        env["MIOPEN_USER_DB_PATH"] = "/tmp/miopen-${USER}-${SLURM_JOB_ID:-0}"
+        env["MIOPEN_USER_DB_PATH"] = f"/tmp/miopen-{user}-{job}"
     if ifname:
         env["NCCL_SOCKET_IFNAME"] = ifname
         env["GLOO_SOCKET_IFNAME"] = ifname
     return env
+
+
+def check_ifname(ifname: str) -> None:
+    """``--ifname`` as the libraries read it (names or NCCL's prefix list, ``^`` / ``=`` included): no whitespace or
+    control characters, which no interface name holds."""
+    if any(ch.isspace() or ord(ch) < 32 or ord(ch) == 127 for ch in ifname):
+        raise ConfigError(
+            f"--ifname: {ifname!r} holds a space or a control character; give interface names (or NCCL's prefix "
+            "list, e.g. ib0 or ^docker,lo) without them"
+        )

@@ -1,4 +1,4 @@
-"""Pieces shared by the single-GPU training benches (``transformer.py``, ``mamba_train.py``)."""
+"""Pieces shared by the benches: random batches, timing, result files, rows in child processes."""
 
 from __future__ import annotations
 
@@ -14,9 +14,9 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+from anytrain import hardware
 
-from anytrain import hardware  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
 
 
 class RandomBatches:
@@ -109,12 +109,19 @@ def print_row(row: dict) -> None:
     print(ROW_MARK + json.dumps(row, default=str), flush=True)
 
 
-def run_row_in_child(script: str, argv: list[str], name: str) -> dict:
-    """``python SCRIPT ARGV --one-row NAME`` in a fresh process with its own empty inductor cache (a shared process
+def child_env(**extra: str) -> dict[str, str]:
+    """This process's environment with the checkout first on ``PYTHONPATH`` (``bench`` and ``src``), so that a child
+    ``python -m bench.<name>`` runs this tree's benches and anytrain from any working directory."""
+    path = os.pathsep.join([str(ROOT), str(ROOT / "src"), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+    return {**os.environ, "PYTHONPATH": path, **extra}
+
+
+def run_row_in_child(module: str, argv: list[str], name: str) -> dict:
+    """``python -m MODULE ARGV --one-row NAME`` in a fresh process with its own empty inductor cache (a shared process
     or cache biases compiled rows); the row it printed with ``print_row``, or ``{"row": name, "error": ...}``."""
-    cmd = [sys.executable, str(Path(script).resolve()), *argv, "--one-row", name]
+    cmd = [sys.executable, "-m", module, *argv, "--one-row", name]
     with tempfile.TemporaryDirectory(prefix="anytrain-bench-inductor-") as cache:
-        env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": cache}
+        env = child_env(TORCHINDUCTOR_CACHE_DIR=cache)
         proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith(ROW_MARK)]
     if not lines:
