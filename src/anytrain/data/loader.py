@@ -16,7 +16,7 @@ from typing import Protocol
 import numpy as np
 import torch
 
-from anytrain.data.shards import Split
+from anytrain.data.shards import INDEX, ShardFile, Split
 from anytrain.errors import DataError
 
 
@@ -33,15 +33,31 @@ class SampleIndex:
                 f"{seq_len + 1} tokens; lower data.seq_len or prepare more data"
             )
         self._starts = np.concatenate([[0], np.cumsum(per_shard)])  # first sample id of each shard
+        self._dtype = np.result_type(*(a.dtype for a in split.arrays))  # the shards' token dtype (uint16 / uint32)
 
     def tokens(self, sample_ids: np.ndarray) -> np.ndarray:
-        """(n,) sample ids -> (n, seq_len + 1) int64 tokens."""
-        out = np.empty((len(sample_ids), self.seq_len + 1), dtype=np.int64)
-        shards = np.searchsorted(self._starts, sample_ids, side="right") - 1
-        for row, (sid, shard) in enumerate(zip(sample_ids, shards, strict=True)):
-            start = int(sid - self._starts[shard]) * self.seq_len
-            out[row] = self.split.arrays[shard][start : start + self.seq_len + 1]
-        return out
+        """(n,) sample ids -> (n, seq_len + 1) int64 tokens. The windows are read in the shards' own dtype and, when
+        the split has a ``vocab_size``, checked against it (one max over the batch, on the host): an id outside is one
+        DataError naming the shard and the token's offset in it."""
+        ids = np.asarray(sample_ids, dtype=np.int64)
+        shards = np.searchsorted(self._starts, ids, side="right") - 1
+        starts = (ids - self._starts[shards]) * self.seq_len  # (n,) first token of each window in its shard
+        raw = np.empty((len(ids), self.seq_len + 1), dtype=self._dtype)
+        for row, (shard, start) in enumerate(zip(shards.tolist(), starts.tolist(), strict=True)):
+            array = self.split.arrays[shard]
+            if isinstance(array, ShardFile):
+                array.read_into(raw[row], start)
+            else:
+                raw[row] = array[start : start + self.seq_len + 1]
+        vocab = self.split.vocab_size
+        if vocab is not None and raw.size and int(raw.max()) >= vocab:
+            row, col = np.argwhere(raw >= vocab)[0]
+            array = self.split.arrays[shards[row]]
+            where = getattr(array, "path", f"shard {shards[row]}")
+            raise DataError(f"{where}: token id {int(raw[row, col])} at token {int(starts[row] + col)} is outside the "
+                            f"vocabulary of {vocab} in {INDEX}; the shard is damaged or was not written with this "
+                            "dataset's tokenizer: re-run anytrain prepare")  # fmt: skip
+        return raw.astype(np.int64, copy=False)
 
 
 class BatchProvider(Protocol):

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import weakref
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -104,11 +105,63 @@ def write_index(out_dir: Path, dtype: np.dtype, vocab_size: int, eos_id: int, sp
     write_text_atomic(out_dir / INDEX, json.dumps(index, indent=1))  # appears only once every shard is complete
 
 
+class ShardFile:
+    """One shard's ``size`` tokens of ``dtype``, read with ``pread`` from a file held open (not memory-mapped: a shard
+    cut short while it is read is one DataError naming it, where a memory map's read past the end is a SIGBUS that
+    kills the process without a word). Slicing (step 1) returns a new array; ``read_into`` fills a given one."""
+
+    def __init__(self, path: Path, dtype: np.dtype, size: int) -> None:
+        self.path, self.dtype, self.size = Path(path), np.dtype(dtype), size
+        self._fd = os.open(self.path, os.O_RDONLY)
+        weakref.finalize(self, os.close, self._fd)
+
+    def __len__(self) -> int:
+        return self.size
+
+    def __array__(self, dtype: np.dtype | None = None, copy: bool | None = None) -> np.ndarray:  # noqa: ARG002
+        """The whole shard, read into memory (``np.asarray(shard)``)."""
+        return self[:] if dtype is None else self[:].astype(dtype)
+
+    def __getitem__(self, key: slice) -> np.ndarray:
+        if not isinstance(key, slice) or key.step not in (None, 1):
+            raise TypeError(f"ShardFile: only slices with step 1, got {key!r}")
+        start, stop, _ = key.indices(self.size)
+        out = np.empty(max(0, stop - start), dtype=self.dtype)
+        self.read_into(out, start)
+        return out
+
+    def read_into(self, out: np.ndarray, start: int) -> None:
+        """Fill ``out`` (C-contiguous, of ``dtype``) with tokens ``[start, start + out.size)``."""
+        view, offset, done = memoryview(out).cast("B"), start * self.dtype.itemsize, 0
+        while done < view.nbytes:
+            try:
+                got = _pread_into(self._fd, view[done:], offset + done)
+            except OSError as exc:
+                raise DataError(f"{self.path}: cannot be read at byte {offset + done} ({exc.strerror}); check the "
+                                "disk, or re-run anytrain prepare") from None  # fmt: skip
+            if got == 0:
+                size, expected = os.fstat(self._fd).st_size, self.size * self.dtype.itemsize
+                raise DataError(f"{self.path}: {size} bytes, {INDEX} says {expected} (byte {offset + done} wanted): "
+                                "the shard was cut or changed after prepare; restore it or re-run anytrain "
+                                "prepare")  # fmt: skip
+            done += got
+
+
+def _pread_into(fd: int, view: memoryview, offset: int) -> int:
+    if hasattr(os, "preadv"):
+        return os.preadv(fd, [view], offset)
+    data = os.pread(fd, view.nbytes, offset)
+    view[: len(data)] = data
+    return len(data)
+
+
 @dataclass
 class Split:
-    """A split's shards as read-only memory maps."""
+    """A split's shards: :class:`ShardFile` readers of a prepared dataset (or in-memory arrays). ``vocab_size``, when
+    set, bounds the token ids: ``SampleIndex`` checks every window it reads against it."""
 
-    arrays: list[np.memmap]
+    arrays: list[ShardFile | np.ndarray]
+    vocab_size: int | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -117,7 +170,8 @@ class Split:
 
 class TokenDataset:
     """Read side of a prepared dataset directory. Opening checks index.json's fields, each shard's size against it,
-    and the token ids against the vocabulary (the recorded maximum and a sample from both ends of each shard)."""
+    and the token ids against the vocabulary (the recorded maximum and a sample from both ends of each shard; the
+    loader checks every window it reads)."""
 
     def __init__(self, path: str | Path) -> None:
         self.path = Path(path)
@@ -140,10 +194,10 @@ class TokenDataset:
             entries = self.index["splits"].get(name)
             if not entries:
                 raise DataError(f"{self.index_file}: no {name!r} split; re-run anytrain prepare")
-            self._splits[name] = Split([self._open_shard(entry) for entry in entries])
+            self._splits[name] = Split([self._open_shard(entry) for entry in entries], self.vocab_size)
         return self._splits[name]
 
-    def _open_shard(self, entry: dict) -> np.memmap:
+    def _open_shard(self, entry: dict) -> ShardFile | np.ndarray:
         file = self.path / entry["file"]
         if not file.is_file():
             raise DataError(f"{file}: shard listed in {INDEX} is missing; re-run anytrain prepare")
@@ -152,7 +206,7 @@ class TokenDataset:
             raise DataError(f"{file}: size {file.stat().st_size} bytes, index says {expected}; re-run prepare")
         if expected == 0:
             return np.zeros(0, dtype=self.dtype)
-        array = np.memmap(file, dtype=self.dtype, mode="r")
+        array = ShardFile(file, self.dtype, entry["tokens"])
         sample = max(int(array[:SAMPLE_TOKENS].max()), int(array[-SAMPLE_TOKENS:].max()))
         if sample >= self.vocab_size:
             raise DataError(f"{file}: token id {sample} is outside the vocabulary of {self.vocab_size} in {INDEX}; "
@@ -162,6 +216,11 @@ class TokenDataset:
     @property
     def tokenizer_path(self) -> Path:
         return self.path / "tokenizer.json"
+
+
+def read_index(path: str | Path) -> dict:
+    """index.json of the prepared dataset folder ``path``, checked (no shard is opened); one DataError otherwise."""
+    return _read_index(Path(path) / INDEX)
 
 
 def _read_index(index_file: Path) -> dict:
