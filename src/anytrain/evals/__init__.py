@@ -15,7 +15,7 @@ from anytrain import hardware
 from anytrain.config import load_config
 from anytrain.data.loader import BatchSource, SampleIndex
 from anytrain.data.prepare import load_tokenizer
-from anytrain.data.shards import INDEX, TokenDataset
+from anytrain.data.shards import INDEX, TokenDataset, read_index
 from anytrain.diskio import disk_full_as_error, missing_parents, remove, temp_sibling
 from anytrain.errors import ConfigError, DataError, RunDirError
 from anytrain.models import build_model, resolve_args
@@ -87,7 +87,28 @@ def open_eval_data(cfg, run_dir: str | Path, data: str | Path | None) -> TokenDa
     if dataset.vocab_size > vocab:
         raise DataError(f"{origin}: {path} has a vocabulary of {dataset.vocab_size}, larger than the model's "
                         f"{vocab}; pass --data with the dataset the run trained on")  # fmt: skip
+    if data is not None:
+        check_same_tokenizer(dataset, Path(cfg.data.path), origin, Path(run_dir) / "config.yaml")
     return dataset
+
+
+def check_same_tokenizer(dataset: TokenDataset, recorded: Path, origin: str, config_file: Path) -> None:
+    """``dataset`` must be tokenized as the run's recorded ``data.path`` was: the same vocabulary (added tokens
+    included) and EOS id, the test ``data.sources`` passes. Not checkable when the recorded dataset is gone."""
+    theirs = recorded / "tokenizer.json"
+    if not theirs.is_file() or not dataset.tokenizer_path.is_file():
+        return
+    try:
+        eos = read_index(recorded)["eos_id"]
+    except DataError:
+        return  # the recorded dataset is damaged: nothing to compare with
+    same = eos == dataset.eos_id and (dataset.tokenizer_path.read_bytes() == theirs.read_bytes() or (
+        load_tokenizer(dataset.tokenizer_path).get_vocab(with_added_tokens=True)
+        == load_tokenizer(theirs).get_vocab(with_added_tokens=True)))  # fmt: skip
+    if not same:
+        raise DataError(f"{origin}: {dataset.path} was prepared with another tokenizer than the run's data "
+                        f"({recorded}, data.path in {config_file}), so its loss would mean nothing; prepare it with "
+                        f"--tokenizer {theirs}")  # fmt: skip
 
 
 def evaluate_run(run_dir: str | Path, prompt: str = "ROMEO.\n", max_new_tokens: int = 60, batches: int = 0,
