@@ -44,6 +44,7 @@ import torch
 from torch import nn
 
 from anytrain.errors import ConfigError
+from anytrain.models.hf.adapter import open_safetensors, safetensors_index
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -285,9 +286,13 @@ def read_hf_config(directory: str | Path) -> dict[str, Any]:
     if not config_file.is_file():
         raise ConfigError(f"model.init_from: {directory} has no config.json (expected a Hugging Face model folder)")
     try:
-        return json.loads(config_file.read_text())
+        config = json.loads(config_file.read_text())
     except (OSError, ValueError) as exc:
         raise ConfigError(f"model.init_from: {config_file} is not readable JSON ({exc})") from None
+    if not isinstance(config, dict):
+        raise ConfigError(f"model.init_from: {config_file} holds a JSON {type(config).__name__}, not the object "
+                          "save_pretrained writes; restore it from the model's source")  # fmt: skip
+    return config
 
 
 def apply_init_from(cfg: Any) -> None:
@@ -300,7 +305,11 @@ def apply_init_from(cfg: Any) -> None:
     if not (directory / "config.json").is_file() and model.args.get("vocab_size"):
         return  # a run's resolved config.yaml (eval, resume): the shape is recorded in model.args
     where = f"{directory}/config.json"
-    arch, fields = args_from_hf_config(read_hf_config(directory), where)
+    try:
+        arch, fields = args_from_hf_config(read_hf_config(directory), where)
+    except (KeyError, TypeError, AttributeError, ValueError) as exc:  # a field missing or of the wrong type
+        what = f"lacks {exc}" if isinstance(exc, KeyError) else f"has a field of the wrong type ({exc})"
+        raise ConfigError(f"model.init_from: {where} {what}; restore it from the model's source") from None
     if model.arch != arch:
         raise ConfigError(f"model.arch: {model.arch!r}, but model.init_from {directory} holds a {arch!r} model; "
                           f"set --model.arch {arch}")  # fmt: skip
@@ -317,9 +326,9 @@ def apply_init_from(cfg: Any) -> None:
 
 
 def _safetensors_files(directory: Path) -> list[Path]:
-    index = directory / INDEX_FILE
-    if index.is_file():
-        return sorted({directory / name for name in json.loads(index.read_text())["weight_map"].values()})
+    files = safetensors_index(directory, "model.init_from")
+    if files is not None:
+        return files
     if (directory / SINGLE_FILE).is_file():
         return [directory / SINGLE_FILE]
     raise ConfigError(f"model.init_from: {directory} has neither {SINGLE_FILE} nor {INDEX_FILE} (only safetensors "
@@ -345,15 +354,13 @@ def read_hf_weights(directory: str | Path, arch: str, args: Any, shapes: dict[st
     embedding). ``shapes`` ({name: shape} of the whole model) is checked first against the files' headers alone: a
     tensor the model has no place for, one it lacks or one of another shape is one ConfigError, the same on every rank
     whatever it reads. Then only the tensors behind ``names`` are read, one at a time, from the files holding them."""
-    from safetensors import safe_open
-
     directory, family = Path(directory), hf_family(arch, args)
     head = "lm_head.weight" if arch == "mamba" else "output.weight"
     embedding = "backbone.embeddings.weight" if arch == "mamba" else "tok_embeddings.weight"
     expected = _hf_shapes(family, shapes)
     where: dict[str, Path] = {}  # HF tensor name -> the file holding it
     for file in _safetensors_files(directory):
-        with safe_open(str(file), framework="pt", device="cpu") as handle:
+        with open_safetensors(file, "model.init_from") as handle:
             for key in handle.keys():  # noqa: SIM118 - safe_open is not a mapping
                 if key not in expected:
                     if key == "lm_head.weight" and args.tie_embeddings:
@@ -375,7 +382,7 @@ def read_hf_weights(directory: str | Path, arch: str, args: Any, shapes: dict[st
         wanted.setdefault(hf_name(family, embedding if name == head and tied_head else name), []).append(name)
     out: dict[str, torch.Tensor] = {}
     for file in sorted({where[key] for key in wanted}):
-        with safe_open(str(file), framework="pt", device="cpu") as handle:
+        with open_safetensors(file, "model.init_from") as handle:
             for key in (k for k in wanted if where[k] == file):
                 tensor = handle.get_tensor(key)
                 if family == "mpt" and key.endswith("attn.Wqkv.weight"):  # rows [q; k; v], each D (multi-head)

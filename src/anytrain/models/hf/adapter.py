@@ -268,15 +268,13 @@ class HFCausalLM(SamplingMixin, nn.Module):
         """Copy the folder's safetensors tensors into the parameters and persistent buffers (on their device), one
         tensor at a time. A checkpoint key without a place (after adding the base-model prefix) is an error unless the
         class lists it as ignorable; a missing one is an error unless it is tied to a loaded tensor."""
-        from safetensors import safe_open
-
         folder = Path(self.args.path)
         targets = {k: v for k, v in self.hf.state_dict(keep_vars=True).items()}
         prefix = self.hf.base_model_prefix
         ignorable = [re.compile(p) for p in (getattr(self.hf, "_keys_to_ignore_on_load_unexpected", None) or [])]
         loaded: set[str] = set()
         for file in _safetensors_files(folder):
-            with safe_open(str(file), framework="pt", device="cpu") as handle:
+            with open_safetensors(file, "model.hf_path") as handle:
                 for key in handle.keys():  # noqa: SIM118 - safe_open is not a mapping
                     name = key if key in targets else f"{prefix}.{key}" if prefix else key
                     if name not in targets:
@@ -425,10 +423,44 @@ def _stream_dtype(_module: nn.Module, _inputs: Any, output: torch.Tensor) -> tor
     return residual_stream(output, keep_fp32=False)
 
 
-def _safetensors_files(folder: Path) -> list[Path]:
+def safetensors_index(folder: Path, field: str) -> list[Path] | None:
+    """The weight files ``folder/model.safetensors.index.json`` names (None without one); an index that is not a
+    JSON object with a ``weight_map`` of file names is one ConfigError naming ``field`` and the file."""
     index = folder / INDEX_FILE
-    if index.is_file():
-        return sorted({folder / name for name in json.loads(index.read_text())["weight_map"].values()})
+    if not index.is_file():
+        return None
+    try:
+        names = json.loads(index.read_text())["weight_map"].values()
+        files = sorted({folder / name for name in names})
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+        raise ConfigError(f"{field}: {index} is not a safetensors index (a JSON object whose weight_map maps tensor "
+                          f"names to files: {type(exc).__name__} {exc}); restore it from the model's "
+                          "source") from None  # fmt: skip
+    for file in files:
+        if not file.is_file():
+            raise ConfigError(f"{field}: {file} is listed in {index} but missing; restore it from the model's source")
+    return files
+
+
+@contextlib.contextmanager
+def open_safetensors(file: Path, field: str):
+    """``safe_open(file)`` on the CPU; a damaged file (truncated, or not safetensors) is one ConfigError naming
+    ``field`` and the file instead of safetensors' own error."""
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        with safe_open(str(file), framework="pt", device="cpu") as handle:
+            yield handle
+    except (SafetensorError, OSError) as exc:
+        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        raise ConfigError(f"{field}: {file} is not a readable safetensors file ({first}); it may be truncated: "
+                          "download or copy it again") from None  # fmt: skip
+
+
+def _safetensors_files(folder: Path) -> list[Path]:
+    files = safetensors_index(folder, "model.hf_path")
+    if files is not None:
+        return files
     if (folder / SINGLE_FILE).is_file():
         return [folder / SINGLE_FILE]
     raise ConfigError(
