@@ -66,6 +66,7 @@ def compare_command(
         help="Fail (exit 1) when a loss differs from the reference's by more than this at a common step.",
     ),
     json_out: bool = typer.Option(False, "--json", help="Print the result as JSON."),
+    overwrite: bool = typer.Option(False, "--overwrite", help="Replace an existing --out PNG."),
 ) -> None:
     """Compare runs' training / validation loss curves (metrics.jsonl): differences and throughput tables."""
     import json
@@ -74,7 +75,7 @@ def compare_command(
 
     if assert_within is not None and assert_within < 0:
         check_within({}, assert_within)  # the one-line error, before any work
-    result = compare_runs(runs, by=by, out=out)
+    result = compare_runs(runs, by=by, out=out, overwrite=overwrite)
     typer.echo(json.dumps(result, indent=1) if json_out else format_report(result))
     if assert_within is not None:
         check_within(result, assert_within)

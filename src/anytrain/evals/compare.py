@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from anytrain.diskio import remove, temp_sibling
 from anytrain.errors import AnytrainError, RunDirError
 
 METRICS = ("loss", "val_loss")
@@ -90,10 +91,14 @@ def differences(reference: RunCurves, other: RunCurves) -> dict[str, dict[str, A
     return out
 
 
-def compare_runs(run_dirs: list[str | Path], by: str = "step", out: str | Path | None = None) -> dict[str, Any]:
-    """Curves, differences against the first run and throughput of each run; writes the PNG ``out`` if given."""
+def compare_runs(run_dirs: list[str | Path], by: str = "step", out: str | Path | None = None,
+                 overwrite: bool = False) -> dict[str, Any]:  # fmt: skip
+    """Curves, differences against the first run and throughput of each run; writes the PNG ``out`` if given (an
+    existing file only with ``overwrite``)."""
     if len(run_dirs) < 2:
         raise RunDirError("compare: give at least two run directories")
+    if out is not None:
+        check_plot_path(Path(out), overwrite)
     runs = [load_curves(r, by) for r in run_dirs]
     names = _unique_names(run_dirs)
     for run, name in zip(runs, names, strict=True):
@@ -104,6 +109,16 @@ def compare_runs(run_dirs: list[str | Path], by: str = "step", out: str | Path |
     if out is not None:
         result["plot"] = str(plot_curves(runs, by, Path(out)))
     return result
+
+
+def check_plot_path(out: Path, overwrite: bool) -> None:
+    """``--out`` must name a .png file, and one that does not exist yet unless ``overwrite``."""
+    if out.suffix.lower() != ".png":
+        raise RunDirError(f"--out: {out} must end in .png (the curves are written as a PNG image)")
+    if out.is_dir():
+        raise RunDirError(f"--out: {out} is a directory; pass a .png file name")
+    if out.exists() and not overwrite:
+        raise RunDirError(f"--out: {out} exists; pass --overwrite to replace it")
 
 
 def _unique_names(run_dirs: list[str | Path]) -> list[str]:
@@ -153,8 +168,13 @@ def plot_curves(runs: list[RunCurves], by: str, out: Path) -> Path:
         ax.legend(fontsize=8)
     fig.tight_layout()
     out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, dpi=120)
-    plt.close(fig)
+    temp = temp_sibling(out)  # a failed write leaves an earlier PNG as it was
+    try:
+        fig.savefig(temp, dpi=120, format="png")
+        temp.replace(out)
+    finally:
+        plt.close(fig)
+        remove(temp)
     return out
 
 
