@@ -166,6 +166,17 @@ def peak_memory_gib(device: torch.device, reserved: bool = False) -> float:
     return 0.0
 
 
+def memory_capacity(device: torch.device) -> int | None:
+    """Bytes of memory the device has: a GPU's total memory, or on the CPU the host's physical RAM (None where the
+    operating system does not say)."""
+    if is_gpu(device):
+        return int(torch.cuda.get_device_properties(device).total_memory)
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
 SDPA_BACKENDS = ("flash", "cudnn", "efficient", "math")
 
 

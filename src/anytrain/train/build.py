@@ -14,7 +14,7 @@ from anytrain.data.loader import BatchProvider
 from anytrain.errors import ConfigError
 from anytrain.evals.hf import init_from_hf
 from anytrain.models import resolve_args
-from anytrain.parallel import dp_mesh_1d, gather_object, init_distributed, parallelize, unwrap
+from anytrain.parallel import dp_mesh_1d, gather_object, init_distributed, parallelize, resolve_strategy, unwrap
 from anytrain.parallel.compression import GradCommMeter
 from anytrain.parallel.dims import ParallelDims, validate_for_model
 from anytrain.parallel.pipeline import (
@@ -64,6 +64,45 @@ def check_data_fits_model(dataset, model_args, seq_len: int) -> None:
     if seq_len > model_args.max_seq_len:
         raise ConfigError(f"data.seq_len: {seq_len} exceeds model.args.max_seq_len "
                           f"{model_args.max_seq_len}")  # fmt: skip
+
+
+FIT_MARGIN = 1.3
+"""A run is refused only when the cost model's peak exceeds the device's memory by more than this factor: beyond the
+model's error band against allocator peaks (docs/cost-model.md), so that no run that would fit is turned away."""
+
+
+def check_model_fits(cfg: RunConfig, dims: ParallelDims, micro_batch: int, device: torch.device) -> None:
+    """Refuse, before anything is built, a model whose training step cannot fit one device (on the CPU: the host's
+    RAM): the cost model's peak per device (cost/memory.py) and, without pipeline stages, the whole model's fp32
+    weights (``init_weights`` materialises all of them on each device before any sharding), both from the config's
+    arithmetic alone. Model families the cost model does not cover (arch hf) are not checked."""
+    from anytrain.cost.devices import from_spec
+    from anytrain.cost.memory import run_memory_estimate
+    from anytrain.cost.shapes import GIB, shape_from_config
+
+    capacity = hardware.memory_capacity(device)
+    try:
+        shape = shape_from_config(cfg)
+    except ConfigError:
+        return  # a family the cost model does not cover
+    if not capacity:
+        return
+    weights = 4 * shape.num_params if dims.pp == 1 else 0
+    if weights > capacity:
+        need = f"its fp32 weights alone take {weights / GIB:,.1f} GiB on each device"
+    else:
+        spec = from_spec(hardware.device_spec(device))
+        fp32 = compute_dtype(cfg, device) == torch.float32
+        est = run_memory_estimate(cfg, dims, resolve_strategy(cfg, dims), micro_batch, fp32,
+                                  spec.blas_workspace_mib if spec is not None else 0.0)  # fmt: skip
+        if est is None or est[0] * GIB <= FIT_MARGIN * capacity:
+            return
+        need = f"the cost model puts a training step's peak at {est[0]:,.1f} GiB per device ({est[1]})"
+    where = f"the {hardware.device_name(device)}'s" if hardware.is_gpu(device) else "the host's RAM of"
+    raise ConfigError(f"model.args: {cfg.model.arch}/{cfg.model.flavour} has {shape.num_params:,} parameters and "
+                      f"{need}, more than {where} {capacity / GIB:,.1f} GiB; make it smaller (model.args dim / "
+                      "n_layers / vocab_size) or spread it (parallel.strategy fsdp, parallel.tp / pp, "
+                      "train.micro_batch, train.activation_checkpointing)")  # fmt: skip
 
 
 def init_weights(model: torch.nn.Module, device: torch.device, seed: int, init_device: str = "device") -> None:
@@ -123,6 +162,7 @@ class ModelSetup:
         validate_for_model(self.dims, self.model_args.n_layers, getattr(self.model_args, "n_heads", None),
                            getattr(self.model_args, "n_kv_heads", None), cfg.parallel, self.plan.grad_accum,
                            getattr(self.model_args, "tie_embeddings", False))  # fmt: skip
+        check_model_fits(cfg, self.dims, self.plan.micro_batch, self.device)
 
     def _build_pipeline(self, spec) -> None:
         """This rank's stage parts (parallelized one by one), their schedule, and ``self.model``: one module naming
