@@ -16,22 +16,23 @@ Two kinds of rows, each in a fresh subprocess of this script (its own inductor c
 Results: a table on stdout and ``--out/alibi_<device>.json`` (``alibi_smoke.json`` with ``--smoke``, whose rows run
 on the CPU, where ALiBi takes the explicit-bias SDPA path: a check that the bench runs, not a measurement).
 
-    PYTHONPATH=src python bench/alibi.py --out bench/results            # GPU: the full table (~5 minutes)
-    PYTHONPATH=src python bench/alibi.py --smoke --out /tmp/alibi       # CPU check: debug shape, 2 steps, no compile
+    PYTHONPATH=src python -m bench.alibi --out bench/results            # GPU: the full table (~5 minutes)
+    PYTHONPATH=src python -m bench.alibi --smoke --out /tmp/alibi       # CPU check: debug shape, 2 steps, no compile
 """
 
 from __future__ import annotations
 
 import argparse
-import sys
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
-
-from bench_common import (  # noqa: E402
+from anytrain import hardware
+from anytrain.config import ModelConfig, RunConfig
+from anytrain.models import layers
+from anytrain.models.llama.model import apply_rope, rope_tables
+from anytrain.train.trainer import Trainer
+from bench.common import (
     RandomBatches,
     bench_device,
     print_row,
@@ -41,12 +42,6 @@ from bench_common import (  # noqa: E402
     save_rows,
     timed,
 )
-
-from anytrain import hardware  # noqa: E402
-from anytrain.config import ModelConfig, RunConfig  # noqa: E402
-from anytrain.models import layers  # noqa: E402
-from anytrain.models.llama.model import apply_rope, rope_tables  # noqa: E402
-from anytrain.train.trainer import Trainer  # noqa: E402
 
 ROWS = ["train-rope-sdpa", "train-alibi-flex", "train-alibi-hfmpt", "attention-rope-sdpa", "attention-alibi-flex"]
 
@@ -166,7 +161,7 @@ def run_row(name: str, args: argparse.Namespace) -> dict:
 
 def run_child(name: str, args: argparse.Namespace) -> dict:
     argv = ["--out", args.out, "--steps", str(args.steps), "--warmup", str(args.warmup), *(["--smoke"] * args.smoke)]
-    return run_row_in_child(__file__, argv, name)
+    return run_row_in_child("bench.alibi", argv, name)
 
 
 def print_table(rows: list[dict]) -> None:

@@ -1,6 +1,6 @@
 """The doctor's all_reduce bus bandwidth next to a raw ``torch.distributed.all_reduce`` loop, in the same processes.
 
-Run under any launcher, e.g. ``torchrun --nproc-per-node 4 bench/allreduce_vs_raw.py --out results/``. For each
+Run under any launcher, e.g. ``torchrun --nproc-per-node 4 -m bench.allreduce_vs_raw --out results/``. For each
 message size (default 1 GiB), two figures on the same fp32 buffer size:
 
 - ``doctor``: ``anytrain.doctor.collectives.sweep`` (median of ``--repeats`` timed calls, each after a barrier and
@@ -16,18 +16,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 import time
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
-
-from anytrain import hardware  # noqa: E402
-from anytrain.doctor.collectives import bus_factor, sweep  # noqa: E402
-from anytrain.parallel import init_distributed, shutdown  # noqa: E402
+from anytrain import hardware
+from anytrain.doctor.collectives import bus_factor, sweep
+from anytrain.parallel import init_distributed, shutdown
 
 
 def raw_all_reduce(numel: int, device: torch.device, iters: int, warmup: int = 5) -> float:

@@ -18,7 +18,7 @@ every call):
 Dao-AILab's ``causal_conv1d.causal_conv1d_fn`` is timed when importable ("peer not installed" otherwise). Prints a
 table; writes causal_conv_<device>.json (device, versions, shape, rows) under --out (default bench/results).
 
-    PYTHONPATH=src python3 bench/causal_conv.py [--batch 2 --dim 5376 --seqlen 4096 --width 4] [--param-dtype fp32]
+    PYTHONPATH=src python3 -m bench.causal_conv [--batch 2 --dim 5376 --seqlen 4096 --width 4] [--param-dtype fp32]
 """
 
 from __future__ import annotations

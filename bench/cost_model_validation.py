@@ -14,10 +14,9 @@ Memory has no fitted constant. Pass criteria (issue #7): peak memory (allocator 
 ``torch.cuda.max_memory_allocated`` of rank 0) within ±10%, step time within ±20%. The fitted table is written as
 an efficiency file that ``anytrain plan --efficiency-table`` reads.
 
-    R=bench/results; PYTHONPATH=src python bench/cost_model_validation.py --reuse-only --reuse \\
-        $R/scaling_nvidia-h200_2gpu_main.json $R/scaling_nvidia-h200_2gpu_rerun.json $R/scaling_nvidia-h200_4gpu.json \\
-        --doctor $R/doctor_2gpu_nvidia-h200.json $R/doctor_4gpu_nvidia-h200.json --markdown
-    python bench/cost_model_validation.py --plot bench/results/cost_model_validation_nvidia-h200.json
+    R=bench/results; PYTHONPATH=src python -m bench.cost_model_validation --reuse-only --reuse \\
+        $R/scaling_nvidia-h200.json --doctor $R/doctor_2gpu_nvidia-h200.json $R/doctor_4gpu_nvidia-h200.json --markdown
+    python -m bench.cost_model_validation --plot bench/results/cost_model_validation_nvidia-h200.json
 """
 
 from __future__ import annotations
@@ -31,16 +30,14 @@ import time
 from dataclasses import asdict
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(ROOT / "src"))
-
-import scaling  # noqa: E402  (bench/scaling.py: launcher and row format)
+from bench import scaling, scaling_analysis
+from bench.scaling_cases import Case
 
 RECIPES = {"transformer": "configs/1.1b.yaml", "mamba": "configs/mamba-1.4b.yaml"}
 MEMORY_BAND, STEP_BAND = 0.10, 0.20
 
-# Facts about recorded results files that their rows do not carry: {file name: {row-name glob: extra overrides}}.
+# Facts about recorded results files (in bench/results or its git history) that their rows do not carry:
+# {file name: {row-name glob: extra overrides}}.
 # The Mamba rows of the 2026-11-22 H200 scaling files ran before `train.compile: true` entered
 # configs/mamba-1.4b.yaml: their peaks and rates equal bench/mamba_train.py's *uncompiled* run of the same shape
 # (50.36 GiB and 27.4k tokens/s; compiled: 47.36 GiB, 31.1k) to 0.01 GiB. Every Mamba row recorded so far also ran
@@ -62,19 +59,19 @@ AS_RUN: dict[str, dict[str, list[str]]] = {
 }  # fmt: skip
 
 
-def default_cases() -> list[scaling.Case]:
+def default_cases() -> list[Case]:
     """Small to large on one GPU, then FSDP. Names match bench/scaling.py rows so --reuse can pick them up."""
     t = "transformer"
     return [
-        scaling.Case("t-1-g32", t, 1, "single", 32, studies=("calibration",)),
-        scaling.Case(
+        Case("t-1-g32", t, 1, "single", 32, studies=("calibration",)),
+        Case(
             "v-tiny-1", t, 1, "single", 16, micro=16, seq=256, recipe="configs/tiny.yaml", studies=("calibration",)
         ),  # fmt: skip
-        scaling.Case("v-125m-1", t, 1, "single", 64, micro=16, seq=1024, recipe="configs/125m.yaml"),
-        scaling.Case("t-fsdp-2-g32", t, 2, "fsdp", 32),
-        scaling.Case("t-fsdp-4-g32", t, 4, "fsdp", 32),
-        scaling.Case("t-ddp-2-g32", t, 2, "ddp", 32),
-        scaling.Case("t-hsdp2x2-4-g32", t, 4, "hsdp", 32, dp_replicate=2),
+        Case("v-125m-1", t, 1, "single", 64, micro=16, seq=1024, recipe="configs/125m.yaml"),
+        Case("t-fsdp-2-g32", t, 2, "fsdp", 32),
+        Case("t-fsdp-4-g32", t, 4, "fsdp", 32),
+        Case("t-ddp-2-g32", t, 2, "ddp", 32),
+        Case("t-hsdp2x2-4-g32", t, 4, "hsdp", 32, dp_replicate=2),
     ]
 
 
@@ -93,12 +90,12 @@ def as_run_overrides(row: dict, use_as_run: bool, extra: dict[str, list[str]]) -
 
 def row_config(row: dict, use_as_run: bool = True, extra: dict[str, list[str]] | None = None):
     """The RunConfig a row trained with: recipe + the row's layout and overrides (+ the as-run facts)."""
-    return scaling.run_config(row, as_run_overrides(row, use_as_run, extra or {}))
+    return scaling_analysis.run_config(row, as_run_overrides(row, use_as_run, extra or {}))
 
 
 def predict_row(row: dict, device, use_as_run: bool = True, extra: dict[str, list[str]] | None = None):
     overrides = as_run_overrides(row, use_as_run, extra or {})
-    return scaling.predict_row(row, device, overrides), row_config(row, use_as_run, extra).train.compile
+    return scaling_analysis.predict_row(row, device, overrides), row_config(row, use_as_run, extra).train.compile
 
 
 def measured_step(row: dict) -> float:
@@ -152,7 +149,7 @@ def predict(rows: list[dict], device_key: str, gpus_per_node: int, calibrate: st
 
 
 def _layout_text(row: dict) -> str:
-    lay = scaling.cost_layout(row)
+    lay = scaling_analysis.cost_layout(row)
     return f"{row['layout']} {lay.label.split()[0]} mb{row['micro']}×{row['global_batch'] // (lay.dp * row['micro'])}"
 
 

@@ -1,6 +1,6 @@
 """Move one run GPU -> CPU -> GPU through checkpoints and compare with the same run left on the GPU.
 
-    PYTHONPATH=src python bench/hardware_switch.py --data data/shakespeare --out bench/results \
+    PYTHONPATH=src python -m bench.hardware_switch --data data/shakespeare --out bench/results \
         --png docs/hardware_switch.png
 
 Segments: steps 1-30 on the GPU (bf16 autocast), 31-40 resumed on the CPU (fp32), 41-50 resumed on the GPU.

@@ -6,7 +6,7 @@ several times the L2), in ms. The scan rows time the launchers (``_fwd`` / ``_bw
 public op (forward without grad, backward through autograd) next to mamba-ssm's CUDA ``selective_scan_fn`` where
 mamba-ssm is importable. Writes bench/results/mamba_kernels_<device-slug>.json (or under --out).
 
-    PYTHONPATH=src python3 bench/mamba_kernels.py [--out DIR] [--sweep [--conv-configs F,F,... ...]]
+    PYTHONPATH=src python3 -m bench.mamba_kernels [--out DIR] [--sweep [--conv-configs F,F,... ...]]
 """
 
 from __future__ import annotations

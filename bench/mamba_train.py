@@ -22,10 +22,10 @@ the micro-batches that did not fit in ``micro_out_of_memory``.
 MFU = anytrain's ``Mamba.flops_per_token`` (6·N + the scan's elementwise FLOPs) × tokens/s / the device's dense bf16
 peak (``anytrain.hardware.peak_flops``), the same formula for every row.
 
-    PYTHONPATH=src python3 bench/mamba_train.py                       # all rows (GPU)
-    PYTHONPATH=src python3 bench/mamba_train.py --rows 130m hf-130m   # some rows
-    PYTHONPATH=src python3 bench/mamba_train.py --quick               # CPU smoke run: debug shape, 2 steps
-    PYTHONPATH=src python3 bench/mamba_train.py --cpu-scan            # CPU: reference scan, loop vs chunked
+    PYTHONPATH=src python3 -m bench.mamba_train                       # all rows (GPU)
+    PYTHONPATH=src python3 -m bench.mamba_train --rows 130m hf-130m   # some rows
+    PYTHONPATH=src python3 -m bench.mamba_train --quick               # CPU smoke run: debug shape, 2 steps
+    PYTHONPATH=src python3 -m bench.mamba_train --cpu-scan            # CPU: reference scan, loop vs chunked
 
 ``--cpu-scan`` times one forward + backward of the tiny-mamba LM on CPU with the reference selective scan as the
 plain per-step loop (``impl="loop"``) and as the chunked two-level scan (the default), interleaved, best of 3.
@@ -38,7 +38,6 @@ import contextlib
 import json
 import os
 import re
-import sys
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
@@ -46,16 +45,13 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
-
-from bench_common import RandomBatches, release, row_error, versions  # noqa: E402
-
-from anytrain import hardware  # noqa: E402
-from anytrain.config import ModelConfig, RunConfig  # noqa: E402
-from anytrain.models import build_model, resolve_args  # noqa: E402
-from anytrain.parallel import parallelize  # noqa: E402
-from anytrain.train.optim import build_optimizer  # noqa: E402
-from anytrain.train.profiling import profile_call  # noqa: E402
+from anytrain import hardware
+from anytrain.config import ModelConfig, RunConfig
+from anytrain.models import build_model, resolve_args
+from anytrain.parallel import parallelize
+from anytrain.train.optim import build_optimizer
+from anytrain.train.profiling import profile_call
+from bench.common import RandomBatches, release, row_error, versions
 
 
 @dataclass

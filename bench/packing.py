@@ -20,28 +20,23 @@ Results: a table on stdout and ``--out/packing_<device>.json`` (``packing_smoke.
 run in this process on the CPU, where the masks are explicit SDPA masks: a check that the bench runs, not a
 measurement).
 
-    PYTHONPATH=src python bench/packing.py --out bench/results          # GPU: the full table (~6 minutes)
-    PYTHONPATH=src python bench/packing.py --smoke --out /tmp/packing   # CPU check: debug shapes, 2 steps, no compile
+    PYTHONPATH=src python -m bench.packing --out bench/results          # GPU: the full table (~6 minutes)
+    PYTHONPATH=src python -m bench.packing --smoke --out /tmp/packing   # CPU check: debug shapes, 2 steps, no compile
 """
 
 from __future__ import annotations
 
 import argparse
-import sys
 import time
-from pathlib import Path
 
 import numpy as np
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
-
-from bench_common import bench_device, print_row, release, row_error, run_row_in_child, save_rows, timed  # noqa: E402
-
-from anytrain import hardware  # noqa: E402
-from anytrain.config import ModelConfig, RunConfig  # noqa: E402
-from anytrain.models import layers  # noqa: E402
-from anytrain.train.trainer import Trainer  # noqa: E402
+from anytrain import hardware
+from anytrain.config import ModelConfig, RunConfig
+from anytrain.models import layers
+from anytrain.train.trainer import Trainer
+from bench.common import bench_device, print_row, release, row_error, run_row_in_child, save_rows, timed
 
 ROWS = ["train-rope-causal", "train-rope-document", "train-alibi-causal", "train-alibi-document"]
 EOS_ID = 0
@@ -140,7 +135,7 @@ def run_row(name: str, args: argparse.Namespace) -> dict:
 def run_child(name: str, args: argparse.Namespace) -> dict:
     argv = ["--out", args.out, "--steps", str(args.steps), "--warmup", str(args.warmup), "--doc-len",
             str(args.doc_len)]  # fmt: skip
-    return run_row_in_child(__file__, argv, name)
+    return run_row_in_child("bench.packing", argv, name)
 
 
 def print_table(rows: list[dict]) -> None:

@@ -15,7 +15,7 @@ split between the processes that share them), sampled every 50 ms from /proc; th
 process tree, imports included) are less sensitive than the time to other jobs on the machine. Both sides run with
 TOKENIZERS_PARALLELISM=false and W processes. Writes a table and bench/results/prepare_<host cpu>.json with versions.
 
-    python bench/prepare.py --size-mb 1000 --workers 2
+    python -m bench.prepare --size-mb 1000 --workers 2
 """
 
 from __future__ import annotations
@@ -34,7 +34,6 @@ from pathlib import Path
 import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "src"))
 
 ANYTRAIN_SIDE = """
 import json, sys, time

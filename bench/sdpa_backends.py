@@ -6,7 +6,7 @@ forward + backward), with GQA given natively (``enable_gqa=True``) and with K/V 
 (``repeat_interleave``, included in the time). A backend that refuses the call is listed with its reason. TFLOP/s
 count the causal work: (2 forward + 5 backward matmuls) x B H S^2 D, halved for causality.
 
-    PYTHONPATH=src python3 bench/sdpa_backends.py [--out bench/results]
+    PYTHONPATH=src python3 -m bench.sdpa_backends [--out bench/results]
 """
 
 from __future__ import annotations
@@ -20,7 +20,8 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from bench_common import versions
+
+from bench.common import versions
 
 
 def main() -> int:

@@ -7,29 +7,24 @@ trainer applies it) at tiny widths, so the step is pure host work: DTensor dispa
 TP step that bound it on 4 H100s (docs/scaling.md). Rows run in one process per rank (torchrun), gloo on CPU or NCCL
 on GPUs; each row times ``--steps`` optimizer steps after ``--warmup`` and reports rank 0's milliseconds per step.
 
-    PYTHONPATH=src torchrun --standalone --nproc_per_node 2 bench/tp_optimizer.py --out bench/results   # CPU or GPUs
+    PYTHONPATH=src torchrun --standalone --nproc_per_node 2 -m bench.tp_optimizer --out bench/results   # CPU or GPUs
 """
 
 from __future__ import annotations
 
 import argparse
-import sys
 import time
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
-
-from bench_common import save_rows  # noqa: E402
-
-from anytrain import hardware  # noqa: E402
-from anytrain.config import load_config  # noqa: E402
-from anytrain.models import get_spec, resolve_args  # noqa: E402
-from anytrain.parallel import parallelize  # noqa: E402
-from anytrain.parallel.dims import ParallelDims  # noqa: E402
-from anytrain.train.optim import build_optimizer, param_groups  # noqa: E402
+from anytrain import hardware
+from anytrain.config import load_config
+from anytrain.models import get_spec, resolve_args
+from anytrain.parallel import parallelize
+from anytrain.parallel.dims import ParallelDims
+from anytrain.train.optim import build_optimizer, param_groups
+from bench.common import save_rows
 
 SHAPE = ["--model.flavour", "debug", "--model.args.n_layers", "22", "--model.args.vocab_size", "512"]
 

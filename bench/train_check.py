@@ -3,7 +3,7 @@
 Each recipe runs through the real CLI (`python -m anytrain train ...`) in its own process, for --steps optimizer
 steps; throughput is the mean over log windows after the first (which holds compilation and warm-up).
 
-    PYTHONPATH=src python bench/train_check.py --recipes configs/tiny.yaml configs/125m.yaml --steps 50 \
+    PYTHONPATH=src python -m bench.train_check --recipes configs/tiny.yaml configs/125m.yaml --steps 50 \
         --data data/shakespeare --out bench/results
 """
 

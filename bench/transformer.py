@@ -23,10 +23,10 @@ CE, per-block (or whole-body) compile, fused AdamW and step machinery around tra
 
 MFU = (6·N_non-embedding + 12·L·d·T) × tokens/s / peak (989 TFLOP/s on H100/H200), the same formula for every row.
 
-    PYTHONPATH=src python bench/transformer.py --out bench/results             # full table (GPU, needs transformers)
-    PYTHONPATH=src python bench/transformer.py --groups 1.1b-2048 --profile    # one group, with a kernel profile
-    PYTHONPATH=src python bench/transformer.py --smoke                         # CPU check of the anytrain path
-    PYTHONPATH=src python bench/transformer.py --groups tiny-512 1.1b-2048-mb16 \
+    PYTHONPATH=src python -m bench.transformer --out bench/results             # full table (GPU, needs transformers)
+    PYTHONPATH=src python -m bench.transformer --groups 1.1b-2048 --profile    # one group, with a kernel profile
+    PYTHONPATH=src python -m bench.transformer --smoke                         # CPU check of the anytrain path
+    PYTHONPATH=src python -m bench.transformer --groups tiny-512 1.1b-2048-mb16 \
         --stacks anytrain-hf hf-compile anytrain                               # model.arch hf vs HF + compile
 """
 
@@ -42,20 +42,16 @@ import tempfile
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
-
-from bench_common import RandomBatches, bench_device, release, results_path, row_error, versions  # noqa: E402
-
-from anytrain import hardware  # noqa: E402
-from anytrain.config import ModelConfig, RunConfig  # noqa: E402
-from anytrain.models import losses, resolve_args  # noqa: E402
-from anytrain.models.llama import model as transformer  # noqa: E402
-from anytrain.train.profiling import profile_call  # noqa: E402
-from anytrain.train.trainer import Trainer  # noqa: E402
+from anytrain import hardware
+from anytrain.config import ModelConfig, RunConfig
+from anytrain.models import losses, resolve_args
+from anytrain.models.llama import model as transformer
+from anytrain.train.profiling import profile_call
+from anytrain.train.trainer import Trainer
+from bench.common import RandomBatches, bench_device, child_env, release, results_path, row_error, versions
 
 
 @dataclass
@@ -408,11 +404,11 @@ ROW_MARK = "ROW-JSON "
 def run_case_child(case: Case) -> dict:
     """Run one case in a fresh Python process (same flags as this one) and return its row."""
     argv = [a for a in sys.argv[1:] if a != "--in-process"]
-    cmd = [sys.executable, str(Path(__file__).resolve()), *argv, "--one-case", json.dumps(asdict(case))]
+    cmd = [sys.executable, "-m", "bench.transformer", *argv, "--one-case", json.dumps(asdict(case))]
     # a cache of its own: inductor's graph cache key does not cover the SDPA backend flags, so a row that only changes
     # the attention backend would otherwise replay the previous row's graph (seen: a 5.7 s "compile", same memory)
     with tempfile.TemporaryDirectory(prefix="anytrain-bench-inductor-") as cache:
-        env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": cache}
+        env = child_env(TORCHINDUCTOR_CACHE_DIR=cache)
         proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith(ROW_MARK)]
     if not lines:

@@ -1,6 +1,6 @@
 """Parts of the 1.1B Transformer step on one GPU, measured alone: its GEMM shapes, its RoPE, the idle gaps of a step.
 
-    PYTHONPATH=src python bench/transformer_parts.py [gemms] [rope] [gaps] --out bench/results
+    PYTHONPATH=src python -m bench.transformer_parts [gemms] [rope] [gaps] --out bench/results
 
 - ``gemms``: every projection of a 1.1B layer at the recipe's 32,768 tokens per micro-batch (forward, input
   gradient, weight gradient; CUDA events, 20 calls) under cuBLAS and cuBLASLt (``preferred_blas_library``), a bf16
@@ -22,18 +22,13 @@ from __future__ import annotations
 import argparse
 import json
 import re
-import sys
 import time
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from bench_common import RandomBatches, versions  # noqa: E402
-
-from anytrain.models.llama.model import apply_rope, rope_tables  # noqa: E402
+from anytrain.models.llama.model import apply_rope, rope_tables
+from bench.common import RandomBatches, versions
 
 TOKENS = 32768  # micro-batch 16 x 2048
 PROJECTIONS = {"q/o": (2048, 2048), "k/v": (2048, 256), "w1/w3": (2048, 5632), "w2": (5632, 2048)}
@@ -153,9 +148,10 @@ def rope() -> dict:
 
 
 def gaps() -> dict:
-    import transformer as tb
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
+
+    from bench import transformer as tb
 
     case = next(c for c in tb.default_cases() if c.label.startswith("anytrain recipe"))
     device = torch.device("cuda")

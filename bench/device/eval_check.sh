@@ -62,7 +62,7 @@ fi
 mark "corpus prepared"
 
 # 3. the bench: train, export, generate, score (each stage prints its wall time)
-python3 bench/eval_throughput.py --out "$OUT" "$@"
+python3 -m bench.eval_throughput --out "$OUT" "$@"
 status=$?
 # the stage logs as one file (the device tool returns at most 8 files from $OUT)
 [ -d "$OUT/eval_throughput_logs" ] && tar -czf "$OUT/eval_throughput_logs.tgz" -C "$OUT" eval_throughput_logs &&

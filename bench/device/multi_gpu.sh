@@ -14,13 +14,13 @@ for g in 2 "$n"; do
     --out "bench/results/doctor_${g}gpu.json" 2>&1 | tail -n 25
 done
 touch /tmp/multi_gpu.start
-python3 bench/scaling.py "$@"
+python3 -m bench.scaling "$@"
 dev=$(python3 -c 'import re, torch; print(re.sub(r"[^a-z0-9]+", "-", torch.cuda.get_device_name().lower()).strip("-"))')
 # the results file this run wrote (its name carries --tag), not an older committed one
 result=$(find bench/results -maxdepth 1 -name "scaling_${dev}*.json" -newer /tmp/multi_gpu.start | head -n 1)
 doctors=$(ls bench/results/doctor_*gpu.json 2>/dev/null)
 if [ -n "$result" ]; then
-  python3 bench/cost_model_validation.py --reuse-only --reuse "$result" ${doctors:+--doctor $doctors}
+  python3 -m bench.cost_model_validation --reuse-only --reuse "$result" ${doctors:+--doctor $doctors}
 fi
 # (--reuse-only writes *_reuse.json so that it never overwrites results measured on a GPU)
 cp bench/results/doctor_*gpu.json $result "bench/results/cost_model_validation_${dev}_reuse.json" \

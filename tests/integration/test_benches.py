@@ -13,7 +13,7 @@ from tests.conftest import ROOT, cli_env
 
 
 def _bench(tmp_path, script: str, *flags: str) -> list[dict]:
-    proc = subprocess.run([sys.executable, f"bench/{script}.py", *flags, "--out", str(tmp_path)], cwd=ROOT,
+    proc = subprocess.run([sys.executable, "-m", f"bench.{script}", *flags, "--out", str(tmp_path)], cwd=ROOT,
                           env=cli_env(), capture_output=True, text=True, timeout=600)  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
     (path,) = tmp_path.glob(f"{script}_*.json")
@@ -44,9 +44,9 @@ def test_mamba_train_hf_row_halves_its_micro_batch_when_it_runs_out_of_memory(mo
     # HF's slow path needs ~80 GiB at mamba-130m x micro-batch 8: on an 80 GB card the row must halve its micro-batch
     # (same global batch) instead of losing the side-by-side baseline. A stand-in for HF's step runs out of memory
     # above micro-batch 2; the retry logic and the timing are the bench's own.
-    monkeypatch.syspath_prepend(str(ROOT / "bench"))
-    import mamba_train
     import torch
+
+    from bench import mamba_train
 
     built = []
 
@@ -73,7 +73,7 @@ def test_mamba_train_hf_row_halves_its_micro_batch_when_it_runs_out_of_memory(mo
 
 @pytest.mark.slow  # the native scorer and the bridge agree item for item in test_eval_tasks.py
 def test_eval_throughput_smoke_trains_exports_and_scores_three_ways(tmp_path):
-    # bench/eval_throughput.py --smoke: tiny Llama and Mamba runs trained and exported through the CLI, loaded in
+    # python -m bench.eval_throughput --smoke: tiny Llama and Mamba runs trained and exported through the CLI, loaded in
     # transformers; the native scorer, the lm-eval bridge and (where accelerate is installed: the eval and dev extras)
     # lm-eval's own HFLM score the same task from the corpus. In fp32 on the CPU they must see the same sequences and
     # agree exactly, acc_norm included (anytrain normalises as lm-eval: by the characters of the choice). HFLM scores
@@ -133,8 +133,8 @@ def test_spread_runs_each_job_on_one_gpu_under_its_limit_and_packs_one_file(tmp_
 
 def test_tp_optimizer_bench_times_per_parameter_and_per_mesh_updates_on_two_ranks(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-                           "bench/tp_optimizer.py", "--steps", "2", "--warmup", "1", "--out", str(tmp_path)], cwd=ROOT,
-                          env=cli_env(), capture_output=True, text=True, timeout=300)  # fmt: skip
+                           "-m", "bench.tp_optimizer", "--steps", "2", "--warmup", "1", "--out", str(tmp_path)],
+                          cwd=ROOT, env=cli_env(), capture_output=True, text=True, timeout=300)  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
     (path,) = tmp_path.glob("tp_optimizer_tp2_*.json")
     rows = {r["row"]: r for r in json.loads(path.read_text())["rows"]}

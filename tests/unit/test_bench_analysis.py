@@ -1,27 +1,23 @@
-"""The analysis half of bench/scaling.py and bench/cost_model_validation.py on synthetic rows (no GPU needed)."""
+"""The analysis of the scaling study (bench/scaling_analysis.py) and bench/cost_model_validation.py on synthetic rows
+(no GPU needed), and the bench recipe rows against their configs."""
 
 from __future__ import annotations
 
-import sys
 from dataclasses import asdict
-from pathlib import Path
 
 import pytest
 
-BENCH = Path(__file__).resolve().parents[2] / "bench"
-sys.path.insert(0, str(BENCH))
-
-import cost_model_validation  # noqa: E402
-import scaling  # noqa: E402
+from bench import cost_model_validation, scaling, scaling_analysis, scaling_cases
+from tests.conftest import ROOT
 
 
-def _row(case: scaling.Case, tokens_per_s_per_gpu: float, peak: float) -> dict:
+def _row(case: scaling_cases.Case, tokens_per_s_per_gpu: float, peak: float) -> dict:
     return {**asdict(case), "dp": case.dp, "accum": case.accum, "tokens_per_s": tokens_per_s_per_gpu * case.gpus,
             "tokens_per_s_per_gpu": tokens_per_s_per_gpu, "peak_mem_gib": peak}  # fmt: skip
 
 
 def test_efficiencies_use_the_matching_one_gpu_baseline():
-    cases = {c.name: c for c in scaling.default_cases(4)}
+    cases = {c.name: c for c in scaling_cases.default_cases(4)}
     rows = [
         _row(cases["t-1-g32"], 1000.0, 30.0),
         _row(cases["t-1-g8"], 900.0, 30.0),
@@ -32,7 +28,7 @@ def test_efficiencies_use_the_matching_one_gpu_baseline():
         _row(cases["hf-ddp-1-g8"], 500.0, 40.0),
         _row(cases["hf-ddp-2-g16"], 450.0, 40.0),
     ]
-    scaling.add_efficiencies(rows)
+    scaling_analysis.add_efficiencies(rows)
     by = {r["name"]: r for r in rows}
     assert by["t-fsdp-2-g32"]["strong_efficiency"] == pytest.approx(0.95)  # vs the 1-GPU run of the same global batch
     assert by["t-fsdp-2-g16"]["weak_efficiency"] == pytest.approx(880 / 900)  # vs 1 GPU with the same per-GPU batch
@@ -45,11 +41,11 @@ def test_efficiencies_use_the_matching_one_gpu_baseline():
 
 
 def test_efficiency_baselines_match_the_model_shape():
-    cases = {c.name: c for c in scaling.default_cases(4)}
+    cases = {c.name: c for c in scaling_cases.default_cases(4)}
     rows = [_row(cases["t-1-g32"], 1000.0, 30.0), _row(cases["v-tiny-1"], 250000.0, 0.4),
             _row(cases["t-fsdp-2-g32"], 950.0, 20.0), _row(cases["m-fsdp-2-g32"], 400.0, 40.0),
             _row(cases["hf-ddp-2-g16"], 450.0, 40.0)]  # fmt: skip
-    scaling.add_efficiencies(rows)
+    scaling_analysis.add_efficiencies(rows)
     by = {r["name"]: r for r in rows}
     # v-tiny-1 is a 1-GPU "transformer" row of global batch 16 = t-fsdp-2-g32's per-GPU batch, but another model
     assert by["t-fsdp-2-g32"]["weak_efficiency"] is None and by["t-fsdp-2-g32"]["weak_ref"] is None
@@ -61,7 +57,7 @@ def test_efficiency_baselines_match_the_model_shape():
 
 
 def test_merge_prefers_later_rows_but_never_an_error_over_a_measurement():
-    cases = {c.name: c for c in scaling.default_cases(4)}
+    cases = {c.name: c for c in scaling_cases.default_cases(4)}
     fail = lambda name: {**asdict(cases[name]), "error": "exit 1: boom"}  # noqa: E731
     first = {
         "device": "NVIDIA H200",
@@ -86,7 +82,7 @@ def test_merge_prefers_later_rows_but_never_an_error_over_a_measurement():
         ],
     }
     third = {"device": "NVIDIA H200", "gpus_on_host": 4, "date": "d3", "rows": [_row(cases["t-fsdp-4-g32"], 800, 18)]}
-    rows = scaling.merge_rows([("a.json", first), ("b.json", second), ("c.json", third)])
+    rows = scaling_analysis.merge_rows([("a.json", first), ("b.json", second), ("c.json", third)])
     by = {r["name"]: r for r in rows}
     assert by["t-1-g32"]["source"] == "a.json"  # the later failure does not replace the measurement ...
     assert by["t-1-g32"]["other_runs"] == [{"source": "b.json", "error": "exit 1: boom"}]  # ... but is recorded
@@ -97,48 +93,48 @@ def test_merge_prefers_later_rows_but_never_an_error_over_a_measurement():
     assert by["t-tp2-2-g32"]["error"] == "exit 2: later"  # error over error: the later one
     assert (by["t-fsdp-4-g32"]["machine"], by["t-fsdp-4-g32"]["date"]) == ("4x NVIDIA H200", "d3")
     assert [r["name"] for r in rows] == ["t-1-g32", "t-fsdp-2-g32", "t-tp2-2-g32", "t-fsdp-4-g32", "hf-ddp-2-g16"]
-    scaling.add_efficiencies(rows)
+    scaling_analysis.add_efficiencies(rows)
     assert by["t-fsdp-4-g32"]["strong_efficiency"] == pytest.approx(0.8)  # against the 1-GPU row of another file
 
 
 def test_merge_takes_the_median_of_one_hosts_runs():
     """Files from one host (one machine lease) hold repeats of a case: the merged row is the median run (the lower
     middle one for an even count) with every rate; a file from another host replaces them as before."""
-    cases = {c.name: c for c in scaling.default_cases(4)}
+    cases = {c.name: c for c in scaling_cases.default_cases(4)}
 
     def payload(host, rate, date="d1"):
         return {"device": "NVIDIA H100", "gpus_on_host": 4, "date": date, "host": host,
                 "rows": [_row(cases["t-ddp-4-g32"], rate, 33.0)]}  # fmt: skip
 
     same = [("a.json", payload("h1", 900.0)), ("b.json", payload("h1", 1000.0)), ("c.json", payload("h1", 950.0))]
-    (row,) = scaling.merge_rows(same)
+    (row,) = scaling_analysis.merge_rows(same)
     assert row["tokens_per_s_per_gpu"] == 950.0 and row["source"] == "c.json"
     assert row["repeat_tokens_per_s_per_gpu"] == [900.0, 1000.0, 950.0] and row["host"] == "h1"
-    (even,) = scaling.merge_rows(same[:2])
+    (even,) = scaling_analysis.merge_rows(same[:2])
     assert even["tokens_per_s_per_gpu"] == 900.0 and even["repeat_tokens_per_s_per_gpu"] == [900.0, 1000.0]
-    (other,) = scaling.merge_rows([*same, ("d.json", payload("h2", 700.0, "d2"))])
+    (other,) = scaling_analysis.merge_rows([*same, ("d.json", payload("h2", 700.0, "d2"))])
     assert other["tokens_per_s_per_gpu"] == 700.0 and other["source"] == "d.json"
     assert [r["tokens_per_s_per_gpu"] for r in other["other_runs"]] == [900.0, 1000.0, 950.0]
-    (unknown,) = scaling.merge_rows([("a.json", payload(None, 900.0)), ("b.json", payload(None, 1000.0))])
+    (unknown,) = scaling_analysis.merge_rows([("a.json", payload(None, 900.0)), ("b.json", payload(None, 1000.0))])
     assert unknown["tokens_per_s_per_gpu"] == 1000.0  # files without a host: the later row, as before
 
 
 def test_cost_layout_maps_case_layouts():
-    cases = {c.name: c for c in scaling.default_cases(4)}
-    hsdp = scaling.cost_layout(asdict(cases["t-hsdp2x2-4-g32"]) | {"dp": 4})
+    cases = {c.name: c for c in scaling_cases.default_cases(4)}
+    hsdp = scaling_analysis.cost_layout(asdict(cases["t-hsdp2x2-4-g32"]) | {"dp": 4})
     assert (hsdp.strategy, hsdp.dp, hsdp.shard_size) == ("hsdp", 4, 2)
-    tp_fsdp = scaling.cost_layout(asdict(cases["t-tp2-fsdp2-4-g32"]))
+    tp_fsdp = scaling_analysis.cost_layout(asdict(cases["t-tp2-fsdp2-4-g32"]))
     assert (tp_fsdp.strategy, tp_fsdp.dp, tp_fsdp.tp) == ("fsdp", 2, 2)
-    single = scaling.cost_layout(asdict(cases["t-1-g32"]))
+    single = scaling_analysis.cost_layout(asdict(cases["t-1-g32"]))
     assert (single.strategy, single.dp) == ("ddp", 1)
-    assert scaling.cost_layout(asdict(cases["t-tp4-4-g32"])).strategy == "ddp"  # dp 1: nothing to shard
+    assert scaling_analysis.cost_layout(asdict(cases["t-tp4-4-g32"])).strategy == "ddp"  # dp 1: nothing to shard
     # the row's own options reach the layout: gathered FSDP, ZeRO-2, the interleaved schedule
-    assert not scaling.cost_layout(asdict(cases["t-fsdpg-4-g32"])).reshard_during_accumulation
-    assert scaling.cost_layout(asdict(cases["t-fsdp-4-g32"])).reshard_during_accumulation
-    assert not scaling.cost_layout(asdict(cases["t-zero2-4-g32"])).reshard_after_forward
-    pp4i = scaling.cost_layout(asdict(cases["t-pp4i-4-g32"]))
+    assert not scaling_analysis.cost_layout(asdict(cases["t-fsdpg-4-g32"])).reshard_during_accumulation
+    assert scaling_analysis.cost_layout(asdict(cases["t-fsdp-4-g32"])).reshard_during_accumulation
+    assert not scaling_analysis.cost_layout(asdict(cases["t-zero2-4-g32"])).reshard_after_forward
+    pp4i = scaling_analysis.cost_layout(asdict(cases["t-pp4i-4-g32"]))
     assert (pp4i.pp, pp4i.pp_schedule, pp4i.pp_chunks) == (4, "interleaved", 2)
-    assert scaling.cost_layout(asdict(cases["t-pp4-4-g32"])).pp_schedule == "1f1b"
+    assert scaling_analysis.cost_layout(asdict(cases["t-pp4-4-g32"])).pp_schedule == "1f1b"
 
 
 def test_validation_calibrates_on_one_run_and_predicts_the_rest():
@@ -157,12 +153,12 @@ def test_validation_calibrates_on_one_run_and_predicts_the_rest():
 
 
 def test_plot_series_keeps_option_variants_apart_and_drops_profiled_rows():
-    cases = {c.name: c for c in scaling.default_cases(4)}
+    cases = {c.name: c for c in scaling_cases.default_cases(4)}
     rows = [_row(cases[n], tps, 20.0) for n, tps in (("t-1-g32", 1000.0), ("t-fsdp-4-g32", 850.0),
                                                      ("t-fsdpg-4-g32", 930.0), ("t-fsdp-2-g32", 900.0),
                                                      ("t-fsdpg-2-g32", 970.0), ("p-fsdp-2-g16", 500.0))]  # fmt: skip
-    scaling.add_efficiencies(rows)
-    series = {s["label"]: [r["name"] for r in s["rows"]] for s in scaling.plot_series(rows, "transformer")}
+    scaling_analysis.add_efficiencies(rows)
+    series = {s["label"]: [r["name"] for r in s["rows"]] for s in scaling_analysis.plot_series(rows, "transformer")}
     assert series["FSDP, 32 seq global"] == ["t-1-g32", "t-fsdp-2-g32", "t-fsdp-4-g32"]
     assert series["FSDP gathered, 32 seq global"] == ["t-1-g32", "t-fsdpg-2-g32", "t-fsdpg-4-g32"]
     assert not any("p-fsdp-2-g16" in names for names in series.values())
@@ -170,14 +166,14 @@ def test_plot_series_keeps_option_variants_apart_and_drops_profiled_rows():
 
 
 def test_eight_gpu_cases_exist_and_pair_with_one_gpu_baselines():
-    cases = {c.name: c for c in scaling.default_cases(8)}
-    assert not any(c.gpus == 8 for c in scaling.default_cases(4))
+    cases = {c.name: c for c in scaling_cases.default_cases(8)}
+    assert not any(c.gpus == 8 for c in scaling_cases.default_cases(4))
     assert cases["t-fsdp-8-g32"].accum == 1  # the goal row: one micro-batch of 4 per GPU
     assert cases["t-fsdpg-8-g64"].accum == 2 and cases["t-hsdp2x4-8-g32"].dp_replicate == 2
     rows = [_row(cases[n], tps, 20.0) for n, tps in (("t-1-g32", 1000.0), ("t-1-g8", 950.0), ("hf-ddp-1-g8", 600.0),
                                                      ("t-fsdp-8-g32", 900.0), ("t-fsdpg-8-g64", 920.0),
                                                      ("hf-ddp-8-g64", 560.0))]  # fmt: skip
-    scaling.add_efficiencies(rows)
+    scaling_analysis.add_efficiencies(rows)
     by = {r["name"]: r for r in rows}
     assert by["t-fsdp-8-g32"]["strong_ref"] == "t-1-g32" and by["t-fsdp-8-g32"]["strong_efficiency"] == 0.9
     assert by["t-fsdpg-8-g64"]["weak_ref"] == "t-1-g8" and by["hf-ddp-8-g64"]["weak_ref"] == "hf-ddp-1-g8"
@@ -190,12 +186,11 @@ def test_eight_gpu_cases_exist_and_pair_with_one_gpu_baselines():
 )
 def test_mamba_bench_recipe_rows_match_their_configs(row, config):
     # bench/mamba_train.py's recipe rows say they run configs/<config> as configured: keep them in step with the file
-    import mamba_train
-
     from anytrain.config import load_config
+    from bench import mamba_train
 
     case = {c.name: c for c in mamba_train.default_cases()}[row]
-    cfg = load_config(BENCH.parent / "configs" / config)
+    cfg = load_config(ROOT / "configs" / config)
     assert (case.flavour, case.seq, case.micro, case.global_batch) == (
         cfg.model.flavour,
         cfg.data.seq_len,
@@ -208,12 +203,11 @@ def test_mamba_bench_recipe_rows_match_their_configs(row, config):
 
 
 def test_transformer_bench_recipe_row_matches_its_config():
-    import transformer as transformer_bench
-
     from anytrain.config import load_config
+    from bench import transformer as transformer_bench
 
     case = next(c for c in transformer_bench.default_cases() if c.label.startswith("anytrain recipe"))
-    cfg = load_config(BENCH.parent / "configs" / "1.1b.yaml")
+    cfg = load_config(ROOT / "configs" / "1.1b.yaml")
     assert (case.flavour, case.seq, case.micro, case.global_batch) == (
         cfg.model.flavour,
         cfg.data.seq_len,
@@ -224,17 +218,17 @@ def test_transformer_bench_recipe_row_matches_its_config():
 
 
 def test_a_row_the_cost_model_cannot_take_keeps_the_others_predicted():
-    cases = {c.name: c for c in scaling.default_cases(4)}
+    cases = {c.name: c for c in scaling_cases.default_cases(4)}
     good = _row(cases["t-tp4mb16-4-g32"], 28000.0, 20.0)
     bad = {**_row(cases["t-pp4-4-g32"], 48000.0, 18.0), "extra": ["--parallel.pp_schedule", "Bogus"]}
     rows = [_row(cases["t-1-g32"], 71000.0, 29.0), good, bad]
-    scaling.add_predictions(rows, "h100", 4)
+    scaling_analysis.add_predictions(rows, "h100", 4)
     assert "parallel.pp_schedule" in bad["predicted"]["catalogue"]["error"]
     assert good["predicted"]["calibrated"]["step_s"] > 0 and "step_error" in good["predicted"]["catalogue"]
 
 
 def test_repeats_run_round_robin_and_fold_into_the_median_run():
-    cases = {c.name: c for c in scaling.default_cases(4)}
+    cases = {c.name: c for c in scaling_cases.default_cases(4)}
     runs = scaling.with_repeats([cases["t-1-g32"], cases["t-ddp-4-g32"]], 3)
     assert [c.name for c in runs] == ["t-1-g32", "t-ddp-4-g32", "t-1-g32#2", "t-ddp-4-g32#2", "t-1-g32#3",
                                       "t-ddp-4-g32#3"]  # fmt: skip

@@ -203,7 +203,7 @@ def test_tensor_parallel_keeps_the_lm_head_whole():
 
 @pytest.mark.parametrize(
     "name, shape_args, layout, batch, seq, compiled, prec, measured",
-    [  # bench/results/scaling_nvidia-h200_*.json (torch 2.11, 2026-11-22): allocator peaks of rank 0; mb16 and
+    [  # bench/results/scaling_nvidia-h200.json (torch 2.11, 2026-11-22): allocator peaks of rank 0; mb16 and
         # fp32-residual: an in-process H200 transformer run; mamba-compiled: an earlier mamba_train_nvidia-h200.json
         # (47.4; the file's git history)
         ("t-1-g32", ("transformer", "1.1b"), Layout(micro_batch=4), 32, 2048, True, AMP, 29.30),
@@ -222,7 +222,7 @@ def test_tensor_parallel_keeps_the_lm_head_whole():
         ("mamba-compiled", ("mamba", "1.4b"), Layout(micro_batch=4), 8, 2048, True, AMP, 47.36),
         ("m-fsdp-2-g32", ("mamba", "1.4b"), Layout(dp=2, strategy="fsdp", micro_batch=4), 32, 2048, False,
          FSDP_BF16, 42.87),
-        # bench/results/ddp_ab_2026-11-27/ (4 H100s): DDP with parallel.ddp_bucket_mb 100 (the default since)
+        # bench/results/scaling_nvidia-h100-80gb-hbm3_4gpu_all.json (4 H100s): DDP, parallel.ddp_bucket_mb 100
         ("t-ddp-4-g32 bucket 100", ("transformer", "1.1b"), Layout(dp=4, micro_batch=4), 32, 2048, True, AMP, 33.39),
     ],
 )  # fmt: skip
