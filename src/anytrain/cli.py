@@ -109,6 +109,8 @@ def train(
         summary = run_training(cfg, run_dir=run_dir, resume=resume, overwrite=overwrite, resume_allow=allow)
     finally:
         shutdown()
+    if summary.get("already_complete"):  # a resume with nothing to do: the trainer said so in one line
+        return
     if summary.get("world_size", 1) == 1 or _rank() == 0:
         _print_summary(summary)
 
@@ -120,6 +122,8 @@ def _rank() -> int:
 
 
 def _print_summary(summary: dict) -> None:
+    from anytrain.train.metrics import format_duration
+
     first, last = summary["first_val_loss"], summary["final_val_loss"]
     lines = [f"run dir:     {summary['run_dir']}"]
     run_dir = Path(summary["run_dir"])
@@ -130,13 +134,15 @@ def _print_summary(summary: dict) -> None:
     mfu = "n/a (no peak FLOP/s for this device)" if summary["mfu"] is None else f"{100 * summary['mfu']:.1f}%"
     lines.append(f"throughput:  {summary['tokens_per_s']:,.0f} tokens/s ({summary['world_size']} x "
                  f"{summary['hardware']['device']}), MFU {mfu}")  # fmt: skip
+    lines.append(f"wall time:   {format_duration(summary['wall_s'])} ({summary['wall_s']:.1f} s, this invocation)")
     typer.echo("\n".join(lines))
 
 
 @app.command()
 def status(run_dir: str = typer.Argument(..., help="A run directory written by `anytrain train`.")) -> None:
     """How the run's last invocation ended, as one line and the exit code: 0 finished, 143 / 130 preempted (saved;
-    requeue it with checkpoint.auto_resume or --resume), 3 stopped on an error, 1 crashed or still running."""
+    requeue it with checkpoint.auto_resume or --resume), 3 stopped on an error (the line gives its message and the
+    invocation's exit code), 1 killed hard or still running."""
     from anytrain.train.rundir import describe_status
 
     line, code = describe_status(Path(run_dir))

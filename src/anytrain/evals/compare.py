@@ -1,14 +1,14 @@
 """``anytrain compare RUN_A RUN_B ...``: training and validation loss curves of runs side by side.
 
 Curves come from each run's ``metrics.jsonl`` (``train`` records: ``loss``; ``eval`` records: ``val_loss``; a step
-logged twice, as after a resume, keeps its last value), aligned on the optimizer step or on tokens seen. Every run is
+logged twice, as after a resume, keeps its last value; records a resumed run replaced are dropped:
+``train.rundir.read_metrics``), aligned on the optimizer step or on tokens seen. Every run is
 compared with the first: the largest and the mean absolute difference over the x values both logged. With
 ``assert_within`` a larger difference makes the command fail (exit 1), for regression checks in CI.
 """
 
 from __future__ import annotations
 
-import json
 import statistics
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -16,6 +16,7 @@ from typing import Any
 
 from anytrain.diskio import remove, temp_sibling
 from anytrain.errors import AnytrainError, RunDirError
+from anytrain.train.rundir import read_metrics
 
 METRICS = ("loss", "val_loss")
 PLOT_INSTALL_HINT = "pip install 'anytrain[plot]'"
@@ -38,13 +39,7 @@ def _records(run_dir: Path) -> list[dict]:
     path = run_dir / "metrics.jsonl"
     if not path.is_file():
         raise RunDirError(f"{run_dir}: no metrics.jsonl; is this a directory written by `anytrain train`?")
-    records = []
-    for line in path.read_text().splitlines():
-        try:
-            records.append(json.loads(line))
-        except ValueError:
-            continue  # a line cut short by a crash
-    return records
+    return read_metrics(run_dir)  # after a resume: the records of the resumed run replace those it logged again
 
 
 def load_curves(run_dir: str | Path, by: str = "step") -> RunCurves:

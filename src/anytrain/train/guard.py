@@ -74,7 +74,10 @@ class StepGuard:
     # signals ---------------------------------------------------------------------------------------------------------
 
     def install(self) -> None:
-        """Catch SIGTERM / SIGINT: the loop finishes the current step, checkpoints, and exits 143 / 130."""
+        """Catch SIGTERM / SIGINT: the loop finishes the current step, checkpoints, and exits 143 / 130 (a signal
+        that comes before the first step stops the run there). Installing twice keeps the first installation."""
+        if self._previous:
+            return
         for sig in EXIT_CODES:
             try:
                 self._previous[sig] = signal.signal(sig, self._on_signal)
@@ -90,6 +93,15 @@ class StepGuard:
         if self.signal is not None and signum == signal.SIGINT:  # a second Ctrl-C: stop now
             raise KeyboardInterrupt
         self.signal = signum
+
+    def signal_reached_any_rank(self) -> bool:
+        """Whether some rank has caught a signal: one all-reduce (with several ranks), for decisions outside the step
+        loop, where the per-step agreement does not run. Every rank must call it at the same point."""
+        if self.world_size == 1:
+            return self.signal is not None
+        flag = torch.tensor([float(self.signal is not None)], device=self.device)
+        dist.all_reduce(flag)
+        return bool(flag.item() > 0)
 
     def exit_code(self) -> int:
         return EXIT_CODES.get(self.signal, 143)

@@ -58,11 +58,18 @@ class MetricWindow:
 
     def __init__(self, device: torch.device) -> None:
         self.loss = torch.zeros((), device=device)
+        self._before_last = torch.zeros((), device=device)  # the sum before the last ``add`` (``drop_last``)
         self.steps = 0
 
     def add(self, loss: torch.Tensor) -> None:
+        self._before_last.copy_(self.loss)  # on the device: no host sync
         self.loss += loss
         self.steps += 1
+
+    def drop_last(self) -> None:
+        """Take back the last ``add`` (a step found non-finite after it was counted: its loss may be NaN)."""
+        self.loss.copy_(self._before_last)
+        self.steps -= 1
 
     def mean(self) -> torch.Tensor:
         return self.loss / max(self.steps, 1)
@@ -74,6 +81,24 @@ class MetricWindow:
     def restore(self, loss_sum: float, steps: int) -> None:
         self.loss.fill_(loss_sum)
         self.steps = steps
+
+
+def process_peak_rss_gib() -> float:
+    """This process's peak resident set size in GiB (``getrusage`` ``ru_maxrss``: KiB on Linux, bytes on macOS): the
+    memory figure of a CPU run, whose tensors live in it."""
+    import resource
+
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak / (2**30 if sys.platform == "darwin" else 2**20)
+
+
+def format_duration(seconds: float | None) -> str:
+    """``H:MM:SS`` (``M:SS`` under an hour); ``n/a`` for None."""
+    if seconds is None or not math.isfinite(seconds):
+        return "n/a"
+    minutes, secs = divmod(round(seconds), 60)
+    hours, minutes = divmod(minutes, 60)
+    return f"{hours}:{minutes:02d}:{secs:02d}" if hours else f"{minutes}:{secs:02d}"
 
 
 def _clean(value):
@@ -93,6 +118,8 @@ def _num(value, spec: str) -> str:
 
 
 class MetricsLogger:
+    memory_label = "mem"  # the console's name of peak_mem_gib: "rss" where it is the process's peak resident set
+
     def __init__(
         self,
         run_dir: Path | None,
@@ -105,6 +132,7 @@ class MetricsLogger:
         """``enabled``: this rank prints and records (rank 0). ``run_dir`` None: console only, no files.
         ``run_config``: its ``metrics.wandb`` adds the W&B sink (train/wandb_sink.py)."""
         self.enabled = enabled
+        self.total_steps = total_steps
         self.console = Console(stderr=True, soft_wrap=True)
         self._jsonl = None
         self._tb = None
@@ -158,9 +186,11 @@ class MetricsLogger:
         mfu = r.get("mfu")
         mfu_text = _num(100 * mfu, ".1f") + "%" if isinstance(mfu, (int, float)) else _num(mfu, "")
         tok_s = _num(r.get("tokens_per_s"), ",.0f")
-        text = (f"step {r['step']:>6} | loss {_num(r.get('loss'), '.4f')} | lr {_num(r.get('lr'), '.2e')} | gnorm "
-                f"{_num(r.get('grad_norm'), '.3f')} | {tok_s} tok/s | mfu {mfu_text} | mem "
-                f"{_num(r.get('peak_mem_gib'), '.2f')} GiB")  # fmt: skip
+        width = len(str(self.total_steps))
+        text = (f"step {r['step']:>{width}}/{self.total_steps} | loss {_num(r.get('loss'), '.4f')} | lr "
+                f"{_num(r.get('lr'), '.2e')} | gnorm {_num(r.get('grad_norm'), '.3f')} | {tok_s} tok/s | mfu "
+                f"{mfu_text} | {self.memory_label} {_num(r.get('peak_mem_gib'), '.2f')} GiB | eta "
+                f"{format_duration(r.get('eta_s'))}")
         if self._progress is not None:
             stats = f"loss {_num(r.get('loss'), '.3f')} {tok_s} tok/s mfu {mfu_text}"
             self._progress.update(self._task, completed=r["step"], stats=stats)

@@ -7,6 +7,7 @@
   it trains) is refused with a line naming the holder. Where flock is unavailable the recorded host/pid decide: a
   lock left by a process of this host that no longer exists is stale and taken over.
 - ``status.json``: how the last invocation ended (running, finished, preempted, failed) for ``anytrain status``.
+- ``metrics.jsonl``: one record per line; ``read_metrics`` gives the run's history as it stands after resumes.
 - On resume the new resolved config is compared with ``RUN/config.yaml``: a change of the model, the data order or
   the dtype is refused (``--resume-allow-changes FIELD`` allows it), every other change is reported.
 """
@@ -197,6 +198,28 @@ def read_status(run_dir: Path) -> dict | None:
         return None
 
 
+def read_metrics(run_dir: Path) -> list[dict]:
+    """RUN/metrics.jsonl's records in order, as the run's history stands: a line cut short by a crash is skipped; a
+    resume marker (``{"kind": "resume", "step": N}``) drops the records before it past step N (logged after the
+    checkpoint the run continued from, by an invocation that then died: the resumed run logs those steps again); and
+    of two records of one kind at one step the later one is kept, in its place."""
+    kept: dict[tuple, dict] = {}  # (kind, step) -> record, in the order of the kept records
+    for line in (run_dir / "metrics.jsonl").read_text().splitlines():
+        try:
+            record = json.loads(line)
+        except ValueError:
+            continue
+        if not isinstance(record, dict):
+            continue
+        step = record.get("step")
+        if record.get("kind") == "resume" and isinstance(step, (int, float)):
+            kept = {key: r for key, r in kept.items() if not (isinstance(key[1], (int, float)) and key[1] > step)}
+        key = (record.get("kind"), step)
+        kept.pop(key, None)
+        kept[key] = record
+    return list(kept.values())
+
+
 # config comparison on resume ----------------------------------------------------------------------------------------
 
 
@@ -262,11 +285,18 @@ class RunDir:
     lock: RunLock | None  # rank 0's
     changes: list[str]  # resumed: the changed config fields, to be reported
     previous_config: Path | None  # resumed: where the previous config.yaml was moved
+    previous_status: str | None = None  # resumed: the status.json this invocation replaced (its text)
 
     def restore_config(self) -> None:
         """A resume that failed: put the previous config.yaml back (rank 0)."""
         if self.previous_config is not None and self.previous_config.is_file():
             self.previous_config.replace(self.path / "config.yaml")
+
+    def restore(self) -> None:
+        """A resume with nothing to do: put the previous config.yaml and status.json back (rank 0)."""
+        self.restore_config()
+        if self.previous_status is not None:
+            write_text_atomic(self.path / STATUS, self.previous_status)
 
 
 def setup_run_dir(cfg, run_dir: str | None, resume: bool, overwrite: bool, allow: tuple[str, ...],
@@ -277,7 +307,7 @@ def setup_run_dir(cfg, run_dir: str | None, resume: bool, overwrite: bool, allow
     from anytrain.errors import AnytrainError
     from anytrain.parallel import broadcast_object
 
-    result: tuple = (None, None, [], None)
+    result: tuple = (None, None, [], None, None)
     lock = previous = None
     if is_main:
         path = Path(run_dir or cfg.run_dir or f"runs/{cfg.name}-{time.strftime('%Y%m%d-%H%M%S')}")
@@ -289,16 +319,17 @@ def setup_run_dir(cfg, run_dir: str | None, resume: bool, overwrite: bool, allow
                 previous = path / f"config.{time.strftime('%Y%m%d-%H%M%S')}.yaml"
                 config_file.rename(previous)
             save_config(cfg, config_file)
+            status_text = (path / STATUS).read_text() if resume and (path / STATUS).is_file() else None
             write_status(path, "running")
-            result = (str(path), None, changes, previous and str(previous))
+            result = (str(path), None, changes, previous and str(previous), status_text)
         except AnytrainError as exc:
             if lock is not None:
                 lock.release()
-            result = (None, str(exc), [], None)
-    path, error, changes, previous = broadcast_object(result)
+            result = (None, str(exc), [], None, None)
+    path, error, changes, previous, status_text = broadcast_object(result)
     if error:
         raise RunDirError(error)
-    return RunDir(Path(path), lock, changes, previous and Path(previous))
+    return RunDir(Path(path), lock, changes, previous and Path(previous), status_text)
 
 
 def describe_status(run_dir: Path) -> tuple[str, int]:
@@ -314,9 +345,12 @@ def describe_status(run_dir: Path) -> tuple[str, int]:
     if state == "finished":
         return f"{run_dir}: finished at step {step} (checkpoint {status.get('checkpoint')})", 0
     if state == "preempted":
-        line = (f"{run_dir}: preempted by {status.get('signal')} at step {step}, checkpoint "
-                f"{status.get('checkpoint')} saved; continue with --resume or checkpoint.auto_resume")  # fmt: skip
+        checkpoint = status.get("checkpoint")
+        saved = f"checkpoint {checkpoint} saved" if checkpoint else "before its first checkpoint (nothing to save)"
+        line = (f"{run_dir}: preempted by {status.get('signal')} at step {step}, {saved}; continue with --resume or "
+                "checkpoint.auto_resume")
         return line, int(status.get("exit_code", 143))
     if state == "failed":
-        return f"{run_dir}: stopped on an error at step {step}: {status.get('message')}", 3
+        code = f" (exit {status['exit_code']})" if "exit_code" in status else ""
+        return f"{run_dir}: stopped on an error at step {step}{code}: {status.get('message')}", 3
     return f"{run_dir}: crashed or killed (state {state!r} at {status.get('time')}); continue with --resume", 1

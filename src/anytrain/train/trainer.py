@@ -26,7 +26,7 @@ from anytrain.data.loader import BatchProvider, BatchSource, SampleIndex
 from anytrain.data.mixture import open_mixture
 from anytrain.data.sft import masked_sources
 from anytrain.data.shards import TokenDataset
-from anytrain.errors import RunDirError, TrainingError
+from anytrain.errors import AnytrainError, RunDirError, TrainingError
 from anytrain.evals.hf import init_from_hf
 from anytrain.kernels import configure as configure_kernels
 from anytrain.kernels import mamba_inner, wide_mm
@@ -54,7 +54,7 @@ from anytrain.train.checkpoint import Checkpointer, TrainState
 from anytrain.train.energy import EnergyMeter, energy_metrics
 from anytrain.train.evaluation import Evaluation
 from anytrain.train.guard import Preempted, StepGuard, StepStatus
-from anytrain.train.metrics import MetricsLogger, MetricWindow, ThroughputMeter, mfu
+from anytrain.train.metrics import MetricsLogger, MetricWindow, ThroughputMeter, mfu, process_peak_rss_gib
 from anytrain.train.profiling import StepProfiler, format_summary
 from anytrain.train.wandb_sink import require_wandb
 
@@ -69,12 +69,41 @@ class Trainer(ModelSetup, Evaluation):
     run directory, metrics or checkpoints): benchmarks and tests drive ``train_step`` or ``train`` that way.
     """
 
-    def __init__(self, cfg: RunConfig, batches: BatchProvider | None = None, run_dir: str | None = None,
-                 resume: bool = False, overwrite: bool = False,
-                 resume_allow: tuple[str, ...] = ()) -> None:  # fmt: skip
+    def __init__(
+        self,
+        cfg: RunConfig,
+        batches: BatchProvider | None = None,
+        run_dir: str | None = None,
+        resume: bool = False,
+        overwrite: bool = False,
+        resume_allow: tuple[str, ...] = (),
+    ) -> None:
+        self._started = time.perf_counter()  # the invocation's wall time counts from here (summary.json: wall_s)
+        self._resume_record: dict | None = None  # metrics.jsonl's resume marker, written when training starts
+        self._status_recorded = False  # whether RUN/status.json already says how this invocation ends
+        try:
+            self._setup(cfg, batches, run_dir, resume, overwrite, resume_allow)
+        except BaseException as exc:
+            if getattr(self, "guard", None) is not None:
+                self.guard.uninstall()
+            self._record_failure(exc)
+            raise
+
+    def _setup(
+        self,
+        cfg: RunConfig,
+        batches: BatchProvider | None,
+        run_dir: str | None,
+        resume: bool,
+        overwrite: bool,
+        resume_allow: tuple[str, ...],
+    ) -> None:
         self.cfg = cfg
         require_wandb(cfg.metrics.wandb)  # metrics.wandb without the package: one line, before anything is written
         self._setup_layout()
+        self.guard = StepGuard(cfg, self.device, self.info.is_main, self.info.world_size)
+        if batches is None or run_dir is not None:  # a run: a SIGTERM from here on is a clean stop (train())
+            self.guard.install()
         self.dataset = None if batches is not None else TokenDataset(cfg.data.path)
         if self.dataset is not None:
             check_data_fits_model(self.dataset, self.model_args, cfg.data.seq_len)
@@ -82,6 +111,8 @@ class Trainer(ModelSetup, Evaluation):
         resume = resume or cfg.checkpoint.auto_resume
         self.run_dir = self._setup_run_dir(run_dir, resume, overwrite, resume_allow) if writes else None
         self.log = MetricsLogger(self.run_dir, self.info.is_main, cfg.train.steps, run_config=cfg)
+        if not hardware.is_gpu(self.device):
+            self.log.memory_label = "rss"  # peak_mem_gib on CPU: the process's peak resident set (_peak_memory_gib)
         if self._auto_reason:
             self.log.print(f"parallel.auto: {self._auto_reason}")
         self.dtype = compute_dtype(cfg, self.device)
@@ -101,7 +132,7 @@ class Trainer(ModelSetup, Evaluation):
         self.flops_per_token = self.accounting_model.flops_per_token(cfg.data.seq_len)
         self.peak_flops = hardware.peak_flops(self.device, cfg.train.peak_tflops or None)
         self._log_model_size()
-        self.guard = StepGuard(cfg, self.device, self.info.is_main, self.info.world_size, self.loss_ranks)
+        self.guard.loss_ranks = self.loss_ranks
         self.guard.lagged = lagged_checks_apply(cfg, self.optimizer)
         self._clip_in_optimizer = cfg.train.clip_in_optimizer and clip_in_optimizer(self.optimizer, self.strategy,
                                                                                      self.dims)  # fmt: skip
@@ -189,9 +220,10 @@ class Trainer(ModelSetup, Evaluation):
             raise
         if latest is None:
             self.log.print(f"no committed checkpoint in {self.checkpointer.dir}: starting from step 0")
-            return
-        self.log.print(f"resumed from {latest} (step {self.progress['step']})")
-        self.log.log({"step": self.progress["step"], "checkpoint": str(latest)}, kind="resume")
+        else:
+            self.log.print(f"resumed from {latest} (step {self.progress['step']})")
+        # the marker that makes readers drop the records logged after this step by the previous invocation
+        self._resume_record = {"step": self.progress["step"], "checkpoint": str(latest) if latest else None}
 
     # ----------------------------------------------------------------------------------------------------------------
     # steps
@@ -334,17 +366,35 @@ class Trainer(ModelSetup, Evaluation):
     # loop
 
     def train(self) -> dict:
+        """Train from the current step to ``train.steps`` (``train.stop_at_step``) and return the summary. An
+        exception on the way is recorded in RUN/status.json (``failed``: its one-line message and exit code)."""
+        try:
+            return self._train()
+        except BaseException as exc:
+            self._record_failure(exc)
+            raise
+        finally:
+            self.guard.uninstall()
+
+    def _train(self) -> dict:
         cfg = self.cfg.train
         step = self.progress["step"]
+        end = min(cfg.steps, cfg.stop_at_step or cfg.steps)
+        self._end_step = end
+        if step >= end:
+            return self._already_complete(step)
+        self.guard.install()  # (a run's trainer installed it when it started)
+        if self._resume_record is not None:  # before the records that replace the previous invocation's
+            self.log.log(self._resume_record, kind="resume")
+        self._stop_if_signalled(step)
         first_val = self._eval_and_log(step) if step == 0 and self._eval_batches() else None
+        if first_val is not None:
+            self._stop_if_signalled(step)  # a SIGTERM during the step-0 evaluation
         meter = ThroughputMeter()
         self.window = self._metric_window()
         hardware.reset_peak_memory(self.device)
         last_val = first_val
         rates: list[float] = []
-        end = min(cfg.steps, cfg.stop_at_step or cfg.steps)
-        self._end_step = end
-        self.guard.install()
         self._energy_start = (time.perf_counter(), self.progress["tokens_seen"])
         if self.energy is not None:
             self.energy.start()
@@ -352,6 +402,7 @@ class Trainer(ModelSetup, Evaluation):
         profile_dir = self.run_dir / "profile" if self.run_dir is not None else Path("profile")
         profiler = StepProfiler(p.start_step, p.steps, profile_dir, self.info.rank, self.device, p.trace)
         first_step = step
+        self._pace_start = (time.perf_counter(), step)  # the ETA: this invocation's pace, evals and saves included
         gc_was_enabled = gc.isenabled()
         if cfg.gc_interval > 0:
             gc.disable()
@@ -381,10 +432,15 @@ class Trainer(ModelSetup, Evaluation):
                     if late is not None:
                         status.stop = status.stop or late.stop
                         status.checkpoint_due = status.checkpoint_due or late.checkpoint_due
-                if step % cfg.log_interval == 0 or step == end:
+                # records at the log interval and at train.steps only: a stop elsewhere (stop_at_step, a signal)
+                # saves the open window in its checkpoint, so a resumed run logs what an uninterrupted one does
+                if step % cfg.log_interval == 0 or step == cfg.steps:
                     rates.append(self._log_train(step, self.window.mean(), grad_norm, meter))
                     self.window.reset()
                 else:
+                    if step == end:  # the invocation's last steps count in the summary's throughput
+                        hardware.synchronize(self.device)
+                        rates.append(meter.lap()[0])
                     self.log.advance(step)
                 eval_due = cfg.eval_interval and step % cfg.eval_interval == 0
                 if self._eval_batches() and (eval_due or step == end) and not status.stop:
@@ -398,10 +454,47 @@ class Trainer(ModelSetup, Evaluation):
         finally:
             if gc_was_enabled:
                 gc.enable()
-            self.guard.uninstall()
             if self.checkpointer is not None:
                 self.checkpointer.wait()
         return self._finish(first_val, last_val, rates)
+
+    def _already_complete(self, step: int) -> dict:
+        """A resume at or past this invocation's last step: nothing to train, and nothing in the run dir changes
+        (config.yaml and status.json are put back, summary.json and metrics.jsonl are left as they are)."""
+        train = self.cfg.train
+        stopping_early = self._end_step < train.steps
+        limit = f"train.stop_at_step {train.stop_at_step}" if stopping_early else f"train.steps {train.steps}"
+        if self.info.is_main and self.run_dir is not None:
+            self._run.restore()
+            self._status_recorded = True
+        self.log.print(f"{self.run_dir}: the run is already complete at step {step} ({limit}); nothing to train")
+        run_dir = str(self.run_dir) if self.run_dir is not None else None
+        return {"run_dir": run_dir, "steps": step, "already_complete": True, "world_size": self.info.world_size}
+
+    def _stop_if_signalled(self, step: int) -> None:
+        """Before the first step (and after the step-0 evaluation): a SIGTERM / SIGINT that reached any rank since
+        the trainer started stops the run here, in the state of step ``step`` (its checkpoint, or a fresh start)."""
+        if self.guard.signal_reached_any_rank():
+            self._stop_preempted(step)
+
+    def _record_failure(self, exc: BaseException) -> None:
+        """RUN/status.json of an invocation that ends on an exception: ``failed``, with a one-line message and the
+        exit code (a preemption or a non-finite stop has recorded its own state; rank 0 of a run dir only)."""
+        if getattr(self, "_run", None) is None or not self.info.is_main or self._status_recorded:
+            return
+        if isinstance(exc, Preempted):
+            return
+        if isinstance(exc, KeyboardInterrupt):
+            message, code = "interrupted by a second SIGINT; stopped without saving", 130
+        elif isinstance(exc, AnytrainError):
+            message, code = str(exc), exc.exit_code
+        else:
+            message, code = f"{type(exc).__name__}: {exc}", 1  # a traceback: the exit code of an uncaught exception
+        message = " ".join(message.split())[:2000]
+        step = getattr(self, "progress", {}).get("step", 0)
+        self._status_recorded = True
+        with contextlib.suppress(OSError, AnytrainError):  # a full disk may refuse this file too
+            rundir.write_status(self._run.path, "failed", step=step, message=message, exit_code=code)
 
     def _metric_window(self) -> MetricWindow:
         """The log window, and the spike guard's state, as a resumed checkpoint left them (empty on a fresh run).
@@ -462,10 +555,11 @@ class Trainer(ModelSetup, Evaluation):
 
     def _stop_nonfinite(self, step: int, grad_norm: float) -> None:
         """Every rank got the same verdict: keep the last good state (weights after the previous step), then stop. The
-        checkpoint is the one a clean stop at that step writes (its log window empty, as after the final record)."""
+        checkpoint is the one a clean stop at that step writes (its log window as that step left it: a bad step the
+        lagged checks had counted is taken out of it)."""
+        if self.progress["step"] > step and getattr(self, "window", None) is not None:
+            self.window.drop_last()  # counted one step ahead (lagged checks): the bad step was the window's last add
         self._rewind_to(step)
-        if getattr(self, "window", None) is not None:
-            self.window.reset()
         saved = ""
         if step > 0 and self.checkpointer is not None:  # save() finishes a save in flight first, keeps a committed one
             self._save(step, final=True)
@@ -473,22 +567,25 @@ class Trainer(ModelSetup, Evaluation):
         message = (f"step {step + 1}: non-finite loss or gradient norm ({grad_norm}) on at least one rank; stopped "
                    f"before the optimizer step{saved}")  # fmt: skip
         if self.info.is_main and self.run_dir is not None:
-            rundir.write_status(self.run_dir, "failed", step=step, message=message)
+            rundir.write_status(self.run_dir, "failed", step=step, message=message, exit_code=TrainingError.exit_code)
+            self._status_recorded = True
         raise TrainingError(message)
 
     def _stop_preempted(self, step: int) -> None:
-        """Every rank saved ``step``: record the preemption in RUN/status.json (before any rank exits: torchrun stops
-        the other workers as soon as one exits), then exit 143 / 130."""
+        """Every rank saved ``step`` (or it is step 0: nothing to save): record the preemption in RUN/status.json
+        (before any rank exits: torchrun stops the other workers as soon as one exits), then exit 143 / 130."""
         code, name = self.guard.exit_code(), self.guard.signal_name()
         if self.checkpointer is None:
             raise Preempted(f"{name} at step {step} (exit {code}); no run directory, nothing saved", code)
-        checkpoint = self.checkpointer.path_for(step)
+        checkpoint = self.checkpointer.path_for(step) if step > 0 else None
         if self.info.is_main:
-            rundir.write_status(self.run_dir, "preempted", step=step, signal=name, exit_code=code,
-                                checkpoint=str(checkpoint))  # fmt: skip
+            path = str(checkpoint) if checkpoint else None
+            rundir.write_status(self.run_dir, "preempted", step=step, signal=name, exit_code=code, checkpoint=path)
+            self._status_recorded = True
         barrier()
-        raise Preempted(f"{name} at step {step}: checkpoint {checkpoint} saved (exit {code}); continue with --resume "
-                        "or checkpoint.auto_resume", code)  # fmt: skip
+        saved = f"checkpoint {checkpoint} saved" if checkpoint else "before the first step, nothing to save"
+        hint = "continue with --resume or checkpoint.auto_resume"
+        raise Preempted(f"{name} at step {step}: {saved} (exit {code}); {hint}", code)
 
     def _checkpoint_due(self, step: int) -> bool:
         c = self.cfg.checkpoint
@@ -501,6 +598,8 @@ class Trainer(ModelSetup, Evaluation):
         hardware.synchronize(self.device)
         tokens_per_s, seconds = meter.lap()
         per_device = tokens_per_s / self.info.world_size
+        started, start_step = self._pace_start
+        pace = (time.perf_counter() - started) / max(step - start_step, 1)  # seconds per step in this invocation
         self.log.log({
             "step": step,
             "loss": loss_value,
@@ -510,14 +609,20 @@ class Trainer(ModelSetup, Evaluation):
             "tokens_per_s": tokens_per_s,
             "tokens_per_s_per_device": per_device,
             "mfu": mfu(self.flops_per_token, per_device, self.peak_flops),
-            "peak_mem_gib": hardware.peak_memory_gib(self.device),
+            "peak_mem_gib": self._peak_memory_gib(),
             "window_s": seconds,
+            "eta_s": (self.cfg.train.steps - step) * pace,
             **self._data_shares(step),
             "skipped_steps": self.guard.skipped_steps,
             "grad_comm_bytes": self.grad_comm.bytes_per_step(),
             **self._energy_metrics(),
         })  # fmt: skip
         return tokens_per_s
+
+    def _peak_memory_gib(self) -> float:
+        """GPU: the allocator's peak since the reset at the start of training; CPU: this process's peak resident
+        set size (its tensors live there; the console calls it rss)."""
+        return hardware.peak_memory_gib(self.device) if hardware.is_gpu(self.device) else process_peak_rss_gib()
 
     def _data_shares(self, step: int) -> dict:
         """data.sources: the share of the sequences of steps [0, step) each source gave (``data_share/NAME``)."""
@@ -556,13 +661,14 @@ class Trainer(ModelSetup, Evaluation):
             "tokens_per_s_per_device": per_device,
             "window_tokens_per_s": rates,
             "mfu": mfu(self.flops_per_token, per_device, self.peak_flops),
-            "peak_mem_gib": hardware.peak_memory_gib(self.device),
+            "peak_mem_gib": self._peak_memory_gib(),
             "peak_reserved_gib": hardware.peak_memory_gib(self.device, reserved=True),
             "energy": self._energy_metrics(),
             "world_size": self.info.world_size,
             "strategy": self.strategy,
             "step_checks": "lagged" if self.guard.uses_lag() else "every step",
             "cuda_graph_replays": self._graphed.replays if self._graphed is not None else None,
+            "wall_s": time.perf_counter() - self._started,  # this invocation, from the trainer's start
             "cpu_affinity": self._affinity_per_rank,
             "dtype": str(self.dtype).replace("torch.", ""),
             "params": self.accounting_model.num_params(),
@@ -575,9 +681,12 @@ class Trainer(ModelSetup, Evaluation):
         if self.info.is_main and self.run_dir is not None:
             (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
             rundir.write_status(self.run_dir, "finished", step=self.progress["step"], checkpoint=summary["checkpoint"])
+            self._status_recorded = True
         return summary
 
     def close(self) -> None:
+        if getattr(self, "guard", None) is not None:
+            self.guard.uninstall()
         graphed = getattr(self, "_graphed", None)
         if graphed is not None:  # first: a graph holding NCCL work would stall the process group's shutdown
             try:
