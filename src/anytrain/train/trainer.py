@@ -459,8 +459,8 @@ class Trainer(ModelSetup, Evaluation):
         return self._finish(first_val, last_val, rates)
 
     def _already_complete(self, step: int) -> dict:
-        """A resume at or past this invocation's last step: nothing to train, and nothing in the run dir changes
-        (config.yaml and status.json are put back, summary.json and metrics.jsonl are left as they are)."""
+        """A resume at or past this invocation's last step: nothing to train, and the run's records stay as they are
+        (config.yaml and status.json are put back, summary.json and metrics.jsonl are not written)."""
         train = self.cfg.train
         stopping_early = self._end_step < train.steps
         limit = f"train.stop_at_step {train.stop_at_step}" if stopping_early else f"train.steps {train.steps}"
