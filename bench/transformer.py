@@ -21,6 +21,12 @@ The ``anytrain-hf`` rows train HF's ``LlamaForCausalLM`` of the row's shape (the
 a temporary folder as config.json, random init) through ``Trainer`` with ``model.arch: hf``: anytrain's fused linear +
 CE, per-block (or whole-body) compile, fused AdamW and step machinery around transformers' own modules.
 
+The ``torchtitan`` rows (``side_by_side_cases``: Llama-3.2-1B / 3B, bf16 and FP8) run torchtitan's own Trainer, its
+llama3 model at anytrain's flavour's shape, on the same random batches, in a torchrun process of their own
+(bench/torchtitan_stack.py; torchtitan and torchao are not dependencies: install them beside, e.g. ``pip install
+--target``). Every row records ``stack`` and ``precision`` ("bf16", or "fp8-<torchao recipe>": ``train.fp8`` for
+anytrain, torchao's float8 for HF, torchtitan's float8 converter).
+
 MFU = (6·N_non-embedding + 12·L·d·T) × tokens/s / peak (989 TFLOP/s on H100/H200), the same formula for every row.
 
     PYTHONPATH=src python -m bench.transformer --out bench/results             # full table (GPU, needs transformers)
@@ -28,6 +34,7 @@ MFU = (6·N_non-embedding + 12·L·d·T) × tokens/s / peak (989 TFLOP/s on H100
     PYTHONPATH=src python -m bench.transformer --smoke                         # CPU check of the anytrain path
     PYTHONPATH=src python -m bench.transformer --groups tiny-512 1.1b-2048-mb16 \
         --stacks anytrain-hf hf-compile anytrain                               # model.arch hf vs HF + compile
+    PYTHONPATH=/tmp/site:src python -m bench.transformer --groups llama-1b-2048 llama-3b-2048   # vs torchtitan, HF fp8
 """
 
 from __future__ import annotations
@@ -51,18 +58,22 @@ from anytrain.models import losses, resolve_args
 from anytrain.models.llama import model as transformer
 from anytrain.train.profiling import profile_call
 from anytrain.train.trainer import Trainer
+from bench import torchtitan_stack
 from bench.common import RandomBatches, bench_device, child_env, release, results_path, row_error, versions
 
 
 @dataclass
 class Case:
-    group: str  # rows of one group share shape, seq, micro-batch and global batch (the ratio is taken per group)
+    group: str  # rows of one group share shape, seq, micro-batch and global batch (the ratio is taken per group;
+    # in the side-by-side groups each stack runs its own micro-batch: side_by_side_cases)
     flavour: str
     seq: int
     micro: int
     global_batch: int
     stack: str  # "hf-eager" | "hf-compile" | "anytrain" | "anytrain-hf" (HF's model class under model.arch hf)
+    # | "torchtitan" (its own Trainer: bench/torchtitan_stack.py; options are its JobConfig fields)
     label: str = ""
+    precision: str = "bf16"  # or "fp8-<torchao recipe>": train.fp8 / torchao float8 on HF / torchtitan's converter
     loss_impl: str = "chunked"
     native_gqa: bool | None = None  # None = the model's auto choice
     check_finite: bool = True
@@ -185,13 +196,38 @@ def default_cases(ablations: bool = False) -> list[Case]:
             ablation=True,
         ),  # fmt: skip
     ]
+    cases += side_by_side_cases()
     return [c for c in cases if ablations or not c.ablation]
+
+
+def side_by_side_cases() -> list[Case]:
+    """anytrain vs torchtitan (its own Trainer) vs HF + torchao float8 + torch.compile at Llama-3.2-1B / 3B, bf16 and
+    FP8 (rowwise: torchtitan's current recipe; the LM head and torchao's too-small GEMMs stay bf16 on every stack).
+    Within a group: same seq, global batch and tokens per step; each stack at its own best settings, stated in the
+    label and options: compile (anytrain: compile_scope auto; torchtitan: per block + loss), no activation
+    checkpointing, and the largest micro-batch that leaves memory headroom on one H200 (torchtitan's and HF's loss
+    keep full fp32 logits, anytrain's is chunked)."""
+    ours = {"train.compile_scope": "auto", "train.activation_checkpointing": "none"}
+    theirs = {"activation_checkpoint.mode": "none"}  # with --compile.enable unless --no-compile
+    cases, hf_cases = [], []  # the HF rows last: a time budget drops them first
+    for flavour, global_batch, ours_mb, theirs_mb, hf_mb in (("llama-1b", 32, 16, 16, 8), ("llama-3b", 16, 8, 4, 4)):
+        shape = dict(group=f"{flavour}-2048", flavour=flavour, seq=2048, global_batch=global_batch)
+        for precision in ("bf16", "fp8-rowwise"):
+            row = dict(shape, precision=precision)
+            ours_label = f"anytrain {precision}, compile auto, no AC"  # the micro-batch is a column of its own
+            theirs_label = f"torchtitan {precision}, compile, no AC"
+            cases.append(Case(**row, micro=ours_mb, stack="anytrain", options=ours, label=ours_label))
+            cases.append(Case(**row, micro=theirs_mb, stack="torchtitan", options=theirs, label=theirs_label))
+        hf = dict(micro=hf_mb, stack="hf-compile", precision="fp8-rowwise")
+        hf_cases.append(Case(**shape, **hf, label="HF + torchao fp8-rowwise + compile"))
+    return cases + hf_cases
 
 
 def estimate_s(case: Case) -> float:
     """Rough cost of a row on an H200 (compile + 11 steps), for the time budget."""
-    scale = {"125m": 0.3, "350m": 0.6, "1.1b": 1.0, "tiny": 0.1, "debug": 0.01}.get(case.flavour, 1.0)
-    return {"hf-compile": 110.0, "hf-eager": 25.0, "anytrain": 35.0, "anytrain-hf": 60.0}[case.stack] * scale
+    scale = {"125m": 0.3, "350m": 0.6, "1.1b": 1.0, "tiny": 0.1, "debug": 0.01, "llama-1b": 1.1, "llama-3b": 1.8}
+    stack = {"hf-compile": 110.0, "hf-eager": 25.0, "anytrain": 35.0, "anytrain-hf": 60.0, "torchtitan": 75.0}
+    return stack[case.stack] * scale.get(case.flavour, 1.0)
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -242,6 +278,8 @@ def anytrain_step_fn(case: Case, device: torch.device, batches: RandomBatches, c
     cfg.train.compile, cfg.train.check_finite = compile_blocks, case.check_finite
     cfg.train.attention_backend = case.attention
     cfg.train.lr, cfg.train.warmup_steps, cfg.train.steps = 4e-4, 100, 1000
+    if case.precision != "bf16":  # "fp8-<recipe>": anytrain's FP8 training (train.fp8)
+        cfg.train.fp8 = case.precision.removeprefix("fp8-")
     for key, value in case.options.items():  # train.X overrides (model.args.X went into the ModelConfig above)
         if key.startswith("train."):
             setattr(cfg.train, key.removeprefix("train."), value)
@@ -249,6 +287,9 @@ def anytrain_step_fn(case: Case, device: torch.device, batches: RandomBatches, c
         trainer = Trainer(cfg, batches=batches)  # no run directory: nothing is written
     model = trainer.raw_model
     info = {"params": model.num_params(), "flops_per_token": model.flops_per_token(case.seq)}
+    info["fp8_linears"] = sum(type(m).__name__ == "Float8Linear" for m in model.modules())
+    if case.precision != "bf16" and not info["fp8_linears"]:
+        raise RuntimeError(f"precision {case.precision}: no layer was converted (does this anytrain have train.fp8?)")
 
     def step(i: int) -> None:
         with model_switches(case):  # the loss implementation is read at call time
@@ -258,14 +299,28 @@ def anytrain_step_fn(case: Case, device: torch.device, batches: RandomBatches, c
 
 
 def hf_llama_config(flavour: str):
-    """HF LlamaConfig of anytrain's Transformer flavour (SDPA attention, untied head, no KV cache)."""
+    """HF LlamaConfig of anytrain's Transformer flavour (SDPA attention, the head tied as the flavour's, no KV
+    cache)."""
     from transformers import LlamaConfig
 
     a = resolve_args(ModelConfig(arch="transformer", flavour=flavour))
     return LlamaConfig(vocab_size=a.vocab_size, hidden_size=a.dim, intermediate_size=a.ffn_dim,
                        num_hidden_layers=a.n_layers, num_attention_heads=a.n_heads, num_key_value_heads=a.n_kv_heads,
-                       max_position_embeddings=a.max_seq_len, rms_norm_eps=a.norm_eps, tie_word_embeddings=False,
-                       use_cache=False, attn_implementation="sdpa")  # fmt: skip
+                       max_position_embeddings=a.max_seq_len, rms_norm_eps=a.norm_eps,
+                       tie_word_embeddings=a.tie_embeddings, use_cache=False, attn_implementation="sdpa")  # fmt: skip
+
+
+def hf_float8(model: torch.nn.Module, recipe: str) -> dict:
+    """torchao's float8 training on an HF model, as torchao documents it: ``convert_to_float8_training`` with the
+    recipe's config and torchao's auto-filter (its too-small GEMMs stay high precision), the LM head left out."""
+    import torchao
+    from torchao.float8 import Float8LinearConfig, _auto_filter_for_recipe, convert_to_float8_training
+    from torchao.float8.float8_linear import Float8Linear
+
+    keep = _auto_filter_for_recipe(recipe, filter_fqns=["lm_head"])
+    convert_to_float8_training(model, config=Float8LinearConfig.from_recipe_name(recipe), module_filter_fn=keep)
+    converted = sum(isinstance(m, Float8Linear) for m in model.modules())
+    return {"torchao_version": torchao.__version__, "fp8_linears": converted}
 
 
 def hf_step_fn(case: Case, device: torch.device, batches: RandomBatches) -> tuple:
@@ -279,6 +334,8 @@ def hf_step_fn(case: Case, device: torch.device, batches: RandomBatches) -> tupl
     model = model.float().train()
     params = sum(p.numel() for p in model.parameters())
     info = {"params": params, "attn_implementation": getattr(model.config, "_attn_implementation", None)}
+    if case.precision != "bf16":
+        info.update(hf_float8(model, case.precision.removeprefix("fp8-")))
     optimizer = torch.optim.AdamW(model.parameters(), lr=4e-4, betas=(0.9, 0.95), weight_decay=0.1, fused=True)
     run = torch.compile(model) if case.stack == "hf-compile" else model
     accum = case.global_batch // case.micro
@@ -329,6 +386,11 @@ def run_case(case: Case, device: torch.device, args: argparse.Namespace) -> dict
     row = {**asdict(case), "tokens_per_step": case.global_batch * case.seq}
     holder = None
     try:
+        if case.stack == "torchtitan":  # its own Trainer in a torchrun process of its own (bench/torchtitan_stack.py)
+            row.update(torchtitan_stack.run_row(asdict(case), args.warmup, args.steps, not args.no_compile))
+            if "seconds" in row:
+                row["tokens_per_s"] = args.steps * row["tokens_per_step"] / row["seconds"]
+            return row
         with attention_order(case):
             if case.stack in ("anytrain", "anytrain-hf"):
                 step, info, holder = anytrain_step_fn(case, device, batches, compile_blocks=not args.no_compile)
@@ -351,8 +413,9 @@ def run_case(case: Case, device: torch.device, args: argparse.Namespace) -> dict
 
 
 def finish_rows(rows: list[dict], peak: float | None) -> None:
-    """MFU with anytrain's flops/token of the shape; ratio of each row to the best HF row of the same shape and
-    sequence length at any micro-batch (groups "<shape>-<seq>" and "<shape>-<seq>-mb<k>")."""
+    """MFU with anytrain's flops/token of the shape; ratio of each row to the best HF row and to the best torchtitan
+    row of the same shape, sequence length and precision at any micro-batch (groups "<shape>-<seq>" and
+    "<shape>-<seq>-mb<k>")."""
     flops = {(r["flavour"], r["seq"]): r["flops_per_token"] for r in rows if "flops_per_token" in r}
     for r in rows:
         fpt = flops.get((r["flavour"], r["seq"]))
@@ -361,15 +424,22 @@ def finish_rows(rows: list[dict], peak: float | None) -> None:
                 fpt = transformer.Transformer(resolve_args(ModelConfig(flavour=r["flavour"]))).flops_per_token(r["seq"])
         r["flops_per_token"] = fpt
         r["mfu"] = fpt * r["tokens_per_s"] / peak if peak and "tokens_per_s" in r else None
+
+    def kind(x: dict) -> tuple[str, str]:  # the shape-seq group at any micro-batch, and the precision
+        return x["group"].split("-mb")[0], x.get("precision", "bf16")
+
+    def ratio_to_best(r: dict, stack: str) -> float | None:
+        peers = [x for x in rows if x["stack"].startswith(stack) and "tokens_per_s" in x and kind(x) == kind(r)]
+        best = max((x["tokens_per_s"] for x in peers), default=None)
+        return r["tokens_per_s"] / best if best and "tokens_per_s" in r else None
+
     for r in rows:
-        base_group = r["group"].split("-mb")[0]
-        hf = [x["tokens_per_s"] for x in rows if x["stack"].startswith("hf") and "tokens_per_s" in x
-              and x["group"].split("-mb")[0] == base_group]  # fmt: skip
-        r["ratio_vs_best_hf"] = r["tokens_per_s"] / max(hf) if hf and "tokens_per_s" in r else None
+        r["ratio_vs_best_hf"], r["ratio_vs_torchtitan"] = ratio_to_best(r, "hf"), ratio_to_best(r, "torchtitan")
 
 
 def print_table(rows: list[dict]) -> None:
     head = f"{'group':<16}{'row':<48}{'mb':>4}{'tokens/s':>11}{'MFU':>8}{'peak GiB':>10}{'vs best HF':>12}"
+    head += f"{'vs titan':>10}"  # vs the best torchtitan row of the shape and precision
     print("\n" + head + "\n" + "-" * len(head))
     for r in rows:
         if "tokens_per_s" not in r:
@@ -377,8 +447,9 @@ def print_table(rows: list[dict]) -> None:
             continue
         mfu = "n/a" if r["mfu"] is None else f"{100 * r['mfu']:.1f}%"
         ratio = "" if r["ratio_vs_best_hf"] is None else f"{r['ratio_vs_best_hf']:.2f}x"
+        titan = "" if r["ratio_vs_torchtitan"] is None else f"{r['ratio_vs_torchtitan']:.2f}x"
         print(f"{r['group']:<16}{r['label'][:47]:<48}{r['micro']:>4}{r['tokens_per_s']:>11,.0f}{mfu:>8}"
-              f"{r['peak_mem_gib']:>10.1f}{ratio:>12}")  # fmt: skip
+              f"{r['peak_mem_gib']:>10.1f}{ratio:>12}{titan:>10}")  # fmt: skip
     for r in rows:
         if "kernel_profile" in r:
             p = r["kernel_profile"]
@@ -430,7 +501,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=10, help="timed optimizer steps per row")
     parser.add_argument("--warmup", type=int, default=1, help="untimed steps first (compilation happens here)")
     parser.add_argument("--groups", nargs="*", default=None, help="only these groups (e.g. 1.1b-2048 125m-2048)")
-    parser.add_argument("--stacks", nargs="*", default=None, help="only these stacks (anytrain hf-eager hf-compile)")
+    parser.add_argument("--stacks", nargs="*", default=None, help="only these stacks (e.g. anytrain torchtitan)")
     parser.add_argument("--budget-s", type=float, default=0.0, help="skip rows that would end past this (0 = none)")
     parser.add_argument("--profile", action=argparse.BooleanOptionalAction, default=True)
     parser.add_argument("--no-compile", action="store_true", help="anytrain rows without per-block compile")
