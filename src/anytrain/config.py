@@ -174,6 +174,20 @@ class TrainConfig:
     peak_tflops: float = 0.0
     """The device's dense bf16 peak in TFLOP/s for MFU, for a device missing from hardware.py's table; 0 = the
     table's value (H100/H200 989, A100 312, MI250X die 191.5, MI300X 1307; none on CPU)."""
+    fp8: Literal["none", "tensorwise", "rowwise", "rowwise_with_gw_hp"] = "none"
+    """FP8 matmuls in the blocks' Linear layers through torchao (``pip install 'anytrain[fp8]'``), by torchao's recipe
+    names: tensorwise = one dynamic scale per tensor (the fastest; under FSDP the weights are all-gathered in FP8);
+    rowwise = a scale per row, e4m3 for the gradients too, power-of-2 scales; rowwise_with_gw_hp = rowwise with the
+    weight gradient in high precision (the most accurate). The LM head and the layers ``fp8_filter`` leaves out stay
+    high precision; master weights, optimizer state and checkpoints are unchanged, so a run resumes with another
+    setting. Needs NVIDIA compute capability 8.9+ or AMD gfx942 / gfx950 (or ``fp8_emulate``). docs/fp8.md."""
+    fp8_emulate: bool = False
+    """With ``fp8``: torchao's emulation (the FP8 casts and scales as on hardware, the matmuls in high precision) on
+    any device, e.g. CPU tests of the FP8 code path; slow. No effect with fp8 none."""
+    fp8_filter: Literal["auto", "aligned"] = "auto"
+    """With ``fp8``: which of the family's candidate layers convert. auto = those whose GEMM is large enough to gain
+    (torchao's auto-filter thresholds per recipe, torchtitan's auto_filter_small_kn; docs/fp8.md) with in/out features
+    multiples of 16; aligned = every candidate with in/out features multiples of 16 (small models, numerics checks)."""
 
 
 @dataclass

@@ -129,6 +129,53 @@ def fused_adamw_available(device: torch.device) -> bool:
     return is_gpu(device)
 
 
+FP8_ROCM_ARCHS = {"gfx942": "fnuz", "gfx950": "ocp"}
+"""AMD GPUs with FP8 matrix cores, and their formats: MI300 (gfx942) has the fnuz formats (e4m3fnuz / e5m2fnuz, no
+negative zero, one NaN), MI350 (gfx950) the OCP ones as NVIDIA does (e4m3fn / e5m2)."""
+
+
+def fp8_dtypes(device: torch.device) -> tuple[torch.dtype, torch.dtype]:
+    """(e4m3, e5m2) float8 dtypes of this device: the fnuz pair on gfx942, the OCP pair everywhere else (NVIDIA, gfx950,
+    and the CPU, where FP8 is only emulated)."""
+    if is_gpu(device) and vendor() == ROCM and _rocm_arch(device) == "gfx942":
+        return torch.float8_e4m3fnuz, torch.float8_e5m2fnuz
+    return torch.float8_e4m3fn, torch.float8_e5m2
+
+
+def _rocm_arch(device: torch.device) -> str:
+    """The gfx name of an AMD GPU (``gcnArchName`` without its feature suffix, e.g. gfx942)."""
+    return str(getattr(torch.cuda.get_device_properties(device), "gcnArchName", "")).split(":")[0]
+
+
+def fp8_support(device: torch.device, rowwise: bool = False) -> str | None:
+    """None when this device can train with FP8 matmuls (``torch._scaled_mm`` with per-tensor, or with ``rowwise``
+    per-row scales), else why not, in words: NVIDIA needs compute capability 8.9 or newer, AMD gfx942 or gfx950, and
+    the PyTorch build must run the scaled matmul (one tiny call checks it); a CPU has no FP8 matmul."""
+    if not is_gpu(device):
+        return "the CPU has no FP8 matmul"
+    name = torch.cuda.get_device_name(device)
+    if vendor() == ROCM:
+        arch = _rocm_arch(device)
+        if arch not in FP8_ROCM_ARCHS:
+            return f"{name} ({arch}) has no FP8 matrix cores (needs {' or '.join(FP8_ROCM_ARCHS)})"
+    else:
+        major, minor = torch.cuda.get_device_capability(device)
+        if (major, minor) < (8, 9):
+            return f"{name} (compute capability {major}.{minor}) has no FP8 tensor cores (needs 8.9 or newer)"
+    e4m3, _ = fp8_dtypes(device)
+    try:  # (16, 32) @ (32, 16), the second operand column-major as _scaled_mm requires
+        a = torch.zeros(16, 32, device=device).to(e4m3)
+        b = torch.zeros(16, 32, device=device).to(e4m3).t()
+        one = torch.ones((), device=device)
+        scales = (one.expand(16, 1).contiguous(), one.expand(1, 16).contiguous()) if rowwise else (one, one)
+        torch._scaled_mm(a, b, scale_a=scales[0], scale_b=scales[1], out_dtype=torch.bfloat16)
+    except (RuntimeError, NotImplementedError) as exc:
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        kind = "row-wise" if rowwise else "tensor-wise"
+        return f"this PyTorch build cannot run {kind} scaled FP8 matmuls on {name} ({first})"
+    return None
+
+
 def triton_interpreted() -> bool:
     """Triton's interpreter is on (TRITON_INTERPRET=1: kernels run as Python on CPU tensors; tests)."""
     return os.environ.get("TRITON_INTERPRET") == "1"

@@ -298,14 +298,19 @@ def mamba_inner_triton(
 
 
 def mixer_composition(h, in_proj_weight, conv1d_weight, conv1d_bias, x_proj_weight, dt_proj_weight, dt_proj_bias,
-                      A_log, D, out_proj_weight, conv_fn, scan_fn) -> Tensor:  # fmt: skip
+                      A_log, D, out_proj_weight, conv_fn, scan_fn, projections=None) -> Tensor:  # fmt: skip
     """The unfused mixer (``MambaMixer``'s computation) on the given ops, autograd through it: ``conv_fn`` /
     ``scan_fn`` with the ``causal_conv1d`` / ``selective_scan`` signatures (the public dispatching ops, or the
     reference twins). in_proj and dt_proj are computed channel-major as mamba-ssm does, so x, z and delta reach the
-    kernels with unit stride along time."""
+    kernels with unit stride along time. ``projections``: (in_proj, out_proj) modules to call instead of the two
+    weights' matmuls (Linear layers that compute otherwise, e.g. FP8 training's); in_proj's output is then
+    token-major, and the kernels copy x and z to unit stride along time."""
     batch, T, _ = h.shape
     E, R, S = in_proj_weight.shape[0] // 2, dt_proj_weight.shape[1], A_log.shape[1]
-    xz = (in_proj_weight @ h.reshape(batch * T, -1).t()).view(-1, batch, T).transpose(0, 1)  # (B, 2E, T)
+    if projections is None:
+        xz = (in_proj_weight @ h.reshape(batch * T, -1).t()).view(-1, batch, T).transpose(0, 1)  # (B, 2E, T)
+    else:
+        xz = projections[0](h).transpose(1, 2)  # (B, T, 2E) -> (B, 2E, T)
     x, z = xz.chunk(2, dim=1)  # (B, E, T) each
     x = conv_fn(x, conv1d_weight.reshape(E, -1), conv1d_bias, activation="silu")  # (B, E, T)
     dt, b, c = F.linear(x.transpose(1, 2), x_proj_weight).split([R, S, S], dim=-1)  # (B, T, R), (B, T, S) x 2
@@ -314,6 +319,8 @@ def mixer_composition(h, in_proj_weight, conv1d_weight, conv1d_bias, x_proj_weig
     # out = (scan(u) + D·u) · SiLU(z); dt_proj's bias and the softplus are applied inside the scan
     y = scan_fn(x, dt, A, b.transpose(1, 2), c.transpose(1, 2), D=at_least_fp32(D), z=z,
                 delta_bias=at_least_fp32(dt_proj_bias), delta_softplus=True)  # (B, E, T)  # fmt: skip
+    if projections is not None:
+        return projections[1](y.transpose(1, 2).contiguous())  # (B, T, D); row-wise FP8 casts need it contiguous
     return F.linear(y.transpose(1, 2), out_proj_weight)  # (B, T, D)
 
 

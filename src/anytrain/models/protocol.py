@@ -93,6 +93,10 @@ class ParallelizePlan:
     allocated. False: the whole model is initialised and then cut."""
     stage_types: tuple[type, ...] = ()
     """Module classes ``pipeline_split`` returns besides the model class (to find the spec of a stage)."""
+    fp8_linears: Callable[[nn.Module], list[str]] | None = None
+    """``train.fp8``: the qualified names, in the module given (the model or a pipeline stage), of the ``nn.Linear``
+    layers that may compute in FP8 (never the LM head, whose weight the fused linear + cross-entropy reads directly);
+    ``anytrain.parallel.fp8`` keeps the misaligned and small ones of them in high precision. None: no FP8 plan."""
 
 
 @dataclass(frozen=True)

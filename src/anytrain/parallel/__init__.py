@@ -21,7 +21,7 @@ from anytrain import hardware
 from anytrain.config import RunConfig, check_fsdp_only_options
 from anytrain.errors import ConfigError
 from anytrain.models import spec_of
-from anytrain.parallel import compression
+from anytrain.parallel import compression, fp8
 from anytrain.parallel.dims import ParallelDims
 
 
@@ -255,13 +255,16 @@ def apply_fsdp(model: nn.Module, dims: ParallelDims, device: torch.device, mp_dt
 
 def parallelize(model: nn.Module, cfg: RunConfig, dims: ParallelDims, device: torch.device,
                 compute_dtype: torch.dtype) -> tuple[nn.Module, str]:  # fmt: skip
-    """Apply TP -> AC -> compile -> DDP/FSDP in this order, in place; returns (the model to call, strategy used).
-    The family-specific steps (TP plan, whole-model compile) come from the model's ``ModelSpec.parallelize_plan``."""
+    """Apply FP8 -> TP -> AC -> compile -> DDP/FSDP in this order, in place; returns (the model to call, strategy
+    used). The family-specific steps (FP8 layers, TP plan, whole-model compile) come from the model's
+    ``ModelSpec.parallelize_plan``."""
     strategy = resolve_strategy(cfg, dims)
     check_fsdp_only_options(cfg.parallel, strategy)
     if (dims.tp > 1 or dims.pp > 1) and strategy in ("ddp", "zero1"):
         raise ConfigError("parallel.strategy: tensor/pipeline parallelism combine with fsdp (or no data "
                           "parallelism); set --parallel.strategy fsdp")  # fmt: skip
+    if cfg.train.fp8 != "none":  # first: TP, checkpointing, compile and FSDP then see the FP8 layers
+        fp8.convert_model(model, cfg.train, strategy, device)
     if dims.tp > 1:
         spec = spec_of(model)
         if spec.parallelize_plan.tensor_parallel is None:

@@ -40,6 +40,7 @@ from anytrain.parallel import (
     reduce_partial_gradients,
     unwrap,
 )
+from anytrain.parallel.fp8 import attach_fp8
 from anytrain.train import rundir
 from anytrain.train.build import (
     ModelSetup,
@@ -201,6 +202,7 @@ class Trainer(ModelSetup, Evaluation):
         # ranks holding a copy of the loss: all but the non-final pipeline stages (TP peers hold equal copies)
         self.loss_ranks = self.info.world_size // self.dims.pp
         self._setup_optimizer()
+        attach_fp8(self.optimizer, self.model, self.log.print)  # train.fp8: its log line; FSDP's FP8 weight scales
 
     def _zero_grad(self) -> None:
         """Drop the step's gradients: freed (set to None), or zeroed in place when a captured graph writes to them."""

@@ -1,6 +1,7 @@
 """How an HF causal LM is parallelized: data parallelism only (DDP / FSDP2 per decoder layer, from
-``anytrain.parallel`` through ``blocks()``), per-block or whole-body compile. Tensor and pipeline parallelism would
-need a plan per architecture and are refused at config load (``models/hf/__init__.check_run_config``)."""
+``anytrain.parallel`` through ``blocks()``), per-block or whole-body compile, FP8 in the decoder layers' Linear
+layers. Tensor and pipeline parallelism would need a plan per architecture and are refused at config load
+(``models/hf/__init__.check_run_config``)."""
 
 from __future__ import annotations
 
@@ -27,4 +28,14 @@ def whole_body_when_auto(model: HFCausalLM) -> bool:
     return model.mask_free
 
 
-PLAN = ParallelizePlan(compile_model=compile_model, whole_model_when_auto=whole_body_when_auto)
+def fp8_linears(model: HFCausalLM) -> list[str]:
+    """FP8 candidates: every ``nn.Linear`` inside the decoder layers (the attention and MLP projections, whatever the
+    architecture names them); the LM head and embeddings are outside the layers, and layers of other classes (GPT-2's
+    ``Conv1D``) are not converted."""
+    inside = {id(module) for block in model.blocks() for module in block.modules()}
+    return [
+        name for name, module in model.named_modules() if id(module) in inside and isinstance(module, torch.nn.Linear)
+    ]
+
+
+PLAN = ParallelizePlan(compile_model=compile_model, whole_model_when_auto=whole_body_when_auto, fp8_linears=fp8_linears)

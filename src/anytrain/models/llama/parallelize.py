@@ -1,4 +1,4 @@
-"""How the Transformer is parallelized: its tensor-parallel plan, pipeline split and whole-model compile.
+"""How the Transformer is parallelized: its tensor-parallel plan, pipeline split, whole-model compile and FP8 layers.
 
 Tensor parallelism with sequence parallelism, on DTensor's ``parallelize_module`` (Megatron layout per block):
 wq/wk/wv and w1/w3 column-parallel (heads / FFN columns split over the TP ranks), wo and w2 row-parallel; the norms
@@ -121,6 +121,17 @@ def pipeline_split(model: Transformer, layers: range, first: bool, last: bool) -
     return model
 
 
+def fp8_linears(model: Transformer) -> list[str]:
+    """FP8 candidates: every projection of the blocks this module holds (wq, wk, wv, wo and the MLP's w1, w3, w2). Not
+    the LM head: the fused linear + cross-entropy reads its weight and never calls it."""
+    return [
+        f"layers.{key}.{name}"
+        for key, block in model.layers.items()
+        for name, module in block.named_modules()
+        if isinstance(module, torch.nn.Linear)
+    ]
+
+
 def compile_model(model: Transformer) -> None:
     """Compile ``forward_hidden`` (embedding, blocks, final norm) as one graph; the loss stays outside."""
     model.forward_hidden = torch.compile(model.forward_hidden, fullgraph=False)
@@ -130,5 +141,6 @@ PLAN = ParallelizePlan(
     tensor_parallel=apply_tensor_parallel,
     pipeline_split=pipeline_split,
     compile_model=compile_model,
+    fp8_linears=fp8_linears,
     stage_init=True,  # init_weights(seed) draws each parameter from a stream keyed by its name
 )

@@ -149,6 +149,10 @@ class MambaMixer(nn.Module):
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
         """h (B, T, D) -> (B, T, D)."""
+        if type(self.in_proj) is not nn.Linear or type(self.out_proj) is not nn.Linear:
+            # projections replaced by Linear layers that compute otherwise (FP8 training's): called as modules, unfused
+            projections = (self.in_proj, self.out_proj)
+            return mixer_composition(h, *self._weights(), causal_conv1d, selective_scan, projections=projections)
         if use_mamba_inner(h, self.args.d_inner):  # GPU (Triton) path: the mixer as one fused op owning the layouts
             return mamba_inner_triton(h, *self._weights())
         # elsewhere (CPU, or the fused op switched off): the same computation on the public dispatching ops

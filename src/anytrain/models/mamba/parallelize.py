@@ -1,4 +1,4 @@
-"""How the Mamba LM is parallelized: its pipeline split and whole-model compile (no tensor-parallel plan)."""
+"""How the Mamba LM is parallelized: its pipeline split, whole-model compile and FP8 layers (no TP plan)."""
 
 from __future__ import annotations
 
@@ -60,6 +60,13 @@ def pipeline_split(model: Mamba, layers: range, first: bool, last: bool) -> Mamb
     return MambaStage(model)
 
 
+def fp8_linears(model: Mamba | MambaStage) -> list[str]:
+    """FP8 candidates: each mixer's in_proj (D -> 2E) and out_proj (E -> D), the large GEMMs; x_proj and dt_proj (rank
+    R and 2S wide) and the LM head stay high precision. The mixer then calls these two as modules
+    (``MambaMixer.forward``), not its fused op."""
+    return [f"backbone.layers.{key}.mixer.{name}" for key in model.backbone.layers for name in ("in_proj", "out_proj")]
+
+
 def compile_model(model: Mamba) -> None:
     """Compile the backbone (embeddings, blocks, final norm) as one graph; the loss stays outside."""
     model.backbone.compile(fullgraph=False)
@@ -68,6 +75,7 @@ def compile_model(model: Mamba) -> None:
 PLAN = ParallelizePlan(
     pipeline_split=pipeline_split,
     compile_model=compile_model,
+    fp8_linears=fp8_linears,
     stage_init=False,  # init_weights draws from one stream in module order: initialise the whole model, then cut
     stage_types=(MambaStage,),
 )
