@@ -6,7 +6,7 @@ A ``multiprocessing`` fork server started once per pytest worker imports the CLI
 fork of it that takes the caller's environment, working directory and argv, sends its stdout/stderr to files, runs
 ``anytrain.cli.main`` and exits with its code. ``nproc`` > 1 starts one fork per rank with the plain-environment
 launch variables (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT), which
-``anytrain.launch.env`` reads like torchrun's. Tests of the launchers themselves (torchrun's agent, signals sent to
+``anytrain.parallel.env`` reads like torchrun's. Tests of the launchers themselves (torchrun's agent, signals sent to
 it, srun, mpirun) start those for real instead.
 """
 
@@ -25,7 +25,7 @@ import tempfile
 import time
 from pathlib import Path
 
-_PRELOAD = ["torch", "torch.utils.tensorboard", "anytrain.cli", "anytrain.train.trainer", "anytrain.launch.env"]
+_PRELOAD = ["torch", "torch.utils.tensorboard", "anytrain.cli", "anytrain.train.trainer", "anytrain.parallel.env"]
 _context = None
 
 

@@ -14,9 +14,9 @@ from pathlib import Path
 import pytest
 
 from anytrain.errors import ConfigError
-from anytrain.launch.env import discover, expand_hostlist, tasks_on_node
 from anytrain.launch.mpi import hostfile_hosts, mpirun_command
 from anytrain.launch.slurm import SlurmJob, render_sbatch
+from anytrain.parallel.env import discover, expand_hostlist, tasks_on_node
 from tests.cluster.conftest import missing_tools
 from tests.conftest import ROOT, cli_env, cli_in_process
 

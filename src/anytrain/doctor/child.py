@@ -36,7 +36,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--pause-at-step", type=int, default=-1, help="Wait (read stdin) before this step's batch.")
     parser.add_argument("--resume", action="store_true")
     args = parser.parse_args(argv)
-    from anytrain.launch.env import discover
+    from anytrain.parallel.env import discover
     from anytrain.train.trainer import Trainer
 
     if discover().is_distributed:

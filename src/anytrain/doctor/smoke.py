@@ -39,7 +39,7 @@ KILL_STEP = 10
 SEQ_LEN = 32
 MICRO_BATCH = 2
 OVERLAP_RANK_VAR = "ANYTRAIN_TEST_OVERLAP_RANK"
-# what anytrain.launch.env reads to find a launcher: a child without them is one process
+# what anytrain.parallel.env reads to find a launcher: a child without them is one process
 LAUNCH_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "ROLE_RANK", "MASTER_ADDR",
                "MASTER_PORT", "SLURM_STEP_NUM_TASKS", "SLURM_PROCID", "SLURM_LOCALID", "PMI_RANK", "PMI_SIZE",
                "MPI_LOCALRANKID", "MPI_LOCALNRANKS")  # fmt: skip

@@ -1,7 +1,7 @@
 """``anytrain launch mpi``: the Open MPI ``mpirun`` command line for a training run.
 
 MPI starts the processes; torch.distributed still forms its own group (gloo / NCCL / RCCL) from the rank facts MPI
-exports (``anytrain.launch.env``). MPI does not say which host rank 0 is on, so the line passes MASTER_ADDR (the
+exports (``anytrain.parallel.env``). MPI does not say which host rank 0 is on, so the line passes MASTER_ADDR (the
 first host of the hostfile, or 127.0.0.1 without one) and MASTER_PORT with ``-x``, along with the vendor's collective
 environment. ``--bind-to none``: Open MPI binds each rank to one core by default, which would leave PyTorch's intra-op
 threads one core (``parallel.cpu_affinity: cores`` is the binding anytrain offers).

@@ -29,10 +29,15 @@ from anytrain.errors import ConfigError
 TORCHRUN, MPI, SLURM, ENV, SINGLE = "torchrun", "mpi", "slurm", "env", "single"
 # (launcher name shown in errors, rank, world size, local rank, local world size) per MPI flavour
 MPI_KEYS = (
-    ("mpirun (Open MPI)", "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK",
-     "OMPI_COMM_WORLD_LOCAL_SIZE"),
+    (
+        "mpirun (Open MPI)",
+        "OMPI_COMM_WORLD_RANK",
+        "OMPI_COMM_WORLD_SIZE",
+        "OMPI_COMM_WORLD_LOCAL_RANK",
+        "OMPI_COMM_WORLD_LOCAL_SIZE",
+    ),
     ("mpirun (MPICH / Intel MPI)", "PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID", "MPI_LOCALNRANKS"),
-)  # fmt: skip
+)
 DEFAULT_PORT = 29500
 
 
@@ -58,9 +63,14 @@ class LaunchEnv:
         environ = os.environ if environ is None else environ
         if not self.is_distributed:
             return
-        values = {"RANK": self.rank, "WORLD_SIZE": self.world_size, "LOCAL_RANK": self.local_rank,
-                  "LOCAL_WORLD_SIZE": self.local_world_size, "MASTER_ADDR": self.master_addr,
-                  "MASTER_PORT": self.master_port}  # fmt: skip
+        values = {
+            "RANK": self.rank,
+            "WORLD_SIZE": self.world_size,
+            "LOCAL_RANK": self.local_rank,
+            "LOCAL_WORLD_SIZE": self.local_world_size,
+            "MASTER_ADDR": self.master_addr,
+            "MASTER_PORT": self.master_port,
+        }
         environ.update({key: str(value) for key, value in values.items() if value is not None})
 
 
@@ -138,9 +148,15 @@ def discover(env: Mapping[str, str] | None = None) -> LaunchEnv:
     elif "SLURM_STEP_NUM_TASKS" in env and "SLURM_PROCID" in env:
         found = _from_slurm(env)
     elif "RANK" in env and "WORLD_SIZE" in env:
-        found = LaunchEnv(ENV, _int(env, "RANK"), _int(env, "WORLD_SIZE"), _int(env, "LOCAL_RANK", 0),
-                          _int(env, "LOCAL_WORLD_SIZE", 1), env.get("MASTER_ADDR"),
-                          _int(env, "MASTER_PORT", DEFAULT_PORT))  # fmt: skip
+        found = LaunchEnv(
+            ENV,
+            _int(env, "RANK"),
+            _int(env, "WORLD_SIZE"),
+            _int(env, "LOCAL_RANK", 0),
+            _int(env, "LOCAL_WORLD_SIZE", 1),
+            env.get("MASTER_ADDR"),
+            _int(env, "MASTER_PORT", DEFAULT_PORT),
+        )
     else:
         return LaunchEnv()
     _check(found)
@@ -148,9 +164,15 @@ def discover(env: Mapping[str, str] | None = None) -> LaunchEnv:
 
 
 def _from_torchrun(env: Mapping[str, str]) -> LaunchEnv:
-    return LaunchEnv(TORCHRUN, _int(env, "RANK"), _int(env, "WORLD_SIZE"), _int(env, "LOCAL_RANK", 0),
-                     _int(env, "LOCAL_WORLD_SIZE", 1), env.get("MASTER_ADDR"),
-                     _int(env, "MASTER_PORT", DEFAULT_PORT))  # fmt: skip
+    return LaunchEnv(
+        TORCHRUN,
+        _int(env, "RANK"),
+        _int(env, "WORLD_SIZE"),
+        _int(env, "LOCAL_RANK", 0),
+        _int(env, "LOCAL_WORLD_SIZE", 1),
+        env.get("MASTER_ADDR"),
+        _int(env, "MASTER_PORT", DEFAULT_PORT),
+    )
 
 
 def _from_mpi(env: Mapping[str, str]) -> LaunchEnv | None:
@@ -162,13 +184,16 @@ def _from_mpi(env: Mapping[str, str]) -> LaunchEnv | None:
         addr = env.get("MASTER_ADDR")
         if addr is None and world > 1:
             if local_world != world:
-                raise ConfigError(f"{name}: ranks span several hosts but MASTER_ADDR is not set; pass the first "
-                                  "host with mpirun -x MASTER_ADDR=<host> (anytrain launch mpi does)")  # fmt: skip
+                raise ConfigError(
+                    f"{name}: ranks span several hosts but MASTER_ADDR is not set; pass the first "
+                    "host with mpirun -x MASTER_ADDR=<host> (anytrain launch mpi does)"
+                )
             addr = "127.0.0.1"
         job = env.get("OMPI_MCA_ess_base_jobid") or env.get("PMIX_NAMESPACE") or env.get("PMI_JOBID") or ""
         default_port = 15000 + int(job) % 20000 if job.isdigit() else DEFAULT_PORT
-        found = LaunchEnv(MPI, rank, world, _int(env, local_key, 0), local_world, addr,
-                          _int(env, "MASTER_PORT", default_port))  # fmt: skip
+        found = LaunchEnv(
+            MPI, rank, world, _int(env, local_key, 0), local_world, addr, _int(env, "MASTER_PORT", default_port)
+        )
         _check_exported(env, found, name, rank_key, world_key, local_key)
         return found
     return None
@@ -177,8 +202,10 @@ def _from_mpi(env: Mapping[str, str]) -> LaunchEnv | None:
 def _from_slurm(env: Mapping[str, str]) -> LaunchEnv:
     world = _int(env, "SLURM_STEP_NUM_TASKS")
     if "SLURM_NTASKS" in env and _int(env, "SLURM_NTASKS") != world:
-        raise ConfigError(f"srun: SLURM_NTASKS={env['SLURM_NTASKS']} but SLURM_STEP_NUM_TASKS={world}; the step "
-                          "environment is inconsistent (a SLURM_NTASKS exported by hand?)")  # fmt: skip
+        raise ConfigError(
+            f"srun: SLURM_NTASKS={env['SLURM_NTASKS']} but SLURM_STEP_NUM_TASKS={world}; the step "
+            "environment is inconsistent (a SLURM_NTASKS exported by hand?)"
+        )
     local_world = tasks_on_node(env.get("SLURM_STEP_TASKS_PER_NODE", ""), _int(env, "SLURM_NODEID", 0))
     nodelist = env.get("SLURM_STEP_NODELIST") or env.get("SLURM_JOB_NODELIST") or ""
     hosts = expand_hostlist(nodelist)
@@ -191,11 +218,15 @@ def _from_slurm(env: Mapping[str, str]) -> LaunchEnv:
     return found
 
 
-def _check_exported(env: Mapping[str, str], found: LaunchEnv, name: str, rank_key: str, world_key: str,
-                    local_key: str) -> None:  # fmt: skip
+def _check_exported(
+    env: Mapping[str, str], found: LaunchEnv, name: str, rank_key: str, world_key: str, local_key: str
+) -> None:
     """RANK / WORLD_SIZE / LOCAL_RANK set by hand next to a launcher must say what the launcher says."""
-    for key, own_key, value in (("WORLD_SIZE", world_key, found.world_size), ("RANK", rank_key, found.rank),
-                                ("LOCAL_RANK", local_key, found.local_rank)):  # fmt: skip
+    for key, own_key, value in (
+        ("WORLD_SIZE", world_key, found.world_size),
+        ("RANK", rank_key, found.rank),
+        ("LOCAL_RANK", local_key, found.local_rank),
+    ):
         if key in env and env[key].strip() != str(value):
             fix = f"unset {key} (anytrain reads {own_key})" + (
                 f" or launch {env[key]} tasks" if key == "WORLD_SIZE" else ""
@@ -207,5 +238,7 @@ def _check(found: LaunchEnv) -> None:
     if found.world_size < 1 or not 0 <= found.rank < found.world_size:
         raise ConfigError(f"{found.launcher}: rank {found.rank} is outside world size {found.world_size}")
     if not 0 <= found.local_rank < max(found.local_world_size, 1) and found.local_world_size > 1:
-        raise ConfigError(f"{found.launcher}: local rank {found.local_rank} is outside the {found.local_world_size} "
-                          "processes of this host")  # fmt: skip
+        raise ConfigError(
+            f"{found.launcher}: local rank {found.local_rank} is outside the {found.local_world_size} "
+            "processes of this host"
+        )
