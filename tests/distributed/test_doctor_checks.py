@@ -10,12 +10,13 @@ import pytest
 import torch
 
 from anytrain import hardware
-from anytrain.doctor import check_failures, expectation_failures, sweep_sizes, training_failures
+from anytrain.doctor.checks import check_failures, expectation_failures, training_failures
 from anytrain.doctor.collectives import bus_factor, message_numels
 from anytrain.doctor.inventory import collective_env, gemm_check, network_interfaces, slurm_allocation
 from anytrain.doctor.p2p import round_robin
 from anytrain.doctor.report import failure_check, print_report, rank_ranges, summarize
 from anytrain.doctor.smoke import partition_failures
+from anytrain.doctor.suite import sweep_sizes
 from anytrain.doctor.thresholds import Thresholds, load_thresholds
 from anytrain.errors import ConfigError
 from tests.conftest import cli_in_process, run_cli
