@@ -82,7 +82,7 @@ def run_config(case: dict, overrides: list[str] | tuple[str, ...] = ()):
 def predict_row(row: dict, device, overrides: list[str] | tuple[str, ...] = ()):
     """anytrain.cost.estimate for the model, layout and batch of one row (its config + ``overrides``)."""
     from anytrain.cost import Workload, estimate
-    from anytrain.cost.cli import shape_from_config
+    from anytrain.cost.shapes import shape_from_config
 
     cfg = run_config(row, overrides)  # the bucket size the row recorded (rows from before the field: PyTorch's)
     wl = Workload.from_config(cfg, ddp_bucket_mib=row.get("ddp_bucket_mb") or LEGACY_DDP_BUCKET_MB)

@@ -228,7 +228,7 @@ def test_tensor_parallel_keeps_the_lm_head_whole():
 )  # fmt: skip
 def test_against_measured_h200_peaks(name, shape_args, layout, batch, seq, compiled, prec, measured):
     from anytrain.config import RunConfig
-    from anytrain.cost.cli import shape_from_config
+    from anytrain.cost.shapes import shape_from_config
 
     arch, flavour, *residual_fp32 = shape_args
     args = {"residual_in_fp32": residual_fp32[0]} if residual_fp32 else {}
@@ -244,7 +244,7 @@ def test_mamba_residual_stream_dtype_moves_the_predicted_peak_as_measured(micro,
     the bf16 residual stream (model.args.residual_in_fp32 false) lowered the allocator peak by 3.1 / 6.3 GiB; the
     model's difference must match (it predicted none while it took Mamba's stream as fp32 under any autocast)."""
     from anytrain.config import RunConfig
-    from anytrain.cost.cli import shape_from_config
+    from anytrain.cost.shapes import shape_from_config
 
     peaks = {}
     for fp32 in (True, False):

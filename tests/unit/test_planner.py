@@ -8,7 +8,7 @@ import typer
 from typer.testing import CliRunner
 
 from anytrain.config import load_config
-from anytrain.cost.cli import parse_count, parse_duration, plan_command, shape_from_params
+from anytrain.cost.cli import plan_command
 from anytrain.cost.devices import get_device
 from anytrain.cost.model import MEGATRON, STRATEGIES, Layout, ModelShape, Workload, estimate
 from anytrain.cost.planner import (
@@ -20,7 +20,8 @@ from anytrain.cost.planner import (
     size_job,
     trainer_overrides,
 )
-from anytrain.cost.shapes import shape_from_config
+from anytrain.cost.shapes import parse_count, shape_from_config, shape_from_params
+from anytrain.cost.tables import parse_duration
 from anytrain.errors import ConfigError
 
 LLAMA_7B = ModelShape(32, 4096, 32, 32, 11008, 32000)

@@ -4,8 +4,8 @@
 accounting (validated against H200 allocator peaks and the tensors autograd saves), ``model`` the communication,
 time and energy arithmetic and ``estimate`` (re-exporting the other two; closed forms in each docstring and in
 docs/cost-model.md), ``devices`` the device and system figures (hardware.DEVICE_CATALOGUE plus efficiency, power,
-host and node data), ``planner`` the layout search, ``cli`` the ``anytrain plan`` command and ``report`` the
-projection tables.
+host and node data), ``planner`` the layout search and job sizing, ``tables`` their answers as text and ``cli`` the
+``anytrain plan`` verb (options only). The projection tables of docs/cost-model.md are ``bench/cost_projection.py``.
 """
 
 from anytrain.cost.devices import DEVICES, SYSTEMS, Device, get_device

@@ -1,6 +1,7 @@
 """What the cost model is asked about: the model's shape, the precision/framework preset, the parallel layout and the
 workload. Plain frozen dataclasses (no torch), shared by ``memory`` and ``model``; ``anytrain.cost.model`` re-exports
-every name here.
+every name here. A shape comes from a RunConfig (``shape_from_config``), a bare parameter count (``shape_from_params``)
+or whichever of those and a flavour name ``anytrain plan --model`` was given (``resolve_model``).
 
 Notation: Ψ parameters, L layers, d width, F FFN width, V vocabulary, s sequence length, b micro-batch,
 m micro-batches per step, t/p/n tensor-, pipeline-, data-parallel degrees.
@@ -8,7 +9,10 @@ m micro-batches per step, t/p/n tensor-, pipeline-, data-parallel degrees.
 
 from __future__ import annotations
 
+import math
+import re
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from anytrain.errors import ConfigError
@@ -379,8 +383,91 @@ def shape_from_config(cfg: object) -> ModelShape | MambaShape:
 
     args = resolve_args(cfg.model)
     name = f"{cfg.model.arch}/{cfg.model.flavour}"
-    if hasattr(args, "d_state"):
+    if hasattr(args, "dt_rank"):  # Mamba-1 (Mamba-2's args have no dt_rank: not covered, refused below)
         return MambaShape.from_args(args, name=name)
     if not hasattr(args, "n_heads"):
         raise ConfigError(f"model.arch: the cost model covers transformer and mamba models, not {cfg.model.arch!r}")
     return ModelShape.from_args(args, name=name)
+
+
+# Published shapes for bare parameter counts: (layers, hidden, heads, mlp, ffn, vocab).
+KNOWN_SHAPES: dict[float, tuple[int, int, int, str, int, int]] = {
+    175e9: (96, 12288, 96, "gelu", 4 * 12288, 51200),  # GPT-3 175B
+    1e12: (128, 25600, 160, "gelu", 4 * 25600, 51200),  # Megatron / ORNL 1T
+}
+
+
+def parse_count(text: str) -> float:
+    """'7e9', '7B', '175b', '1.3T', '350M' -> a float number of parameters."""
+    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:e[0-9]+)?)\s*([kmbt]?)\s*", text.lower())
+    if not match:
+        raise ConfigError(f"--model: {text!r} is neither a config file, a flavour, nor a parameter count like 7e9")
+    scale = {"": 1, "k": 1e3, "m": 1e6, "b": 1e9, "t": 1e12}[match.group(2)]
+    return float(match.group(1)) * scale
+
+
+def shape_from_params(
+    params: float,
+    layers: int | None = None,
+    hidden: int | None = None,
+    heads: int | None = None,
+    kv_heads: int | None = None,
+    ffn: int | None = None,
+    vocab: int = 32000,
+) -> ModelShape:
+    """A Llama-style shape with about ``params`` parameters. Published shapes for 175B and 1T (GPT); otherwise
+    hidden = (128·Ψ/12)^(1/3) rounded to 128 (GPT-3's d/L ≈ 128), L = Ψ/(12·d²), and the SwiGLU width solves
+    Ψ = 2·V·d + L·(4·d² + 3·d·F)."""
+    for known, (kl, kd, kh, mlp, kf, kv) in KNOWN_SHAPES.items():
+        if abs(params / known - 1) < 0.02 and layers in (None, kl) and hidden in (None, kd):
+            return ModelShape(
+                kl,
+                kd,
+                heads or kh,
+                kv_heads or heads or kh,
+                ffn or kf,
+                kv,
+                mlp=mlp,
+                expand_kv=False,
+                name=f"GPT {params / 1e12:g}T" if params >= 1e12 else f"GPT {params / 1e9:g}B",
+            )
+    if hidden is None:
+        hidden = max(128, 128 * round((128 * params / 12) ** (1 / 3) / 128))
+    if layers is None:
+        layers = max(1, round(params / (12 * hidden * hidden)))
+    heads = heads or max(1, hidden // 128)
+    if hidden % heads:
+        raise ConfigError(f"--heads: {heads} does not divide --hidden {hidden}")
+    kv_heads = kv_heads or heads
+    if ffn is None:
+        body = params - 2 * vocab * hidden - layers * (2 * hidden * hidden + 2 * hidden * hidden * kv_heads // heads)
+        ffn = 64 * math.ceil(body / (3 * layers * hidden) / 64) if body > 0 else 0
+        if ffn <= 0:
+            raise ConfigError(
+                f"--model: {params:.3g} parameters is too few for --layers {layers} --hidden {hidden} "
+                f"(embeddings and attention alone exceed it)"
+            )
+    return ModelShape(layers, hidden, heads, kv_heads, ffn, vocab, name=f"{params / 1e9:.3g}B")
+
+
+def resolve_model(
+    model: str,
+    layers: int | None,
+    hidden: int | None,
+    heads: int | None,
+    kv_heads: int | None,
+    ffn: int | None,
+    vocab: int,
+) -> tuple[ModelShape, object | None]:
+    """(shape, RunConfig or None) from ``--model``: a config YAML (the RunConfig comes back too), a flavour name, or a
+    parameter count (``7e9``, ``175B``) shaped by ``shape_from_params`` with the optional layers / hidden / ..."""
+    from anytrain.config import ModelConfig, RunConfig, load_config
+    from anytrain.models import TRANSFORMER_FLAVOURS
+
+    if model.endswith((".yaml", ".yml")) or Path(model).is_file():
+        cfg = load_config(model)
+        return shape_from_config(cfg), cfg
+    if model in TRANSFORMER_FLAVOURS:
+        cfg = RunConfig(model=ModelConfig(flavour=model))
+        return shape_from_config(cfg), None
+    return shape_from_params(parse_count(model), layers, hidden, heads, kv_heads, ffn, vocab), None

@@ -113,11 +113,11 @@ def _auto_nodes(config: str, overrides: list[str], gpu: str, gpus_per_node: int,
                 max_nodes: int) -> tuple[str, int, list[str]]:  # fmt: skip
     """``--nodes auto``: the cost model's fewest devices that train the recipe's ``train.steps`` by the deadline.
     Returns (nodes, GPUs per node, the layout's overrides followed by the user's)."""
-    from anytrain.cost.cli import parse_duration
     from anytrain.cost.devices import get_device
     from anytrain.cost.model import Workload
     from anytrain.cost.planner import RUNNABLE_STRATEGIES, size_job, trainer_overrides
     from anytrain.cost.shapes import shape_from_config
+    from anytrain.cost.tables import parse_duration
 
     if gpus_per_node < 1 or not gpu:
         raise ConfigError("--nodes auto: needs --gpus-per-node N and --gpu KIND (e.g. --gpu h100) for the cost model")

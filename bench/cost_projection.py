@@ -2,9 +2,10 @@
 H100 clusters — time and energy for 1× data (D = Ψ tokens) and 20× data (Chinchilla, D = 20·Ψ) — plus a
 strong-scaling check against ORNL's published efficiencies.
 
-Regenerate the tables in docs/cost-model.md with::
+A bench of the cost model alone (nothing runs on a device): the tables are the planner's predictions. Regenerate them
+in docs/cost-model.md with::
 
-    PYTHONPATH=src python -m anytrain.cost.report --write docs/cost-model.md
+    PYTHONPATH=src python -m bench.cost_projection --write docs/cost-model.md
 """
 
 from __future__ import annotations
@@ -12,10 +13,10 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from anytrain.cost.cli import shape_from_params
 from anytrain.cost.devices import get_device
 from anytrain.cost.model import MEGATRON, STRATEGIES, Estimate, ModelShape, Workload, seed_compute_flops, seed_time_s
 from anytrain.cost.planner import plan
+from anytrain.cost.shapes import shape_from_params
 
 BEGIN, END = "<!-- projection:begin -->", "<!-- projection:end -->"
 
