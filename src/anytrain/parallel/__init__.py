@@ -42,8 +42,8 @@ class DistInfo:
 
 def launch_env() -> DistInfo:
     """Rank facts from torchrun, MPI (mpirun) or SLURM (srun), exported as RANK / WORLD_SIZE / LOCAL_RANK /
-    MASTER_ADDR / MASTER_PORT for ``init_process_group``; single process otherwise (``anytrain.launch.env``)."""
-    from anytrain.launch.env import discover
+    MASTER_ADDR / MASTER_PORT for ``init_process_group``; single process otherwise (``anytrain.parallel.env``)."""
+    from anytrain.parallel.env import discover
 
     found = discover()
     found.export()
