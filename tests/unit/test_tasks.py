@@ -148,3 +148,16 @@ def test_unknown_records_are_one_line(tmp_path):
     with pytest.raises(DataError, match=r"x.jsonl:2: not a mc record"):
         load_task(write_jsonl(tmp_path / "x.jsonl", [{"context": "c", "choices": ["a"], "label": 0},
                                                      {"context": "c", "choices": ["a"], "label": "zero"}]))  # fmt: skip
+
+
+def test_piqa_labels_of_another_length_are_one_line(tmp_path):
+    write_jsonl(tmp_path / "valid.jsonl", [{"goal": "g", "sol1": "a", "sol2": "b"}] * 3)
+    (tmp_path / "valid-labels.lst").write_text("1\n0\n")
+    with pytest.raises(DataError, match=r"valid-labels.lst: 2 labels for the 3 records of .*valid.jsonl; it needs"):
+        load_task(tmp_path / "valid.jsonl")
+    (tmp_path / "valid-labels.lst").write_text("1\n0\n1\n0\n")
+    with pytest.raises(DataError, match=r"valid-labels.lst: 4 labels for the 3 records"):
+        load_task(tmp_path / "valid.jsonl")
+    (tmp_path / "valid-labels.lst").write_text("1\nzero\n1\n")
+    with pytest.raises(DataError, match=r"valid-labels.lst: not one integer label a line"):
+        load_task(tmp_path / "valid.jsonl")

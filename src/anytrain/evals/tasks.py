@@ -261,7 +261,12 @@ def detect_format(record: dict, where: str) -> str:
 def _piqa_labels(path: Path) -> list[int] | None:
     """PIQA ships its labels beside the questions: train.jsonl + train-labels.lst."""
     lst = path.with_name(path.stem + "-labels.lst")
-    return [int(x) for x in lst.read_text().split()] if lst.is_file() else None
+    if not lst.is_file():
+        return None
+    try:
+        return [int(x) for x in lst.read_text().split()]
+    except ValueError as exc:
+        raise DataError(f"{lst}: not one integer label a line ({exc})") from None
 
 
 def _delimiter(value: Any, default: str, where: str) -> str:
@@ -311,7 +316,10 @@ def load_task(path: str | Path, name: str | None = None, limit: int = 0) -> Task
         labels = _piqa_labels(path)
         if labels is None:
             raise DataError(f"{path}: PIQA records without labels and no {path.stem}-labels.lst beside them")
-        records = [{**r, "label": y} for r, y in zip(records, labels, strict=False)]
+        if len(labels) != len(records):
+            counts = f"{len(labels)} labels for the {len(records)} records of {path}"
+            raise DataError(f"{path.parent / (path.stem + '-labels.lst')}: {counts}; it needs one label a record")
+        records = [{**r, "label": y} for r, y in zip(records, labels, strict=True)]
     _, kind, convert = FORMATS[fmt]
     items = []
     for (number, _), record in zip(numbered, records, strict=True):
