@@ -128,3 +128,17 @@ def test_option_errors(tmp_path, tokenizer_file):
         prepare_sft([jsonl], tmp_path / "out", str(tokenizer_file), layout="chat")
     with pytest.raises(DataError, match=r"tokenizer file not found"):
         prepare_sft([jsonl], tmp_path / "out", str(tmp_path / "none.json"))
+
+
+def test_mask_file_cut_while_training_is_one_line(tmp_path, packed):
+    """Masks are read with pread, like token shards: a mask file cut after the sources are opened is one DataError
+    naming it at the next read (a memory map's read past the end was a SIGBUS)."""
+    import shutil
+
+    data = shutil.copytree(packed, tmp_path / "packed")
+    train, _ = masked_sources(TokenDataset(data), seq_len=24, global_batch=4, seed=0)
+    entry = json.loads((data / "index.json").read_text())["meta"]["sft"]["masks"]["train"][0]
+    with open(data / entry["file"], "r+b") as fh:
+        fh.truncate(8)
+    with pytest.raises(DataError, match=rf"{data / entry['file']}: 8 bytes, index.json says \d+ .*restore it"):
+        train.index.mask(np.arange(train.index.num_samples))

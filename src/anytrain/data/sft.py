@@ -35,7 +35,7 @@ import torch
 
 from anytrain.data.loader import BatchSource, SampleIndex
 from anytrain.data.prepare import MARKER, Document, _eos_id, check_out_dir, is_validation, load_tokenizer
-from anytrain.data.shards import INDEX, ShardWriter, Split, TokenDataset, token_dtype, write_index
+from anytrain.data.shards import INDEX, ShardFile, ShardWriter, Split, TokenDataset, token_dtype, write_index
 from anytrain.diskio import disk_full_as_error, missing_parents, move_into_place, remove, temp_sibling
 from anytrain.errors import ConfigError, DataError
 
@@ -263,7 +263,8 @@ def _mask_split(dataset: TokenDataset, meta: dict, name: str) -> Split:
         if not file.is_file() or file.stat().st_size != token_array.size * MASK_DTYPE.itemsize:
             raise DataError(f"{file}: missing, or not one mask byte per token of its shard; re-run anytrain "
                             "prepare-sft")  # fmt: skip
-        arrays.append(np.memmap(file, dtype=MASK_DTYPE, mode="r") if token_array.size else np.zeros(0, MASK_DTYPE))
+        # read with pread (not memory-mapped): a mask file cut while training is one DataError, not a SIGBUS
+        arrays.append(ShardFile(file, MASK_DTYPE, token_array.size) if token_array.size else np.zeros(0, MASK_DTYPE))
     if len(arrays) != len(tokens):
         raise DataError(f"{dataset.index_file}: meta.sft lists {len(arrays)} {name} mask shards for {len(tokens)} "
                         "token shards; re-run anytrain prepare-sft")  # fmt: skip
