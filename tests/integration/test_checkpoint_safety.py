@@ -9,19 +9,16 @@ model (CPU)."""
 
 from __future__ import annotations
 
-import dataclasses
-import io
 import json
 import os
-import pickle
 import shlex
 import subprocess
 from pathlib import Path
 
 import pytest
-import torch
 
-from anytrain.train.checkpoint import COMMIT_MARKER, file_manifest
+from anytrain.train.checkpoint import COMMIT_MARKER, Checkpointer, CheckpointUnusable, file_manifest, verify
+from tests.checkpoint_tampering import edit_metadata, plant_value, point_outside
 from tests.conftest import run_cli
 
 NEWEST = "checkpoints/step_00000004"
@@ -74,28 +71,14 @@ def recommit(checkpoint: Path) -> None:
 
 def plant_in_metadata(checkpoint: Path, marker: Path) -> Path:
     """The real metadata with one more attribute, the payload (without the fix it loads as usual, after the call)."""
-    file = checkpoint / ".metadata"
-    metadata = pickle.loads(file.read_bytes())
-    metadata.note = RunsCode(marker)
-    file.write_bytes(pickle.dumps(metadata))
+    file = edit_metadata(checkpoint, lambda metadata: setattr(metadata, "note", RunsCode(marker)))
     recommit(checkpoint)
     return file
 
 
 def plant_in_value(checkpoint: Path, marker: Path, key: str = "train.progress.step") -> Path:
     """The payload, torch.save'd, appended to the .distcp file that holds ``key``, and ``key`` pointed at it."""
-    file = checkpoint / ".metadata"
-    metadata = pickle.loads(file.read_bytes())
-    index = next(i for i in metadata.storage_data if i.fqn == key)
-    info = metadata.storage_data[index]
-    shard = checkpoint / info.relative_path
-    payload = io.BytesIO()
-    torch.save(RunsCode(marker), payload)
-    offset = shard.stat().st_size
-    with open(shard, "ab") as f:
-        f.write(payload.getvalue())
-    metadata.storage_data[index] = dataclasses.replace(info, offset=offset, length=len(payload.getvalue()))
-    file.write_bytes(pickle.dumps(metadata))
+    shard = plant_value(checkpoint, key, RunsCode(marker))
     recommit(checkpoint)
     return shard
 
@@ -160,6 +143,52 @@ def test_a_planted_value_pickle_is_refused_on_resume(done_run, tmp_path):
     proc = run_cli("eval", str(run), "--json", "--max-new-tokens", "2", timeout=120)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert json.loads(proc.stdout)["step"] == 4 and not marker.exists()
+
+
+def test_a_storage_path_outside_the_checkpoint_is_refused_by_every_loader(done_run, tmp_path):
+    """.metadata pointing its entries at '../x' (a real .distcp file of the run, copied outside): DCP would read it from
+    there; every loader refuses it with one line naming .metadata, without falling back to step 2."""
+    run = copy_run(done_run, tmp_path / "run")
+    checkpoint = run / NEWEST
+    shard = next(checkpoint.glob("*.distcp"))
+    (checkpoint.parent / "x").write_bytes(shard.read_bytes())
+    file = point_outside(checkpoint, "../x")
+    recommit(checkpoint)
+    before = snapshot(run)
+    commands = [
+        ("eval", str(run), "--json", "--max-new-tokens", "2"),
+        ("train", str(done_run[1]), "--run-dir", str(run), "--resume"),
+        ("export", str(run), "--out", str(tmp_path / "hf")),
+    ]
+    for args in commands:
+        proc = run_cli(*args, timeout=120)
+        assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-3000:]
+        lines = proc.stderr.strip().splitlines()
+        assert len(lines) == 1, proc.stderr[-3000:]
+        assert lines[0].startswith(f"error: {file}: refusing to load: the storage entry of "), lines[0]
+        assert "names the file '../x', outside the checkpoint folder" in lines[0], lines[0]
+        assert snapshot(run) == before and not (tmp_path / "hf").exists(), args
+
+
+def test_a_committed_marker_naming_a_file_outside_is_not_read(done_run, tmp_path):
+    """COMMITTED listing '../../../outside' (present, with its true size and sha256): verify reads no file outside the
+    checkpoint folder; the checkpoint is unusable, and with both markers so the command is one line, exit 2."""
+    run = copy_run(done_run, tmp_path / "run")
+    outside = tmp_path / "outside"
+    outside.write_bytes(b"not a checkpoint file")
+    for step in ("step_00000002", "step_00000004"):
+        checkpoint = run / "checkpoints" / step
+        marker = json.loads((checkpoint / COMMIT_MARKER).read_text())
+        marker["files"]["../../../outside"] = file_manifest(tmp_path, checksums=True)["outside"]
+        (checkpoint / COMMIT_MARKER).write_text(json.dumps(marker))
+    why = "its COMMITTED marker lists '../../../outside', not a file of the checkpoint folder"
+    assert verify(run / NEWEST) == why
+    with pytest.raises(CheckpointUnusable, match=why):
+        Checkpointer(run / "checkpoints", keep_last=5, is_main=True).load(run / NEWEST, {})
+    proc = run_cli("eval", str(run), "--json", "--max-new-tokens", "2", timeout=120)
+    assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-3000:]
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith(f"error: {run / 'checkpoints'}: no committed checkpoint can be loaded") and why in last
 
 
 def test_a_legitimate_checkpoint_still_resumes_and_exports(done_run, tmp_path):

@@ -3,7 +3,6 @@ does not hold, before calling anything, and admits the metadata DCP writes for r
 
 from __future__ import annotations
 
-import dataclasses
 import io
 import os
 import pickle
@@ -12,12 +11,12 @@ import shlex
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.metadata import MetadataIndex
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict
 
 from anytrain.checkpoint import safe_load
 from anytrain.config import ModelConfig
 from anytrain.models import build_model
+from tests.checkpoint_tampering import plant_value, point_outside
 
 
 class RunsCode:
@@ -126,18 +125,7 @@ def test_a_planted_non_tensor_value_is_refused_naming_its_file(tmp_path):
     """The non-tensor values (schedule, progress) of the .distcp files load with torch.load(weights_only=True)."""
     save({"w": torch.ones(2), "progress": {"step": 3}}, tmp_path)
     marker = tmp_path / "ran"
-    with open(tmp_path / ".metadata", "rb") as f:
-        metadata = pickle.load(f)
-    index = MetadataIndex("progress.step")
-    info = metadata.storage_data[index]
-    shard = tmp_path / info.relative_path
-    buffer = io.BytesIO()
-    torch.save(touch(marker), buffer)
-    offset = shard.stat().st_size
-    with open(shard, "ab") as f:
-        f.write(buffer.getvalue())
-    metadata.storage_data[index] = dataclasses.replace(info, offset=offset, length=len(buffer.getvalue()))
-    (tmp_path / ".metadata").write_bytes(pickle.dumps(metadata))
+    shard = plant_value(tmp_path, "progress.step", touch(marker))
     safe_load.SafeReader(str(tmp_path)).read_metadata()  # the metadata itself is plain
     with pytest.raises(safe_load.UnsafeCheckpointError) as info:
         safe_load.load({"w": torch.zeros(2), "progress": {"step": 0}}, tmp_path, no_dist=True)
@@ -145,3 +133,25 @@ def test_a_planted_non_tensor_value_is_refused_naming_its_file(tmp_path):
     assert message.startswith(f"{shard}: refusing to load: it names posix.system (in progress.step)"), message
     assert "\n" not in message
     assert not marker.exists()
+
+
+@pytest.mark.parametrize("where", ["../x", "/etc/hostname", "sub/../../x"])
+def test_a_storage_path_outside_the_checkpoint_folder_is_refused(tmp_path, where):
+    """DCP reads each item from folder / relative_path: an absolute path or one through '..' out of the folder would
+    read another file of the machine into the loaded state."""
+    checkpoint = tmp_path / "ckpt"
+    save({"w": torch.ones(2)}, checkpoint)
+    (tmp_path / "x").write_bytes((checkpoint / "__0_0.distcp").read_bytes())  # a loadable file, outside
+    file = point_outside(checkpoint, where)
+    with pytest.raises(safe_load.UnsafeCheckpointError) as info:
+        safe_load.SafeReader(str(checkpoint)).read_metadata()
+    message = str(info.value)
+    assert message.startswith(f"{file}: refusing to load: the storage entry of w names the file {where!r}, outside")
+    assert "\n" not in message and "delete it, or restore it from a copy you trust" in message
+    with pytest.raises(safe_load.UnsafeCheckpointError, match="outside the checkpoint folder"):
+        safe_load.load({"w": torch.zeros(2)}, checkpoint, no_dist=True)
+    (checkpoint / "sub").mkdir()
+    point_outside(checkpoint, "sub/../__0_0.distcp")  # a '..' that stays inside is a path like any other
+    target = {"w": torch.zeros(2)}
+    safe_load.load(target, checkpoint, no_dist=True)
+    assert torch.equal(target["w"], torch.ones(2))

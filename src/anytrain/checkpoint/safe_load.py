@@ -8,15 +8,17 @@ would let a crafted checkpoint run code on the machine that loads it. Here:
 - ``SafeReader`` (a ``FileSystemReader``) reads ``.metadata`` through ``MetadataUnpickler``, which resolves only the
   globals a DCP checkpoint's metadata holds (``ALLOWED``: DCP's metadata dataclasses and ``_StorageInfo``,
   ``torch.Size``, torch dtypes / layouts / memory formats, ``pathlib`` paths, plain containers) and refuses any other
-  before anything is called;
+  before anything is called, then refuses a storage entry whose file lies outside the checkpoint folder (an absolute
+  ``relative_path``, or one through ``..``);
 - ``SafeLoadPlanner`` (a ``DefaultLoadPlanner``) reads the non-tensor values with ``torch.load(weights_only=True)``
   (DCP's reader already reads tensors that way);
 - ``load`` is ``dcp.load`` through both, and re-raises the refusal itself (DCP wraps a rank's exception in a
   ``CheckpointException``).
 
-A refusal is ``UnsafeCheckpointError``: one line naming the file and the global. ``ALLOWED`` is the set that real
-checkpoints of every layout (Transformer, Mamba, FSDP-sharded, ZeRO-1, PowerSGD state, with optimizer state)
-reference, plus the names other torch / Python versions give the same objects (tests/unit/test_safe_load.py).
+A refusal is ``UnsafeCheckpointError``: one line naming the file and the global (or the outside path). ``ALLOWED``
+is the set that real checkpoints of every layout (Transformer, Mamba, FSDP-sharded, ZeRO-1, PowerSGD state, with
+optimizer state) reference, plus the names other torch / Python versions give the same objects
+(tests/unit/test_safe_load.py).
 """
 
 from __future__ import annotations
@@ -102,6 +104,24 @@ def load_metadata(file: IO[bytes], name: str | os.PathLike) -> Metadata:
     return metadata
 
 
+def check_storage_paths(metadata: Metadata, file: Path) -> None:
+    """Refuse a storage entry whose ``relative_path`` is absolute or leads out of the folder of ``file`` (the
+    ``.metadata``): DCP reads each item from ``folder / relative_path``, so such a path would read any file of the
+    machine into the loaded state."""
+    folder, inside = Path(file).parent.resolve(), set()  # the names checked (a few files for many entries)
+    for index, info in (metadata.storage_data if isinstance(metadata.storage_data, dict) else {}).items():
+        relative = getattr(info, "relative_path", None)
+        if isinstance(relative, str) and relative and not os.path.isabs(relative):
+            if relative in inside or (folder / relative).resolve().is_relative_to(folder):
+                inside.add(relative)
+                continue
+        raise UnsafeCheckpointError(
+            f"{file}: refusing to load: the storage entry of {getattr(index, 'fqn', index)} names the file "
+            f"{relative!r}, outside the checkpoint folder; the checkpoint was altered or was not written by anytrain: "
+            "delete it, or restore it from a copy you trust"
+        )
+
+
 class SafeReader(dcp.FileSystemReader):
     """``FileSystemReader`` whose ``read_metadata`` unpickles ``.metadata`` with ``MetadataUnpickler``."""
 
@@ -110,6 +130,7 @@ class SafeReader(dcp.FileSystemReader):
         path = Path(self.path) / (METADATA_FILE if rank is None else f"__{rank}{METADATA_FILE}")
         with self.fs.create_stream(path, "rb") as stream:
             metadata = load_metadata(stream, path)
+        check_storage_paths(metadata, path)
         if getattr(metadata, "storage_meta", None) is None:
             metadata.storage_meta = StorageMeta()
         metadata.storage_meta.load_id = self.load_id

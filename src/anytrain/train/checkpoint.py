@@ -171,6 +171,8 @@ def verify(path: Path) -> str | None:
     except (OSError, ValueError, AttributeError) as exc:
         return f"its {COMMIT_MARKER} marker is unreadable ({exc})"
     for name, expected in (files or {}).items():
+        if "/" in name or "\\" in name or name in ("", ".", ".."):  # only files of the folder: never read outside it
+            return f"its {COMMIT_MARKER} marker lists {name!r}, not a file of the checkpoint folder"
         file = path / name
         if not file.is_file():
             return f"{name} is missing"
