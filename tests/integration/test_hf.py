@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -178,3 +179,25 @@ def test_init_from_mismatches_are_one_line_naming_the_field(tmp_path, small_data
     (tmp_path / "hf" / "config.json").write_text(json.dumps({**config, "hidden_act": "gelu"}))
     with pytest.raises(ConfigError, match=r"hidden_act='gelu'; anytrain's model needs 'silu'"):
         load_config(RECIPES["transformer"], base)
+
+
+@pytest.mark.parametrize("name", ["../x.safetensors", "sub/../../x.safetensors", "ABSOLUTE"])
+def test_an_index_naming_a_weight_file_outside_the_folder_is_one_line(tmp_path, small_data, name):
+    """model.safetensors.index.json's weight_map names files of the model's folder only: one outside (present and
+    loadable) is refused, by model.init_from and by arch hf (model.hf_path), before any tensor is read."""
+    from safetensors import safe_open
+
+    from anytrain.models.hf.adapter import safetensors_files
+
+    folder = tmp_path / "hf"
+    random_hf_model("transformer", folder)
+    outside = (folder / "model.safetensors").rename(tmp_path / "x.safetensors")
+    name = str(outside) if name == "ABSOLUTE" else name
+    with safe_open(str(outside), framework="pt") as handle:
+        (folder / INDEX_FILE).write_text(json.dumps({"weight_map": dict.fromkeys(handle.keys(), name)}))
+    cfg = load_config(RECIPES["transformer"], train_args(small_data) + ["--model.init_from", str(folder)])
+    why = f"{folder / INDEX_FILE} names the weight file {name!r}, outside {folder}; only files of the model's folder"
+    with pytest.raises(ConfigError, match=r"^model\.init_from: " + re.escape(why)):
+        init_from_hf(build_model(cfg.model), cfg.model, log=lambda line: None)
+    with pytest.raises(ConfigError, match=r"^model\.hf_path: " + re.escape(why)):
+        safetensors_files(folder)

@@ -25,6 +25,7 @@ import contextlib
 import copy
 import functools
 import json
+import os
 import re
 from dataclasses import dataclass, fields
 from pathlib import Path
@@ -273,7 +274,7 @@ class HFCausalLM(SamplingMixin, nn.Module):
         prefix = self.hf.base_model_prefix
         ignorable = [re.compile(p) for p in (getattr(self.hf, "_keys_to_ignore_on_load_unexpected", None) or [])]
         loaded: set[str] = set()
-        for file in _safetensors_files(folder):
+        for file in safetensors_files(folder):
             with open_safetensors(file, "model.hf_path") as handle:
                 for key in handle.keys():  # noqa: SIM118 - safe_open is not a mapping
                     name = key if key in targets else f"{prefix}.{key}" if prefix else key
@@ -425,17 +426,26 @@ def _stream_dtype(_module: nn.Module, _inputs: Any, output: torch.Tensor) -> tor
 
 def safetensors_index(folder: Path, field: str) -> list[Path] | None:
     """The weight files ``folder/model.safetensors.index.json`` names (None without one); an index that is not a
-    JSON object with a ``weight_map`` of file names is one ConfigError naming ``field`` and the file."""
+    JSON object with a ``weight_map`` of file names is one ConfigError naming ``field`` and the file, and so is a name
+    that is absolute or leads out of ``folder`` through ``..`` (checked on the name: the files of a Hugging Face cache
+    snapshot are symbolic links to the cache's blobs, outside the snapshot folder)."""
     index = folder / INDEX_FILE
     if not index.is_file():
         return None
     try:
-        names = json.loads(index.read_text())["weight_map"].values()
-        files = sorted({folder / name for name in names})
+        names = set(json.loads(index.read_text())["weight_map"].values())
+        files = sorted(folder / name for name in names)
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
         raise ConfigError(f"{field}: {index} is not a safetensors index (a JSON object whose weight_map maps tensor "
                           f"names to files: {type(exc).__name__} {exc}); restore it from the model's "
                           "source") from None  # fmt: skip
+    for name in sorted(names):
+        normal = os.path.normpath(name)
+        if os.path.isabs(name) or normal == os.pardir or normal.startswith(os.pardir + os.sep):
+            raise ConfigError(
+                f"{field}: {index} names the weight file {name!r}, outside {folder}; only files of the model's "
+                "folder are read: restore the index from the model's source"
+            )
     for file in files:
         if not file.is_file():
             raise ConfigError(f"{field}: {file} is listed in {index} but missing; restore it from the model's source")
@@ -457,13 +467,17 @@ def open_safetensors(file: Path, field: str):
                           "download or copy it again") from None  # fmt: skip
 
 
-def _safetensors_files(folder: Path) -> list[Path]:
-    files = safetensors_index(folder, "model.hf_path")
+_FROM_SCRATCH = "convert the weights, or set --model.args.init random to train from scratch"
+
+
+def safetensors_files(folder: Path, field: str = "model.hf_path", fix: str = _FROM_SCRATCH) -> list[Path]:
+    """The weight files of a Hugging Face model folder: those its index names, else its ``model.safetensors``; one
+    ConfigError naming ``field`` otherwise (ending with ``fix`` when the folder has neither)."""
+    files = safetensors_index(folder, field)
     if files is not None:
         return files
     if (folder / SINGLE_FILE).is_file():
         return [folder / SINGLE_FILE]
     raise ConfigError(
-        f"model.hf_path: {folder} has neither {SINGLE_FILE} nor {INDEX_FILE} (only safetensors weights "
-        "are read); convert the weights, or set --model.args.init random to train from scratch"
+        f"{field}: {folder} has neither {SINGLE_FILE} nor {INDEX_FILE} (only safetensors weights are read); {fix}"
     )
