@@ -142,16 +142,16 @@ def check_fp8(cfg: RunConfig) -> None:
 
 
 def check_document_mask(cfg: RunConfig) -> None:
-    """data.document_mask: the Transformer family only, and no pipeline stages (they receive hidden states, not the
-    token ids the document boundaries are read from)."""
+    """data.document_mask: the Transformer and Mamba-2 families only, and no pipeline stages (they receive hidden
+    states, not the token ids the document boundaries are read from)."""
     if not cfg.data.document_mask:
         return
     if cfg.model.arch == "mamba":
         raise ConfigError("data.document_mask: Mamba carries its scan state across documents (a per-document state "
                           "reset is not implemented); set --data.document_mask false")  # fmt: skip
-    if cfg.model.arch != "transformer":
-        raise ConfigError(f"data.document_mask: applies to model.arch transformer only, not {cfg.model.arch}; set "
-                          "--data.document_mask false")  # fmt: skip
+    if cfg.model.arch not in ("transformer", "mamba2"):
+        raise ConfigError(f"data.document_mask: applies to model.arch transformer and mamba2 only, not "
+                          f"{cfg.model.arch}; set --data.document_mask false")  # fmt: skip
     if cfg.parallel.pp > 1:
         raise ConfigError(f"data.document_mask: not available with pipeline parallelism (parallel.pp "
                           f"{cfg.parallel.pp}: later stages see hidden states, not the token ids that mark documents); "

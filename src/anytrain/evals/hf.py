@@ -6,7 +6,8 @@ JSON is written without ``transformers`` (needed only to load the result), with 
 
 The HF class follows the model args (``hf_family``): a Transformer with RoPE, RMSNorm and SwiGLU ->
 ``LlamaForCausalLM``; with ALiBi, LayerNorm without bias, GELU (F = 4·D), multi-head attention ->
-``MptForCausalLM``; Mamba -> ``MambaForCausalLM`` (equal names). Other option combinations (biases, QK-norm, learned
+``MptForCausalLM``; Mamba -> ``MambaForCausalLM``, Mamba-2 -> ``Mamba2ForCausalLM`` (equal names; Mamba-2's config
+mapping is ``models/mamba2/hf.py``'s). Other option combinations (biases, QK-norm, learned
 positions, ...) have no HF class here and are refused with one line.
 
 Names and layouts, Llama::
@@ -45,6 +46,7 @@ from torch import nn
 
 from anytrain.errors import ConfigError
 from anytrain.models.hf.adapter import open_safetensors, safetensors_index
+from anytrain.models.mamba2 import hf as mamba2_hf
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -108,9 +110,12 @@ MPT_OPTIONS = {"pos_encoding": "alibi", "norm": "layernorm", "norm_bias": False,
                "qk_norm": False}  # fmt: skip
 
 
+_MAMBA_FAMILIES = ("mamba", "mamba2")  # anytrain's names are HF's (backbone.*, lm_head.weight)
+
+
 def hf_family(arch: str, args: Any) -> str:
-    """'llama', 'mpt' or 'mamba': the transformers class that computes what ``arch`` with ``args`` computes; one
-    ConfigError for a Transformer no HF class here represents."""
+    """'llama', 'mpt', 'mamba' or 'mamba2': the transformers class that computes what ``arch`` with ``args``
+    computes; one ConfigError for a Transformer no HF class here represents."""
     if arch != "transformer":
         return arch
     options = _transformer_options(args)
@@ -127,7 +132,7 @@ def hf_family(arch: str, args: Any) -> str:
 
 def hf_name(family: str, name: str) -> str:
     """The HF tensor name of an anytrain parameter name (q, k and v share MPT's ``Wqkv``)."""
-    if family == "mamba":
+    if family in _MAMBA_FAMILIES:
         return name
     top, layer, prefix = (_MPT_TOP, _MPT_LAYER, "transformer.blocks") if family == "mpt" else (
         _LLAMA_TOP, _LLAMA_LAYER, "model.layers")  # fmt: skip
@@ -154,7 +159,7 @@ def to_hf_tensors(family: str, args: Any, state: Mapping[str, torch.Tensor]) -> 
     """(HF name, tensor) for each anytrain parameter, in ``state``'s order; the LM head is left out when tied (HF
     re-ties it). Each entry of ``state`` is looked up only when its HF tensor is made (and a tied head never), so a
     mapping that reads on lookup (``CheckpointTensors``) is read one tensor (MPT: one q, k, v triple) at a time."""
-    head = "lm_head.weight" if family == "mamba" else "output.weight"
+    head = "lm_head.weight" if family in _MAMBA_FAMILIES else "output.weight"
     for name in state:
         if name == head and args.tie_embeddings:
             continue
@@ -195,6 +200,8 @@ def hf_config(family: str, args: Any, eos_id: int, pad_id: int | None, dtype: st
                 "rms_norm_eps": args.norm_eps, "rope_theta": args.rope_theta,
                 "rope_parameters": {"rope_type": "default", "rope_theta": args.rope_theta}, "rope_scaling": None,
                 "attention_bias": False, "attention_dropout": 0.0, "mlp_bias": False, "pretraining_tp": 1}  # fmt: skip
+    if family == "mamba2":
+        return mamba2_hf.hf_config(args, common)
     return {"architectures": ["MambaForCausalLM"], "model_type": "mamba", **common, "hidden_size": args.d_model,
             "state_size": args.d_state, "num_hidden_layers": args.n_layers, "layer_norm_epsilon": args.norm_eps,
             "expand": args.expand, "intermediate_size": args.d_inner, "conv_kernel": args.d_conv, "use_bias": False,
@@ -251,7 +258,11 @@ def args_from_hf_config(config: dict, where: str) -> tuple[str, dict[str, Any]]:
         }  # fmt: skip
     if kind == "mpt":
         return "transformer", _mpt_args(config, where)
-    raise ConfigError(f"model.init_from: {where} has model_type {kind!r}; anytrain imports 'llama', 'mpt' and 'mamba'")
+    if kind == "mamba2":
+        return "mamba2", mamba2_hf.args_from_hf_config(config, where)
+    raise ConfigError(
+        f"model.init_from: {where} has model_type {kind!r}; anytrain imports 'llama', 'mpt', 'mamba' and 'mamba2'"
+    )
 
 
 def _mpt_args(config: dict, where: str) -> dict[str, Any]:
@@ -355,8 +366,8 @@ def read_hf_weights(directory: str | Path, arch: str, args: Any, shapes: dict[st
     tensor the model has no place for, one it lacks or one of another shape is one ConfigError, the same on every rank
     whatever it reads. Then only the tensors behind ``names`` are read, one at a time, from the files holding them."""
     directory, family = Path(directory), hf_family(arch, args)
-    head = "lm_head.weight" if arch == "mamba" else "output.weight"
-    embedding = "backbone.embeddings.weight" if arch == "mamba" else "tok_embeddings.weight"
+    head = "lm_head.weight" if arch in _MAMBA_FAMILIES else "output.weight"
+    embedding = "backbone.embeddings.weight" if arch in _MAMBA_FAMILIES else "tok_embeddings.weight"
     expected = _hf_shapes(family, shapes)
     where: dict[str, Path] = {}  # HF tensor name -> the file holding it
     for file in _safetensors_files(directory):

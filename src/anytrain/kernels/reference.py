@@ -1,4 +1,4 @@
-"""Pure-PyTorch ground truth for the Mamba kernels (selective scan, causal depthwise conv1d).
+"""Pure-PyTorch ground truth for the Mamba kernels (selective scan, causal depthwise conv1d, Mamba-2's SSD).
 
 Same signatures and semantics as mamba-ssm's ``selective_scan_ref`` / ``causal_conv1d_ref``. Everything is computed
 in float32 (float64 when any input is float64) and autograd differentiates straight through, so these double as the
@@ -171,3 +171,61 @@ def causal_conv1d_ref(x: Tensor, weight: Tensor, bias: Tensor | None = None, act
     if activation is not None:
         out = F.silu(out)
     return out.to(dtype_in)
+
+
+def ssd_scan_ref(
+    x: Tensor,
+    dt: Tensor,
+    A: Tensor,
+    B: Tensor,
+    C: Tensor,
+    D: Tensor | None = None,
+    z: Tensor | None = None,
+    dt_bias: Tensor | None = None,
+    dt_softplus: bool = False,
+    seq_idx: Tensor | None = None,
+    initial_states: Tensor | None = None,
+    return_final_states: bool = False,
+) -> Tensor | tuple[Tensor, Tensor]:
+    """Mamba-2's SSD as the plain recurrence, one time step per Python step: the ground truth that
+    ``kernels.ssd.ssd_chunk_scan`` (same arguments but ``chunk_size``) is tested against. Slow; for tests.
+
+    x, z: (batch, L, nheads, headdim); dt: (batch, L, nheads); A, dt_bias: (nheads,); B, C: (batch, L, ngroups,
+    dstate), head h reading group h // (nheads / ngroups); D: (nheads,) or (nheads, headdim); seq_idx: (batch, L)
+    integer document ids; initial_states: (batch, nheads, headdim, dstate). With Δ = softplus(dt + dt_bias) (or
+    dt + dt_bias), per head::
+
+        h_t = exp(Δ_t A) h_{t-1} + Δ_t x_t B_t^T      (headdim, dstate)
+        y_t = h_t C_t + D x_t,  then y_t * silu(z_t)
+
+    h_{-1} = initial_states (zeros by default); where seq_idx_t != seq_idx_{t-1}, h_{t-1} is taken as zero (a new
+    document starts from an empty state). Returns y (batch, L, nheads, headdim) in x's dtype [, the last state
+    (batch, nheads, headdim, dstate) in the compute dtype].
+    """
+    ct = _compute_dtype(x, dt, A, B, C, D, z, dt_bias, initial_states)
+    batch, seqlen, nheads, headdim = x.shape
+    per_group = nheads // B.shape[2]
+    delta = dt.to(ct) if dt_bias is None else dt.to(ct) + dt_bias.to(ct)
+    delta = F.softplus(delta) if dt_softplus else delta  # (batch, L, nheads)
+    Bh = B.to(ct).repeat_interleave(per_group, dim=2)  # (batch, L, nheads, dstate)
+    Ch = C.to(ct).repeat_interleave(per_group, dim=2)
+    xc = x.to(ct)
+    state = x.new_zeros(batch, nheads, headdim, B.shape[3], dtype=ct)
+    if initial_states is not None:
+        state = initial_states.to(ct)
+    ys = []
+    for t in range(seqlen):
+        if seq_idx is not None and t > 0:
+            same = (seq_idx[:, t] == seq_idx[:, t - 1]).to(ct)  # (batch,)
+            state = state * same[:, None, None, None]
+        decay = torch.exp(delta[:, t] * A.to(ct))  # (batch, nheads)
+        inject = (delta[:, t, :, None] * xc[:, t])[..., None] * Bh[:, t, :, None, :]  # (batch, nheads, headdim, dstate)
+        state = decay[..., None, None] * state + inject
+        ys.append(torch.einsum("bhpn,bhn->bhp", state, Ch[:, t]))
+    y = torch.stack(ys, dim=1) if ys else xc.new_zeros(xc.shape)  # (batch, L, nheads, headdim)
+    if D is not None:
+        y = y + xc * (D.to(ct)[:, None] if D.dim() == 1 else D.to(ct))
+    if z is not None:
+        y = y * F.silu(z.to(ct))
+    y = y.to(x.dtype)
+    return (y, state) if return_final_states else y

@@ -14,17 +14,21 @@ from torch import nn
 
 from anytrain.config import ModelConfig, from_dict
 from anytrain.errors import ConfigError
-from anytrain.models import hf, llama, mamba
+from anytrain.models import hf, llama, mamba, mamba2
 from anytrain.models.llama import TRANSFORMER_FLAVOURS, Transformer, TransformerArgs
 from anytrain.models.mamba import MAMBA_FLAVOURS, Mamba, MambaArgs, MambaBlock, MambaMixer
+from anytrain.models.mamba2 import MAMBA2_FLAVOURS, Mamba2, Mamba2Args
 from anytrain.models.protocol import LanguageModel, ModelSpec, ParallelizePlan
 
 __all__ = [
+    "MAMBA2_FLAVOURS",
     "MAMBA_FLAVOURS",
     "REGISTRY",
     "TRANSFORMER_FLAVOURS",
     "LanguageModel",
     "Mamba",
+    "Mamba2",
+    "Mamba2Args",
     "MambaArgs",
     "MambaBlock",
     "MambaMixer",
@@ -41,7 +45,7 @@ __all__ = [
     "spec_of",
 ]
 
-REGISTRY: dict[str, ModelSpec] = {spec.name: spec for spec in (llama.SPEC, mamba.SPEC, hf.SPEC)}
+REGISTRY: dict[str, ModelSpec] = {spec.name: spec for spec in (llama.SPEC, mamba.SPEC, mamba2.SPEC, hf.SPEC)}
 
 
 def register(spec: ModelSpec) -> None:
