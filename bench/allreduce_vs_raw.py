@@ -24,7 +24,7 @@ import torch.distributed as dist
 
 from anytrain import hardware
 from anytrain.doctor.collectives import bus_factor, sweep
-from anytrain.parallel import init_distributed, shutdown
+from anytrain.parallel.mesh import init_distributed, shutdown
 
 
 def raw_all_reduce(numel: int, device: torch.device, iters: int, warmup: int = 5) -> float:

@@ -148,7 +148,7 @@ def trainer_step_fn(case: Case, device: torch.device, batches: RandomBatches) ->
 
 def direct_step_fn(case: Case, device: torch.device, batches: RandomBatches) -> tuple:
     """The same pieces as the Trainer, called directly: build, parallelize (compile), fused AdamW, autocast, clip."""
-    from anytrain.parallel.dims import ParallelDims
+    from anytrain.parallel.mesh import ParallelDims
 
     cfg = run_config(case, device)
     torch.manual_seed(cfg.train.seed)

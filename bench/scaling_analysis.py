@@ -57,8 +57,8 @@ def cost_layout(row: dict, cfg=None):
     """The cost model's Layout of a row: what the trainer builds from the row's config (``run_config``, or ``cfg``)
     on its number of GPUs."""
     from anytrain.cost import Layout
-    from anytrain.parallel import resolve_strategy
-    from anytrain.parallel.dims import ParallelDims
+    from anytrain.parallel.data_parallel import resolve_strategy
+    from anytrain.parallel.mesh import ParallelDims
 
     cfg = cfg or run_config(row)
     dims = ParallelDims.from_config(cfg.parallel, row["gpus"])

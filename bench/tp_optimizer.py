@@ -22,7 +22,7 @@ from anytrain import hardware
 from anytrain.config import load_config
 from anytrain.models import get_spec, resolve_args
 from anytrain.parallel import parallelize
-from anytrain.parallel.dims import ParallelDims
+from anytrain.parallel.mesh import ParallelDims
 from anytrain.train.optim import build_optimizer, param_groups
 from bench.common import save_rows
 

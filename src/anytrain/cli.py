@@ -98,7 +98,7 @@ def train(
 ) -> None:
     """Train. Extra arguments override config fields: --train.steps 20 --model.args.dim 128."""
     from anytrain.config import load_config
-    from anytrain.parallel import shutdown
+    from anytrain.parallel.mesh import shutdown
     from anytrain.train.trainer import run_training
 
     if resume and overwrite:

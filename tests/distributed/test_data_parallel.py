@@ -101,7 +101,7 @@ def test_checkpoint_written_by_every_strategy(runs):
 
 @pytest.mark.slow  # the core-share arithmetic is unit-tested in test_parallel_dims.py
 def test_cpu_affinity_cores_binds_ranks_apart_and_keeps_the_losses(runs, tmp_path, small_data):
-    from anytrain.parallel import core_share, physical_cores
+    from anytrain.parallel.env import core_share, physical_cores
 
     config = write_config(tmp_path, small_data)
     run = tmp_path / "pinned"

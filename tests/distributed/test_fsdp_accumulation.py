@@ -32,7 +32,7 @@ def _train(config: Path, run_dir: Path, reshard_during_accumulation: bool, group
     import torch.distributed as dist
 
     from anytrain.config import load_config
-    from anytrain.parallel import all_reduce_mean
+    from anytrain.parallel.collectives import all_reduce_mean
     from anytrain.train.trainer import Trainer
 
     flag = str(reshard_during_accumulation).lower()

@@ -30,7 +30,7 @@ def _worker(config: Path, out: Path) -> None:
     from torch.distributed.tensor.placement_types import Partial
 
     from anytrain.config import load_config
-    from anytrain.parallel import reduce_partial_gradients
+    from anytrain.parallel.tensor_parallel import reduce_partial_gradients
     from anytrain.train.trainer import Trainer
     from tests.conftest import end_rank
 

@@ -14,7 +14,7 @@ STEPS = 4
 
 
 def _losses(trainer) -> list[float]:
-    from anytrain.parallel import all_reduce_mean
+    from anytrain.parallel.collectives import all_reduce_mean
 
     out = []
     for step in range(STEPS):

@@ -144,7 +144,7 @@ def test_export_ships_the_folders_tokenizer(tmp_path, small_data, hf_models):
 def test_activation_checkpointing_gives_the_same_loss_and_gradients(small_data, hf_models):
     """Full activation checkpointing wraps every decoder layer found in the module tree; loss and gradients equal."""
     from anytrain.models import build_model
-    from anytrain.parallel import apply_activation_checkpointing
+    from anytrain.parallel.ac import apply_activation_checkpointing
 
     cfg = load_config("configs/tiny.yaml", train_args(small_data, hf_models["qwen2"]))
     plain, checkpointed = build_model(cfg.model), build_model(cfg.model)
@@ -258,9 +258,9 @@ def test_compiled_attention_gets_is_causal_per_block_and_whole_body(small_data, 
     traced SDPA call has no mask, ``is_causal`` and, for GQA, ``enable_gqa`` — compiled per block and as one whole-body
     graph (``model``, what ``compile_scope: auto`` picks for such a model in one process). The loss equals the eager
     model's."""
-    from anytrain.models import build_model
+    from anytrain.models import build_model, spec_of
     from anytrain.models.hf.adapter import CAUSAL_SDPA
-    from anytrain.parallel import apply_compile, resolve_compile_scope, spec_of
+    from anytrain.parallel.compile import apply_compile, resolve_compile_scope
 
     cfg = load_config("configs/tiny.yaml", train_args(small_data, hf_models[shape]))
     ids = torch.randint(0, 512, (2, 17), generator=torch.Generator().manual_seed(0))
@@ -348,8 +348,8 @@ def test_mask_code_decides_whole_body_compile_and_cuda_graphs(small_data, hf_mod
     """A plain causal model (no attention-mask code in its forward) is compiled as one whole body under compile_scope
     auto in one process and may be CUDA-graphed; Gemma-2 (sliding-window layers, eager attention: transformers' masks)
     is compiled per block, and its cuda_graphs is refused at config load (the test above)."""
-    from anytrain.models import build_model
-    from anytrain.parallel import resolve_compile_scope, spec_of
+    from anytrain.models import build_model, spec_of
+    from anytrain.parallel.compile import resolve_compile_scope
 
     for shape, mask_free in (("llama", True), ("gpt2", True), ("gemma2", False)):
         extra = ["--train.cuda_graphs", "true"] if mask_free else ["--model.args.attn_implementation", "eager"]

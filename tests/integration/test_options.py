@@ -68,7 +68,8 @@ def test_whole_model_compile_refuses_data_parallelism(small_data, tmp_path):
     from anytrain.config import load_config
     from anytrain.errors import ConfigError
     from anytrain.models import build_model
-    from anytrain.parallel import ParallelDims, parallelize
+    from anytrain.parallel import parallelize
+    from anytrain.parallel.mesh import ParallelDims
 
     cfg = load_config(None, ["--model.flavour", "debug", "--train.compile", "true", "--train.compile_scope", "model"])
     dims = ParallelDims.from_config(cfg.parallel, world_size=2)
@@ -93,7 +94,7 @@ def test_whole_model_compile_refuses_data_parallelism(small_data, tmp_path):
 
 @pytest.mark.parametrize("strategy", ["ddp", "zero1", "fsdp", "none"])
 def test_auto_compile_scope_is_per_block_under_parallelism(strategy):
-    from anytrain.parallel import resolve_compile_scope
+    from anytrain.parallel.compile import resolve_compile_scope
 
     assert resolve_compile_scope("auto", strategy) == "blocks"
     assert resolve_compile_scope("auto", "single") == "model"

@@ -10,7 +10,9 @@ from anytrain.config import load_config
 from anytrain.cost.memory import ac_fraction
 from anytrain.errors import ConfigError
 from anytrain.models import build_model
-from anytrain.parallel import ParallelDims, checkpointed_blocks, parallelize
+from anytrain.parallel import parallelize
+from anytrain.parallel.ac import checkpointed_blocks
+from anytrain.parallel.mesh import ParallelDims
 
 POLICIES = ("none", "selective", "full")
 FAMILIES = {"transformer": ("debug", {"n_layers": 4}), "mamba": ("debug", {"n_layers": 4})}

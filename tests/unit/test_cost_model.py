@@ -597,8 +597,8 @@ def test_layout_from_config_is_the_layout_the_trainer_runs():
     data parallelism ('none') and one process ('single') keep replicated parameters."""
     from anytrain.config import load_config
     from anytrain.cost.shapes import Layout
-    from anytrain.parallel import resolve_strategy
-    from anytrain.parallel.dims import ParallelDims
+    from anytrain.parallel.data_parallel import resolve_strategy
+    from anytrain.parallel.mesh import ParallelDims
 
     def layout(world: int, *args: str) -> Layout:
         cfg = load_config("configs/1.1b.yaml", list(args))

@@ -9,7 +9,8 @@ import torch
 from anytrain.config import ModelConfig, load_config
 from anytrain.errors import ConfigError
 from anytrain.models import REGISTRY, LanguageModel, build_model, spec_of
-from anytrain.parallel import ParallelDims, parallelize
+from anytrain.parallel import parallelize
+from anytrain.parallel.mesh import ParallelDims
 from anytrain.parallel.pipeline import prune_to_stage
 
 MODELS = Path(__file__).resolve().parents[2] / "src" / "anytrain" / "models"

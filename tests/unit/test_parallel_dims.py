@@ -2,7 +2,7 @@ import pytest
 
 from anytrain.config import ParallelConfig
 from anytrain.errors import ConfigError
-from anytrain.parallel.dims import ParallelDims, validate_for_model
+from anytrain.parallel.mesh import ParallelDims, validate_for_model
 from anytrain.parallel.pipeline import rank_stages, stage_layer_ranges
 
 
@@ -103,7 +103,7 @@ def test_reshard_during_accumulation_needs_fsdp(strategy):
 
 
 def test_cpu_affinity_shares_whole_physical_cores(tmp_path):
-    from anytrain.parallel import core_share, physical_cores
+    from anytrain.parallel.env import core_share, physical_cores
 
     # 4 physical cores with 2 SMT siblings each (CPUs c and c + 4), as Linux numbers them
     for cpu in range(8):

@@ -252,7 +252,8 @@ def communication(
         tp_device = tp_device if measured else device
         tp_comms = [add_on(tp_device, "tp", kind, count, act_msg, t) for kind in ("all_gather", "reduce_scatter")]
         if measured:  # the sequence-parallel norms' weight gradients (Partial on every TP rank): summed in one fp32
-            # all-reduce per step (parallel.reduce_partial_gradients), or one each where FSDP2 reduces them itself
+            # all-reduce per step (parallel.tensor_parallel.reduce_partial_gradients), or one each where FSDP2 reduces
+            # them itself
             norms = 2 * layers + 1
             fsdp = dp > 1 and layout.strategy in ("fsdp", "hsdp")
             count, msg = (norms, 4.0 * shape.dim) if fsdp else (1, 4.0 * shape.dim * norms)

@@ -31,8 +31,9 @@ from anytrain.doctor.p2p import as_matrices, p2p_matrix
 from anytrain.doctor.report import print_report, summarize
 from anytrain.doctor.thresholds import Thresholds
 from anytrain.errors import ConfigError
-from anytrain.parallel import gather_object, init_distributed, shutdown
+from anytrain.parallel.collectives import gather_object
 from anytrain.parallel.env import discover
+from anytrain.parallel.mesh import init_distributed, shutdown
 
 SUITES = ("quick", "full")
 QUICK_MAX_MIB = 4

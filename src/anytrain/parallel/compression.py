@@ -8,8 +8,8 @@
   wraps the hook: it counts the bytes each call hands to all-reduce (computed from the bucket's tensors by the
   hook's own rules; the distributed tests check the count against every all-reduce issued) and keeps PowerSGD's
   state independent of DDP's bucket layout (below).
-- **FSDP2**: bf16 / fp16 are ``MixedPrecisionPolicy(reduce_dtype=...)`` (``parallel.apply_fsdp``); PyTorch has no
-  PowerSGD for FSDP, so the config refuses it (``config.check_grad_compression``).
+- **FSDP2**: bf16 / fp16 are ``MixedPrecisionPolicy(reduce_dtype=...)`` (``parallel.data_parallel.apply_fsdp``);
+  PyTorch has no PowerSGD for FSDP, so the config refuses it (``config.check_grad_compression``).
 
 PowerSGD state across checkpoints: torch's PowerSGD keys its error-feedback vectors and Q factors by bucket index,
 and DDP builds its buckets twice in every process (in reverse parameter order, then, after the first iteration, in

@@ -1,4 +1,5 @@
-"""Rank discovery: which launcher started this process, and its rank / world size / local rank / master address.
+"""The launcher's environment: which launcher started this process, its rank / world size / local rank / master
+address, and the binding of the process to its share of the host's CPU cores.
 
 Precedence (the first that applies wins):
 
@@ -15,10 +16,14 @@ Precedence (the first that applies wins):
 
 RANK / WORLD_SIZE / LOCAL_RANK exported next to SLURM or MPI must agree with them: a mismatch (a stale
 ``export WORLD_SIZE=8`` in a job script, ``srun -n 2`` on a 4-rank config) is a one-line error naming both variables.
+
+``launch_env`` exports what it found as RANK / WORLD_SIZE / LOCAL_RANK / MASTER_ADDR / MASTER_PORT, the variables
+``init_process_group`` reads (``parallel.mesh.init_distributed``).
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 from collections.abc import Mapping, MutableMapping
@@ -242,3 +247,73 @@ def _check(found: LaunchEnv) -> None:
             f"{found.launcher}: local rank {found.local_rank} is outside the {found.local_world_size} "
             "processes of this host"
         )
+
+
+@dataclass(frozen=True)
+class DistInfo:
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+
+    @property
+    def is_distributed(self) -> bool:
+        return self.world_size > 1
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def launch_env() -> DistInfo:
+    """Rank facts from torchrun, MPI (mpirun) or SLURM (srun), exported as RANK / WORLD_SIZE / LOCAL_RANK /
+    MASTER_ADDR / MASTER_PORT for ``init_process_group``; single process otherwise."""
+    found = discover()
+    found.export()
+    return DistInfo(found.rank, found.world_size, found.local_rank)
+
+
+def local_world_size() -> int:
+    """Processes of this job on this host, from the launcher's environment (1 when it does not say)."""
+    for key in ("LOCAL_WORLD_SIZE", "SLURM_NTASKS_PER_NODE", "OMPI_COMM_WORLD_LOCAL_SIZE", "MPI_LOCALNRANKS"):
+        value = os.environ.get(key, "")
+        if value.isdigit():
+            return int(value)
+    return 1
+
+
+def physical_cores(cpus: set[int], sysfs: str = "/sys/devices/system/cpu") -> list[list[int]]:
+    """``cpus`` grouped by physical core (package, core id; SMT siblings together), cores ordered by lowest CPU."""
+    groups: dict[tuple, list[int]] = {}
+    for cpu in sorted(cpus):
+        topo = f"{sysfs}/cpu{cpu}/topology"
+        try:
+            with open(f"{topo}/physical_package_id") as f_pkg, open(f"{topo}/core_id") as f_core:
+                key = (int(f_pkg.read()), int(f_core.read()))
+        except (OSError, ValueError):
+            key = (-1, cpu)  # no topology: every CPU its own core
+        groups.setdefault(key, []).append(cpu)
+    return sorted(groups.values(), key=min)
+
+
+def core_share(cores: list[list[int]], local_rank: int, local_world: int) -> list[int] | None:
+    """Local rank ``local_rank``'s CPUs: the ``local_rank``-th of ``local_world`` equal runs of whole cores (the
+    remainder unused), or None when there are fewer cores than processes."""
+    per = len(cores) // max(local_world, 1)
+    if per == 0:
+        return None
+    return sorted(c for core in cores[local_rank * per : (local_rank + 1) * per] for c in core)
+
+
+def bind_to_cores(local_rank: int, local_world: int, sysfs: str = "/sys/devices/system/cpu") -> list[int] | None:
+    """Bind every thread of this process to local rank ``local_rank``'s share of the allowed physical cores
+    (``parallel.cpu_affinity: cores``). Returns the CPUs, or None (nothing changed) when there are fewer physical
+    cores than local processes or the OS has no affinity API."""
+    if not hasattr(os, "sched_setaffinity"):
+        return None
+    mine = core_share(physical_cores(os.sched_getaffinity(0), sysfs), local_rank, local_world)
+    if mine is None:
+        return None
+    for tid in os.listdir("/proc/self/task") if os.path.isdir("/proc/self/task") else ["0"]:
+        with contextlib.suppress(OSError):  # a thread that ended meanwhile
+            os.sched_setaffinity(int(tid), mine)
+    return mine

@@ -14,9 +14,11 @@ from anytrain.data.loader import BatchProvider
 from anytrain.errors import ConfigError
 from anytrain.evals.hf import init_from_hf
 from anytrain.models import resolve_args
-from anytrain.parallel import dp_mesh_1d, gather_object, init_distributed, parallelize, resolve_strategy, unwrap
+from anytrain.parallel import parallelize
+from anytrain.parallel.collectives import gather_object
 from anytrain.parallel.compression import GradCommMeter
-from anytrain.parallel.dims import ParallelDims, validate_for_model
+from anytrain.parallel.data_parallel import dp_mesh_1d, resolve_strategy, unwrap
+from anytrain.parallel.mesh import ParallelDims, init_distributed, validate_for_model
 from anytrain.parallel.pipeline import (
     build_schedule,
     build_stage_parts,

@@ -35,7 +35,7 @@ from torch.distributed.checkpoint.stateful import Stateful
 from anytrain.checkpoint import safe_load
 from anytrain.diskio import DiskFullError, disk_full_as_error, write_text_atomic
 from anytrain.errors import RunDirError
-from anytrain.parallel import barrier, broadcast_object
+from anytrain.parallel.collectives import barrier, broadcast_object
 from anytrain.train.optim import IMPLEMENTATION_KEYS
 
 COMMIT_MARKER = "COMMITTED"

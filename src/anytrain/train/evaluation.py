@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from torch.distributed.fsdp import FSDPModule
 
 from anytrain.data.loader import BatchSource
-from anytrain.parallel import all_reduce_mean
+from anytrain.parallel.collectives import all_reduce_mean
 from anytrain.parallel.pipeline import pipeline_forward
 
 

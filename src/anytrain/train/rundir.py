@@ -305,7 +305,7 @@ def setup_run_dir(cfg, run_dir: str | None, resume: bool, overwrite: bool, allow
     previous one) and status.json; every rank gets the RunDir or the same one-line error."""
     from anytrain.config import save_config
     from anytrain.errors import AnytrainError
-    from anytrain.parallel import broadcast_object
+    from anytrain.parallel.collectives import broadcast_object
 
     result: tuple = (None, None, [], None, None)
     lock = previous = None

@@ -31,16 +31,12 @@ from anytrain.evals.hf import init_from_hf
 from anytrain.kernels import configure as configure_kernels
 from anytrain.kernels import mamba_inner, wide_mm
 from anytrain.models import build_model, get_spec
-from anytrain.parallel import (
-    DistInfo,
-    barrier,
-    gather_object,
-    gradient_sync,
-    parallelize,
-    reduce_partial_gradients,
-    unwrap,
-)
+from anytrain.parallel import parallelize
+from anytrain.parallel.collectives import barrier, gather_object
+from anytrain.parallel.data_parallel import gradient_sync, unwrap
+from anytrain.parallel.env import DistInfo
 from anytrain.parallel.fp8 import attach_fp8
+from anytrain.parallel.tensor_parallel import reduce_partial_gradients
 from anytrain.train import rundir
 from anytrain.train.build import (
     ModelSetup,
