@@ -8,6 +8,7 @@ import json
 
 import pytest
 import torch
+import yaml
 
 from anytrain.data.prepare import EOS, train_tokenizer
 from anytrain.errors import DataError
@@ -80,7 +81,7 @@ def test_a_delimiter_that_is_not_a_string_is_one_line_naming_the_file_line_and_f
 def test_the_lm_eval_task_written_for_a_file_carries_its_delimiter(tmp_path):
     source = write_lines(tmp_path / "cloze.jsonl", {"target_delimiter": ""}, MC, MC)
     yaml = write_local_task("cloze", source, tmp_path).read_text()
-    assert 'target_delimiter: ""\n' in yaml and f"test: {tmp_path / 'cloze.docs.jsonl'}\n" in yaml
+    assert 'target_delimiter: ""\n' in yaml and f"test: {json.dumps(str(tmp_path / 'cloze.docs.jsonl'))}\n" in yaml
     assert (tmp_path / "cloze.docs.jsonl").read_text() == 2 * (json.dumps(MC) + "\n")  # without the options line
     same = write_lines(tmp_path / "same.jsonl", *[{**MC, "target_delimiter": "\n"}] * 2)
     assert 'target_delimiter: "\\n"\n' in write_local_task("same", same, tmp_path).read_text()
@@ -92,6 +93,21 @@ def test_the_lm_eval_task_written_for_a_file_carries_its_delimiter(tmp_path):
     with pytest.raises(DataError, match=r"mixed.jsonl:3: target_delimiter \" \", the first record's is \"\""):
         write_local_task("mixed", mixed, tmp_path)
     assert not (tmp_path / "mixed.yaml").exists()
+
+
+@pytest.mark.parametrize("task", ["!function os.system", "a: b\nc", "plain"])
+def test_the_task_name_and_path_are_written_as_plain_strings(tmp_path, task):
+    """A task name or file path holding a YAML tag (lm-eval's loader runs ``!function``), a colon or a newline is one
+    string in the task YAML: yaml.safe_load and lm-eval read back exactly the name and path given."""
+    folder = tmp_path / "data: x\n!function os.system"
+    folder.mkdir()
+    source = write_lines(folder / "t.jsonl", {"target_delimiter": ""}, MC, MC)
+    written = write_local_task(task, source, folder)
+    config = yaml.safe_load(written.read_text())
+    assert config["task"] == task and config["target_delimiter"] == ""
+    assert config["dataset_kwargs"] == {"data_files": {"test": str(folder.resolve() / f"{task}.docs.jsonl")}}
+    lm_eval_yaml = pytest.importorskip("lm_eval.tasks._yaml_loader")
+    assert lm_eval_yaml.load_yaml(written) == config
 
 
 @pytest.fixture(scope="module")

@@ -68,7 +68,9 @@ def write_local_task(task: str, jsonl: str | Path, folder: str | Path) -> Path:
             raise DataError(f"{jsonl}: write_local_task would overwrite the task file; give another task name")
         docs.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for _, r in records), encoding="utf-8")
     path = Path(folder) / f"{task}.yaml"
-    text = LOCAL_TASK_YAML.format(task=task, path=docs, delimiter=json.dumps(delimiter))
+    # each value a JSON string (a YAML double-quoted scalar): a name or path is never read as a tag (lm-eval's loader
+    # runs ``!function``), a mapping or a second line
+    text = LOCAL_TASK_YAML.format(task=json.dumps(task), path=json.dumps(str(docs)), delimiter=json.dumps(delimiter))
     path.write_text(text, encoding="utf-8")
     return path
 
