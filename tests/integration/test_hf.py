@@ -201,3 +201,8 @@ def test_an_index_naming_a_weight_file_outside_the_folder_is_one_line(tmp_path, 
         init_from_hf(build_model(cfg.model), cfg.model, log=lambda line: None)
     with pytest.raises(ConfigError, match=r"^model\.hf_path: " + re.escape(why)):
         safetensors_files(folder)
+    (folder / INDEX_FILE).unlink()  # no weights at all: one line for each, with its own fix
+    with pytest.raises(ConfigError, match=r"^model\.init_from: .* has neither model\.safetensors .*save_pretrained"):
+        init_from_hf(build_model(cfg.model), cfg.model, log=lambda line: None)
+    with pytest.raises(ConfigError, match=r"^model\.hf_path: .* has neither .*--model\.args\.init random"):
+        safetensors_files(folder)

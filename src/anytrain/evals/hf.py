@@ -45,12 +45,10 @@ import torch
 from torch import nn
 
 from anytrain.errors import ConfigError
-from anytrain.models.hf.adapter import open_safetensors, safetensors_index
+from anytrain.models.hf.adapter import INDEX_FILE as INDEX_FILE  # the file names of a Hugging Face folder
+from anytrain.models.hf.adapter import SINGLE_FILE as SINGLE_FILE
+from anytrain.models.hf.adapter import open_safetensors, safetensors_files
 from anytrain.models.mamba2 import hf as mamba2_hf
-
-SINGLE_FILE = "model.safetensors"
-INDEX_FILE = "model.safetensors.index.json"
-
 
 # --------------------------------------------------------------------------------------------------------------------
 # RoPE layout
@@ -336,16 +334,6 @@ def apply_init_from(cfg: Any) -> None:
 # import
 
 
-def _safetensors_files(directory: Path) -> list[Path]:
-    files = safetensors_index(directory, "model.init_from")
-    if files is not None:
-        return files
-    if (directory / SINGLE_FILE).is_file():
-        return [directory / SINGLE_FILE]
-    raise ConfigError(f"model.init_from: {directory} has neither {SINGLE_FILE} nor {INDEX_FILE} (only safetensors "
-                      "weights are read)")  # fmt: skip
-
-
 def _hf_shapes(family: str, shapes: dict[str, torch.Size]) -> dict[str, tuple[int, ...]]:
     """{HF tensor name: its shape} for anytrain parameters of ``shapes`` (MPT's Wqkv: the q, k, v rows stacked)."""
     out: dict[str, tuple[int, ...]] = {}
@@ -370,7 +358,7 @@ def read_hf_weights(directory: str | Path, arch: str, args: Any, shapes: dict[st
     embedding = "backbone.embeddings.weight" if arch in _MAMBA_FAMILIES else "tok_embeddings.weight"
     expected = _hf_shapes(family, shapes)
     where: dict[str, Path] = {}  # HF tensor name -> the file holding it
-    for file in _safetensors_files(directory):
+    for file in safetensors_files(directory, "model.init_from", "save the model with save_pretrained (safetensors)"):
         with open_safetensors(file, "model.init_from") as handle:
             for key in handle.keys():  # noqa: SIM118 - safe_open is not a mapping
                 if key not in expected:
