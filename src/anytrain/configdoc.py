@@ -1,8 +1,8 @@
 """docs/configuration.md from the config dataclasses: every field with its type, default and docstring.
 
-The docstring of a field is the string literal right after it in ``config.py`` (read from the source with ``ast``,
-since Python keeps no runtime record of it). ``python -m anytrain.configdoc > docs/configuration.md`` regenerates the
-page; a unit test fails when the committed page differs from what this prints.
+The docstring of a field is the string literal right after it in ``config/schema.py`` (read from the source with
+``ast``, since Python keeps no runtime record of it). ``python -m anytrain.configdoc > docs/configuration.md``
+regenerates the page; a unit test fails when the committed page differs from what this prints.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ A run is one YAML recipe (`configs/*.yaml`) plus dotted command-line overrides, 
 config loads (a wrong type, range or unknown name is one `error:` line naming the field), and the resolved config is
 written to `RUN_DIR/config.yaml`, so a run directory records everything that changed numerics or speed.
 
-This page is generated from `src/anytrain/config.py` (`python -m anytrain.configdoc > docs/configuration.md`);
+This page is generated from `src/anytrain/config/schema.py` (`python -m anytrain.configdoc > docs/configuration.md`);
 a test fails when it is out of date. `model.args` takes the fields of the model family's own args class
 (`TransformerArgs`, `MambaArgs` in `src/anytrain/models/`), on top of the chosen `model.flavour`.
 

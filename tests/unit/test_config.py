@@ -3,6 +3,7 @@ import re
 import pytest
 
 from anytrain.config import BatchPlan, RunConfig, load_config, parse_overrides, plan_batches
+from anytrain.data.resolve import resolve_run_config
 from anytrain.errors import ConfigError, DataError
 
 
@@ -137,7 +138,15 @@ NUMERIC_BAD_VALUES = [
 @pytest.mark.parametrize("key, value, message", NUMERIC_BAD_VALUES)
 def test_every_numeric_field_refuses_values_outside_its_domain(tmp_path, key, value, message):
     with pytest.raises(ConfigError, match="^" + re.escape(message)):
-        load_config(write(tmp_path, "model: {flavour: tiny}\n"), [f"--{key}", value])
+        resolve_run_config(load_config(write(tmp_path, "model: {flavour: tiny}\n"), [f"--{key}", value]))
+
+
+def test_load_config_reads_no_model_code_and_the_resolve_step_checks_the_model():
+    """load_config checks the config alone; the family's args (and the prepared data) are checked right after."""
+    cfg = load_config(None, ["--model.args.max_seq_len", "1000000000", "--model.args.dimm", "3"])
+    assert cfg.model.args == {"max_seq_len": 1000000000, "dimm": 3}
+    with pytest.raises(ConfigError, match=r"^model\.args\.dimm: unknown field"):
+        resolve_run_config(cfg)
 
 
 def test_the_bad_value_table_covers_every_numeric_config_field():
@@ -162,7 +171,7 @@ def test_data_path_is_recorded_absolute(tmp_path, monkeypatch):
     assert load_config(None, ["--data.path", "/abs/y"]).data.path == "/abs/y"
 
 
-def test_seq_len_longer_than_the_prepared_data_is_refused_at_load(tmp_path):
+def test_seq_len_longer_than_the_prepared_data_is_refused_when_the_config_is_resolved(tmp_path):
     import numpy as np
 
     from anytrain.data.shards import ShardWriter, write_index
@@ -171,6 +180,7 @@ def test_seq_len_longer_than_the_prepared_data_is_refused_at_load(tmp_path):
     writer.write(np.arange(100))
     writer.close()
     write_index(tmp_path, np.dtype(np.uint16), 200, 0, {"train": writer.shards, "val": writer.shards})
-    load_config(None, ["--data.path", str(tmp_path), "--data.seq_len", "99"])
+    resolve_run_config(load_config(None, ["--data.path", str(tmp_path), "--data.seq_len", "99"]))
+    cfg = load_config(None, ["--data.path", str(tmp_path), "--data.seq_len", "100"])
     with pytest.raises(DataError, match=r"^data.seq_len: 100 is too long for the train split .*longest shard 100"):
-        load_config(None, ["--data.path", str(tmp_path), "--data.seq_len", "100"])
+        resolve_run_config(cfg)

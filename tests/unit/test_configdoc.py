@@ -1,4 +1,4 @@
-"""docs/configuration.md is generated from config.py and every config field has a docstring."""
+"""docs/configuration.md is generated from config/schema.py and every config field has a docstring."""
 
 import dataclasses
 import typing

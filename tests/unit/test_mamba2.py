@@ -11,7 +11,7 @@ import torch.nn.functional as F
 
 from anytrain import models
 from anytrain.config import ModelConfig, RunConfig
-from anytrain.config_checks import check_document_mask
+from anytrain.config.checks import check_document_mask
 from anytrain.errors import ConfigError
 from anytrain.models.mamba2 import MAMBA2_FLAVOURS, Mamba2, Mamba2Args
 

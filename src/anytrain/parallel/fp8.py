@@ -218,7 +218,7 @@ def convert_model(model: nn.Module, train: TrainConfig, strategy: str, device: t
 
 def check_device(recipe: str, emulate: bool, device: torch.device) -> None:
     """A device without the recipe's FP8 matmuls (``hardware.fp8_support``) is one ConfigError, unless ``emulate``.
-    The combinations refused without a device are refused at config load (``config_checks.check_fp8``)."""
+    The combinations refused without a device are refused at config load (``config.checks.check_fp8``)."""
     if emulate:
         return
     reason = hardware.fp8_support(device, rowwise=recipe != "tensorwise")

@@ -22,8 +22,9 @@ SPEC = ModelSpec("hf", HFArgs, HFCausalLM, {}, PLAN, resolve_args=resolve_args)
 
 
 def check_run_config(cfg: Any) -> None:
-    """At config load: ``model.hf_path`` made absolute and checked (a folder with config.json), used only with
-    ``model.arch: hf``; the layouts and options the hf family does not take refused, one line naming the field."""
+    """When the run config is resolved (``models/run_config.py``): ``model.hf_path`` made absolute and checked (a
+    folder with config.json), used only with ``model.arch: hf``; the layouts and options the hf family does not take
+    refused, one line naming the field."""
     model = cfg.model
     if model.arch != "hf":
         raise ConfigError(

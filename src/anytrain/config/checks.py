@@ -1,6 +1,7 @@
-"""The run configuration's checks at load: every numeric field's domain and the cross-field rules that do not need the
-world size (``anytrain.config.load_config`` runs :func:`validate`; ``parallelize`` repeats the strategy checks with
-the resolved strategy)."""
+"""The run configuration's checks at load: every numeric field's domain and the cross-field rules that need neither the
+world size nor the model registry nor the disk (``anytrain.config.load_config`` runs :func:`validate`;
+``parallelize`` repeats the strategy checks with the resolved strategy; the model's args and the prepared dataset are
+checked by ``anytrain.data.resolve.resolve_run_config``)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 from anytrain.errors import ConfigError
 
 if TYPE_CHECKING:
-    from anytrain.config import ParallelConfig, RunConfig, TrainConfig
+    from anytrain.config.schema import ParallelConfig, RunConfig, TrainConfig
 
 MAX_SEQ_LEN = 2**20  # tokens; larger sequences (and RoPE tables) do not fit any accelerator's memory
 
@@ -21,7 +22,7 @@ def _positive(value: float, where: str, allow_zero: bool = False) -> None:
         raise ConfigError(f"{where}: must be {'>= 0' if allow_zero else '> 0'}, got {value}")
 
 
-def _in_range(value: float, where: str, low: float, high: float, closed: str = "[]") -> None:
+def in_range(value: float, where: str, low: float, high: float, closed: str = "[]") -> None:
     """``low <= value <= high`` with the ends open or closed as in ``closed`` ('[)', '(]', '()' or '[]')."""
     above = value >= low if closed[0] == "[" else value > low
     below = value <= high if closed[1] == "]" else value < high
@@ -29,12 +30,12 @@ def _in_range(value: float, where: str, low: float, high: float, closed: str = "
         raise ConfigError(f"{where}: must be in {closed[0]}{low}, {high}{closed[1]}, got {value}")
 
 
-def _check_finite(obj: Any, prefix: str = "") -> None:
+def check_finite(obj: Any, prefix: str = "") -> None:
     """Every float field of every section (and of model.args) must be a finite number: YAML reads .nan / .inf."""
     values = dataclasses.asdict(obj) if dataclasses.is_dataclass(obj) else obj
     for key, value in values.items():
         if isinstance(value, dict):
-            _check_finite(value, f"{prefix}{key}.")
+            check_finite(value, f"{prefix}{key}.")
         elif isinstance(value, float) and not math.isfinite(value):
             raise ConfigError(f"{prefix}{key}: must be a finite number, got {value}")
 
@@ -55,16 +56,17 @@ def _validate_train(t: TrainConfig) -> None:
     _positive(t.peak_tflops, "train.peak_tflops", allow_zero=True)
     _positive(t.weight_decay, "train.weight_decay", allow_zero=True)
     _positive(t.eps, "train.eps")
-    _in_range(t.beta1, "train.beta1", 0.0, 1.0, "[)")
-    _in_range(t.beta2, "train.beta2", 0.0, 1.0, "[)")
-    _in_range(t.min_lr_ratio, "train.min_lr_ratio", 0.0, 1.0)
-    _in_range(t.decay_fraction, "train.decay_fraction", 0.0, 1.0, "(]")
-    _in_range(t.seed, "train.seed", 0, 2**63 - 1)
+    in_range(t.beta1, "train.beta1", 0.0, 1.0, "[)")
+    in_range(t.beta2, "train.beta2", 0.0, 1.0, "[)")
+    in_range(t.min_lr_ratio, "train.min_lr_ratio", 0.0, 1.0)
+    in_range(t.decay_fraction, "train.decay_fraction", 0.0, 1.0, "(]")
+    in_range(t.seed, "train.seed", 0, 2**63 - 1)
     if t.micro_batch > t.global_batch:
         raise ConfigError(f"train.micro_batch: {t.micro_batch} is larger than train.global_batch {t.global_batch}")
     if 0 < t.spike_factor <= 1:
-        raise ConfigError(f"train.spike_factor: must be 0 (off) or > 1 (a multiple of the mean loss), got "
-                          f"{t.spike_factor}")  # fmt: skip
+        raise ConfigError(
+            f"train.spike_factor: must be 0 (off) or > 1 (a multiple of the mean loss), got {t.spike_factor}"
+        )
 
 
 def _validate_others(cfg: RunConfig) -> None:
@@ -78,9 +80,11 @@ def _validate_others(cfg: RunConfig) -> None:
         if getattr(p, name) < 1:
             raise ConfigError(f"parallel.{name}: must be >= 1, got {getattr(p, name)}")
     if p.async_tp and (p.tp < 2 or not cfg.train.compile):
-        raise ConfigError(f"parallel.async_tp: overlaps tensor-parallel collectives inside compiled blocks, so it "
-                          f"needs --parallel.tp >= 2 and --train.compile true (got tp {p.tp}, compile "
-                          f"{str(cfg.train.compile).lower()}); set --parallel.async_tp false")  # fmt: skip
+        raise ConfigError(
+            f"parallel.async_tp: overlaps tensor-parallel collectives inside compiled blocks, so it "
+            f"needs --parallel.tp >= 2 and --train.compile true (got tp {p.tp}, compile "
+            f"{str(cfg.train.compile).lower()}); set --parallel.async_tp false"
+        )
     if p.dp_shard == 0 or p.dp_shard < -1:
         raise ConfigError(f"parallel.dp_shard: must be >= 1 or -1 (infer), got {p.dp_shard}")
     if cfg.device not in ("auto", "cpu", "gpu", "cuda"):
@@ -92,32 +96,15 @@ def _validate_others(cfg: RunConfig) -> None:
         raise ConfigError(f"metrics.wandb.tags: expected a list of 1 to 64-character strings, got {wandb.tags!r}")
 
 
-def _validate_seq_len(cfg: RunConfig) -> None:
-    """data.seq_len against the model's max_seq_len, a sane bound, and (when it is there) the prepared dataset."""
-    from anytrain.models import resolve_args  # the registry imports this module
-
-    args = resolve_args(cfg.model)
-    _check_finite(dataclasses.asdict(args), "model.args.")
-    _in_range(args.max_seq_len, "model.args.max_seq_len", 1, MAX_SEQ_LEN)
-    _positive(cfg.data.seq_len, "data.seq_len")
-    if cfg.data.seq_len > args.max_seq_len:
-        raise ConfigError(f"data.seq_len: {cfg.data.seq_len} exceeds model.args.max_seq_len {args.max_seq_len}; "
-                          "lower data.seq_len or raise model.args.max_seq_len")  # fmt: skip
-    from anytrain.data.shards import check_seq_len
-
-    for path in [s["path"] for s in cfg.data.sources] or [cfg.data.path]:
-        check_seq_len(path, cfg.data.seq_len)
-
-
 def validate(cfg: RunConfig) -> None:
     """Every numeric field's domain and the cross-field checks that do not need the world size (those live in
-    ``batching``); runs at load, before anything is written."""
-    _check_finite(cfg)
+    ``batching``), the model registry or the disk; runs at load, before anything is written."""
+    check_finite(cfg)
     _validate_train(cfg.train)
     _validate_others(cfg)
     if not cfg.data.path:
         raise ConfigError("data.path: must name the folder written by `anytrain prepare`")
-    _validate_seq_len(cfg)
+    _positive(cfg.data.seq_len, "data.seq_len")
     check_document_mask(cfg)
     check_fsdp_only_options(cfg.parallel, cfg.parallel.strategy)
     check_fp8(cfg)
@@ -147,15 +134,21 @@ def check_document_mask(cfg: RunConfig) -> None:
     if not cfg.data.document_mask:
         return
     if cfg.model.arch == "mamba":
-        raise ConfigError("data.document_mask: Mamba carries its scan state across documents (a per-document state "
-                          "reset is not implemented); set --data.document_mask false")  # fmt: skip
+        raise ConfigError(
+            "data.document_mask: Mamba carries its scan state across documents (a per-document state "
+            "reset is not implemented); set --data.document_mask false"
+        )
     if cfg.model.arch not in ("transformer", "mamba2"):
-        raise ConfigError(f"data.document_mask: applies to model.arch transformer and mamba2 only, not "
-                          f"{cfg.model.arch}; set --data.document_mask false")  # fmt: skip
+        raise ConfigError(
+            f"data.document_mask: applies to model.arch transformer and mamba2 only, not "
+            f"{cfg.model.arch}; set --data.document_mask false"
+        )
     if cfg.parallel.pp > 1:
-        raise ConfigError(f"data.document_mask: not available with pipeline parallelism (parallel.pp "
-                          f"{cfg.parallel.pp}: later stages see hidden states, not the token ids that mark documents); "
-                          "set --parallel.pp 1 or --data.document_mask false")  # fmt: skip
+        raise ConfigError(
+            f"data.document_mask: not available with pipeline parallelism (parallel.pp "
+            f"{cfg.parallel.pp}: later stages see hidden states, not the token ids that mark documents); "
+            "set --parallel.pp 1 or --data.document_mask false"
+        )
 
 
 def check_fsdp_only_options(parallel: ParallelConfig, strategy: str) -> None:
@@ -164,15 +157,19 @@ def check_fsdp_only_options(parallel: ParallelConfig, strategy: str) -> None:
     if parallel.fsdp_group_blocks < 1:
         raise ConfigError(f"parallel.fsdp_group_blocks: expected >= 1, got {parallel.fsdp_group_blocks}")
     if parallel.fsdp_group_blocks > 1 and strategy in ("ddp", "zero1"):
-        raise ConfigError(f"parallel.fsdp_group_blocks applies to FSDP only, but the strategy is {strategy}; set "
-                          "--parallel.strategy fsdp or --parallel.fsdp_group_blocks 1")  # fmt: skip
+        raise ConfigError(
+            f"parallel.fsdp_group_blocks applies to FSDP only, but the strategy is {strategy}; set "
+            "--parallel.strategy fsdp or --parallel.fsdp_group_blocks 1"
+        )
     if not parallel.ddp_bucket_mb > 0:
         raise ConfigError(f"parallel.ddp_bucket_mb: expected a size in MB > 0, got {parallel.ddp_bucket_mb}")
     check_grad_compression(parallel, strategy)
     if not parallel.reshard_during_accumulation and strategy in ("ddp", "zero1"):
-        raise ConfigError(f"parallel.reshard_during_accumulation: false applies to FSDP only, but the strategy is "
-                          f"{strategy}; set --parallel.strategy fsdp or --parallel.reshard_during_accumulation "
-                          "true")  # fmt: skip
+        raise ConfigError(
+            f"parallel.reshard_during_accumulation: false applies to FSDP only, but the strategy is "
+            f"{strategy}; set --parallel.strategy fsdp or --parallel.reshard_during_accumulation "
+            "true"
+        )
 
 
 GRAD_COMPRESSION_SYNTAX = "none, bf16, fp16 or powersgd:rank=R (R an integer >= 1, e.g. powersgd:rank=4)"
@@ -195,8 +192,12 @@ def check_grad_compression(parallel: ParallelConfig, strategy: str) -> None:
     """The compression's syntax, PowerSGD's start step, and PowerSGD only where DDP's communication hooks run."""
     kind, _ = parse_grad_compression(parallel.grad_compression)
     if parallel.powersgd_start_step < 0 or parallel.powersgd_start_step == 1:
-        raise ConfigError(f"parallel.powersgd_start_step: must be 0 (= train.warmup_steps) or >= 2, got "
-                          f"{parallel.powersgd_start_step}")  # fmt: skip
+        raise ConfigError(
+            f"parallel.powersgd_start_step: must be 0 (= train.warmup_steps) or >= 2, got "
+            f"{parallel.powersgd_start_step}"
+        )
     if kind == "powersgd" and strategy == "fsdp":
-        raise ConfigError("parallel.grad_compression: powersgd runs with ddp or zero1 only (PyTorch has no PowerSGD "
-                          "for FSDP); set --parallel.strategy ddp, or use bf16 (FSDP's reduce dtype)")  # fmt: skip
+        raise ConfigError(
+            "parallel.grad_compression: powersgd runs with ddp or zero1 only (PyTorch has no PowerSGD "
+            "for FSDP); set --parallel.strategy ddp, or use bf16 (FSDP's reduce dtype)"
+        )

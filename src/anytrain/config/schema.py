@@ -1,33 +1,15 @@
-"""Typed, validated run configuration.
-
-A run is described by one YAML file with the sections below, plus dotted command-line overrides
-(``--train.steps 20 --model.args.n_layers 4``). Loading validates every field against its annotation and
-raises :class:`~anytrain.errors.ConfigError` naming the field (``train.steps: expected int, got 'ten'``).
-The resolved config (defaults filled in) is written into the run directory as ``config.yaml``.
-"""
+"""The run configuration's sections as typed dataclasses (one docstring per field), and their conversion from and to
+plain dicts: :func:`from_dict` checks every value against its annotation and raises
+:class:`~anytrain.errors.ConfigError` naming the field (``train.steps: expected int, got 'ten'``)."""
 
 from __future__ import annotations
 
 import dataclasses
-import math
-import os
 import types
 import typing
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, Literal
 
-import yaml
-
-from anytrain.config_checks import (  # noqa: F401 (re-exported: callers import the checks from anytrain.config)
-    GRAD_COMPRESSION_SYNTAX,
-    MAX_SEQ_LEN,
-    check_document_mask,
-    check_fsdp_only_options,
-    check_grad_compression,
-    parse_grad_compression,
-    validate,
-)
 from anytrain.errors import ConfigError
 
 
@@ -441,108 +423,6 @@ def to_dict(obj: Any) -> dict[str, Any]:
     return dataclasses.asdict(obj)
 
 
-def parse_overrides(args: list[str]) -> dict[str, Any]:
-    """Turn ``['--train.steps', '20', '--model.args.dim=64']`` into a nested dict; values parsed as YAML scalars."""
-    nested: dict[str, Any] = {}
-    i = 0
-    while i < len(args):
-        arg = args[i]
-        if not arg.startswith("--") or len(arg) == 2:
-            raise ConfigError(f"{arg}: expected an override like --section.field VALUE")
-        key = arg[2:]
-        if "=" in key:
-            key, raw = key.split("=", 1)
-            i += 1
-        else:
-            if i + 1 >= len(args):
-                raise ConfigError(f"--{key}: missing value")
-            raw = args[i + 1]
-            i += 2
-        try:
-            value = yaml.safe_load(raw) if raw != "" else ""
-        except yaml.YAMLError:
-            value = raw
-        node = nested
-        parts = key.replace("-", "_").split(".")
-        for part in parts[:-1]:
-            node = node.setdefault(part, {})
-            if not isinstance(node, dict):
-                raise ConfigError(f"--{key}: conflicts with another override")
-        node[parts[-1]] = value
-    return nested
-
-
-def deep_merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
-    out = dict(base)
-    for key, value in over.items():
-        if isinstance(value, dict) and isinstance(out.get(key), dict):
-            out[key] = deep_merge(out[key], value)
-        else:
-            out[key] = value
-    return out
-
-
-def resolve_data_path(path: str) -> str:
-    """``data.path`` as an absolute path: a relative one is taken from the current working directory."""
-    return os.path.abspath(os.path.expanduser(path)) if path else path
-
-
-def load_config(path: str | Path | None, overrides: list[str] | None = None) -> RunConfig:
-    """Read a YAML recipe (or start from defaults when ``path`` is None), apply overrides, make ``data.path``
-    absolute (relative to the current working directory), validate."""
-    data: dict[str, Any] = {}
-    if path is not None:
-        path = Path(path)
-        if not path.is_file():
-            raise ConfigError(f"{path}: config file not found")
-        try:
-            data = yaml.safe_load(path.read_text()) or {}
-        except yaml.YAMLError as exc:
-            raise ConfigError(f"{path}: not valid YAML ({str(exc).splitlines()[0]})") from None
-        if not isinstance(data, dict):
-            raise ConfigError(f"{path}: expected a mapping of sections at the top level")
-    data = deep_merge(data, parse_overrides(overrides or []))
-    cfg = from_dict(RunConfig, data)
-    if not cfg.name:
-        cfg.name = path.stem if path is not None else "run"
-    cfg.data.path = resolve_data_path(cfg.data.path)
-    if cfg.data.sources:
-        _resolve_sources(cfg)
-    if cfg.model.arch == "hf" or cfg.model.hf_path:  # folder checked, layouts hf cannot take refused (models/hf)
-        from anytrain.models.hf import check_run_config
-
-        check_run_config(cfg)
-    if cfg.model.init_from:  # HF config.json -> model.args before validation (evals/hf.py)
-        from anytrain.evals.hf import apply_init_from
-
-        apply_init_from(cfg)
-    validate(cfg)
-    return cfg
-
-
-def _resolve_sources(cfg: RunConfig) -> None:
-    """``data.sources``: each entry a mapping {path, weight[, name]} with weight > 0 and a unique name; paths made
-    absolute; ``data.path`` replaced by the first source's."""
-    names = []
-    for i, entry in enumerate(cfg.data.sources):
-        where = f"data.sources[{i}]"
-        if not isinstance(entry, dict) or not isinstance(entry.get("path"), str) or not entry["path"]:
-            raise ConfigError(f"{where}: expected a mapping {{path: DIR, weight: W}}, got {entry!r}")
-        unknown = sorted(set(entry) - {"path", "weight", "name"})
-        if unknown:
-            raise ConfigError(f"{where}.{unknown[0]}: unknown field; valid fields are name, path, weight")
-        weight = entry.get("weight", 1.0)
-        if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not (0 < weight < math.inf):
-            raise ConfigError(f"{where}.weight: must be a finite number > 0, got {weight!r}")
-        path = resolve_data_path(entry["path"])
-        name = str(entry.get("name") or Path(path).name)
-        if name in names:
-            raise ConfigError(f"{where}.name: {name!r} is already the name of another source; set a unique name")
-        names.append(name)
-        cfg.data.sources[i] = {"path": path, "weight": float(weight), "name": name}
-    cfg.data.path = cfg.data.sources[0]["path"]
-
-
 @dataclass(frozen=True)
 class BatchPlan:
     """How the fixed global batch splits over data-parallel ranks and micro-batches."""
@@ -572,7 +452,3 @@ def plan_batches(train: TrainConfig, dp_world: int) -> BatchPlan:
             f"({dp_world} x {micro}); change train.global_batch or train.micro_batch"
         )
     return BatchPlan(train.global_batch, dp_world, micro, per_rank // micro)
-
-
-def save_config(cfg: RunConfig, path: Path) -> None:
-    path.write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
