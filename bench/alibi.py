@@ -76,8 +76,8 @@ def hf_mpt_row(s: dict, device: torch.device, args: argparse.Namespace) -> dict:
     trains HF's Llama: fp32 master weights, bf16 autocast, torch.compile (not in the smoke), fused AdamW on GPUs."""
     from transformers import MptConfig, MptForCausalLM
 
-    from anytrain.evals.hf import hf_config
     from anytrain.models import build_model
+    from anytrain.models.conversion import hf_config
 
     with torch.device("meta"):
         ours = build_model(ModelConfig(arch="transformer", flavour=s["flavour"], args={"pos_encoding": "alibi"}))

@@ -1,7 +1,7 @@
 """Hugging Face ``Mamba2ForCausalLM`` <-> anytrain's Mamba-2: tensor names and the config.json mapping.
 
 The state-dict keys are HF's (``model.py``'s docstring lists them), so the tensors move unrenamed and only the LM
-head is left out of an export when tied (HF re-ties it). ``evals/hf.py`` calls these two functions for
+head is left out of an export when tied (HF re-ties it). ``anytrain.models.conversion`` calls these two functions for
 ``anytrain export --format hf`` and ``model.init_from``.
 
 What HF computes from a config.json, and what is refused on import: transformers' ``Mamba2Mixer`` always applies
