@@ -23,3 +23,13 @@ class TrainingError(AnytrainError):
     """Training stopped for a reason the user must look at (e.g. a non-finite loss)."""
 
     exit_code = 3
+
+
+def one_line(exc: BaseException) -> str:
+    """An exception as one line of at most 300 characters: for a DCP failure (a ``CheckpointException``), the first
+    failing rank's exception, not the gathered tracebacks."""
+    failures = getattr(exc, "failures", None)
+    if failures:
+        exc = next(iter(failures.values()))[0]
+    text = f"{type(exc).__name__}: {str(exc).strip() or 'a file ends early or cannot be read'}".splitlines()[0]
+    return text if len(text) <= 300 else text[:297] + "..."

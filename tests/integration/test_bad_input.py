@@ -1,4 +1,4 @@
-"""Bad input to prepare, train, eval and export-checkpoint through the CLI: exit code 2, exactly one stderr line
+"""Bad input to prepare, train, eval and export through the CLI: exit code 2, exactly one stderr line
 naming the field or file, and nothing partial left behind or pre-existing removed."""
 
 from __future__ import annotations
@@ -192,12 +192,12 @@ def test_eval_bad_options(run, args, field):
 
 
 # ---------------------------------------------------------------------------------------------------------------------
-# export-checkpoint
+# export --format safetensors
 
 
 def test_export_refuses_a_json_out_and_writes_nothing(tmp_path, run):
     _, run_dir = run
-    proc = run_cli("export-checkpoint", str(run_dir), "--out", str(tmp_path / "m.json"), timeout=120)
+    proc = run_cli("export", str(run_dir), "--format", "safetensors", "--out", str(tmp_path / "m.json"), timeout=120)
     one_error(proc, "--out:", "m.json must end in .safetensors")
     assert list(tmp_path.iterdir()) == []
 
@@ -206,10 +206,10 @@ def test_export_refuses_an_existing_sidecar_and_overwrite_replaces_both(tmp_path
     _, run_dir = run
     out = tmp_path / "m.safetensors"
     (tmp_path / "m.json").write_text("mine")
-    proc = run_cli("export-checkpoint", str(run_dir), "--out", str(out), timeout=120)
+    proc = run_cli("export", str(run_dir), "--format", "safetensors", "--out", str(out), timeout=120)
     one_error(proc, f"{tmp_path / 'm.json'}: exists; pass --overwrite")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["m.json"] and (tmp_path / "m.json").read_text() == "mine"
-    proc = run_cli("export-checkpoint", str(run_dir), "--out", str(out), "--overwrite", timeout=120)
+    proc = run_cli("export", str(run_dir), "--format", "safetensors", "--out", str(out), "--overwrite", timeout=120)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert json.loads((tmp_path / "m.json").read_text())["arch"] == "transformer"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["m.json", "m.safetensors"]
@@ -217,7 +217,8 @@ def test_export_refuses_an_existing_sidecar_and_overwrite_replaces_both(tmp_path
 
 def test_export_missing_checkpoint_is_one_line(tmp_path, run):
     _, run_dir = run
-    proc = run_cli("export-checkpoint", str(run_dir), "--out", str(tmp_path / "m.safetensors"), "--checkpoint",
+    out = str(tmp_path / "m.safetensors")
+    proc = run_cli("export", str(run_dir), "--format", "safetensors", "--out", out, "--checkpoint",
                    str(tmp_path / "nope"), timeout=120)  # fmt: skip
     one_error(proc, f"--checkpoint: {tmp_path / 'nope'} is not a checkpoint directory")
     assert list(tmp_path.iterdir()) == []
@@ -230,7 +231,9 @@ def test_export_to_a_full_disk_is_one_line_and_leaves_nothing(tmp_path, run):
     if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(mount)], capture_output=True).returncode:
         pytest.skip("cannot mount a tmpfs here (needs root)")
     try:
-        proc = run_cli("export-checkpoint", str(run_dir), "--out", str(mount / "m.safetensors"), timeout=120)
+        proc = run_cli(
+            "export", str(run_dir), "--format", "safetensors", "--out", str(mount / "m.safetensors"), timeout=120
+        )
         one_error(proc, f"disk full while writing {mount / 'm.safetensors'}")
         assert list(mount.iterdir()) == []
     finally:

@@ -3,9 +3,8 @@
 A real run's checkpoint gets a planted pickle — in ``.metadata`` (DCP pickles it) or in a non-tensor value of a
 ``.distcp`` file (DCP's planner unpickles those with torch.load) — whose unpickling would call ``os.system("touch
 MARKER")``, and its COMMITTED marker is rewritten with the new sizes and sha256s, as an attacker would. ``eval``,
-``train --resume``, ``export`` and ``export-checkpoint`` must refuse it with one line naming the file (exit 2), create
-nothing, not fall back to an older checkpoint, and never create MARKER. Every case runs the real CLI on the debug
-model (CPU)."""
+``train --resume`` and ``export`` (both formats) must refuse it with one line naming the file (exit 2), create nothing,
+not fall back to an older checkpoint, and never create MARKER. Every case runs the real CLI on the debug model (CPU)."""
 
 from __future__ import annotations
 
@@ -17,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from anytrain.train.checkpoint import COMMIT_MARKER, Checkpointer, CheckpointUnusable, file_manifest, verify
+from anytrain.checkpoint.dcp import COMMIT_MARKER, Checkpointer, CheckpointUnusable, file_manifest, verify
 from tests.checkpoint_tampering import edit_metadata, plant_value, point_outside
 from tests.conftest import run_cli
 
@@ -111,10 +110,12 @@ def test_a_planted_metadata_pickle_is_refused_by_every_loader(done_run, tmp_path
         "resume": ("train", str(done_run[1]), "--run-dir", str(run), "--resume"),
         "export": ("export", str(run), "--out", str(outputs["hf"])),
         "export step dir": ("export", str(run / NEWEST), "--out", str(outputs["hf"])),
-        "export-checkpoint": ("export-checkpoint", str(run), "--out", str(outputs["st"])),
-        "export-checkpoint --checkpoint": (
-            "export-checkpoint",
+        "export safetensors": ("export", str(run), "--format", "safetensors", "--out", str(outputs["st"])),
+        "export safetensors --checkpoint": (
+            "export",
             str(run),
+            "--format",
+            "safetensors",
             "--out",
             str(outputs["st"]),
             "--checkpoint",
@@ -222,5 +223,5 @@ def test_an_fsdp_sharded_checkpoint_of_two_ranks_loads(tmp_path, small_data):
     proc = run_cli("eval", str(run), "--json", "--max-new-tokens", "2", timeout=120)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert json.loads(proc.stdout)["step"] == 2
-    proc = run_cli("export-checkpoint", str(run), "--out", str(tmp_path / "m.safetensors"), timeout=120)
+    proc = run_cli("export", str(run), "--format", "safetensors", "--out", str(tmp_path / "m.safetensors"), timeout=120)
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -95,12 +95,12 @@ def test_prepare_refuses_to_clobber(tmp_path, small_data):
     assert (target / "precious.txt").read_text() == "do not delete"
 
 
-def test_export_checkpoint_to_safetensors(tiny_run, tmp_path):
+def test_export_to_safetensors(tiny_run, tmp_path):
     from safetensors.torch import load_file
 
     run_dir, _ = tiny_run
     out = tmp_path / "model.safetensors"
-    proc = run_cli("export-checkpoint", str(run_dir), "--out", str(out))
+    proc = run_cli("export", str(run_dir), "--format", "safetensors", "--out", str(out))
     assert proc.returncode == 0, proc.stderr[-2000:]
     tensors = load_file(str(out))
     meta = json.loads(out.with_suffix(".json").read_text())
@@ -109,13 +109,22 @@ def test_export_checkpoint_to_safetensors(tiny_run, tmp_path):
     # identical to the weights the eval path loads from the DCP checkpoint
     import torch
 
-    from anytrain.evals import load_run_model
+    from anytrain.checkpoint.run_model import load_run_model
 
     _, model, _ = load_run_model(run_dir, torch.device("cpu"))
     for key, value in model.state_dict().items():
         assert torch.equal(tensors[key], value), key
-    again = run_cli("export-checkpoint", str(run_dir), "--out", str(out))
+    again = run_cli("export", str(run_dir), "--format", "safetensors", "--out", str(out))
     assert again.returncode == 2 and "exists; pass --overwrite" in again.stderr
+    # the deprecated alias says so in one stderr line, then does the same
+    alias = run_cli("export-checkpoint", str(run_dir), "--out", str(out), "--overwrite")
+    assert alias.returncode == 0, alias.stderr[-2000:]
+    assert alias.stderr.strip().splitlines() == [
+        "warning: `anytrain export-checkpoint` is deprecated; use `anytrain export RUN --format safetensors --out FILE`"
+    ]
+    assert load_file(str(out)).keys() == tensors.keys()
+    only_hf = run_cli("export", str(run_dir), "--format", "safetensors", "--out", str(out), "--tokenizer", "t.json")
+    assert only_hf.returncode == 2 and "--tokenizer: only with --format hf" in only_hf.stderr
 
 
 @pytest.mark.parametrize("args, message", [

@@ -10,12 +10,15 @@ from pathlib import Path
 import pytest
 import torch
 
+from anytrain.checkpoint.export import MARKER, export_hf
+from anytrain.checkpoint.hf_import import init_from_hf
+from anytrain.checkpoint.run_model import load_run_model
 from anytrain.config import load_config
+from anytrain.data.resolve import resolve_run_config
 from anytrain.errors import ConfigError, RunDirError
-from anytrain.evals import load_run_model, validation_loss
-from anytrain.evals.hf import INDEX_FILE, init_from_hf
-from anytrain.evals.hf_export import MARKER, export_hf
+from anytrain.evals import validation_loss
 from anytrain.models import build_model
+from anytrain.models.conversion import INDEX_FILE
 from tests.conftest import cli_in_process as cli
 
 transformers = pytest.importorskip("transformers")
@@ -147,7 +150,9 @@ def random_hf_model(arch: str, directory: Path):
 @pytest.mark.parametrize("arch", ["transformer", "mamba"])
 def test_init_from_hf_gives_equal_logits_and_training_continues(tmp_path, small_data, arch):
     hf = random_hf_model(arch, tmp_path / "hf")
-    cfg = load_config(RECIPES[arch], train_args(small_data) + ["--model.init_from", str(tmp_path / "hf")])
+    cfg = resolve_run_config(
+        load_config(RECIPES[arch], train_args(small_data) + ["--model.init_from", str(tmp_path / "hf")])
+    )
     assert cfg.model.args["vocab_size"] == 512 and cfg.model.args["n_layers"] == 2
     model = build_model(cfg.model)
     init_from_hf(model, cfg.model, log=lambda line: None)
@@ -170,15 +175,17 @@ def test_init_from_mismatches_are_one_line_naming_the_field(tmp_path, small_data
     random_hf_model("transformer", tmp_path / "hf")
     base = train_args(small_data) + ["--model.init_from", str(tmp_path / "hf")]
     with pytest.raises(ConfigError, match=r"^model\.args\.dim: 64 differs from 32 in .*config\.json"):
-        load_config(RECIPES["transformer"], base + ["--model.args.dim", "64"])
+        resolve_run_config(load_config(RECIPES["transformer"], base + ["--model.args.dim", "64"]))
     with pytest.raises(ConfigError, match=r"^model\.arch: 'mamba', but model\.init_from"):
-        load_config(RECIPES["mamba"], base)
+        resolve_run_config(load_config(RECIPES["mamba"], base))
     with pytest.raises(ConfigError, match=r"^model\.init_from: .* has no config\.json"):
-        load_config(RECIPES["transformer"], train_args(small_data) + ["--model.init_from", str(tmp_path)])
+        resolve_run_config(
+            load_config(RECIPES["transformer"], train_args(small_data) + ["--model.init_from", str(tmp_path)])
+        )
     config = json.loads((tmp_path / "hf" / "config.json").read_text())
     (tmp_path / "hf" / "config.json").write_text(json.dumps({**config, "hidden_act": "gelu"}))
     with pytest.raises(ConfigError, match=r"hidden_act='gelu'; anytrain's model needs 'silu'"):
-        load_config(RECIPES["transformer"], base)
+        resolve_run_config(load_config(RECIPES["transformer"], base))
 
 
 @pytest.mark.parametrize("name", ["../x.safetensors", "sub/../../x.safetensors", "ABSOLUTE"])
@@ -195,7 +202,9 @@ def test_an_index_naming_a_weight_file_outside_the_folder_is_one_line(tmp_path, 
     name = str(outside) if name == "ABSOLUTE" else name
     with safe_open(str(outside), framework="pt") as handle:
         (folder / INDEX_FILE).write_text(json.dumps({"weight_map": dict.fromkeys(handle.keys(), name)}))
-    cfg = load_config(RECIPES["transformer"], train_args(small_data) + ["--model.init_from", str(folder)])
+    cfg = resolve_run_config(
+        load_config(RECIPES["transformer"], train_args(small_data) + ["--model.init_from", str(folder)])
+    )
     why = f"{folder / INDEX_FILE} names the weight file {name!r}, outside {folder}; only files of the model's folder"
     with pytest.raises(ConfigError, match=r"^model\.init_from: " + re.escape(why)):
         init_from_hf(build_model(cfg.model), cfg.model, log=lambda line: None)

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from anytrain.config import load_config
+from anytrain.data.resolve import resolve_run_config
 from anytrain.errors import ConfigError
 from tests.conftest import cli_in_process, run_cli
 
@@ -78,8 +79,8 @@ def torchrun(run_dir: Path, *args: str) -> None:
 
 
 def hf_logits_equal(run_dir: Path, out: Path, vocab: int = 512) -> None:
-    from anytrain.evals import load_run_model
-    from anytrain.evals.hf_export import export_hf
+    from anytrain.checkpoint.export import export_hf
+    from anytrain.checkpoint.run_model import load_run_model
 
     export_hf(run_dir, out)
     _, ours, _ = load_run_model(run_dir, torch.device("cpu"))
@@ -146,7 +147,7 @@ def test_activation_checkpointing_gives_the_same_loss_and_gradients(small_data, 
     from anytrain.models import build_model
     from anytrain.parallel.ac import apply_activation_checkpointing
 
-    cfg = load_config("configs/tiny.yaml", train_args(small_data, hf_models["qwen2"]))
+    cfg = resolve_run_config(load_config("configs/tiny.yaml", train_args(small_data, hf_models["qwen2"])))
     plain, checkpointed = build_model(cfg.model), build_model(cfg.model)
     assert [type(b).__name__ for b in plain.blocks()] == ["Qwen2DecoderLayer"] * 2
     apply_activation_checkpointing(checkpointed, "full")
@@ -172,7 +173,9 @@ def test_random_init_is_seeded_and_differs_from_the_folder(small_data, hf_models
     from anytrain.models import build_model
 
     def built(*extra):
-        cfg = load_config("configs/tiny.yaml", train_args(small_data, hf_models["gpt2"]) + list(extra))
+        cfg = resolve_run_config(
+            load_config("configs/tiny.yaml", train_args(small_data, hf_models["gpt2"]) + list(extra))
+        )
         return build_model(cfg.model).state_dict()
 
     pretrained = built()
@@ -191,7 +194,7 @@ def test_random_init_is_seeded_and_differs_from_the_folder(small_data, hf_models
 def test_flops_and_params_formula(small_data, hf_models):
     from anytrain.models import REGISTRY, LanguageModel, build_model, spec_of
 
-    cfg = load_config("configs/tiny.yaml", train_args(small_data, hf_models["gpt2"]))
+    cfg = resolve_run_config(load_config("configs/tiny.yaml", train_args(small_data, hf_models["gpt2"])))
     model = build_model(cfg.model)
     ref = transformers.AutoModelForCausalLM.from_pretrained(hf_models["gpt2"])
     total = sum(p.numel() for p in ref.parameters())  # tied head counted once
@@ -209,12 +212,12 @@ def test_fused_loss_only_where_the_head_output_is_the_logits(small_data, hf_mode
     from anytrain.models import build_model
 
     ids = torch.randint(0, 512, (2, 16), generator=torch.Generator().manual_seed(0))
-    gemma = load_config("configs/tiny.yaml", train_args(small_data, hf_models["gemma2"]))
+    gemma = resolve_run_config(load_config("configs/tiny.yaml", train_args(small_data, hf_models["gemma2"])))
     with pytest.raises(ConfigError, match=r"model\.args\.attn_implementation: Gemma2ForCausalLM does not support"):
         build_model(gemma.model)  # soft-capped attention scores: no SDPA path in transformers
     for shape, fused in (("llama", True), ("gemma2", False)):
         extra = ["--model.args.attn_implementation", "eager"] if shape == "gemma2" else []
-        cfg = load_config("configs/tiny.yaml", train_args(small_data, hf_models[shape]) + extra)
+        cfg = resolve_run_config(load_config("configs/tiny.yaml", train_args(small_data, hf_models[shape]) + extra))
         model = build_model(cfg.model)
         assert model.fused_head is fused
         ref = transformers.AutoModelForCausalLM.from_pretrained(hf_models[shape]).eval()
@@ -233,8 +236,8 @@ def test_residual_stream_dtype_under_autocast(small_data, hf_models):
     ids = torch.randint(0, 512, (2, 17), generator=torch.Generator().manual_seed(0))
     losses, seen = {}, {}
     for keep in (False, True):
-        cfg = load_config("configs/tiny.yaml", train_args(small_data, hf_models["gpt2"])
-                          + ["--model.args.residual_in_fp32", str(keep).lower()])  # fmt: skip
+        cfg = resolve_run_config(load_config("configs/tiny.yaml", train_args(small_data, hf_models["gpt2"])
+                          + ["--model.args.residual_in_fp32", str(keep).lower()]))  # fmt: skip
         model = build_model(cfg.model)
         dtypes = []
         for block in model.blocks():
@@ -262,7 +265,7 @@ def test_compiled_attention_gets_is_causal_per_block_and_whole_body(small_data, 
     from anytrain.models.hf.adapter import CAUSAL_SDPA
     from anytrain.parallel.compile import apply_compile, resolve_compile_scope
 
-    cfg = load_config("configs/tiny.yaml", train_args(small_data, hf_models[shape]))
+    cfg = resolve_run_config(load_config("configs/tiny.yaml", train_args(small_data, hf_models[shape])))
     ids = torch.randint(0, 512, (2, 17), generator=torch.Generator().manual_seed(0))
     eager = build_model(cfg.model)
     assert eager.hf.config._attn_implementation == CAUSAL_SDPA
@@ -311,8 +314,10 @@ def test_models_with_windowed_attention_keep_transformers_masks(tmp_path, small_
     torch.manual_seed(0)
     transformers.AutoModelForCausalLM.from_config(conf).save_pretrained(tmp_path / "mistral")
     args = train_args(small_data, tmp_path / "mistral")
-    eager = build_model(load_config("configs/tiny.yaml", [*args, "--model.args.attn_implementation", "eager"]).model)
-    model = build_model(load_config("configs/tiny.yaml", args).model)
+    eager = build_model(
+        resolve_run_config(load_config("configs/tiny.yaml", [*args, "--model.args.attn_implementation", "eager"])).model
+    )
+    model = build_model(resolve_run_config(load_config("configs/tiny.yaml", args)).model)
     assert model.hf.config._attn_implementation == "sdpa"
     assert eager.hf.config._attn_implementation == "eager"  # each model has its own copy of the folder's config
     ref = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "mistral", attn_implementation="sdpa").eval()
@@ -341,7 +346,7 @@ def test_config_errors_name_the_field(tmp_path, small_data, hf_models, overrides
     args = [a.format(tmp=tmp_path, llama=hf_models["llama"], gemma2=hf_models["gemma2"]) for a in overrides]
     base = ["--model.arch", "hf", "--data.path", str(small_data), "--data.seq_len", "32"]
     with pytest.raises(ConfigError, match=message.replace(".", r"\.")):
-        load_config("configs/tiny.yaml", base + args)
+        resolve_run_config(load_config("configs/tiny.yaml", base + args))
 
 
 def test_mask_code_decides_whole_body_compile_and_cuda_graphs(small_data, hf_models):
@@ -353,7 +358,7 @@ def test_mask_code_decides_whole_body_compile_and_cuda_graphs(small_data, hf_mod
 
     for shape, mask_free in (("llama", True), ("gpt2", True), ("gemma2", False)):
         extra = ["--train.cuda_graphs", "true"] if mask_free else ["--model.args.attn_implementation", "eager"]
-        cfg = load_config("configs/tiny.yaml", [*train_args(small_data, hf_models[shape]), *extra])
+        cfg = resolve_run_config(load_config("configs/tiny.yaml", [*train_args(small_data, hf_models[shape]), *extra]))
         model = build_model(cfg.model)
         assert model.mask_free is mask_free
         whole = spec_of(model).parallelize_plan.whole_model_when_auto(model)
@@ -363,7 +368,11 @@ def test_mask_code_decides_whole_body_compile_and_cuda_graphs(small_data, hf_mod
 
 def test_hf_path_without_arch_hf_and_cli_error_line(tmp_path, capsys, small_data, hf_models):
     with pytest.raises(ConfigError, match=r"model\.hf_path: only read with model\.arch hf"):
-        load_config("configs/tiny.yaml", ["--model.hf_path", str(hf_models["llama"]), "--data.path", str(small_data)])
+        resolve_run_config(
+            load_config(
+                "configs/tiny.yaml", ["--model.hf_path", str(hf_models["llama"]), "--data.path", str(small_data)]
+            )
+        )
     code, _, err = cli_in_process(capsys, "train", "configs/tiny.yaml", "--model.arch", "hf", "--model.hf_path",
                                   str(tmp_path), "--data.path", str(small_data))  # fmt: skip
     assert code == 2 and err.strip().startswith("error: model.hf_path:") and len(err.strip().splitlines()) == 1
@@ -386,9 +395,9 @@ def test_sft_from_jsonl_end_to_end(tmp_path, capsys, small_data, hf_models):
     summary = run_in_process(data, hf_models["llama"], tmp_path / "run", "--train.eval_interval", "0", steps=8)
     assert summary["final_val_loss"] < summary["first_val_loss"]
 
+    from anytrain.checkpoint.run_model import load_run_model
     from anytrain.data.sft import masked_sources
     from anytrain.data.shards import TokenDataset
-    from anytrain.evals import load_run_model
 
     _, model, _ = load_run_model(tmp_path / "run", torch.device("cpu"))
     _, val = masked_sources(TokenDataset(data), 32, 4, 1234)

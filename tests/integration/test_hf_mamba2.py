@@ -10,11 +10,12 @@ from pathlib import Path
 import pytest
 import torch
 
+from anytrain.checkpoint.export import export_hf
+from anytrain.checkpoint.hf_import import init_from_hf
+from anytrain.checkpoint.run_model import load_run_model
 from anytrain.config import load_config
+from anytrain.data.resolve import resolve_run_config
 from anytrain.errors import ConfigError
-from anytrain.evals import load_run_model
-from anytrain.evals.hf import init_from_hf
-from anytrain.evals.hf_export import export_hf
 from anytrain.models import build_model
 from tests.conftest import run_cli
 
@@ -144,7 +145,9 @@ def test_init_from_mamba2_gives_equal_logits_and_exports_back(tmp_path, small_da
     from anytrain.train.trainer import run_training
 
     hf = random_mamba2(tmp_path / "hf", tie)
-    cfg = load_config(RECIPE, recipe_args(small_data, 1, "--model.init_from", str(tmp_path / "hf"), shape=False))
+    cfg = resolve_run_config(
+        load_config(RECIPE, recipe_args(small_data, 1, "--model.init_from", str(tmp_path / "hf"), shape=False))
+    )
     assert (cfg.model.args["ngroups"], cfg.model.args["chunk_size"], cfg.model.args["tie_embeddings"]) == (2, 8, tie)
     model = build_model(cfg.model)
     init_from_hf(model, cfg.model, log=lambda line: None)
@@ -173,12 +176,12 @@ def test_import_refuses_what_anytrain_does_not_compute(tmp_path, small_data):
     ):
         (tmp_path / "hf" / "config.json").write_text(json.dumps({**config, **change}))
         with pytest.raises(ConfigError, match=rf"^model\.init_from: .*config\.json has {message}"):
-            load_config(RECIPE, base)
+            resolve_run_config(load_config(RECIPE, base))
     (tmp_path / "hf" / "config.json").write_text(json.dumps(config))
     with pytest.raises(ConfigError, match=r"^model\.arch: 'mamba', but model\.init_from .* holds a 'mamba2' model"):
-        load_config("configs/tiny-mamba.yaml", base)
+        resolve_run_config(load_config("configs/tiny-mamba.yaml", base))
     with pytest.raises(ConfigError, match=r"^model\.args\.headdim: 16 differs from 8"):
-        load_config(RECIPE, [*base, "--model.args.headdim", "16"])
+        resolve_run_config(load_config(RECIPE, [*base, "--model.args.headdim", "16"]))
 
 
 def test_document_mask_trains_and_tensor_parallelism_is_refused(tmp_path, small_data):

@@ -10,12 +10,14 @@ from pathlib import Path
 import pytest
 import torch
 
+from anytrain.checkpoint.export import export_hf
+from anytrain.checkpoint.hf_import import init_from_hf
+from anytrain.checkpoint.run_model import load_run_model
 from anytrain.config import load_config
+from anytrain.data.resolve import resolve_run_config
 from anytrain.errors import ConfigError
-from anytrain.evals import load_run_model
-from anytrain.evals.hf import hf_family, init_from_hf
-from anytrain.evals.hf_export import export_hf
 from anytrain.models import build_model
+from anytrain.models.conversion import hf_family
 from anytrain.models.llama.model import TransformerArgs
 from tests.conftest import cli_in_process as cli
 
@@ -72,7 +74,7 @@ def random_mpt(directory: Path, tie: bool):
 @pytest.mark.parametrize("tie", [True, False])
 def test_init_from_mpt_gives_equal_logits(tmp_path, small_data, tie):
     hf = random_mpt(tmp_path / "hf", tie)
-    cfg = load_config(RECIPE, train_args(small_data, "--model.init_from", str(tmp_path / "hf")))
+    cfg = resolve_run_config(load_config(RECIPE, train_args(small_data, "--model.init_from", str(tmp_path / "hf"))))
     assert cfg.model.args["pos_encoding"] == "alibi" and cfg.model.args["tie_embeddings"] is tie
     model = build_model(cfg.model)
     init_from_hf(model, cfg.model, log=lambda line: None)
@@ -87,7 +89,7 @@ def test_import_refuses_what_anytrain_does_not_compute(tmp_path, small_data):
     config["attn_config"]["clip_qkv"] = 6.0
     (tmp_path / "hf" / "config.json").write_text(json.dumps(config))
     with pytest.raises(ConfigError, match=r"attn_config has clip_qkv=6\.0; anytrain's model needs None"):
-        load_config(RECIPE, train_args(small_data, "--model.init_from", str(tmp_path / "hf")))
+        resolve_run_config(load_config(RECIPE, train_args(small_data, "--model.init_from", str(tmp_path / "hf"))))
 
 
 @pytest.mark.parametrize("options", [{"bias": True}, {"pos_encoding": "learned"}, {"qk_norm": True},

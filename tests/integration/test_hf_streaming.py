@@ -66,10 +66,10 @@ def read_export(directory: Path) -> dict[str, torch.Tensor]:
 def test_export_of_an_fsdp_checkpoint_equals_the_whole_model_export(fsdp_run, tmp_path):
     import torch.distributed.checkpoint as dcp
 
-    from anytrain.evals import load_run_model
-    from anytrain.evals.hf import INDEX_FILE, hf_family, to_hf_tensors
-    from anytrain.evals.hf_export import export_hf
+    from anytrain.checkpoint.export import export_hf
+    from anytrain.checkpoint.run_model import load_run_model
     from anytrain.models import resolve_args
+    from anytrain.models.conversion import INDEX_FILE, hf_family, to_hf_tensors
 
     checkpoint = sorted((fsdp_run / "checkpoints").iterdir())[-1]
     assert len(list(checkpoint.glob("*.distcp"))) == 2
@@ -92,7 +92,7 @@ def test_export_of_an_fsdp_checkpoint_equals_the_whole_model_export(fsdp_run, tm
 def _export_peak(source: str, warm_source: str, out: str, shard: int, queue) -> None:
     """In a fresh process: export ``warm_source`` (a tiny run: the code's first use), then ``source``; the peak RSS
     (ru_maxrss, KiB) before and after the second export."""
-    from anytrain.evals.hf_export import export_hf
+    from anytrain.checkpoint.export import export_hf
 
     export_hf(warm_source, out + "-warm", max_shard_bytes=shard)
     before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
@@ -170,15 +170,27 @@ def test_init_from_first_loss_matches_single_process(init_run, name):
 
 
 def test_a_stage_reads_only_its_tensors_and_checks_them_all(hf_llama, small_data, tmp_path):
+    from anytrain.checkpoint.hf_import import init_from_hf
     from anytrain.config import load_config
+    from anytrain.data.resolve import resolve_run_config
     from anytrain.errors import ConfigError
-    from anytrain.evals.hf import init_from_hf
     from anytrain.models import build_model
     from anytrain.parallel.pipeline import prune_to_stage
 
-    cfg = load_config(
-        None,
-        ["--model.flavour", "debug", "--model.init_from", str(hf_llama), "--parallel.pp", "2", "--data.seq_len", "32"],
+    cfg = resolve_run_config(
+        load_config(
+            None,
+            [
+                "--model.flavour",
+                "debug",
+                "--model.init_from",
+                str(hf_llama),
+                "--parallel.pp",
+                "2",
+                "--data.seq_len",
+                "32",
+            ],
+        )
     )
     whole = build_model(cfg.model)
     init_from_hf(whole, cfg.model, log=lambda line: None)

@@ -75,7 +75,7 @@ def scored(tmp_path_factory, small_data) -> dict:
     from lm_eval.models.huggingface import HFLM
     from transformers import AutoModelForCausalLM
 
-    from anytrain.evals.hf_export import export_hf
+    from anytrain.checkpoint.export import export_hf
     from anytrain.evals.lm_eval_bridge import model_class, write_local_task
     from anytrain.evals.tasks import scorer_for_run
     from anytrain.train.trainer import run_training

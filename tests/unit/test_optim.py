@@ -63,7 +63,7 @@ def test_split_by_mesh_keeps_plain_tensors_together_and_the_group_options():
 
 def test_a_saved_schedule_fits_an_optimizer_with_another_group_count():
     """A tensor-parallel run's checkpoint (a group per mesh) resumes without TP, and the other way round."""
-    from anytrain.train.checkpoint import _fit_groups
+    from anytrain.checkpoint.dcp import _fit_groups
 
     saved = {"base_lrs": [3e-4] * 3, "_last_lr": [1.5e-4] * 3, "last_epoch": 7, "lr_lambdas": [None] * 3}
     fitted = _fit_groups(saved, 2)

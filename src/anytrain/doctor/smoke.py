@@ -212,7 +212,7 @@ class Child:
 
 def _kill_restart(device: torch.device, world: int, work: Path, timeout: float) -> dict:
     """Checkpoint at KILL_STEP, SIGKILL once it is committed, resume to the end: {"losses"} or {"error"}."""
-    from anytrain.train.checkpoint import COMMIT_MARKER, PREFIX
+    from anytrain.checkpoint.dcp import COMMIT_MARKER, PREFIX
 
     run_dir = work / "killed"
     interval = ["--checkpoint-interval", str(KILL_STEP)]

@@ -1,60 +1,21 @@
-"""Evaluation of trained runs: validation loss / perplexity from a checkpoint, and text samples."""
+"""Evaluation of trained runs: validation loss / perplexity from a checkpoint (read by
+``anytrain.checkpoint.run_model``), and text samples."""
 
 from __future__ import annotations
 
-import json
 import math
-import sys
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
 from anytrain import hardware
-from anytrain.config import load_config
+from anytrain.checkpoint.run_model import load_run_model
 from anytrain.data.loader import BatchSource, SampleIndex
 from anytrain.data.prepare import load_tokenizer
 from anytrain.data.shards import INDEX, TokenDataset, read_index
-from anytrain.diskio import disk_full_as_error, missing_parents, remove, temp_sibling
-from anytrain.errors import ConfigError, DataError, RunDirError
-from anytrain.models import build_model, resolve_args
-from anytrain.train.checkpoint import COMMIT_MARKER, Checkpointer, CheckpointUnusable, is_committed
-
-
-def load_run_model(run_dir: str | Path, device: torch.device, checkpoint: str | Path | None = None):
-    """(config, model with the newest committed checkpoint's weights, checkpoint path) of a run directory."""
-    run_dir = Path(run_dir)
-    config_file = run_dir / "config.yaml"
-    if not config_file.is_file():
-        raise RunDirError(f"{run_dir}: no config.yaml; is this a directory written by `anytrain train`?")
-    cfg = load_config(config_file)
-    model = build_model(cfg.model).to(device)
-    state = {"model": get_model_state_dict(model)}
-    path = _load_checkpoint(run_dir, state, checkpoint)
-    model.load_state_dict(state["model"])
-    model.eval()
-    return cfg, model, path
-
-
-def _load_checkpoint(run_dir: Path, state: dict, checkpoint: str | Path | None) -> Path:
-    """Load ``checkpoint``, or the newest committed checkpoint that loads (a damaged newest one is named in a warning
-    and the previous one used, as on resume); one-line RunDirError when none can be."""
-    checkpointer = Checkpointer(run_dir / "checkpoints", 1, True, log=lambda m: print(m, file=sys.stderr))
-    if not checkpoint:
-        path = checkpointer.load_newest(state)
-        if path is None:
-            raise RunDirError(f"{run_dir}/checkpoints: no committed checkpoint to evaluate")
-        return path
-    path = Path(checkpoint)
-    if not is_committed(path):
-        raise RunDirError(f"{path}: not a committed checkpoint (no {COMMIT_MARKER} in it); pass a step_N directory "
-                          "of the run's checkpoints/")  # fmt: skip
-    try:
-        checkpointer.load(path, state)
-    except CheckpointUnusable as exc:
-        raise RunDirError(f"{path}: cannot be loaded ({exc})") from None
-    return path
+from anytrain.errors import ConfigError, DataError
+from anytrain.models import resolve_args
 
 
 @torch.no_grad()
@@ -147,62 +108,3 @@ def evaluate_run(run_dir: str | Path, prompt: str = "ROMEO.\n", max_new_tokens: 
         "val_tokens": tokens,
         "sample": tokenizer.decode(out[0].tolist()),
     }
-
-
-def _export_paths(out: str | Path, overwrite: bool) -> tuple[Path, Path]:
-    """(weights file, JSON sidecar) for ``--out``; refuses another suffix and, without ``overwrite``, existing files."""
-    out = Path(out)
-    if out.suffix != ".safetensors":
-        raise RunDirError(f"--out: {out} must end in .safetensors (the model config goes next to it as "
-                          f"{out.with_suffix('.json').name})")  # fmt: skip
-    sidecar = out.with_suffix(".json")
-    for path in (out, sidecar):
-        if path.is_dir():
-            raise RunDirError(f"{path}: is a directory; pick another --out")
-        if path.exists() and not overwrite:
-            raise RunDirError(f"{path}: exists; pass --overwrite to replace it")
-    return out, sidecar
-
-
-def _checkpoint_path(run_dir: str | Path, checkpoint: str | Path | None) -> Path | None:
-    if checkpoint is None:
-        return None
-    for path in (Path(checkpoint), Path(run_dir) / checkpoint, Path(run_dir) / "checkpoints" / checkpoint):
-        if path.is_dir():
-            return path
-    raise RunDirError(f"--checkpoint: {checkpoint} is not a checkpoint directory; pass one of "
-                      f"{Path(run_dir) / 'checkpoints'}/step_* (or leave it out for the newest)")  # fmt: skip
-
-
-def export_run(run_dir: str | Path, out: str | Path, checkpoint: str | Path | None = None, dtype: str = "fp32",
-               overwrite: bool = False) -> Path:  # fmt: skip
-    """Write the weights of a run's checkpoint as one safetensors file (shared tensors stored once) and the model
-    config next to it as ``<name>.json``. Both are written to hidden temporary files and renamed into place, so a
-    failure leaves any previous export as it was."""
-    from safetensors.torch import save_model
-
-    from anytrain.models import args_dict
-
-    if dtype not in ("fp32", "bf16"):
-        raise RunDirError(f"--dtype: expected fp32 or bf16, got {dtype!r}")
-    out, sidecar = _export_paths(out, overwrite)
-    cfg, model, path = load_run_model(run_dir, torch.device("cpu"), _checkpoint_path(run_dir, checkpoint))
-    if dtype == "bf16":
-        model = model.to(torch.bfloat16)
-    meta = {"arch": cfg.model.arch, "checkpoint": str(path), "format": "anytrain"}
-    info = {**meta, "args": args_dict(resolve_args(cfg.model)), "dtype": dtype}
-    created = missing_parents(out)
-    temps = [temp_sibling(out), temp_sibling(sidecar)]
-    try:
-        out.parent.mkdir(parents=True, exist_ok=True)
-        with disk_full_as_error(out):
-            save_model(model, str(temps[0]), metadata=meta)
-        with disk_full_as_error(sidecar):
-            temps[1].write_text(json.dumps(info, indent=1))
-        temps[0].replace(out)
-        temps[1].replace(sidecar)
-    except BaseException:
-        for temp in temps + ([created] if created is not None else []):
-            remove(temp)
-        raise
-    return out

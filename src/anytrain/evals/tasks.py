@@ -401,8 +401,9 @@ def scorer_for_run(run_dir: str | Path, checkpoint: str | Path | None = None, ba
                    data: str | Path | None = None):  # fmt: skip
     """(scorer on the best device, run config, checkpoint path, tokenizer file) for a run's newest checkpoint."""
     from anytrain import hardware
+    from anytrain.checkpoint.run_model import load_run_model
     from anytrain.data.prepare import _eos_id, load_tokenizer
-    from anytrain.evals import load_run_model, open_eval_data
+    from anytrain.evals import open_eval_data
     from anytrain.models import resolve_args
 
     device = hardware.resolve_device("auto")

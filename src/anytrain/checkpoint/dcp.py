@@ -34,9 +34,11 @@ from torch.distributed.checkpoint.stateful import Stateful
 
 from anytrain.checkpoint import safe_load
 from anytrain.diskio import DiskFullError, disk_full_as_error, write_text_atomic
-from anytrain.errors import RunDirError
+from anytrain.errors import RunDirError, one_line
 from anytrain.parallel.collectives import barrier, broadcast_object
-from anytrain.train.optim import IMPLEMENTATION_KEYS
+
+IMPLEMENTATION_KEYS = ("fused", "foreach", "capturable", "differentiable", "maximize")
+"""Param-group entries that choose the kernel on this machine: kept, not taken from a checkpoint."""
 
 COMMIT_MARKER = "COMMITTED"
 PREFIX = "step_"
@@ -59,8 +61,14 @@ class TrainState(Stateful):
     # plain Python values, set by the trainer before a save and read by it after a load
     METRICS = {"window_loss": [], "window_steps": 0, "loss_ranks": 1, "spike": []}
 
-    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, scheduler, progress: dict,
-                 extras: dict[str, Stateful] | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        scheduler,
+        progress: dict,
+        extras: dict[str, Stateful] | None = None,
+    ) -> None:
         self.model, self.optimizer, self.scheduler, self.progress = model, optimizer, scheduler, progress
         self.extras = extras or {}
         self.saved_keys: set[str] | None = None  # the flattened keys of the checkpoint being loaded
@@ -183,15 +191,6 @@ def verify(path: Path) -> str | None:
     return None
 
 
-def _one_line(exc: BaseException) -> str:
-    """A DCP failure as one line: the first failing rank's exception, not the gathered tracebacks."""
-    failures = getattr(exc, "failures", None)
-    if failures:
-        exc = next(iter(failures.values()))[0]
-    text = f"{type(exc).__name__}: {str(exc).strip() or 'a file ends early or cannot be read'}".splitlines()[0]
-    return text if len(text) <= 300 else text[:297] + "..."
-
-
 class Checkpointer:
     def __init__(self, directory: Path, keep_last: int, is_main: bool, log=print, checksums: bool = True) -> None:
         self.dir, self.keep_last, self.is_main, self.log = directory, keep_last, is_main, log
@@ -292,8 +291,12 @@ class Checkpointer:
 
     def _commit(self, path: Path, step: int, started: float) -> None:
         if self.is_main:
-            marker = {"step": step, "time": time.time(), "seconds": round(time.perf_counter() - started, 3),
-                      "files": file_manifest(path, self.checksums)}  # fmt: skip
+            marker = {
+                "step": step,
+                "time": time.time(),
+                "seconds": round(time.perf_counter() - started, 3),
+                "files": file_manifest(path, self.checksums),
+            }
             write_text_atomic(path / COMMIT_MARKER, json.dumps(marker))
             self._prune()
 
@@ -315,7 +318,7 @@ class Checkpointer:
         except safe_load.UnsafeCheckpointError:
             raise  # a planted object is refused, not taken for damage: no fallback to an older checkpoint
         except (Exception, CheckpointException) as exc:
-            raise CheckpointUnusable(_one_line(exc)) from exc
+            raise CheckpointUnusable(one_line(exc)) from exc
         finally:
             if isinstance(target, TrainState):
                 target.expect_metrics = True
@@ -341,8 +344,11 @@ class Checkpointer:
             return path
         if failed:
             reasons = {reason for _, reason in failed}
-            listed = "; ".join(f"{p.name}: {reason}" for p, reason in failed) if len(reasons) > 1 else (
-                f"{', '.join(p.name for p, _ in failed)}: {reasons.pop()}")  # fmt: skip
+            listed = (
+                "; ".join(f"{p.name}: {reason}" for p, reason in failed)
+                if len(reasons) > 1
+                else (f"{', '.join(p.name for p, _ in failed)}: {reasons.pop()}")
+            )
             raise RunDirError(f"{self.dir}: no committed checkpoint can be loaded ({listed})")
         return None
 

@@ -23,9 +23,8 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
 from anytrain.checkpoint import safe_load
-from anytrain.errors import RunDirError
-from anytrain.train.checkpoint import COMMIT_MARKER, Checkpointer, is_committed, verify
-from anytrain.train.checkpoint import _one_line as one_line
+from anytrain.checkpoint.dcp import COMMIT_MARKER, Checkpointer, is_committed, verify
+from anytrain.errors import RunDirError, one_line
 
 MODEL_KEY = "train.model."
 """Prefix of the model's entries in a training checkpoint (``Checkpointer.save`` of ``{"train": TrainState}``)."""
@@ -65,8 +64,9 @@ class CheckpointTensors(Mapping):
     """{name: tensor} of the model tensors ``expected`` in checkpoint ``path``; each lookup reads that tensor from the
     files (in the model's dtype, then cast to ``dtype`` when one is given) and keeps nothing."""
 
-    def __init__(self, path: str | Path, expected: dict[str, tuple[torch.Size, torch.dtype]],
-                 dtype: torch.dtype | None = None) -> None:  # fmt: skip
+    def __init__(
+        self, path: str | Path, expected: dict[str, tuple[torch.Size, torch.dtype]], dtype: torch.dtype | None = None
+    ) -> None:
         self.path, self.expected, self.dtype = Path(path), expected, dtype
         self._reader = _Reader(self.path)
 
@@ -90,15 +90,18 @@ class CheckpointTensors(Mapping):
         return tensor if self.dtype is None else tensor.to(self.dtype)
 
 
-def usable_checkpoint(run_dir: Path, checkpoint: Path | None, expected: dict[str, tuple[torch.Size, torch.dtype]],
-                      log: Any = None) -> Path:  # fmt: skip
+def usable_checkpoint(
+    run_dir: Path, checkpoint: Path | None, expected: dict[str, tuple[torch.Size, torch.dtype]], log: Any = None
+) -> Path:
     """``checkpoint`` when it is committed, intact and fits ``expected``; without one, the newest committed checkpoint
     of ``run_dir`` that is (each newer one skipped gets a warning line on stderr). One-line RunDirError otherwise."""
     log = log or (lambda line: print(line, file=sys.stderr))
     if checkpoint is not None:
         if not is_committed(checkpoint):
-            raise RunDirError(f"{checkpoint}: not a committed checkpoint (no {COMMIT_MARKER} in it); pass a step_N "
-                              "directory of the run's checkpoints/")  # fmt: skip
+            raise RunDirError(
+                f"{checkpoint}: not a committed checkpoint (no {COMMIT_MARKER} in it); pass a step_N "
+                "directory of the run's checkpoints/"
+            )
         reason = _unusable(checkpoint, expected)
         if reason:
             raise RunDirError(f"{checkpoint}: cannot be loaded ({reason})")
