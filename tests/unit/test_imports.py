@@ -95,3 +95,34 @@ def test_find_cycle_finds_one():
 def test_no_import_cycles():
     cycle = find_cycle(import_graph())
     assert cycle is None, "import cycle: " + " -> ".join(cycle)
+
+
+def test_no_library_module_imports_the_cli():
+    """``anytrain.cli`` is the top of the package graph: nothing but itself and ``python -m anytrain`` imports it, at
+    any level (function bodies and ``TYPE_CHECKING`` blocks included)."""
+    offenders = []
+    for path in (SRC / "anytrain").rglob("*.py"):
+        name = _module_name(path)
+        if name == "anytrain.__main__" or name == "anytrain.cli" or name.startswith("anytrain.cli."):
+            continue
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Import):
+                targets = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom) and not node.level:
+                base = node.module or ""
+                targets = [base] + [f"{base}.{alias.name}" for alias in node.names]
+            else:
+                continue
+            if any(t == "anytrain.cli" or t.startswith("anytrain.cli.") for t in targets):
+                offenders.append(f"{name}:{node.lineno}")
+    assert not offenders, "library modules importing anytrain.cli: " + ", ".join(offenders)
+
+
+def test_every_verb_group_registers_the_same_way():
+    """One registration mechanism: each module of ``anytrain.cli`` (but the package itself) is a verb group listed in
+    ``VERB_GROUPS``, with a ``register(app)``."""
+    import anytrain.cli as cli
+
+    modules = {p.stem for p in (SRC / "anytrain" / "cli").glob("*.py") if p.stem != "__init__"}
+    assert {group.__name__.rpartition(".")[2] for group in cli.VERB_GROUPS} == modules
+    assert all(callable(getattr(group, "register", None)) for group in cli.VERB_GROUPS)

@@ -7,8 +7,8 @@ import pytest
 import typer
 from typer.testing import CliRunner
 
+from anytrain.cli.plan import plan_command
 from anytrain.config import load_config
-from anytrain.cost.cli import plan_command
 from anytrain.cost.devices import get_device
 from anytrain.cost.model import MEGATRON, STRATEGIES, Layout, ModelShape, Workload, estimate
 from anytrain.cost.planner import (

@@ -471,3 +471,36 @@ def resolve_model(
         cfg = RunConfig(model=ModelConfig(flavour=model))
         return shape_from_config(cfg), None
     return shape_from_params(parse_count(model), layers, hidden, heads, kv_heads, ffn, vocab), None
+
+
+def plan_workload(
+    cfg: Any | None,
+    gpus: int | None,
+    seq: int | None,
+    global_batch: int | None,
+    tokens: float | None,
+    compiled: bool,
+    grad_compression: str | None,
+) -> Workload:
+    """``anytrain plan``'s workload: its options over the config's values (a bare model: seq 2048, a global batch of
+    max(--gpus, 8) sequences, or about 4 Mi tokens per step when sizing the job)."""
+    from anytrain.config import parse_grad_compression
+
+    seq_len = seq or (cfg.data.seq_len if cfg else 2048)
+    batch = global_batch or (cfg.train.global_batch if cfg else max(gpus, 8) if gpus else max(1, 2**22 // seq_len))
+    graphs = bool(cfg and cfg.train.cuda_graphs)  # train.cuda_graphs: one device or TP alone replays graphs
+    compression = grad_compression or (cfg.parallel.grad_compression if cfg else "none")
+    try:
+        parse_grad_compression(compression)
+    except ConfigError as exc:
+        raise ConfigError(str(exc).replace("parallel.grad_compression", "--grad-compression")) from None
+    bucket = {"ddp_bucket_mib": cfg.parallel.ddp_bucket_mb} if cfg else {}
+    return Workload(
+        seq_len,
+        batch,
+        tokens=tokens or 0.0,
+        compiled=compiled,
+        cuda_graphs=graphs,
+        grad_compression=compression,
+        **bucket,
+    )

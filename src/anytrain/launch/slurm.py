@@ -21,13 +21,16 @@ would turn off SLURM's ``%j``) is a :class:`ConfigError` naming the flag.
 
 from __future__ import annotations
 
+import os
 import re
 import shlex
+import subprocess
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from anytrain.errors import ConfigError
+from anytrain.errors import AnytrainError, ConfigError
+from anytrain.launch.recipe import load_recipe, shown
 from anytrain.launch.vendor import SHELL_EXPANDED, VENDORS, check_ifname, collective_env
 
 MARKER = "# Written by `anytrain launch slurm`"
@@ -237,3 +240,75 @@ def is_own_script(path: Path) -> bool:
     except OSError:
         return False
     return len(head) > 1 and head[0].startswith(b"#!") and head[1].startswith(MARKER.encode())
+
+
+def check_script_path(path: Path, config: str, overwrite: bool) -> None:
+    """Refuse to write over the config, a folder, or (without ``--overwrite``) a file launch slurm did not write."""
+    if not (path.exists() or path.is_symlink()):
+        return
+    name = shown(path)
+    if path.is_dir():
+        raise ConfigError(f"--script: {name} is a folder; give the script's file name")
+    if path.exists() and os.path.samefile(path, config):
+        raise ConfigError(f"--script: {name} is the config file; write the script elsewhere (e.g. <run-dir>.sbatch)")
+    if not overwrite and not is_own_script(path):
+        what = f"{name} exists and was not written by anytrain launch slurm"
+        raise ConfigError(f"--script: {what}; choose another --script or pass --overwrite to replace it")
+
+
+def write_script(job: SlurmJob, path: Path, overwrite: bool = False) -> Path:
+    """Render ``job``'s sbatch script and write it (executable) to ``path``, after :func:`check_script_path`; create
+    the job's log folder. Returns the log folder."""
+    text = render_sbatch(job)
+    check_script_path(path, job.config, overwrite)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+    path.chmod(0o755)
+    log_dir(job).mkdir(parents=True, exist_ok=True)
+    return log_dir(job)
+
+
+def submit(path: Path) -> str:
+    """Run ``sbatch`` on the script; returns what it printed (``Submitted batch job <id>``)."""
+    proc = subprocess.run(["sbatch", str(path)], capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise AnytrainError(f"sbatch failed ({proc.returncode}): {proc.stderr.strip() or proc.stdout.strip()}")
+    return proc.stdout.strip()
+
+
+def auto_nodes(
+    config: str,
+    overrides: list[str],
+    gpu: str,
+    gpus_per_node: int,
+    deadline: str,
+    time_limit: str,
+    max_nodes: int,
+) -> tuple[int, int, list[str], str]:
+    """``--nodes auto``: the cost model's fewest devices that train the recipe's ``train.steps`` by the deadline (else
+    the time limit). Returns (nodes, GPUs per node, the layout's overrides followed by ``overrides``, the reason)."""
+    from anytrain.cost.devices import get_device
+    from anytrain.cost.model import Workload
+    from anytrain.cost.planner import RUNNABLE_STRATEGIES, size_job, trainer_overrides
+    from anytrain.cost.shapes import shape_from_config
+    from anytrain.cost.tables import parse_duration
+
+    if gpus_per_node < 1 or not gpu:
+        raise ConfigError("--nodes auto: needs --gpus-per-node N and --gpu KIND (e.g. --gpu h100) for the cost model")
+    if not (deadline or time_limit):
+        raise ConfigError("--nodes auto: needs --time (or --deadline): the job is sized to finish by then")
+    cfg = load_recipe(config, overrides)
+    tokens = cfg.train.steps * cfg.train.global_batch * cfg.data.seq_len
+    wl = Workload.from_config(cfg, tokens=tokens)
+    device = get_device(gpu, gpus_per_node=gpus_per_node)
+    seconds = parse_duration(deadline, "--deadline") if deadline else parse_duration(time_limit, "--time")
+    try:
+        sized = size_job(
+            shape_from_config(cfg), device, wl, seconds, max_nodes * gpus_per_node, strategies=RUNNABLE_STRATEGIES
+        )
+    except ConfigError as exc:
+        text = str(exc).replace(f"--max-gpus {max_nodes * gpus_per_node}", f"--max-nodes {max_nodes}")
+        text = text.replace("--max-gpus", "--max-nodes")
+        raise ConfigError(text if deadline else text.replace("--deadline", "--time")) from None
+    layout = trainer_overrides(sized.best)[:-2]  # the recipe's train.steps stay
+    return sized.nodes, min(sized.gpus, gpus_per_node), layout + overrides, sized.reason

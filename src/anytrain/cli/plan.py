@@ -1,9 +1,9 @@
-"""``anytrain plan``: the planner on the command line (register ``plan_command`` with the main typer app).
+"""``anytrain plan``: rank parallel layouts by the cost model before a run, or size the job for a deadline or budget.
 
 ``--model`` takes a config YAML (the model is built on the meta device to read its shape), a flavour name
 (``1.1b``, ``llama-7b``), or a parameter count (``7e9``, ``175B``, ``1T``) with optional ``--layers/--hidden``.
-The verb only reads its options: the shapes come from ``cost.shapes``, the search from ``cost.planner`` and the text
-from ``cost.tables``.
+The verb only reads its options: the shapes and the workload come from ``cost.shapes``, the search from
+``cost.planner`` and the text from ``cost.tables``.
 """
 
 from __future__ import annotations
@@ -12,11 +12,10 @@ import json
 
 import typer
 
-from anytrain.config import RunConfig, parse_grad_compression
 from anytrain.cost.devices import get_device, load_efficiency_table
-from anytrain.cost.model import PRECISIONS, STRATEGIES, Workload
+from anytrain.cost.model import PRECISIONS, STRATEGIES
 from anytrain.cost.planner import OBJECTIVES, RUNNABLE_STRATEGIES, plan, size_job
-from anytrain.cost.shapes import resolve_model
+from anytrain.cost.shapes import plan_workload, resolve_model
 from anytrain.cost.tables import format_plan_header, format_sizing, format_table, parse_duration
 from anytrain.errors import ConfigError
 
@@ -61,14 +60,14 @@ def plan_command(
     budget: float = typer.Option(None, "--budget-gpu-hours", help="Job sizing: most device-hours to spend."),
     objective: str = typer.Option("fewest", "--objective", help=f"Job sizing: {' or '.join(OBJECTIVES)} devices."),
 ) -> None:
-    """Predict memory, step time, communication and energy of parallel layouts; recommend one."""
+    """Rank parallel layouts by predicted memory, step time and energy before a run."""
     shape, cfg = resolve_model(model, layers, hidden, heads, kv_heads, ffn, vocab)
     table = load_efficiency_table(efficiency_table) if efficiency_table else None
     device = get_device(gpu, table, gpus_per_node=gpus_per_node, efficiency=efficiency)
     if watts:
         device = device.replace(power_fraction=watts / device.tdp_watts)
     _check_choices(precision, strategy)
-    wl = _workload(cfg, gpus, seq, global_batch, tokens, compiled, grad_compression)
+    wl = plan_workload(cfg, gpus, seq, global_batch, tokens, compiled, grad_compression)
     prec = PRECISIONS.get(precision) if precision else None
     strategies = tuple(strategy) if strategy else RUNNABLE_STRATEGIES
     if gpus is None:
@@ -111,32 +110,5 @@ def _check_choices(precision: str | None, strategy: list[str] | None) -> None:
         raise ConfigError(f"--strategy: unknown {bad[0]!r}; choose from {', '.join(STRATEGIES)}")
 
 
-def _workload(
-    cfg: RunConfig | None,
-    gpus: int | None,
-    seq: int | None,
-    global_batch: int | None,
-    tokens: float | None,
-    compiled: bool,
-    grad_compression: str | None,
-) -> Workload:
-    """The options over the config's values (a bare model: seq 2048, a global batch of max(--gpus, 8) sequences)."""
-    seq_len = seq or (cfg.data.seq_len if cfg else 2048)
-    # sizing without a config: about 4 Mi tokens per step, whatever the device count
-    batch = global_batch or (cfg.train.global_batch if cfg else max(gpus, 8) if gpus else max(1, 2**22 // seq_len))
-    graphs = bool(cfg and cfg.train.cuda_graphs)  # train.cuda_graphs: one device or TP alone replays graphs
-    compression = grad_compression or (cfg.parallel.grad_compression if cfg else "none")
-    try:
-        parse_grad_compression(compression)
-    except ConfigError as exc:
-        raise ConfigError(str(exc).replace("parallel.grad_compression", "--grad-compression")) from None
-    bucket = {"ddp_bucket_mib": cfg.parallel.ddp_bucket_mb} if cfg else {}
-    return Workload(
-        seq_len,
-        batch,
-        tokens=tokens or 0.0,
-        compiled=compiled,
-        cuda_graphs=graphs,
-        grad_compression=compression,
-        **bucket,
-    )
+def register(app: typer.Typer) -> None:
+    app.command("plan")(plan_command)
