@@ -3,7 +3,8 @@
 - ``data``: ``prepare`` (raw text -> token shards), ``prepare-sft`` (fine-tuning examples -> token + loss-mask shards)
 - ``train``: ``train`` (run a recipe), ``status`` (how a run's last invocation ended)
 - ``evaluate``: ``eval`` (validation loss, sample, downstream tasks), ``compare`` (loss curves of several runs)
-- ``export``: ``export`` (a Hugging Face model folder), ``export-checkpoint`` (one safetensors file)
+- ``export``: ``export`` (a Hugging Face model folder, or one safetensors file), ``export-checkpoint`` (the
+  deprecated alias of ``export --format safetensors``)
 - ``plan``: ``plan`` (rank parallel layouts with the cost model, or size the job)
 - ``launch``: ``launch slurm`` (an sbatch script), ``launch mpi`` (an mpirun line)
 - ``doctor``: ``doctor`` (validate a machine or cluster)

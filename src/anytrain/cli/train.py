@@ -27,12 +27,13 @@ def train(
 ) -> None:
     """Train. Extra arguments override config fields: --train.steps 20 --model.args.dim 128."""
     from anytrain.config import load_config
+    from anytrain.data.resolve import resolve_run_config
     from anytrain.parallel.mesh import shutdown
     from anytrain.train.trainer import run_training
 
     if resume and overwrite:
         raise AnytrainError("--resume and --overwrite: choose one")
-    cfg = load_config(config, ctx.args)
+    cfg = resolve_run_config(load_config(config, ctx.args))
     try:
         allow = tuple(f.strip() for f in resume_allow_changes.split(",") if f.strip())
         summary = run_training(cfg, run_dir=run_dir, resume=resume, overwrite=overwrite, resume_allow=allow)

@@ -22,7 +22,8 @@ def shown(path: str | Path) -> str:
 def load_recipe(config: str, overrides: list[str]):
     """Fail at submission, not in the queue: the recipe must load with the overrides; returns the RunConfig."""
     from anytrain.config import load_config
+    from anytrain.data.resolve import resolve_run_config
 
     if not Path(config).is_file():
         raise ConfigError(f"{shown(config)}: no such config file")
-    return load_config(config, overrides)
+    return resolve_run_config(load_config(config, overrides))
