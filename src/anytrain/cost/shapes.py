@@ -462,10 +462,11 @@ def resolve_model(
     """(shape, RunConfig or None) from ``--model``: a config YAML (the RunConfig comes back too), a flavour name, or a
     parameter count (``7e9``, ``175B``) shaped by ``shape_from_params`` with the optional layers / hidden / ..."""
     from anytrain.config import ModelConfig, RunConfig, load_config
+    from anytrain.data.resolve import resolve_run_config
     from anytrain.models import TRANSFORMER_FLAVOURS
 
     if model.endswith((".yaml", ".yml")) or Path(model).is_file():
-        cfg = load_config(model)
+        cfg = resolve_run_config(load_config(model))
         return shape_from_config(cfg), cfg
     if model in TRANSFORMER_FLAVOURS:
         cfg = RunConfig(model=ModelConfig(flavour=model))
