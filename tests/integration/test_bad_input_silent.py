@@ -200,17 +200,37 @@ def test_compare_out_must_be_a_new_png(tmp_path, capsys):
 # models that cannot fit
 
 
+CAPACITY_GIB = 16  # the host's RAM the refusals below are measured against, whatever this host has
+
+
 @pytest.mark.parametrize(
-    "args, message",
+    "args, what",
     [
         (["--model.args.dim", "100000"], "fp32 weights alone take"),
-        (["--model.args.vocab_size", "100000000"], "fp32 weights alone take"),
-        (["--model.args.n_layers", "100000"], "the cost model puts a training step's peak at"),
+        (["--model.args.vocab_size", "100000000"], "fp32 weights alone take 47.7 GiB"),
+        # ~1.85e9 parameters: 6.9 GiB of fp32 weights fit, weights + gradients + AdamW moments do not
+        (["--model.args.n_layers", "30000"], "the cost model puts a training step's peak at"),
     ],
 )
-def test_a_model_too_large_for_the_host_is_refused_before_it_is_built(base, tmp_path, args, message):
+def test_a_model_too_large_for_the_host_is_refused_before_it_is_built(base, tmp_path, capsys, monkeypatch, args, what):
+    from anytrain import hardware
+
+    monkeypatch.setattr(hardware, "memory_capacity", lambda device: CAPACITY_GIB * 2**30)
+    run = ["train", "configs/tiny.yaml", *TRAIN, "--data.path", str(base["data"]), "--train.steps", "1"]
     start = time.monotonic()
-    proc = run_cli("train", "configs/tiny.yaml", *TRAIN, "--data.path", str(base["data"]), "--train.steps", "1",
-                   *args, "--run-dir", str(tmp_path / "run"), timeout=120)  # fmt: skip
-    one_error(proc, "model.args: transformer/debug has", message, "more than the host's RAM of", "GiB")
+    code, _, err = cli_in_process(capsys, *run, "--device", "cpu", *args, "--run-dir", str(tmp_path / "run"))
+    assert code == 2 and "Traceback" not in err, err[-3000:]
+    last = err.strip().splitlines()[-1]
+    host = f"more than the host's RAM of {CAPACITY_GIB}.0 GiB"
+    for part in ("error: model.args: transformer/debug has", what, host):
+        assert part in last, last
     assert time.monotonic() - start < 60 and not (tmp_path / "run").exists()
+
+
+def test_a_model_beyond_any_host_is_refused_through_the_cli(base, tmp_path):
+    """Without a patched capacity: 1e12 embedding rows of 64 fp32 weights (over 400 TiB) fit no machine."""
+    run = ["train", "configs/tiny.yaml", *TRAIN, "--data.path", str(base["data"]), "--train.steps", "1"]
+    vocab = ["--model.args.vocab_size", "1000000000000"]
+    proc = run_cli(*run, "--device", "cpu", *vocab, "--run-dir", str(tmp_path / "run"), timeout=120)
+    one_error(proc, "model.args: transformer/debug has", "fp32 weights alone take", "more than the host's RAM of")
+    assert not (tmp_path / "run").exists()
