@@ -156,3 +156,23 @@ def _fast_triton_interpreter():
 
         triton_interpreter.install()
     yield
+
+
+@pytest.fixture
+def small_tmpfs(tmp_path):
+    """``mount(size)`` -> a new folder under ``tmp_path`` with a tmpfs of ``size`` ("640k") mounted on it: a real
+    filesystem that fills up. Unmounted after the test; the test is skipped where mounting is not allowed (not root)."""
+    mounts: list[Path] = []
+
+    def mount(size: str) -> Path:
+        path = tmp_path / f"full{len(mounts) or ''}"
+        path.mkdir()
+        proc = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)], capture_output=True)
+        if proc.returncode:
+            pytest.skip("cannot mount a tmpfs here (needs root)")
+        mounts.append(path)
+        return path
+
+    yield mount
+    for path in mounts:
+        subprocess.run(["umount", "-l", str(path)], check=True)

@@ -136,24 +136,15 @@ def test_an_exception_is_recorded_as_failed_with_its_message(tmp_path):
     assert proc.stdout.strip() == f"{run}: stopped on an error at step 2 (exit 1): {error}"
 
 
-def test_a_full_disk_is_recorded_as_failed(tmp_path, small_data):
-    mount = tmp_path / "full"
-    mount.mkdir()
-    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=640k", "tmpfs", str(mount)], capture_output=True).returncode:
-        pytest.skip("cannot mount a tmpfs here (needs root)")
-    try:
-        run = mount / "run"
-        proc = train(
-            write_config(tmp_path, small_data, steps=2, interval=2, log_sample_ids=False), run, 1, expect_ok=False
-        )
-        assert proc.returncode == 2, proc.stderr[-3000:]
-        status = json.loads((run / "status.json").read_text())
-        assert status["state"] == "failed" and status["exit_code"] == 2
-        assert status["message"].startswith(f"disk full while writing {run / 'checkpoints'}")
-        check = run_cli("status", str(run))
-        assert check.returncode == 3 and "(exit 2): disk full while writing" in check.stdout
-    finally:
-        subprocess.run(["umount", "-l", str(mount)], check=True)
+def test_a_full_disk_is_recorded_as_failed(tmp_path, small_data, small_tmpfs):
+    run = small_tmpfs("640k") / "run"
+    proc = train(write_config(tmp_path, small_data, steps=2, interval=2, log_sample_ids=False), run, 1, expect_ok=False)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    status = json.loads((run / "status.json").read_text())
+    assert status["state"] == "failed" and status["exit_code"] == 2
+    assert status["message"].startswith(f"disk full while writing {run / 'checkpoints'}")
+    check = run_cli("status", str(run))
+    assert check.returncode == 3 and "(exit 2): disk full while writing" in check.stdout
 
 
 def test_sigterm_during_the_step_0_evaluation_is_a_preemption(tmp_path, small_data):
