@@ -7,9 +7,9 @@ autotuning / compilation happen there), then its timed steps, each between two `
 the summed event time. Peak memory is the caching allocator's max allocated bytes over the timed steps (the previous
 row is garbage-collected and the counter reset first).
 
-The anytrain rows run the product's own code: ``Trainer._build_model`` (meta-device build, init, ``parallelize``,
-``build_optimizer``, autocast) and ``Trainer.train_step`` on a Trainer whose data source yields the random batches.
-If that Trainer cannot be assembled outside ``Trainer.__init__`` (its internals change), the row falls back to the
+The anytrain rows run the product's own code: the Trainer's build (train/build.py ``build_model``: meta-device
+build, init, ``parallelize``, ``build_optimizer``, autocast) and ``Trainer.train_step`` on a Trainer whose data source
+yields the random batches. If that Trainer cannot be assembled (its internals change), the row falls back to the
 same pieces called directly (``build_model`` + ``parallelize`` + ``build_optimizer`` + autocast + clip) and says so
 in its ``driver`` field.
 

@@ -38,7 +38,7 @@ def _train(config: Path, run_dir: Path, reshard_during_accumulation: bool, group
     flag = str(reshard_during_accumulation).lower()
     overrides = ["--parallel.reshard_during_accumulation", flag, "--parallel.fsdp_group_blocks", str(group_blocks)]
     trainer = Trainer(load_config(config, overrides), run_dir=str(run_dir))
-    assert trainer.strategy == "fsdp" and trainer.plan.grad_accum == GRAD_ACCUM
+    assert trainer.strategy == "fsdp" and trainer.layout.plan.grad_accum == GRAD_ACCUM
     gathers, micro_batches = [0], []
     all_gather_single, forward_backward = dist.all_gather_single, trainer.forward_backward
 
@@ -63,11 +63,11 @@ def _train(config: Path, run_dir: Path, reshard_during_accumulation: bool, group
             grad_norms.append(grad_norm.item())
     finally:
         dist.all_gather_single = all_gather_single
-    inputs, _, _ = trainer.val_source.rank_batch(0, trainer.dp_rank, trainer.dp_world)
+    inputs, _, _ = trainer.sources.val.rank_batch(0, trainer.layout.dp_rank, trainer.layout.dp_world)
     with torch.no_grad():
-        trainer.model(inputs[: trainer.plan.micro_batch])
+        trainer.model(inputs[: trainer.layout.plan.micro_batch])
     after_eval_forward = _sharded(trainer.model)
-    trainer.evaluate()  # reshards what the forward kept
+    trainer.evaluator.evaluate()  # reshards what the forward kept
     trainer.close()
     fsdp_modules = sum(1 for m in trainer.model.modules() if hasattr(m, "set_reshard_after_backward"))
     n_blocks = len(trainer.model.blocks())

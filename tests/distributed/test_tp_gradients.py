@@ -36,8 +36,8 @@ def _worker(config: Path, out: Path) -> None:
 
     trainer = Trainer(load_config(config, ["--model.args.n_layers", str(LAYERS)]), run_dir=str(out / "run"))
     trainer.train_step(0)
-    inputs, targets, _ = trainer.train_source.rank_batch(1, trainer.dp_rank, trainer.dp_world)
-    micro = trainer.plan.micro_batch
+    inputs, targets, _ = trainer.sources.train.rank_batch(1, trainer.layout.dp_rank, trainer.layout.dp_world)
+    micro = trainer.layout.plan.micro_batch
     trainer.forward_backward(inputs[:micro], targets[:micro], sync=True, step=1)
     params = [p for p in trainer.model.parameters() if p.grad is not None]
     partial = {id(p): p.grad for p in params
@@ -54,7 +54,7 @@ def _worker(config: Path, out: Path) -> None:
         "same_storage": all(reduced[k].to_local().data_ptr() == local_ids[k] for k in partial),
         "nothing_left": reduce_partial_gradients(params) == 0,
     }
-    trainer._zero_grad()
+    trainer.zero_grad()
     result["step_all_reduces"] = _all_reduces(trainer, 2)
     trainer.close()
     end_rank(out, result)

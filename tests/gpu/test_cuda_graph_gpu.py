@@ -37,7 +37,7 @@ def _run(trainer, steps: int = 6) -> tuple[list[float], list[torch.Tensor], floa
         loss, _, _ = trainer.train_step(step)
         losses.append(loss.item())
         if step == 2:
-            val = trainer.evaluate()  # an eager no-grad forward between replays must not disturb the graph
+            val = trainer.evaluator.evaluate()  # an eager no-grad forward between replays must not disturb the graph
     weights = [p.detach().float().cpu().clone() for p in trainer.model.parameters()]
     trainer.close()
     return losses, weights, val
@@ -50,9 +50,9 @@ def test_graph_replay_trains_like_eager_fp32(small_data, tmp_path, arch):
     deterministic = ("--kernels.deterministic", "true")  # the scan's dB/dC without atomics: bit-stable reductions
     eager = _run(_trainer(small_data, tmp_path / "eager", arch, False, "fp32", extra=deterministic))
     graphed_trainer = _trainer(small_data, tmp_path / "graphs", arch, True, "fp32", extra=deterministic)
-    assert graphed_trainer._graphed is not None
+    assert graphed_trainer.graphed is not None
     graphed = _run(graphed_trainer)
-    assert graphed_trainer._graphed.replays == 6 * 2  # 6 steps x 2 micro-batches, the first one captured, then replayed
+    assert graphed_trainer.graphed.replays == 6 * 2  # 6 steps x 2 micro-batches, the first one captured, then replayed
     torch.testing.assert_close(torch.tensor(graphed[0]), torch.tensor(eager[0]), rtol=1e-5, atol=1e-5)
     assert abs(graphed[2] - eager[2]) < 1e-4
     for g, e in zip(graphed[1], eager[1], strict=True):
@@ -66,7 +66,7 @@ def test_graph_replay_with_bf16_autocast_and_compile(small_data, tmp_path, arch)
     eager = _run(_trainer(small_data, tmp_path / "eager", arch, False, "bf16", compile_blocks=True))
     graphed_trainer = _trainer(small_data, tmp_path / "graphs", arch, True, "bf16", compile_blocks=True)
     graphed = _run(graphed_trainer)
-    assert graphed_trainer._graphed.replays == 6 * 2
+    assert graphed_trainer.graphed.replays == 6 * 2
     torch.testing.assert_close(torch.tensor(graphed[0]), torch.tensor(eager[0]), rtol=2e-2, atol=2e-2)
     assert graphed[0][-1] < graphed[0][0]
 
@@ -77,7 +77,7 @@ def test_graphed_nonfinite_step_is_skipped_on_the_device_and_reported(small_data
     non-finite, and the captured gradient buffers are zeroed in place, not dropped."""
     trainer = _trainer(small_data, tmp_path / "nan", "transformer", True, "bf16",
                        extra=("--train.micro_batch", "8"))  # fmt: skip
-    assert trainer.guard.uses_lag() and trainer.plan.grad_accum == 1
+    assert trainer.guard.uses_lag() and trainer.layout.plan.grad_accum == 1
     for step in range(4):
         _, _, status = trainer.train_step(step)
         assert not status.nonfinite
@@ -92,7 +92,7 @@ def test_graphed_nonfinite_step_is_skipped_on_the_device_and_reported(small_data
     assert status.nonfinite and status.step == 4
     for p, b in zip(params, before, strict=True):  # step 4's update was skipped: nothing moved
         assert torch.equal(p.detach(), b)
-    graphed = trainer._graphed
+    graphed = trainer.graphed
     assert graphed.replays == 6
     assert all(p.grad is g and not g.any() for p, g in zip(graphed.params, graphed.grads, strict=True))
     trainer.close()
@@ -143,8 +143,8 @@ def test_graph_replay_of_an_hf_model(small_data, tmp_path):
 
     eager = _run(trainer("eager", False))
     graphed_trainer = trainer("graphs", True)
-    assert graphed_trainer._graphed is not None and graphed_trainer.raw_model.mask_free
+    assert graphed_trainer.graphed is not None and graphed_trainer.raw_model.mask_free
     graphed = _run(graphed_trainer)
-    assert graphed_trainer._graphed.replays == 6 * 2
+    assert graphed_trainer.graphed.replays == 6 * 2
     torch.testing.assert_close(torch.tensor(graphed[0]), torch.tensor(eager[0]), rtol=2e-2, atol=2e-2)
     assert graphed[0][-1] < graphed[0][0]

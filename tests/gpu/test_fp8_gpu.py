@@ -86,9 +86,9 @@ def test_fp8_with_compile_and_cuda_graphs(small_data, tmp_path, arch):
         "--train.cuda_graphs",
         "true",
     )
-    assert graphed_trainer._graphed is not None
+    assert graphed_trainer.graphed is not None
     graphed = _losses(graphed_trainer)
-    assert graphed_trainer._graphed.replays == 8 * 2
+    assert graphed_trainer.graphed.replays == 8 * 2
     torch.testing.assert_close(torch.tensor(graphed), torch.tensor(eager), rtol=3e-2, atol=3e-2)
     assert graphed[-1] < graphed[0]
 

@@ -112,17 +112,17 @@ def test_profiling_two_steps_keeps_the_losses_and_writes_the_summary(baseline, s
 def test_attention_backend_is_applied_before_the_model_is_built(small_data, tmp_path, monkeypatch):
     """train.attention_backend reaches hardware.set_attention_backend (it had been a config field nothing read)."""
     from anytrain import hardware
-    from anytrain.train import trainer as trainer_module
+    from anytrain.train import build as build_module
 
     calls = []
-    built = trainer_module.get_spec
+    built = build_module.get_spec
 
     def spy_spec(arch):
         calls.append("build")
         return built(arch)
 
     monkeypatch.setattr(hardware, "set_attention_backend", lambda name: calls.append(name) or [])
-    monkeypatch.setattr(trainer_module, "get_spec", spy_spec)
+    monkeypatch.setattr(build_module, "get_spec", spy_spec)
     trainer = _cpu_trainer(small_data, tmp_path / "run", "--train.attention_backend", "cudnn")
     trainer.close()
     assert calls[:2] == ["cudnn", "build"]
@@ -179,16 +179,22 @@ def test_cuda_graphs_on_cpu_train_eagerly_and_say_so(small_data, tmp_path, capsy
         summary = trainer.train()
     finally:
         trainer.close()
-    assert trainer._graphed is None and summary["cuda_graph_replays"] is None and summary["steps"] == 3
+    assert trainer.graphed is None and summary["cuda_graph_replays"] is None and summary["steps"] == 3
     assert "train.cuda_graphs: eager micro-steps (no graphs on cpu (GPU only))" in capsys.readouterr().err
 
 
-def test_weight_cast_cache_spans_the_micro_batches_and_closes_before_the_update(small_data, tmp_path, monkeypatch):
-    """``mamba_inner.cached_weight_casts`` is open for every micro-batch of a one-process step and closed before the
-    optimizer updates the weights (fused optimizers do not bump the version counters the cache also checks)."""
+@pytest.mark.parametrize(("arch", "casts", "accumulate"), [("mamba", True, False), ("transformer", False, True)])
+def test_the_family_step_context_spans_the_micro_batches_and_closes_before_the_update(
+    small_data, tmp_path, monkeypatch, arch, casts, accumulate
+):
+    """A one-process step's micro-batches run inside the model family's step context (``ParallelizePlan.
+    step_context``), closed before the optimizer updates the weights: Mamba's ``mamba_inner.cached_weight_casts``
+    (fused optimizers do not bump the version counters the cache also checks), the Transformer's
+    ``wide_mm.accumulate_in_gemm`` (its GEMMs sum the later micro-batches' weight gradients into .grad)."""
     from anytrain.kernels import mamba_inner
 
-    trainer = _cpu_trainer(small_data, tmp_path / "run", "--train.steps", "2", "--train.micro_batch", "2")
+    trainer = _cpu_trainer(small_data, tmp_path / "run", "--model.arch", arch, "--train.steps", "2",
+                           "--train.micro_batch", "2")  # fmt: skip
     events = []
     real_fb, real_update = trainer.forward_backward, trainer.optimizer.step
     from anytrain.kernels import wide_mm
@@ -206,8 +212,7 @@ def test_weight_cast_cache_spans_the_micro_batches_and_closes_before_the_update(
         trainer.train()
     finally:
         trainer.close()
-    # (the GEMM accumulation is open around loss.backward() only: test_bf16_micro_batches_accumulate_...)
-    assert events == [("micro", True, False), ("micro", True, False), ("update", False, False)] * 2
+    assert events == [("micro", casts, accumulate), ("micro", casts, accumulate), ("update", False, False)] * 2
     assert mamba_inner._casts is None and not wide_mm._accumulate
 
 

@@ -1,6 +1,10 @@
-"""The public Trainer constructor: a trainer fed its own batches, with no run directory, writes nothing."""
+"""The public Trainer constructor: a trainer fed its own batches, with no run directory, writes nothing. The Trainer
+composes its parts (no mixin bases), and train/ imports no kernels: a model family's kernel state comes through its
+``ParallelizePlan.step_context``."""
 
+import ast
 import os
+from pathlib import Path
 
 import torch
 
@@ -38,7 +42,7 @@ def test_trainer_with_batches_and_no_run_dir_trains_and_writes_nothing(tmp_path)
     os.chdir(tmp_path)
     try:
         trainer = Trainer(_config(steps=20), batches=FixedBatches(512, 4, 32))
-        assert trainer.run_dir is None and trainer.checkpointer is None and trainer.val_source is None
+        assert trainer.run_dir is None and trainer.checkpointer is None and trainer.sources.val is None
         first, _, _ = trainer.train_step(0)
         summary = trainer.train()
         trainer.close()
@@ -62,3 +66,47 @@ def test_rewind_restores_the_schedule_through_its_state_dict():
     assert trainer.scheduler.last_epoch == 2
     assert trainer.scheduler.get_last_lr()[0] == lrs[2] == trainer.optimizer.param_groups[0]["lr"]
     trainer.close()
+
+
+def test_trainer_composes_its_parts_and_train_imports_no_kernels():
+    """No mixin bases; no module of anytrain.train imports anytrain.kernels at any level (function bodies and
+    TYPE_CHECKING blocks included)."""
+    assert Trainer.__bases__ == (object,)
+    train = Path(__file__).resolve().parents[2] / "src" / "anytrain" / "train"
+    found = []
+    for path in sorted(train.glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            names = []
+            if isinstance(node, ast.Import):
+                names = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.module:
+                names = [node.module] + [f"{node.module}.{alias.name}" for alias in node.names]
+            found += [f"{path.name}: {name}" for name in names if name.split(".")[:2] == ["anytrain", "kernels"]]
+    assert found == []
+
+
+def test_the_family_step_context_wraps_the_micro_batches(monkeypatch):
+    """``train_step`` runs every micro-batch inside the family's ``ParallelizePlan.step_context`` (entered once per
+    optimizer step, with the model, the strategy and whether a CUDA graph replays) and leaves it before the update."""
+    import contextlib
+
+    cfg = _config(steps=4)
+    cfg.train.micro_batch = 2  # two micro-batches per optimizer step
+    trainer = Trainer(cfg, batches=FixedBatches(512, 4, 32))
+    events = []
+
+    @contextlib.contextmanager
+    def context(model, strategy, graphed):
+        events.append(("enter", model is trainer.model, strategy, graphed))
+        yield
+        events.append("exit")
+
+    real_fb, real_update = trainer.forward_backward, trainer.optimizer.step
+    monkeypatch.setattr(trainer.built, "family_step_context", context)
+    monkeypatch.setattr(trainer, "forward_backward", lambda *a, **k: events.append("micro") or real_fb(*a, **k))
+    monkeypatch.setattr(trainer.optimizer, "step", lambda *a, **k: events.append("update") or real_update(*a, **k))
+    try:
+        trainer.train_step(0)
+    finally:
+        trainer.close()
+    assert events == [("enter", True, "single", False), "micro", "micro", "exit", "update"]

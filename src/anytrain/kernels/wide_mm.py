@@ -87,8 +87,9 @@ def accumulate_in_gemm(enabled: bool = True):
     parameter has no tensor hooks (which would see, and could rescale, the running sum); post-accumulate hooks see
     ``.grad`` as always. Eager activation checkpointing recomputes the forward with detached parameters, which have no
     ``.grad``: those layers keep the plain path (same result). A backward that fails part-way leaves the parameters
-    it reached with ``.grad`` None (the step is lost either way). The trainer enters it around ``loss.backward()`` of
-    one-process runs without CUDA graphs (no DDP reducer hooks, no captured ``.grad`` buffers).
+    it reached with ``.grad`` None (the step is lost either way). The Transformer's ``ParallelizePlan.step_context``
+    enters it around the micro-batches of a one-process optimizer step (no DDP reducer hooks), whose only backward
+    passes are the trainer's ``loss.backward()``.
     ``set_gemm_accumulate(False)`` turns it off; a nested ``accumulate_in_gemm(False)`` does not turn off an enclosing
     one."""
     global _accumulate
@@ -124,8 +125,8 @@ def weight_grad(a: Tensor, b: Tensor, weight: Tensor) -> Tensor:
 def _accumulates_here(weight: Tensor) -> bool:
     """Whether the running backward will execute ``weight``'s ``AccumulateGrad`` (False for ``autograd.grad`` and
     ``backward(inputs=...)`` without it). Inside the compiled op, where autograd's dispatch is off, the leaf's node
-    cannot be found (it is reached through a view): True there, which is why the trainer opens
-    ``accumulate_in_gemm`` around its own ``loss.backward()`` only."""
+    cannot be found (it is reached through a view): True there, which is why ``accumulate_in_gemm`` is open only
+    around micro-batches whose backward passes are the trainer's own ``loss.backward()``."""
     try:
         with torch.enable_grad():  # a leaf's edge is found through a view, which needs grad mode (off in backward)
             node = torch.autograd.graph.get_gradient_edge(weight).node

@@ -12,7 +12,8 @@ from typing import Any
 
 from torch import nn
 
-from anytrain.config import ModelConfig, from_dict
+from anytrain import kernels
+from anytrain.config import KernelsConfig, ModelConfig, from_dict
 from anytrain.errors import ConfigError
 from anytrain.models import hf, llama, mamba, mamba2
 from anytrain.models.llama import TRANSFORMER_FLAVOURS, Transformer, TransformerArgs
@@ -38,6 +39,7 @@ __all__ = [
     "TransformerArgs",
     "args_dict",
     "build_model",
+    "configure_kernels",
     "get_spec",
     "list_flavours",
     "register",
@@ -84,6 +86,13 @@ def resolve_args(cfg: ModelConfig) -> Any:
 
 def build_model(cfg: ModelConfig) -> nn.Module:
     return get_spec(cfg.arch).build(resolve_args(cfg))
+
+
+def configure_kernels(cfg: KernelsConfig) -> None:
+    """Set the process-wide options of the kernels the families' models call (``RunConfig.kernels``: backend,
+    deterministic scan gradients, the fused Mamba mixer, the weight-cast cache, GEMM accumulation) before a model is
+    built and compiled."""
+    kernels.configure(cfg)
 
 
 def list_flavours() -> dict[str, list[str]]:

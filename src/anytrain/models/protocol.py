@@ -14,6 +14,7 @@ A family provides two things:
 from __future__ import annotations
 
 from collections.abc import Callable
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
@@ -71,6 +72,12 @@ only those blocks (the embedding only on the first stage, final norm and head on
 unchanged. The stage's forward takes what the previous stage returns (token ids on the first stage, hidden states
 (B, T, D) later) and, on the last stage, optional targets (then it returns the mean token loss)."""
 
+StepContext = Callable[[nn.Module, str, bool], AbstractContextManager]
+"""(model as trained, parallel strategy, whether the micro-steps replay a captured CUDA graph) -> the context the
+trainer runs one optimizer step's micro-batches in (their forward and backward passes; not pipeline steps). The
+strategy is ``anytrain.parallel.data_parallel.resolve_strategy``'s: 'single' (one process), 'ddp', 'zero1', 'fsdp'
+or 'none'. The context is closed before the optimizer step, which changes the weights."""
+
 
 @dataclass(frozen=True)
 class ParallelizePlan:
@@ -97,6 +104,9 @@ class ParallelizePlan:
     """``train.fp8``: the qualified names, in the module given (the model or a pipeline stage), of the ``nn.Linear``
     layers that may compute in FP8 (never the LM head, whose weight the fused linear + cross-entropy reads directly);
     ``anytrain.parallel.fp8`` keeps the misaligned and small ones of them in high precision. None: no FP8 plan."""
+    step_context: StepContext | None = None
+    """The family's kernel state for one optimizer step (e.g. weight casts shared by its micro-batches, weight
+    gradients summed by their GEMMs), so that the trainer knows nothing of the family's kernels. None: nothing."""
 
 
 @dataclass(frozen=True)

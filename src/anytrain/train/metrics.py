@@ -1,4 +1,5 @@
-"""Throughput accounting and metric sinks (JSONL, TensorBoard, rich console/progress bar). Rank 0 only.
+"""Throughput accounting (``RunMeter``: every rank) and metric sinks (JSONL, TensorBoard, rich console/progress bar;
+``MetricsLogger``: rank 0 only).
 
 tokens_per_s counts the tokens of all ranks; MFU = flops_per_token × tokens/s per device / peak FLOP/s of the
 device (dense bf16, from ``hardware``). On CPU there is no honest peak, so ``mfu`` is null ("n/a" on screen).
@@ -14,9 +15,12 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
+import torch.distributed as dist
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
+from anytrain import hardware
+from anytrain.train.energy import EnergyMeter, energy_metrics
 from anytrain.train.wandb_sink import WandbSink
 
 if TYPE_CHECKING:
@@ -81,6 +85,123 @@ class MetricWindow:
     def restore(self, loss_sum: float, steps: int) -> None:
         self.loss.fill_(loss_sum)
         self.steps = steps
+
+    @classmethod
+    def restored(
+        cls, device: torch.device, saved: dict | None, rank: int, world_size: int, loss_ranks: int
+    ) -> MetricWindow:
+        """The window a checkpoint's ``TrainState.metrics`` saved (every rank's loss sum; empty without one). At the
+        saving world size and loss ranks each rank takes its own loss sum back (exact); otherwise the ranks share the
+        total, so that the logged global mean is the same."""
+        window = cls(device)
+        if saved and saved["window_steps"]:
+            sums, steps = saved["window_loss"], saved["window_steps"]
+            if len(sums) == world_size and saved["loss_ranks"] == loss_ranks:
+                window.restore(sums[rank], steps)
+            else:
+                window.restore(sum(sums) * loss_ranks / (saved["loss_ranks"] * world_size), steps)
+        return window
+
+
+def global_mean(loss: torch.Tensor, loss_ranks: int) -> torch.Tensor:
+    """Mean of a per-rank loss over the ``loss_ranks`` ranks that hold one (non-final pipeline stages contribute 0)."""
+    if not dist.is_initialized():
+        return loss
+    total = loss.detach().clone()
+    dist.all_reduce(total)
+    return total / loss_ranks
+
+
+class RunMeter:
+    """This invocation's speed and resource figures, for the log records and summary.json: tokens/s of all ranks and
+    per device, MFU, peak memory, energy since training started, and the ETA from this invocation's pace.
+    ``energy``: the power reader of this rank's device (None on the CPU: the energy figures are null)."""
+
+    def __init__(
+        self,
+        device: torch.device,
+        world_size: int,
+        flops_per_token: float,
+        peak_flops: float | None,
+        energy: EnergyMeter | None,
+    ) -> None:
+        self.device, self.world_size = device, world_size
+        self.flops_per_token, self.peak_flops = flops_per_token, peak_flops
+        self.energy = energy
+        self.throughput = ThroughputMeter()
+        self.rates: list[float] = []  # tokens/s of each window since ``start`` (summary.json: window_tokens_per_s)
+        self._energy_start = self._pace_start = (time.perf_counter(), 0)
+
+    def start(self, step: int, tokens_seen: int) -> None:
+        """Training starts at ``step``, ``tokens_seen`` tokens in: throughput, peak memory, energy and pace count from
+        here."""
+        self.throughput = ThroughputMeter()
+        hardware.reset_peak_memory(self.device)
+        self.rates = []
+        self._energy_start = (time.perf_counter(), tokens_seen)
+        if self.energy is not None:
+            self.energy.start()
+        self._pace_start = (time.perf_counter(), step)
+
+    def lap(self, step: int, total_steps: int) -> dict:
+        """A log step's figures for the window since the previous lap (synchronises the device first)."""
+        hardware.synchronize(self.device)
+        tokens_per_s, seconds = self.throughput.lap()
+        self.rates.append(tokens_per_s)
+        per_device = tokens_per_s / self.world_size
+        started, start_step = self._pace_start
+        pace = (time.perf_counter() - started) / max(step - start_step, 1)  # seconds per step in this invocation
+        return {
+            "tokens_per_s": tokens_per_s,
+            "tokens_per_s_per_device": per_device,
+            "mfu": mfu(self.flops_per_token, per_device, self.peak_flops),
+            "peak_mem_gib": self.peak_memory_gib(),
+            "window_s": seconds,
+            "eta_s": (total_steps - step) * pace,
+        }
+
+    def end_lap(self) -> None:
+        """The invocation's last steps after the last log step: their rate counts in the summary's throughput."""
+        hardware.synchronize(self.device)
+        self.rates.append(self.throughput.lap()[0])
+
+    def peak_memory_gib(self) -> float:
+        """GPU: the allocator's peak since ``start``; CPU: this process's peak resident set size (its tensors live
+        there; the console calls it rss)."""
+        return hardware.peak_memory_gib(self.device) if hardware.is_gpu(self.device) else process_peak_rss_gib()
+
+    def energy_figures(self, tokens_seen: int) -> dict:
+        """avg_watts, joules, tokens_per_joule, tflops_per_watt since ``start``; rank 0 scales them to the job."""
+        reading = self.energy.read() if self.energy is not None else {"joules": None}
+        started, tokens_at_start = self._energy_start
+        tokens = tokens_seen - tokens_at_start
+        return energy_metrics(
+            reading["joules"],
+            time.perf_counter() - started,
+            tokens,
+            tokens * self.flops_per_token,
+            devices=self.world_size,
+        )
+
+    def summary(self, tokens_seen: int) -> dict:
+        """summary.json's throughput, MFU, memory and energy entries (the first window holds warm-up and
+        compilation: the mean leaves it out where there are others)."""
+        steady = self.rates[1:] or self.rates
+        tokens_per_s = sum(steady) / len(steady) if steady else 0.0
+        per_device = tokens_per_s / self.world_size
+        return {
+            "tokens_per_s": tokens_per_s,
+            "tokens_per_s_per_device": per_device,
+            "window_tokens_per_s": self.rates,
+            "mfu": mfu(self.flops_per_token, per_device, self.peak_flops),
+            "peak_mem_gib": self.peak_memory_gib(),
+            "peak_reserved_gib": hardware.peak_memory_gib(self.device, reserved=True),
+            "energy": self.energy_figures(tokens_seen),
+        }
+
+    def close(self) -> None:
+        if self.energy is not None:
+            self.energy.stop()
 
 
 def process_peak_rss_gib() -> float:
@@ -187,10 +308,12 @@ class MetricsLogger:
         mfu_text = _num(100 * mfu, ".1f") + "%" if isinstance(mfu, (int, float)) else _num(mfu, "")
         tok_s = _num(r.get("tokens_per_s"), ",.0f")
         width = len(str(self.total_steps))
-        text = (f"step {r['step']:>{width}}/{self.total_steps} | loss {_num(r.get('loss'), '.4f')} | lr "
-                f"{_num(r.get('lr'), '.2e')} | gnorm {_num(r.get('grad_norm'), '.3f')} | {tok_s} tok/s | mfu "
-                f"{mfu_text} | {self.memory_label} {_num(r.get('peak_mem_gib'), '.2f')} GiB | eta "
-                f"{format_duration(r.get('eta_s'))}")
+        text = (
+            f"step {r['step']:>{width}}/{self.total_steps} | loss {_num(r.get('loss'), '.4f')} | lr "
+            f"{_num(r.get('lr'), '.2e')} | gnorm {_num(r.get('grad_norm'), '.3f')} | {tok_s} tok/s | mfu "
+            f"{mfu_text} | {self.memory_label} {_num(r.get('peak_mem_gib'), '.2f')} GiB | eta "
+            f"{format_duration(r.get('eta_s'))}"
+        )
         if self._progress is not None:
             stats = f"loss {_num(r.get('loss'), '.3f')} {tok_s} tok/s mfu {mfu_text}"
             self._progress.update(self._task, completed=r["step"], stats=stats)

@@ -1,14 +1,16 @@
-"""AdamW with weight-decay groups and the learning-rate schedules."""
+"""AdamW with weight-decay groups, the learning-rate schedules, gradient clipping and the optimizer step."""
 
 from __future__ import annotations
 
 import math
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from anytrain import hardware
 from anytrain.config import TrainConfig
+from anytrain.parallel.tensor_parallel import reduce_partial_gradients
 
 NO_DECAY_NAMES = ("A_log", "D")  # Mamba's state matrix and skip gain (mamba-ssm exempts them too)
 
@@ -34,8 +36,9 @@ def use_fused(cfg: TrainConfig, device: torch.device) -> bool:
     return cfg.optimizer_impl == "fused"
 
 
-def build_optimizer(model: nn.Module, cfg: TrainConfig, device: torch.device,
-                    by_mesh: bool = False) -> torch.optim.Optimizer:  # fmt: skip
+def build_optimizer(
+    model: nn.Module, cfg: TrainConfig, device: torch.device, by_mesh: bool = False
+) -> torch.optim.Optimizer:
     """AdamW; the fused kernel on GPU (CUDA and ROCm), the foreach implementation elsewhere.
 
     ``by_mesh``: for models whose parameters mix DTensors of different meshes with plain tensors (tensor parallelism
@@ -94,6 +97,84 @@ def build_scheduler(optimizer: torch.optim.Optimizer, cfg: TrainConfig) -> torch
     return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_factor(step, cfg))
 
 
+def rewind_scheduler(
+    scheduler: torch.optim.lr_scheduler.LambdaLR, optimizer: torch.optim.Optimizer, steps: int
+) -> None:
+    """Put the schedule ``steps`` optimizer steps back, through its state_dict (which holds the step count and the
+    last LRs), and the optimizer's learning rates with it."""
+    state = scheduler.state_dict()
+    state["last_epoch"] -= steps
+    state["_step_count"] -= steps
+    state["_last_lr"] = [
+        base * factor(state["last_epoch"])
+        for base, factor in zip(scheduler.base_lrs, scheduler.lr_lambdas, strict=True)
+    ]
+    scheduler.load_state_dict(state)
+    for group, lr in zip(optimizer.param_groups, state["_last_lr"], strict=True):
+        group["lr"] = lr
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# clipping and the step
+
+
+class GradClipper:
+    """The global gradient norm (every rank gets the same) and clipping to ``max_norm`` (train.grad_clip; 0: none).
+
+    ``clipper(model) -> (norm, grad_scale)``. Clipping happens there, or (``in_optimizer``, where
+    ``clip_in_optimizer`` allows it) in the update: ``grad_scale`` is then the factor torch's fused AdamW divides each
+    gradient by as it reads it (``optimizer_step``), with no separate pass that scales every gradient in place; until
+    then, and on a skipped step, ``.grad`` stays unclipped. ``tp``: the tensor-parallel degree; ``pp_group``: the
+    pipeline's process group (None without one)."""
+
+    def __init__(self, max_norm: float, in_optimizer: bool, tp: int, device: torch.device, pp_group=None) -> None:
+        self.max_norm = max_norm or math.inf
+        self.in_optimizer, self.tp, self.device, self.pp_group = in_optimizer, tp, device, pp_group
+
+    def __call__(self, model: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None]:
+        max_norm, pp_group = self.max_norm, self.pp_group
+        if self.tp > 1:
+            reduce_partial_gradients(model.parameters())
+        if math.isfinite(max_norm) and self.in_optimizer:
+            grads = [p.grad for p in model.parameters() if p.grad is not None]
+            norm = torch.nn.utils.get_total_norm(grads, foreach=True)
+            return norm, torch.clamp((norm.float() + 1e-6) / max_norm, min=1.0)
+        if self.tp == 1 and pp_group is None:  # every parameter on one mesh: torch's own clipping
+            norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm, foreach=True)
+            return (norm.full_tensor() if hasattr(norm, "full_tensor") else norm), None  # FSDP2: a DTensor
+        # TP/PP: parameters live on different meshes (or stages); sum squared norms per mesh, then over stages
+        params = [p for p in model.parameters() if p.grad is not None]
+        groups: dict = {}
+        for p in params:
+            groups.setdefault(getattr(p.grad, "device_mesh", None), []).append(p.grad)
+        squared = torch.zeros((), device=self.device)
+        for grads in groups.values():
+            norm = torch.nn.utils.get_total_norm(grads, foreach=False)
+            squared = squared + (norm.full_tensor() if hasattr(norm, "full_tensor") else norm).float() ** 2
+        if pp_group is not None:
+            dist.all_reduce(squared, group=pp_group)
+        total = squared.sqrt()
+        torch.nn.utils.clip_grads_with_norm_(params, max_norm, total, foreach=False)
+        return total, None
+
+
+def optimizer_step(
+    optimizer: torch.optim.Optimizer, grad_scale: torch.Tensor | None = None, found_inf: torch.Tensor | None = None
+) -> None:
+    """``optimizer.step()`` with this step's inputs of torch's fused Adam/AdamW kernel: ``grad_scale`` (each gradient
+    is divided by it as the kernel reads it: ``GradClipper``'s factor) and ``found_inf`` (nonzero: the update is
+    skipped on the device: the lagged checks' verdict). torch reads both as attributes of the optimizer, the contract
+    ``torch.amp.GradScaler`` uses; they are set for this call only, so no later step sees them."""
+    given = {name: value for name, value in (("grad_scale", grad_scale), ("found_inf", found_inf)) if value is not None}
+    for name, value in given.items():
+        setattr(optimizer, name, value)
+    try:
+        optimizer.step()
+    finally:
+        for name in given:
+            delattr(optimizer, name)
+
+
 # ---------------------------------------------------------------------------------------------------------------------
 # ZeRO-1: replicated parameters and gradients (DDP), optimizer state sharded over the data-parallel ranks
 
@@ -141,8 +222,14 @@ class Zero1AdamW(torch.optim.AdamW):
             {**g, "params": [shard_of[id(p)] for p in g["params"]]} for g in param_groups(model, cfg.weight_decay)
         ]
         fused = use_fused(cfg, device)
-        super().__init__(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, fused=fused or None,
-                         foreach=None if fused else True)  # fmt: skip
+        super().__init__(
+            groups,
+            lr=cfg.lr,
+            betas=(cfg.beta1, cfg.beta2),
+            eps=cfg.eps,
+            fused=fused or None,
+            foreach=None if fused else True,
+        )
         self._build_gather_layout()
 
     def _build_gather_layout(self) -> None:
@@ -204,9 +291,11 @@ class Zero1AdamW(torch.optim.AdamW):
             for view in group["params"]:
                 if not self.state[view]:
                     step_device = view.device if group["fused"] or group["capturable"] else torch.device("cpu")
-                    self.state[view] = {"step": torch.zeros((), dtype=torch.float32, device=step_device),
-                                        "exp_avg": torch.zeros_like(view),
-                                        "exp_avg_sq": torch.zeros_like(view)}  # fmt: skip
+                    self.state[view] = {
+                        "step": torch.zeros((), dtype=torch.float32, device=step_device),
+                        "exp_avg": torch.zeros_like(view),
+                        "exp_avg_sq": torch.zeros_like(view),
+                    }
 
     def checkpoint_state(self) -> dict:
         """Flattened optimizer state under the parameters' names; moment tensors as Shard(0) DTensors."""
@@ -218,8 +307,9 @@ class Zero1AdamW(torch.optim.AdamW):
         for name, p, view in self.entries:
             for key, value in self.state[view].items():
                 if isinstance(value, torch.Tensor) and value.ndim and p.ndim:
-                    value = DTensor.from_local(value, self.mesh, [Shard(0)], run_check=False, shape=p.shape,
-                                               stride=p.stride())  # fmt: skip
+                    value = DTensor.from_local(
+                        value, self.mesh, [Shard(0)], run_check=False, shape=p.shape, stride=p.stride()
+                    )
                 out[f"state.{name}.{key}"] = value
             for key, value in group_of[id(view)].items():
                 if key != "params":

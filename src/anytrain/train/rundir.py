@@ -14,6 +14,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import os
@@ -25,7 +26,7 @@ from datetime import datetime
 from pathlib import Path
 
 from anytrain.diskio import write_text_atomic
-from anytrain.errors import ConfigError, RunDirError
+from anytrain.errors import AnytrainError, ConfigError, RunDirError
 
 MARKER = ".anytrain-run.json"
 LOCK = ".anytrain-run.lock"
@@ -286,6 +287,7 @@ class RunDir:
     changes: list[str]  # resumed: the changed config fields, to be reported
     previous_config: Path | None  # resumed: where the previous config.yaml was moved
     previous_status: str | None = None  # resumed: the status.json this invocation replaced (its text)
+    recorded: bool = False  # whether status.json already says how this invocation ends
 
     def restore_config(self) -> None:
         """A resume that failed: put the previous config.yaml back (rank 0)."""
@@ -293,10 +295,43 @@ class RunDir:
             self.previous_config.replace(self.path / "config.yaml")
 
     def restore(self) -> None:
-        """A resume with nothing to do: put the previous config.yaml and status.json back (rank 0)."""
+        """A resume with nothing to do: put the previous config.yaml and status.json back (rank 0); the previous
+        status then stands for this invocation."""
         self.restore_config()
         if self.previous_status is not None:
             write_text_atomic(self.path / STATUS, self.previous_status)
+        self.recorded = True
+
+    def record(self, state: str, **fields) -> None:
+        """status.json says how this invocation ends (rank 0): ``finished``, ``preempted`` or ``failed``."""
+        write_status(self.path, state, **fields)
+        self.recorded = True
+
+    def record_failure(self, exc: BaseException, step: int) -> None:
+        """An invocation that ends on ``exc`` after ``step`` steps: ``failed``, with a one-line message and the exit
+        code, unless its ending is recorded already (rank 0; a preemption records its own state)."""
+        if self.recorded:
+            return
+        if isinstance(exc, KeyboardInterrupt):
+            message, code = "interrupted by a second SIGINT; stopped without saving", 130
+        elif isinstance(exc, AnytrainError):
+            message, code = str(exc), exc.exit_code
+        else:
+            message, code = f"{type(exc).__name__}: {exc}", 1  # a traceback: the exit code of an uncaught exception
+        self.recorded = True
+        with contextlib.suppress(OSError, AnytrainError):  # a full disk may refuse this file too
+            write_status(self.path, "failed", step=step, message=" ".join(message.split())[:2000], exit_code=code)
+
+
+def open_sample_log(run_dir: Path, rank: int, step: int):
+    """``train.log_sample_ids``: rank ``rank``'s log of the sample ids it trained on, open for appending; entries of
+    steps from ``step`` on (a resumed checkpoint's) are dropped first, so the log is exactly the samples that trained
+    the weights."""
+    path = run_dir / f"samples_rank{rank}.jsonl"
+    if path.exists():
+        kept = [line for line in path.read_text().splitlines() if json.loads(line)["step"] < step]
+        path.write_text("".join(line + "\n" for line in kept))
+    return open(path, "a", buffering=1)  # noqa: SIM115 - the trainer closes it
 
 
 def setup_run_dir(cfg, run_dir: str | None, resume: bool, overwrite: bool, allow: tuple[str, ...],
@@ -304,7 +339,6 @@ def setup_run_dir(cfg, run_dir: str | None, resume: bool, overwrite: bool, allow
     """Rank 0 validates and locks the run dir, compares a resumed run's config, and writes config.yaml (keeping the
     previous one) and status.json; every rank gets the RunDir or the same one-line error."""
     from anytrain.config import save_config
-    from anytrain.errors import AnytrainError
     from anytrain.parallel.collectives import broadcast_object
 
     result: tuple = (None, None, [], None, None)
@@ -347,8 +381,10 @@ def describe_status(run_dir: Path) -> tuple[str, int]:
     if state == "preempted":
         checkpoint = status.get("checkpoint")
         saved = f"checkpoint {checkpoint} saved" if checkpoint else "before its first checkpoint (nothing to save)"
-        line = (f"{run_dir}: preempted by {status.get('signal')} at step {step}, {saved}; continue with --resume or "
-                "checkpoint.auto_resume")
+        line = (
+            f"{run_dir}: preempted by {status.get('signal')} at step {step}, {saved}; continue with --resume or "
+            "checkpoint.auto_resume"
+        )
         return line, int(status.get("exit_code", 143))
     if state == "failed":
         code = f" (exit {status['exit_code']})" if "exit_code" in status else ""

@@ -19,6 +19,8 @@ whole when the embedding is tied).
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 from torch.distributed._functional_collectives import AsyncCollectiveTensor
 from torch.distributed.tensor import Replicate, Shard
@@ -31,6 +33,7 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
+from anytrain.kernels import wide_mm
 from anytrain.models.llama.model import Transformer
 from anytrain.models.protocol import ParallelizePlan
 
@@ -137,10 +140,18 @@ def compile_model(model: Transformer) -> None:
     model.forward_hidden = torch.compile(model.forward_hidden, fullgraph=False)
 
 
+def step_context(model: Transformer, strategy: str, graphed: bool) -> contextlib.AbstractContextManager:
+    """One process (no DDP reducer hooks on the gradients): from an optimizer step's second micro-batch on, the
+    projections' weight gradients are summed into ``.grad`` by their GEMMs (``wide_mm.accumulate_in_gemm``), in eager
+    micro-steps and in a captured CUDA graph alike."""
+    return wide_mm.accumulate_in_gemm(strategy == "single")
+
+
 PLAN = ParallelizePlan(
     tensor_parallel=apply_tensor_parallel,
     pipeline_split=pipeline_split,
     compile_model=compile_model,
     fp8_linears=fp8_linears,
+    step_context=step_context,
     stage_init=True,  # init_weights(seed) draws each parameter from a stream keyed by its name
 )

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 from torch import nn
 
+from anytrain.kernels import mamba_inner
 from anytrain.models.losses import lm_cross_entropy
 from anytrain.models.mamba.model import Mamba
 from anytrain.models.protocol import ParallelizePlan
@@ -72,10 +75,21 @@ def compile_model(model: Mamba) -> None:
     model.backbone.compile(fullgraph=False)
 
 
+def step_context(model: Mamba, strategy: str, graphed: bool) -> contextlib.AbstractContextManager:
+    """The fused mixer's weight casts shared by one optimizer step's micro-batches
+    (``mamba_inner.cached_weight_casts``), where the parameters are the module's own full tensors (one process, DDP,
+    ZeRO-1): not under FSDP (sharded, gathered per use; tensor and pipeline parallelism run under FSDP or none), not
+    when a CUDA graph replays the micro-steps (each replay casts inside the graph)."""
+    if graphed or strategy not in ("single", "ddp", "zero1"):
+        return contextlib.nullcontext()
+    return mamba_inner.cached_weight_casts()
+
+
 PLAN = ParallelizePlan(
     pipeline_split=pipeline_split,
     compile_model=compile_model,
     fp8_linears=fp8_linears,
+    step_context=step_context,
     stage_init=False,  # init_weights draws from one stream in module order: initialise the whole model, then cut
     stage_types=(MambaStage,),
 )
