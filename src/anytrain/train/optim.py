@@ -9,6 +9,7 @@ import torch.distributed as dist
 from torch import nn
 
 from anytrain import hardware
+from anytrain.checkpoint.dcp import IMPLEMENTATION_KEYS
 from anytrain.config import TrainConfig
 from anytrain.parallel.tensor_parallel import reduce_partial_gradients
 
@@ -184,10 +185,6 @@ def _row_range(rows: int, rank: int, world: int) -> tuple[int, int]:
     empty), the same rule as DTensor's Shard(0), so the state can be described as a Shard(0) DTensor."""
     size = -(-rows // world)
     return min(rows, rank * size), min(rows, (rank + 1) * size)
-
-
-IMPLEMENTATION_KEYS = ("fused", "foreach", "capturable", "differentiable", "maximize")
-"""Param-group entries that choose the kernel on this machine: kept, not taken from a checkpoint."""
 
 
 class Zero1AdamW(torch.optim.AdamW):

@@ -25,6 +25,7 @@ from anytrain import hardware
 from anytrain.checkpoint.dcp import Checkpointer, TrainState
 from anytrain.config import RunConfig, to_dict
 from anytrain.data.loader import BatchProvider
+from anytrain.data.resolve import resolve_run_config
 from anytrain.data.shards import TokenDataset
 from anytrain.errors import RunDirError, TrainingError
 from anytrain.parallel.collectives import barrier, gather_object
@@ -95,7 +96,7 @@ class Trainer:
         resume_allow: tuple[str, ...],
     ) -> None:
         """The layout, the run directory and the log, the model (``_setup_state``) and the step (``_setup_step``)."""
-        self.cfg = cfg
+        self.cfg = resolve_run_config(cfg)  # the model's and the prepared data's checks, before anything is written
         require_wandb(cfg.metrics.wandb)  # metrics.wandb without the package: one line, before anything is written
         self.layout = layout = setup_layout(cfg)
         info, device = layout.info, layout.device
