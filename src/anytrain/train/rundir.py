@@ -294,13 +294,20 @@ class RunDir:
         if self.previous_config is not None and self.previous_config.is_file():
             self.previous_config.replace(self.path / "config.yaml")
 
-    def restore(self) -> None:
-        """A resume with nothing to do: put the previous config.yaml and status.json back (rank 0); the previous
-        status then stands for this invocation."""
+    def restore(self, step: int) -> None:
+        """A resume with nothing to do at ``step``: put the previous config.yaml back (rank 0), and the previous
+        status.json when it said ``finished``. Any other previous state (``preempted`` by a signal at the last step,
+        ``failed`` after the last checkpoint, a run dir without a status) becomes ``finished`` at ``step``: the run
+        is complete, and a requeue script that reads ``anytrain status`` must not requeue it again."""
         self.restore_config()
-        if self.previous_status is not None:
+        previous = None
+        with contextlib.suppress(ValueError, TypeError):
+            previous = json.loads(self.previous_status) if self.previous_status is not None else None
+        if isinstance(previous, dict) and previous.get("state") == "finished":
             write_text_atomic(self.path / STATUS, self.previous_status)
-        self.recorded = True
+            self.recorded = True
+        else:
+            self.record("finished", step=step)
 
     def record(self, state: str, **fields) -> None:
         """status.json says how this invocation ends (rank 0): ``finished``, ``preempted`` or ``failed``."""

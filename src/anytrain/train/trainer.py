@@ -375,7 +375,9 @@ class Trainer:
                 self.meter.end_lap()
             self.log.advance(step)
         eval_due = cfg.eval_interval and step % cfg.eval_interval == 0
-        if self.evaluator.batches and (eval_due or step == end) and not status.stop:
+        # the final evaluation at train.steps only: a planned stop (stop_at_step) writes no record the
+        # uninterrupted run would not have
+        if self.evaluator.batches and (eval_due or step == cfg.steps) and not status.stop:
             last_val = self.evaluator.evaluate_and_log(step)
             self.meter.throughput.reset()
         self.maybe_checkpoint(step, end, status)
@@ -419,7 +421,7 @@ class Trainer:
         stopping_early = self._end_step < train.steps
         limit = f"train.stop_at_step {train.stop_at_step}" if stopping_early else f"train.steps {train.steps}"
         if self.layout.info.is_main and self.run_dir is not None:
-            self._run.restore()
+            self._run.restore(step)
         self.log.print(f"{self.run_dir}: the run is already complete at step {step} ({limit}); nothing to train")
         run_dir = str(self.run_dir) if self.run_dir is not None else None
         return {"run_dir": run_dir, "steps": step, "already_complete": True, "world_size": self.layout.info.world_size}
