@@ -13,9 +13,10 @@ then ``--steps`` timed steps between two device synchronisations. Peak memory is
 bytes over the timed steps (the previous row is garbage-collected and the peak counter reset before each row;
 ``warmup_peak_mem_gib`` covers the compile step).
 
-The anytrain rows run the product's own code: ``Trainer._build_model`` (meta-device build, init, ``parallelize`` =
-``train.compile``, ``build_optimizer``, autocast) and ``Trainer.train_step`` (micro-batch loop, clipping, the per-step
-``StepGuard`` agreement, optimizer and scheduler) on a Trainer whose data source yields the random batches.
+The anytrain rows run the product's own code: the Trainer's build (train/build.py ``build_model``: meta-device build,
+init, ``parallelize`` = ``train.compile``, ``build_optimizer``, autocast) and ``Trainer.train_step`` (micro-batch
+loop, clipping, the per-step ``StepGuard`` agreement, optimizer and scheduler) on a Trainer whose data source yields
+the random batches.
 
 The ``anytrain-hf`` rows train HF's ``LlamaForCausalLM`` of the row's shape (the config the HF rows build, written to
 a temporary folder as config.json, random init) through ``Trainer`` with ``model.arch: hf``: anytrain's fused linear +
@@ -202,7 +203,8 @@ def default_cases(ablations: bool = False) -> list[Case]:
 
 def side_by_side_cases() -> list[Case]:
     """anytrain vs torchtitan (its own Trainer) vs HF + torchao float8 + torch.compile at Llama-3.2-1B / 3B, bf16 and
-    FP8 (rowwise: torchtitan's current recipe; the LM head and torchao's too-small GEMMs stay bf16 on every stack).
+    FP8 (tensorwise, the faster recipe, and rowwise, torchtitan's current one; the LM head and torchao's too-small
+    GEMMs stay bf16 on every stack).
     Within a group: same seq, global batch and tokens per step; each stack at its own best settings, stated in the
     label and options: compile (anytrain: compile_scope auto; torchtitan: per block + loss), no activation
     checkpointing, and the largest micro-batch that leaves memory headroom on one H200 (torchtitan's and HF's loss
@@ -212,7 +214,7 @@ def side_by_side_cases() -> list[Case]:
     cases, hf_cases = [], []  # the HF rows last: a time budget drops them first
     for flavour, global_batch, ours_mb, theirs_mb, hf_mb in (("llama-1b", 32, 16, 16, 8), ("llama-3b", 16, 8, 4, 4)):
         shape = dict(group=f"{flavour}-2048", flavour=flavour, seq=2048, global_batch=global_batch)
-        for precision in ("bf16", "fp8-rowwise"):
+        for precision in ("bf16", "fp8-tensorwise", "fp8-rowwise"):
             row = dict(shape, precision=precision)
             ours_label = f"anytrain {precision}, compile auto, no AC"  # the micro-batch is a column of its own
             theirs_label = f"torchtitan {precision}, compile, no AC"

@@ -65,12 +65,12 @@ def test_flavours_match_anytrains_and_the_job_config_parses():
     assert config.activation_checkpoint.mode == "none" and config.compile.enable
 
 
-def test_side_by_side_groups_share_seq_and_batch_and_cover_both_precisions():
+def test_side_by_side_groups_share_seq_and_batch_and_cover_every_precision():
     from bench import transformer as transformer_bench
 
     cases = transformer_bench.side_by_side_cases()
     assert {c.flavour for c in cases} == {"llama-1b", "llama-3b"} <= set(torchtitan_stack.TORCHTITAN_FLAVOURS)
-    wanted = {(stack, p) for stack in ("anytrain", "torchtitan") for p in ("bf16", "fp8-rowwise")}
+    wanted = {(stack, p) for stack in ("anytrain", "torchtitan") for p in ("bf16", "fp8-tensorwise", "fp8-rowwise")}
     for group in {c.group for c in cases}:
         rows = [c for c in cases if c.group == group]
         assert len({(c.flavour, c.seq, c.global_batch) for c in rows}) == 1  # same tokens per step
