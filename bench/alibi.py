@@ -64,8 +64,12 @@ def train_row(pos: str, s: dict, device: torch.device, args: argparse.Namespace)
     row = timed(trainer.train_step, device, args.warmup, args.steps)
     model = trainer.raw_model
     tokens = s["global_batch"] * s["seq"]
-    row.update(params=model.num_params(), flops_per_token=model.flops_per_token(s["seq"]),
-               tokens_per_s=tokens / row["seconds_per_step"], driver="Trainer.train_step")  # fmt: skip
+    row.update(
+        params=model.num_params(),
+        flops_per_token=model.flops_per_token(s["seq"]),
+        tokens_per_s=tokens / row["seconds_per_step"],
+        driver="Trainer.train_step",
+    )
     peak = hardware.peak_flops(device)
     row["mfu"] = row["flops_per_token"] * row["tokens_per_s"] / peak if peak else None
     return row
@@ -105,8 +109,12 @@ def hf_mpt_row(s: dict, device: torch.device, args: argparse.Namespace) -> dict:
 
     row = timed(step, device, args.warmup, args.steps)
     tokens = s["global_batch"] * s["seq"]
-    row.update(params=sum(p.numel() for p in model.parameters()), flops_per_token=ours.flops_per_token(s["seq"]),
-               tokens_per_s=tokens / row["seconds_per_step"], driver="MptForCausalLM + torch.compile")  # fmt: skip
+    row.update(
+        params=sum(p.numel() for p in model.parameters()),
+        flops_per_token=ours.flops_per_token(s["seq"]),
+        tokens_per_s=tokens / row["seconds_per_step"],
+        driver="MptForCausalLM + torch.compile",
+    )
     peak = hardware.peak_flops(device)
     row["mfu"] = row["flops_per_token"] * row["tokens_per_s"] / peak if peak else None
     return row
@@ -176,8 +184,10 @@ def print_table(rows: list[dict]) -> None:
         tflops = f"{r['tflops_per_s']:.0f}" if "tflops_per_s" in r else ""
         tokens = f"{r['tokens_per_s']:,.0f}" if "tokens_per_s" in r else ""
         ratio = f"{r['seconds_per_step'] / base[r['kind']]:.2f}x" if r["kind"] in base else ""
-        print(f"{r['row']:<24}{1e3 * r['seconds_per_step']:>10.1f}{tokens:>12}{mfu:>8}{tflops:>9}"
-              f"{r['peak_mem_gib']:>10.1f}{ratio:>9}")  # fmt: skip
+        print(
+            f"{r['row']:<24}{1e3 * r['seconds_per_step']:>10.1f}{tokens:>12}{mfu:>8}{tflops:>9}"
+            f"{r['peak_mem_gib']:>10.1f}{ratio:>9}"
+        )
     ours, hf = by_name.get("train-alibi-flex"), by_name.get("train-alibi-hfmpt")
     if ours and hf:
         speedup = hf["seconds_per_step"] / ours["seconds_per_step"]

@@ -58,19 +58,29 @@ def main() -> None:
         doctor = sweep("all_reduce", device, [mib * 2**20], args.repeats)[0]
         seconds = raw_all_reduce(doctor["bytes"] // 4, device, args.iters)
         raw_algbw = doctor["bytes"] / seconds / 1e9
-        rows.append({"bytes": doctor["bytes"], "doctor": doctor,
-                     "raw": {"seconds": seconds, "algbw_gb_per_s": raw_algbw, "busbw_gb_per_s": raw_algbw * factor},
-                     "doctor_over_raw_busbw": doctor["busbw_gb_per_s"] / (raw_algbw * factor)})  # fmt: skip
+        rows.append(
+            {
+                "bytes": doctor["bytes"],
+                "doctor": doctor,
+                "raw": {"seconds": seconds, "algbw_gb_per_s": raw_algbw, "busbw_gb_per_s": raw_algbw * factor},
+                "doctor_over_raw_busbw": doctor["busbw_gb_per_s"] / (raw_algbw * factor),
+            }
+        )
     if info.is_main:
         summary = hardware.summary(device)
         for row in rows:
-            print(f"all_reduce {row['bytes'] / 2**20:.0f} MiB over {world} ranks ({dist.get_backend()}): doctor busbw "
-                  f"{row['doctor']['busbw_gb_per_s']:.1f} GB/s, raw loop {row['raw']['busbw_gb_per_s']:.1f} GB/s "
-                  f"(ratio {row['doctor_over_raw_busbw']:.3f})")  # fmt: skip
+            print(
+                f"all_reduce {row['bytes'] / 2**20:.0f} MiB over {world} ranks ({dist.get_backend()}): doctor busbw "
+                f"{row['doctor']['busbw_gb_per_s']:.1f} GB/s, raw loop {row['raw']['busbw_gb_per_s']:.1f} GB/s "
+                f"(ratio {row['doctor_over_raw_busbw']:.3f})"
+            )
         out = Path(args.out) / f"allreduce_vs_raw_{world}ranks_{summary['vendor']}.json"
         out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps({"world_size": world, "backend": dist.get_backend(), "hardware": summary,
-                                   "rows": rows}, indent=1))  # fmt: skip
+        out.write_text(
+            json.dumps(
+                {"world_size": world, "backend": dist.get_backend(), "hardware": summary, "rows": rows}, indent=1
+            )
+        )
         print(f"wrote {out}")
     shutdown()
 

@@ -221,10 +221,21 @@ def main() -> int:
     device = torch.cuda.get_device_name()
     shape = f"({args.batch}, {args.dim}, {args.seqlen}) width {args.width} {args.activation} {args.dtype}"
     print(f"\n{device}, {shape}, params {args.param_dtype}; ms unless noted")
-    cols = [("fwd", "fwd_ms"), ("kern warm", "fwd_kernel_warm_ms"), ("kern flushed", "fwd_kernel_flushed_ms"),
-            ("graph", "fwd_graph_ms"), ("kernels", "fwd_kernels"), ("host us", "fwd_host_us"), ("bwd", "bwd_ms"),
-            ("kern warm", "bwd_kernel_warm_ms"), ("kern flushed", "bwd_kernel_flushed_ms"), ("kernels", "bwd_kernels"),
-            ("host us", "bwd_host_us"), ("fwd+bwd", "fwd_bwd_ms"), ("host us", "fwd_bwd_host_us")]  # fmt: skip
+    cols = [
+        ("fwd", "fwd_ms"),
+        ("kern warm", "fwd_kernel_warm_ms"),
+        ("kern flushed", "fwd_kernel_flushed_ms"),
+        ("graph", "fwd_graph_ms"),
+        ("kernels", "fwd_kernels"),
+        ("host us", "fwd_host_us"),
+        ("bwd", "bwd_ms"),
+        ("kern warm", "bwd_kernel_warm_ms"),
+        ("kern flushed", "bwd_kernel_flushed_ms"),
+        ("kernels", "bwd_kernels"),
+        ("host us", "bwd_host_us"),
+        ("fwd+bwd", "fwd_bwd_ms"),
+        ("host us", "fwd_bwd_host_us"),
+    ]
     print(f"{'':<27}" + "".join(f"{c:>13}" for c, _ in cols))
     for name, r in rows.items():
         if "error" in r:

@@ -101,8 +101,10 @@ def timed(step, device: torch.device, warmup: int, steps: int) -> dict:
     for i in range(steps):
         step(warmup + i)
     hardware.synchronize(device)
-    return {"seconds_per_step": (time.perf_counter() - started) / steps,
-            "peak_mem_gib": hardware.peak_memory_gib(device)}  # fmt: skip
+    return {
+        "seconds_per_step": (time.perf_counter() - started) / steps,
+        "peak_mem_gib": hardware.peak_memory_gib(device),
+    }
 
 
 def print_row(row: dict) -> None:

@@ -43,20 +43,34 @@ MEMORY_BAND, STEP_BAND = 0.10, 0.20
 # (50.36 GiB and 27.4k tokens/s; compiled: 47.36 GiB, 31.1k) to 0.01 GiB. Every Mamba row recorded so far also ran
 # before the recipe's bf16 residual stream (`model.args.residual_in_fp32: false`): fp32 residual.
 # --no-as-run predicts them as recorded.
-_UNCOMPILED = ("scaling_nvidia-h200_2gpu_main.json", "scaling_nvidia-h200_2gpu_rerun.json",
-               "scaling_nvidia-h200_4gpu.json", "scaling_nvidia-h200.json")  # fmt: skip
+_UNCOMPILED = (
+    "scaling_nvidia-h200_2gpu_main.json",
+    "scaling_nvidia-h200_2gpu_rerun.json",
+    "scaling_nvidia-h200_4gpu.json",
+    "scaling_nvidia-h200.json",
+)
 _FP32_RESIDUAL = _UNCOMPILED + (
-    "scaling_nvidia-h200_4gpu_s5.json", "scaling_nvidia-h200_ab0_gc50_1.json", "scaling_nvidia-h200_ab0_gcauto_1.json",
-    "scaling_nvidia-h200_ab0_nosync_1.json", "scaling_nvidia-h200_ab_a1.json", "scaling_nvidia-h200_ab_a2.json",
-    "scaling_nvidia-h200_ab_lagged_1.json", "scaling_nvidia-h200_ab_p1.json", "scaling_nvidia-h200_ab_p2.json",
-    "scaling_nvidia-h200_ab_sync_1.json", "scaling_nvidia-h200_group.json", "scaling_nvidia-h200_mamba_accum.json",
-    "scaling_nvidia-h200_mamba_v5.json", "scaling_nvidia-h200_weak_repeat.json",
-)  # fmt: skip
+    "scaling_nvidia-h200_4gpu_s5.json",
+    "scaling_nvidia-h200_ab0_gc50_1.json",
+    "scaling_nvidia-h200_ab0_gcauto_1.json",
+    "scaling_nvidia-h200_ab0_nosync_1.json",
+    "scaling_nvidia-h200_ab_a1.json",
+    "scaling_nvidia-h200_ab_a2.json",
+    "scaling_nvidia-h200_ab_lagged_1.json",
+    "scaling_nvidia-h200_ab_p1.json",
+    "scaling_nvidia-h200_ab_p2.json",
+    "scaling_nvidia-h200_ab_sync_1.json",
+    "scaling_nvidia-h200_group.json",
+    "scaling_nvidia-h200_mamba_accum.json",
+    "scaling_nvidia-h200_mamba_v5.json",
+    "scaling_nvidia-h200_weak_repeat.json",
+)
 AS_RUN: dict[str, dict[str, list[str]]] = {
-    name: {"m-*": (["--train.compile", "false"] if name in _UNCOMPILED else [])
-           + ["--model.args.residual_in_fp32", "true"]}
+    name: {
+        "m-*": (["--train.compile", "false"] if name in _UNCOMPILED else []) + ["--model.args.residual_in_fp32", "true"]
+    }
     for name in _FP32_RESIDUAL
-}  # fmt: skip
+}
 
 
 def default_cases() -> list[Case]:
@@ -64,9 +78,7 @@ def default_cases() -> list[Case]:
     t = "transformer"
     return [
         Case("t-1-g32", t, 1, "single", 32, studies=("calibration",)),
-        Case(
-            "v-tiny-1", t, 1, "single", 16, micro=16, seq=256, recipe="configs/tiny.yaml", studies=("calibration",)
-        ),  # fmt: skip
+        Case("v-tiny-1", t, 1, "single", 16, micro=16, seq=256, recipe="configs/tiny.yaml", studies=("calibration",)),
         Case("v-125m-1", t, 1, "single", 64, micro=16, seq=1024, recipe="configs/125m.yaml"),
         Case("t-fsdp-2-g32", t, 2, "fsdp", 32),
         Case("t-fsdp-4-g32", t, 4, "fsdp", 32),
@@ -102,9 +114,16 @@ def measured_step(row: dict) -> float:
     return row["global_batch"] * row["seq"] / row["tokens_per_s"]
 
 
-def predict(rows: list[dict], device_key: str, gpus_per_node: int, calibrate: str, calibrate_host: str | None = None,
-            use_as_run: bool = True, extra: dict[str, list[str]] | None = None,
-            measured: dict[str, float] | None = None) -> dict:  # fmt: skip
+def predict(
+    rows: list[dict],
+    device_key: str,
+    gpus_per_node: int,
+    calibrate: str,
+    calibrate_host: str | None = None,
+    use_as_run: bool = True,
+    extra: dict[str, list[str]] | None = None,
+    measured: dict[str, float] | None = None,
+) -> dict:
     """Adds ``predicted`` to every measured row; returns the fitted table {device: {efficiency, host_op_us}}.
     ``calibrate``: the run the GEMM efficiency is fitted on; ``calibrate_host`` (optional): a host-bound run the host
     cost per eager op is fitted on (else the device table's value)."""
@@ -116,8 +135,11 @@ def predict(rows: list[dict], device_key: str, gpus_per_node: int, calibrate: st
     if calibrate not in by_name:
         raise SystemExit(f"error: the calibration run {calibrate!r} has no measurement; run it or pass --reuse")
     # efficiency first (compute-bound run), then the host cost per op on the host-bound run with that efficiency
-    fitted = device.replace(efficiency=fit_efficiency(predict_row(by_name[calibrate], device, use_as_run, extra)[0],
-                                                      measured_step(by_name[calibrate])))  # fmt: skip
+    fitted = device.replace(
+        efficiency=fit_efficiency(
+            predict_row(by_name[calibrate], device, use_as_run, extra)[0], measured_step(by_name[calibrate])
+        )
+    )
     if calibrate_host in by_name:
         host_est = predict_row(by_name[calibrate_host], fitted, use_as_run, extra)[0]
         if host_est.host_s >= host_est.compute_s:
@@ -128,15 +150,25 @@ def predict(rows: list[dict], device_key: str, gpus_per_node: int, calibrate: st
         e, compiled = predict_row(row, fitted, use_as_run, extra)
         m_step, m_mem = measured_step(row), row["peak_mem_gib"]
         row["predicted"] = {
-            "step_s": e.step_s, "compute_s": e.compute_s, "elementwise_s": e.elementwise_s, "host_s": e.host_s,
-            "bubble_s": e.bubble_s, "exposed_comm_s": e.exposed_comm_s, "optimizer_s": e.optimizer_s,
-            "allocated_gib": e.allocated_gib, "memory_phase": e.memory_phase, "compiled": compiled,
+            "step_s": e.step_s,
+            "compute_s": e.compute_s,
+            "elementwise_s": e.elementwise_s,
+            "host_s": e.host_s,
+            "bubble_s": e.bubble_s,
+            "exposed_comm_s": e.exposed_comm_s,
+            "optimizer_s": e.optimizer_s,
+            "allocated_gib": e.allocated_gib,
+            "memory_phase": e.memory_phase,
+            "compiled": compiled,
             "memory_gib": {k: round(v, 3) for k, v in e.as_dict()["memory_gib"].items()},
-            "measured_step_s": m_step, "measured_peak_gib": m_mem,
-            "step_error": e.step_s / m_step - 1, "memory_error": e.allocated_gib / m_mem - 1,
-            "calibration_run": row["name"] == calibrate, "host_calibration_run": row["name"] == calibrate_host,
+            "measured_step_s": m_step,
+            "measured_peak_gib": m_mem,
+            "step_error": e.step_s / m_step - 1,
+            "memory_error": e.allocated_gib / m_mem - 1,
+            "calibration_run": row["name"] == calibrate,
+            "host_calibration_run": row["name"] == calibrate_host,
             "notes": e.notes,
-        }  # fmt: skip
+        }
         row["predicted"]["step_ok"] = abs(row["predicted"]["step_error"]) <= STEP_BAND
         row["predicted"]["memory_ok"] = abs(row["predicted"]["memory_error"]) <= MEMORY_BAND
     return {
@@ -161,22 +193,34 @@ def print_table(rows: list[dict], markdown: bool = False) -> None:
         )
         print("|---|---|---|---|---|---|---|---|---|")
     else:
-        head = (f"{'run':<16}{'layout':<24}{'meas GiB':>9}{'pred GiB':>9}{'err':>9} {'peak at':<10}{'meas ms':>9}"
-                f"{'pred ms':>9}  {'err'}")  # fmt: skip
+        head = (
+            f"{'run':<16}{'layout':<24}{'meas GiB':>9}{'pred GiB':>9}{'err':>9} {'peak at':<10}{'meas ms':>9}"
+            f"{'pred ms':>9}  {'err'}"
+        )
         print("\n" + head + "\n" + "-" * len(head))
     for r in done:
         p = r["predicted"]
         mark = " (efficiency fit)" if p["calibration_run"] else " (host fit)" if p["host_calibration_run"] else ""
         mem_flag = "" if p["memory_ok"] else " ✗"
         step_flag = "" if p["step_ok"] or mark else " ✗"
-        cells = (r["name"], _layout_text(r), f"{p['measured_peak_gib']:.2f}", f"{p['allocated_gib']:.2f}",
-                 f"{100 * p['memory_error']:+.1f}%{mem_flag}", p["memory_phase"], f"{1e3 * p['measured_step_s']:.1f}",
-                 f"{1e3 * p['step_s']:.1f}", f"{100 * p['step_error']:+.1f}%{step_flag}{mark}")  # fmt: skip
+        cells = (
+            r["name"],
+            _layout_text(r),
+            f"{p['measured_peak_gib']:.2f}",
+            f"{p['allocated_gib']:.2f}",
+            f"{100 * p['memory_error']:+.1f}%{mem_flag}",
+            p["memory_phase"],
+            f"{1e3 * p['measured_step_s']:.1f}",
+            f"{1e3 * p['step_s']:.1f}",
+            f"{100 * p['step_error']:+.1f}%{step_flag}{mark}",
+        )
         if markdown:
             print("| " + " | ".join(cells) + " |")
         else:
-            print(f"{cells[0]:<16}{cells[1]:<24}{cells[2]:>9}{cells[3]:>9}{cells[4]:>9} {cells[5]:<10}{cells[6]:>9}"
-                  f"{cells[7]:>9}  {cells[8]}")  # fmt: skip
+            print(
+                f"{cells[0]:<16}{cells[1]:<24}{cells[2]:>9}{cells[3]:>9}{cells[4]:>9} {cells[5]:<10}{cells[6]:>9}"
+                f"{cells[7]:>9}  {cells[8]}"
+            )
     for r in rows:
         if not r.get("predicted") and r.get("layout") != "hf-ddp":
             print(f"{r['name']:<16} not predicted: {r.get('error', 'not run')[:100]!r}")
@@ -187,9 +231,11 @@ def print_table(rows: list[dict], markdown: bool = False) -> None:
         if not (r["predicted"]["calibration_run"] or r["predicted"]["host_calibration_run"])
     ]
     if mem:
-        print(f"\nmemory: {sum(m <= MEMORY_BAND for m in mem)}/{len(mem)} rows within ±10% (max |error| "
-              f"{100 * max(mem):.1f}%); step time: {sum(s <= STEP_BAND for s in step)}/{len(step)} predicted rows "
-              f"within ±20% (max |error| {100 * max(step):.1f}%)")  # fmt: skip
+        print(
+            f"\nmemory: {sum(m <= MEMORY_BAND for m in mem)}/{len(mem)} rows within ±10% (max |error| "
+            f"{100 * max(mem):.1f}%); step time: {sum(s <= STEP_BAND for s in step)}/{len(step)} predicted rows "
+            f"within ±20% (max |error| {100 * max(step):.1f}%)"
+        )
 
 
 def plot(payload: dict, png: Path) -> None:
@@ -200,14 +246,22 @@ def plot(payload: dict, png: Path) -> None:
 
     rows = [r for r in payload["rows"] if r.get("predicted")]
     fig, axes = plt.subplots(1, 2, figsize=(11, 4.8))
-    for ax, key_m, key_p, band, unit in ((axes[0], "measured_peak_gib", "allocated_gib", MEMORY_BAND, "GiB"),
-                                         (axes[1], "measured_step_s", "step_s", STEP_BAND, "s")):  # fmt: skip
+    for ax, key_m, key_p, band, unit in (
+        (axes[0], "measured_peak_gib", "allocated_gib", MEMORY_BAND, "GiB"),
+        (axes[1], "measured_step_s", "step_s", STEP_BAND, "s"),
+    ):
         xs = [r["predicted"][key_m] for r in rows]
         ys = [r["predicted"][key_p] for r in rows]
         lo, hi = min(xs + ys) * 0.7, max(xs + ys) * 1.3
         ax.plot([lo, hi], [lo, hi], color="black", linewidth=0.8)
-        ax.fill_between([lo, hi], [lo * (1 - band), hi * (1 - band)], [lo * (1 + band), hi * (1 + band)],
-                        color="tab:green", alpha=0.15, label=f"±{int(band * 100)}%")  # fmt: skip
+        ax.fill_between(
+            [lo, hi],
+            [lo * (1 - band), hi * (1 - band)],
+            [lo * (1 + band), hi * (1 + band)],
+            color="tab:green",
+            alpha=0.15,
+            label=f"±{int(band * 100)}%",
+        )
         for r, x, y in zip(rows, xs, ys, strict=True):
             fit = r["predicted"]["calibration_run"] or r["predicted"].get("host_calibration_run")
             ax.scatter([x], [y], color="tab:red" if fit else "tab:blue")
@@ -271,16 +325,29 @@ def parse_overrides(items: list[str]) -> dict[str, list[str]]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--reuse", nargs="+", default=[], help="bench/scaling.py results JSONs: their measured rows "
-                        "are taken instead of being run again (later files win on equal names)")  # fmt: skip
+    parser.add_argument(
+        "--reuse",
+        nargs="+",
+        default=[],
+        help="bench/scaling.py results JSONs: their measured rows "
+        "are taken instead of being run again (later files win on equal names)",
+    )
     parser.add_argument("--reuse-only", action="store_true", help="run nothing: predict every reused row")
     parser.add_argument("--calibrate", default="t-1-g32", help="the run the efficiency is fitted on")
     parser.add_argument("--calibrate-host", default="v-tiny-1", help="the host-bound run host_op_us is fitted on")
-    parser.add_argument("--no-as-run", action="store_true", help="predict rows from their recipes as recorded, "
-                        "without the AS_RUN facts about known results files")  # fmt: skip
+    parser.add_argument(
+        "--no-as-run",
+        action="store_true",
+        help="predict rows from their recipes as recorded, without the AS_RUN facts about known results files",
+    )
     parser.add_argument("--as-run", nargs="*", default=[], help="extra config overrides per row: ROW_GLOB=--key,value")
-    parser.add_argument("--doctor", nargs="*", default=[], help="`anytrain doctor` results of this host: use its "
-                        "measured NCCL bus bandwidth, latency and HBM copy rate instead of the datasheet")  # fmt: skip
+    parser.add_argument(
+        "--doctor",
+        nargs="*",
+        default=[],
+        help="`anytrain doctor` results of this host: use its "
+        "measured NCCL bus bandwidth, latency and HBM copy rate instead of the datasheet",
+    )
     parser.add_argument("--markdown", action="store_true", help="print the table as Markdown (docs/cost-model.md)")
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--log-interval", type=int, default=2)
@@ -289,8 +356,12 @@ def main() -> None:
     parser.add_argument("--budget-s", type=float, default=0.0)
     parser.add_argument("--job-timeout-s", type=float, default=300.0)
     parser.add_argument("--out", default="bench/results")
-    parser.add_argument("--tag", default=None, help="suffix of the output files (default: 'reuse' with --reuse-only, "
-                        "so that predictions of recorded rows never overwrite a GPU run's results)")  # fmt: skip
+    parser.add_argument(
+        "--tag",
+        default=None,
+        help="suffix of the output files (default: 'reuse' with --reuse-only, "
+        "so that predictions of recorded rows never overwrite a GPU run's results)",
+    )
     parser.add_argument("--plot", default=None, help="only plot an existing results JSON")
     parser.add_argument("--png", default="docs/cost_model_validation.png")
     args = parser.parse_args()
@@ -317,9 +388,16 @@ def main() -> None:
     env = hardware.summary(hardware.resolve_device("auto"))
     device_name = next((r["device"] for r in rows if r.get("device")), env.get("device", ""))
     gpus_per_node = max([n_gpus, 1, *(r["gpus"] for r in rows)])
-    table = predict(rows, "h200" if "H200" in device_name else "h100", gpus_per_node, args.calibrate,
-                    args.calibrate_host, not args.no_as_run, parse_overrides(args.as_run),
-                    doctor_overrides(args.doctor))  # fmt: skip
+    table = predict(
+        rows,
+        "h200" if "H200" in device_name else "h100",
+        gpus_per_node,
+        args.calibrate,
+        args.calibrate_host,
+        not args.no_as_run,
+        parse_overrides(args.as_run),
+        doctor_overrides(args.doctor),
+    )
     print(f"fitted: {table}")
     print_table(rows, args.markdown)
     slug = re.sub(r"[^a-z0-9]+", "-", device_name.lower()).strip("-")
@@ -327,10 +405,16 @@ def main() -> None:
     slug += f"_{tag}" if tag else ""
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    payload = {"date": time.strftime("%Y-%m-%d"), "device": device_name, "versions": env,
-               "calibration": {"efficiency": args.calibrate, "host_op_us": args.calibrate_host},
-               "efficiency_table": table, "reused_from": args.reuse, "as_run": not args.no_as_run,
-               "rows": rows}  # fmt: skip
+    payload = {
+        "date": time.strftime("%Y-%m-%d"),
+        "device": device_name,
+        "versions": env,
+        "calibration": {"efficiency": args.calibrate, "host_op_us": args.calibrate_host},
+        "efficiency_table": table,
+        "reused_from": args.reuse,
+        "as_run": not args.no_as_run,
+        "rows": rows,
+    }
     (out / f"cost_model_validation_{slug}.json").write_text(json.dumps(payload, indent=1, default=str))
     (out / f"efficiency_{slug}.json").write_text(json.dumps(table, indent=1))
     print(f"\nwrote {out / f'cost_model_validation_{slug}.json'} and {out / f'efficiency_{slug}.json'}")

@@ -60,16 +60,26 @@ def generate_row(hf_dir: Path, spec: dict, device, dtype) -> tuple[dict, object,
     tokenizer = AutoTokenizer.from_pretrained(hf_dir)
     model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=dtype).to(device).eval()
     _sync(device)
-    row = {"load_s": time.perf_counter() - started, "class": type(model).__name__, "dtype": str(dtype),
-           "params": sum(p.numel() for p in model.parameters())}  # fmt: skip
+    row = {
+        "load_s": time.perf_counter() - started,
+        "class": type(model).__name__,
+        "dtype": str(dtype),
+        "params": sum(p.numel() for p in model.parameters()),
+    }
     eos = tokenizer.eos_token_id
     ids = torch.tensor([[eos] + tokenizer(spec["prompt"], add_special_tokens=False).input_ids], device=device)
     new = spec["max_new_tokens"]
 
     def generate(n: int):
         with torch.no_grad():
-            return model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n,
-                                  do_sample=False, pad_token_id=tokenizer.pad_token_id or eos)  # fmt: skip
+            return model.generate(
+                ids,
+                attention_mask=torch.ones_like(ids),
+                max_new_tokens=n,
+                min_new_tokens=n,
+                do_sample=False,
+                pad_token_id=tokenizer.pad_token_id or eos,
+            )
 
     generate(min(4, new))  # warm-up: first kernels, caches
     _sync(device)
@@ -78,8 +88,14 @@ def generate_row(hf_dir: Path, spec: dict, device, dtype) -> tuple[dict, object,
     _sync(device)
     seconds = time.perf_counter() - started
     tokens = out[0, ids.shape[1] :].tolist()
-    row.update(prompt=spec["prompt"], new_tokens=len(tokens), seconds=seconds, tokens_per_s=len(tokens) / seconds,
-               text=tokenizer.decode(tokens, skip_special_tokens=True), token_ids=tokens)  # fmt: skip
+    row.update(
+        prompt=spec["prompt"],
+        new_tokens=len(tokens),
+        seconds=seconds,
+        tokens_per_s=len(tokens) / seconds,
+        text=tokenizer.decode(tokens, skip_special_tokens=True),
+        token_ids=tokens,
+    )
     return row, model, tokenizer
 
 
@@ -109,11 +125,21 @@ def native_row(scorer, task_file: Path, spec: dict, device) -> dict:
         lls = [next(scores)[0] for _ in item.continuations]
         right.append(int(np.argmax(lls)) == item.label)
         right_norm.append(int(np.argmax(norm_scores(lls, item.choices))) == item.label)
-    first = {str(n): {"acc": sum(right[:n]) / n, "acc_norm": sum(right_norm[:n]) / n}
-             for n in sorted(set(spec.get("prefixes", []))) if 0 < n < len(task.items)}  # fmt: skip
-    return {"acc": metrics["acc"], "acc_norm": metrics["acc_norm"], "n": metrics["n"], "seconds": seconds,
-            "model_s": timer.seconds, "requests": requests, "timed": "evals.tasks.score_task (model loaded)",
-            **({"first": first} if first else {})}  # fmt: skip
+    first = {
+        str(n): {"acc": sum(right[:n]) / n, "acc_norm": sum(right_norm[:n]) / n}
+        for n in sorted(set(spec.get("prefixes", [])))
+        if 0 < n < len(task.items)
+    }
+    return {
+        "acc": metrics["acc"],
+        "acc_norm": metrics["acc_norm"],
+        "n": metrics["n"],
+        "seconds": seconds,
+        "model_s": timer.seconds,
+        "requests": requests,
+        "timed": "evals.tasks.score_task (model loaded)",
+        **({"first": first} if first else {}),
+    }
 
 
 def lm_eval_row(evaluate, model_timer: Timer, task, limit: int, spec: dict, device) -> dict:
@@ -128,11 +154,16 @@ def lm_eval_row(evaluate, model_timer: Timer, task, limit: int, spec: dict, devi
     metrics = evaluate(limit if limit < len(task.items) else 0)
     _sync(device)
     seconds = time.perf_counter() - started
-    return {"acc": metrics["acc"], "acc_norm": metrics["acc_norm"], "n": metrics.get("n") or len(items),
-            "seconds": seconds, "model_s": model_timer.seconds,
-            "requests": sum(len(item.continuations) for item in items),
-            "timed": "lm_eval.simple_evaluate (model loaded)",
-            **({"item_limit": limit} if 0 < limit < len(task.items) else {})}  # fmt: skip
+    return {
+        "acc": metrics["acc"],
+        "acc_norm": metrics["acc_norm"],
+        "n": metrics.get("n") or len(items),
+        "seconds": seconds,
+        "model_s": model_timer.seconds,
+        "requests": sum(len(item.continuations) for item in items),
+        "timed": "lm_eval.simple_evaluate (model loaded)",
+        **({"item_limit": limit} if 0 < limit < len(task.items) else {}),
+    }
 
 
 def hflm_evaluate(lm, include_path: Path, limit: int) -> dict:
@@ -141,9 +172,17 @@ def hflm_evaluate(lm, include_path: Path, limit: int) -> dict:
     from lm_eval.tasks import TaskManager
 
     manager = TaskManager(include_path=str(include_path), include_defaults=False)
-    results = lm_eval.simple_evaluate(model=lm, tasks=[TASK], num_fewshot=0, limit=limit or None,
-                                      task_manager=manager, random_seed=SEED, numpy_random_seed=SEED,
-                                      torch_random_seed=SEED, fewshot_random_seed=SEED)  # fmt: skip
+    results = lm_eval.simple_evaluate(
+        model=lm,
+        tasks=[TASK],
+        num_fewshot=0,
+        limit=limit or None,
+        task_manager=manager,
+        random_seed=SEED,
+        numpy_random_seed=SEED,
+        torch_random_seed=SEED,
+        fewshot_random_seed=SEED,
+    )
     metrics = results["results"][TASK]
     kept = {k.split(",")[0]: v for k, v in metrics.items() if isinstance(v, int | float) and "stderr" not in k}
     kept["n"] = kept.pop("sample_len", None)
@@ -202,8 +241,10 @@ def eval_stage(spec: dict) -> dict:
             row["examples_per_s"] = row["n"] / row["seconds"]
             row["requests_per_s"] = row["requests"] / row["seconds"]
             row["examples_per_s_model"] = row["n"] / row["model_s"] if row.get("model_s") else None
-            log(f"  {spec['name']} {name}: {row['n']} items, {row['examples_per_s']:,.1f} examples/s, acc "
-                f"{row['acc']:.4f}, acc_norm {row['acc_norm']:.4f}: {time.perf_counter() - started:.1f} s")  # fmt: skip
+            log(
+                f"  {spec['name']} {name}: {row['n']} items, {row['examples_per_s']:,.1f} examples/s, acc "
+                f"{row['acc']:.4f}, acc_norm {row['acc_norm']:.4f}: {time.perf_counter() - started:.1f} s"
+            )
         else:
             log(f"  {spec['name']} {name}: {time.perf_counter() - started:.1f} s")
         save()
@@ -216,8 +257,9 @@ def eval_stage(spec: dict) -> dict:
         traceback.print_exc()
         out["generate"] = {"error": f"{type(exc).__name__}: {str(exc)[:400]}"}
     if out["generate"].get("class", "").startswith("Mamba"):  # transformers' fast path needs both packages
-        out["generate"]["fast_kernels"] = all(importlib.util.find_spec(m) is not None
-                                              for m in ("mamba_ssm", "causal_conv1d"))  # fmt: skip
+        out["generate"]["fast_kernels"] = all(
+            importlib.util.find_spec(m) is not None for m in ("mamba_ssm", "causal_conv1d")
+        )
     log(f"  {spec['name']} generate: {out['generate'].get('tokens_per_s', 0):.1f} tokens/s")
     save()
 
@@ -229,8 +271,10 @@ def eval_stage(spec: dict) -> dict:
         if "text" in out["generate"]:  # anytrain's own greedy continuation of the same prompt
             native_text = scorer.generate_until(spec["prompt"], [], spec["max_new_tokens"])
             hf_text = out["generate"]["text"]
-            same = next((i for i, (a, b) in enumerate(zip(native_text, hf_text, strict=False)) if a != b),
-                        min(len(native_text), len(hf_text)))  # fmt: skip
+            same = next(
+                (i for i, (a, b) in enumerate(zip(native_text, hf_text, strict=False)) if a != b),
+                min(len(native_text), len(hf_text)),
+            )
             out["generate"].update(native_text=native_text, common_prefix_chars=same)
     except Exception as exc:  # noqa: BLE001
         import traceback
@@ -243,10 +287,18 @@ def eval_stage(spec: dict) -> dict:
         timer = Timer(scorer.loglikelihood)
         scorer.loglikelihood = timer
         try:
-            return {"load_s": native_load, "model": "anytrain (evals/lm_eval_bridge.py)",
-                    **lm_eval_row(lambda limit: run_lm_eval(scorer, [TASK], include_path, limit=limit,
-                                                            builtin_tasks=False)[TASK],
-                                  timer, task, limits.get("bridge", 0), spec, device)}  # fmt: skip
+            return {
+                "load_s": native_load,
+                "model": "anytrain (evals/lm_eval_bridge.py)",
+                **lm_eval_row(
+                    lambda limit: run_lm_eval(scorer, [TASK], include_path, limit=limit, builtin_tasks=False)[TASK],
+                    timer,
+                    task,
+                    limits.get("bridge", 0),
+                    spec,
+                    device,
+                ),
+            }
         finally:
             del scorer.loglikelihood
 
@@ -264,18 +316,33 @@ def eval_stage(spec: dict) -> dict:
         from lm_eval.models.huggingface import HFLM
 
         started = time.perf_counter()
-        lm = HFLM(pretrained=model, tokenizer=str(hf_dir), batch_size=spec["batch_size"], add_bos_token=True,
-                  softmax_dtype=torch.float32)  # fmt: skip
+        lm = HFLM(
+            pretrained=model,
+            tokenizer=str(hf_dir),
+            batch_size=spec["batch_size"],
+            add_bos_token=True,
+            softmax_dtype=torch.float32,
+        )
         load = time.perf_counter() - started + out["generate"].get("load_s", 0.0)
         first = lm.tok_encode(task.items[0].context(0))[:1]  # add_bos_token: <|endoftext|> first, as the native scorer
         timer = Timer(lm.loglikelihood)
         lm.loglikelihood = timer
-        row = lm_eval_row(lambda limit: hflm_evaluate(lm, include_path, limit), timer, task, limits.get("hflm", 0),
-                          spec, device)  # fmt: skip
-        args = {"add_bos_token": True, "softmax_dtype": "float32", "batch_size": spec["batch_size"],
-                "dtype": str(dtype)}  # fmt: skip
-        return {"load_s": load, "model": "lm_eval.models.huggingface.HFLM", "args": args,
-                "eos_first": first == [lm.eot_token_id], **row}  # fmt: skip
+        row = lm_eval_row(
+            lambda limit: hflm_evaluate(lm, include_path, limit), timer, task, limits.get("hflm", 0), spec, device
+        )
+        args = {
+            "add_bos_token": True,
+            "softmax_dtype": "float32",
+            "batch_size": spec["batch_size"],
+            "dtype": str(dtype),
+        }
+        return {
+            "load_s": load,
+            "model": "lm_eval.models.huggingface.HFLM",
+            "args": args,
+            "eos_first": first == [lm.eot_token_id],
+            **row,
+        }
 
     if "hflm" in spec["stacks"]:
         attempt("hflm", hflm)

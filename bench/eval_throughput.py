@@ -125,8 +125,9 @@ def corpus_words(data_dir: Path, need: int) -> list[str]:
     return words
 
 
-def build_task(data_dir: Path, out_dir: Path, items: int, choices: int, context_words: int, choice_words: int,
-               seed: int = SEED) -> dict:  # fmt: skip
+def build_task(
+    data_dir: Path, out_dir: Path, items: int, choices: int, context_words: int, choice_words: int, seed: int = SEED
+) -> dict:
     """Write ``out_dir/TASK.jsonl`` (anytrain's mc schema) and ``out_dir/TASK.yaml`` (lm-eval, over that file):
     ``items`` non-overlapping windows of the corpus, each a context of ``context_words`` words and the next
     ``choice_words`` words as the correct choice among ``choices`` (distractors: spans from random other places)."""
@@ -154,8 +155,15 @@ def build_task(data_dir: Path, out_dir: Path, items: int, choices: int, context_
     jsonl = out_dir / f"{TASK}.jsonl"
     jsonl.write_text("".join(json.dumps(r) + "\n" for r in records), encoding="utf-8")
     write_local_task(TASK, jsonl, out_dir)
-    return {"file": str(jsonl), "items": items, "choices": choices, "context_words": context_words,
-            "choice_words": choice_words, "seed": seed, "corpus_words": len(words)}  # fmt: skip
+    return {
+        "file": str(jsonl),
+        "items": items,
+        "choices": choices,
+        "context_words": context_words,
+        "choice_words": choice_words,
+        "seed": seed,
+        "corpus_words": len(words),
+    }
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -186,8 +194,11 @@ def run_stage(name: str, cmd: list[str], log_file: Path, budget: Budget, in_proc
 
         buffer = io.StringIO()
         code = 0
-        with mock.patch.object(sys, "argv", ["anytrain", *cmd]), contextlib.redirect_stdout(buffer), \
-                contextlib.redirect_stderr(buffer):  # fmt: skip
+        with (
+            mock.patch.object(sys, "argv", ["anytrain", *cmd]),
+            contextlib.redirect_stdout(buffer),
+            contextlib.redirect_stderr(buffer),
+        ):
             try:
                 cli.main()
             except SystemExit as exc:
@@ -198,8 +209,9 @@ def run_stage(name: str, cmd: list[str], log_file: Path, budget: Budget, in_proc
         argv = [sys.executable, "-m", "anytrain", *cmd] if cmd[0] != "-m" else [sys.executable, *cmd]
         with log_file.open("w") as handle:
             try:
-                code = subprocess.run(argv, cwd=ROOT, env=env, stdout=handle, stderr=subprocess.STDOUT,
-                                      timeout=max(budget.left(), 30.0)).returncode  # fmt: skip
+                code = subprocess.run(
+                    argv, cwd=ROOT, env=env, stdout=handle, stderr=subprocess.STDOUT, timeout=max(budget.left(), 30.0)
+                ).returncode
             except subprocess.TimeoutExpired:
                 code = "timeout (--budget-s)"
     seconds = time.perf_counter() - started
@@ -215,8 +227,12 @@ def recipe_info(recipe: str) -> dict:
 
     cfg = yaml.safe_load(Path(recipe).read_text())  # recipes are resolved against the repo root in main()
     model, train = cfg.get("model", {}), cfg.get("train", {})
-    return {"arch": model.get("arch"), "flavour": model.get("flavour"), "micro_batch": train.get("micro_batch", 0),
-            "recipe_compile": bool(train.get("compile", False))}  # fmt: skip
+    return {
+        "arch": model.get("arch"),
+        "flavour": model.get("flavour"),
+        "micro_batch": train.get("micro_batch", 0),
+        "recipe_compile": bool(train.get("compile", False)),
+    }
 
 
 def compiled(info: dict, args: argparse.Namespace) -> bool:
@@ -236,18 +252,51 @@ def train_args(recipe: str, run_dir: Path, data: Path, steps: int, args: argpars
     if not args.micro_batch and not compiled(info, args):
         micro = min(micro, 4)  # eager keeps more activations than compiled code (1.1B eager at 8: out of memory)
     micro = min(micro, args.global_batch)
-    cmd = ["train", recipe, "--run-dir", str(run_dir), "--overwrite", "--data.path", str(data), "--data.seq_len",
-           str(args.seq_len), "--train.steps", str(steps), "--train.global_batch", str(args.global_batch),
-           "--train.micro_batch", str(micro), "--train.warmup_steps", str(max(1, steps // 10)),
-           "--train.eval_interval", "0", "--train.eval_batches", "1", "--train.log_interval",
-           str(max(1, min(20, steps))), "--checkpoint.interval", "0", "--checkpoint.keep_last", "1",
-           "--checkpoint.checksums", "false"]  # fmt: skip
+    cmd = [
+        "train",
+        recipe,
+        "--run-dir",
+        str(run_dir),
+        "--overwrite",
+        "--data.path",
+        str(data),
+        "--data.seq_len",
+        str(args.seq_len),
+        "--train.steps",
+        str(steps),
+        "--train.global_batch",
+        str(args.global_batch),
+        "--train.micro_batch",
+        str(micro),
+        "--train.warmup_steps",
+        str(max(1, steps // 10)),
+        "--train.eval_interval",
+        "0",
+        "--train.eval_batches",
+        "1",
+        "--train.log_interval",
+        str(max(1, min(20, steps))),
+        "--checkpoint.interval",
+        "0",
+        "--checkpoint.keep_last",
+        "1",
+        "--checkpoint.checksums",
+        "false",
+    ]
     if not compiled(info, args):
         cmd += ["--train.compile", "false"]
     if args.smoke:
         # a model vocabulary larger than the data's tokenizer (512), as the GPU recipes' (32000, 50280) over 8192
-        cmd += ["--model.flavour", "debug", "--model.args.vocab_size", "640", "--train.dtype", "fp32",
-                "--device", "cpu"]  # fmt: skip
+        cmd += [
+            "--model.flavour",
+            "debug",
+            "--model.args.vocab_size",
+            "640",
+            "--train.dtype",
+            "fp32",
+            "--device",
+            "cpu",
+        ]
     return cmd + args.train_args.split()
 
 
@@ -266,20 +315,30 @@ def parse_stack_items(entries: list[str]) -> list[str]:
     for entry in entries:
         target, eq, count = entry.partition("=")
         if not eq or target.partition("@")[0] not in STACKS or not count.isdigit():
-            raise SystemExit(f"error: --stack-items {entry}: expected STACK[@ARCH]=N with STACK one of "
-                             f"{', '.join(STACKS)} and N >= 0")  # fmt: skip
+            raise SystemExit(
+                f"error: --stack-items {entry}: expected STACK[@ARCH]=N with STACK one of "
+                f"{', '.join(STACKS)} and N >= 0"
+            )
     return entries
 
 
-def run_recipe(entry: str, args: argparse.Namespace, task: dict, work: Path, budget: Budget, rows: list[dict],
-               save) -> dict:  # fmt: skip
+def run_recipe(
+    entry: str, args: argparse.Namespace, task: dict, work: Path, budget: Budget, rows: list[dict], save
+) -> dict:
     """Train, export and evaluate one recipe; its row joins ``rows`` at once and ``save()`` (the result JSON) runs
     after every stage, so that a run killed later keeps what finished."""
     recipe, _, steps = entry.partition(":")
     steps = int(steps or args.steps)
     name = Path(recipe).stem
-    row: dict = {"recipe": recipe, "name": name, **recipe_info(recipe), "steps": steps, "seq_len": args.seq_len,
-                 "global_batch": args.global_batch, "stages": {}}  # fmt: skip
+    row: dict = {
+        "recipe": recipe,
+        "name": name,
+        **recipe_info(recipe),
+        "steps": steps,
+        "seq_len": args.seq_len,
+        "global_batch": args.global_batch,
+        "stages": {},
+    }
     rows.append(row)
     if budget.left() <= 0:
         row["error"] = f"skipped: --budget-s {budget.seconds:.0f} spent ({budget.elapsed():.0f} s)"
@@ -299,14 +358,26 @@ def run_recipe(entry: str, args: argparse.Namespace, task: dict, work: Path, bud
         metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line]
         losses = [m for m in metrics if "loss" in m]
         row["final_loss"] = losses[-1]["loss"] if losses else None
-        row["tokens_per_s_train"] = next((m.get("tokens_per_s") for m in reversed(losses) if m.get("tokens_per_s")),
-                                         None)  # fmt: skip
-        log(f"{name} train: {stages['train_s']:.1f} s ({steps} steps, micro-batch {row['micro_batch_used']}, "
+        row["tokens_per_s_train"] = next(
+            (m.get("tokens_per_s") for m in reversed(losses) if m.get("tokens_per_s")), None
+        )
+        log(
+            f"{name} train: {stages['train_s']:.1f} s ({steps} steps, micro-batch {row['micro_batch_used']}, "
             f"{'compiled' if row['compile'] else 'eager'}, final loss {row['final_loss']}, "
-            f"{row['tokens_per_s_train'] or 0:,.0f} tokens/s)")  # fmt: skip
+            f"{row['tokens_per_s_train'] or 0:,.0f} tokens/s)"
+        )
         save()
-        cmd = ["export", str(run_dir), "--format", "hf", "--out", str(hf_dir), "--dtype",
-               "fp32" if args.smoke else "bf16", "--overwrite"]  # fmt: skip
+        cmd = [
+            "export",
+            str(run_dir),
+            "--format",
+            "hf",
+            "--out",
+            str(hf_dir),
+            "--dtype",
+            "fp32" if args.smoke else "bf16",
+            "--overwrite",
+        ]
         stages["export_s"] = run_stage("export", cmd, logs / f"{name}_export.log", budget, args.smoke)
         row["export_gb"] = sum(f.stat().st_size for f in hf_dir.iterdir()) / 1e9
         log(f"{name} export: {stages['export_s']:.1f} s ({row['export_gb']:.2f} GB)")
@@ -316,10 +387,20 @@ def run_recipe(entry: str, args: argparse.Namespace, task: dict, work: Path, bud
         limits = {k: v for k, v in stack_limits(args, row["arch"]).items() if k in args.stacks and v > 0}
         if limits:
             row["stack_items"] = limits
-        spec = {"name": name, "run_dir": str(run_dir), "hf_dir": str(hf_dir), "task_file": task["file"],
-                "batch_size": args.batch_size, "prompt": args.prompt, "max_new_tokens": args.max_new_tokens,
-                "warmup_items": args.warmup_items, "stacks": args.stacks, "stack_items": limits,
-                "row_file": str(row_file), "device": "cpu" if args.smoke else "auto"}  # fmt: skip
+        spec = {
+            "name": name,
+            "run_dir": str(run_dir),
+            "hf_dir": str(hf_dir),
+            "task_file": task["file"],
+            "batch_size": args.batch_size,
+            "prompt": args.prompt,
+            "max_new_tokens": args.max_new_tokens,
+            "warmup_items": args.warmup_items,
+            "stacks": args.stacks,
+            "stack_items": limits,
+            "row_file": str(row_file),
+            "device": "cpu" if args.smoke else "auto",
+        }
         started = time.perf_counter()
         try:
             if args.smoke:
@@ -350,8 +431,10 @@ def run_recipe(entry: str, args: argparse.Namespace, task: dict, work: Path, bud
 
 
 def print_table(rows: list[dict]) -> None:
-    print(f"\n{'recipe':<16}{'stack':<8}{'items':>6}{'examples/s':>12}{'vs HFLM':>9}{'model-only/s':>14}{'vs HFLM':>9}"
-          f"{'acc':>8}{'acc_norm':>10}{'load s':>8}  native on the same items (acc, acc_norm)")  # fmt: skip
+    print(
+        f"\n{'recipe':<16}{'stack':<8}{'items':>6}{'examples/s':>12}{'vs HFLM':>9}{'model-only/s':>14}{'vs HFLM':>9}"
+        f"{'acc':>8}{'acc_norm':>10}{'load s':>8}  native on the same items (acc, acc_norm)"
+    )
     for r in rows:
         if "error" in r and not r.get("stacks"):
             print(f"{r['name']:<16}{r['error'][:100]}")
@@ -367,17 +450,23 @@ def print_table(rows: list[dict]) -> None:
             load = f"{s['load_s']:.1f}" if s.get("load_s") is not None else ""
             same = r["stacks"].get("native", {}).get("first", {}).get(str(s["n"])) if s.get("item_limit") else None
             same = f"  {same['acc']:.4f}, {same['acc_norm']:.4f}" if same else ""
-            print(f"{r['name']:<16}{stack:<8}{s['n']:>6}{s['examples_per_s']:>12,.1f}{ratio:>9}{model:>14}"
-                  f"{ratio_model:>9}{s['acc']:>8.4f}{s['acc_norm']:>10.4f}{load:>8}{same}")  # fmt: skip
+            print(
+                f"{r['name']:<16}{stack:<8}{s['n']:>6}{s['examples_per_s']:>12,.1f}{ratio:>9}{model:>14}"
+                f"{ratio_model:>9}{s['acc']:>8.4f}{s['acc_norm']:>10.4f}{load:>8}{same}"
+            )
     print()
     for r in rows:
         g = r.get("generate", {})
         if "tokens_per_s" in g:
-            print(f"{r['name']}: transformers {g['class']} greedy {g['new_tokens']} tokens at {g['tokens_per_s']:.1f} "
-                  f"tokens/s: {g['text']!r}")  # fmt: skip
+            print(
+                f"{r['name']}: transformers {g['class']} greedy {g['new_tokens']} tokens at {g['tokens_per_s']:.1f} "
+                f"tokens/s: {g['text']!r}"
+            )
             if "native_text" in g:
-                print(f"{' ' * len(r['name'])}  anytrain's greedy text: {g['native_text']!r} (same first "
-                      f"{g['common_prefix_chars']} characters)")  # fmt: skip
+                print(
+                    f"{' ' * len(r['name'])}  anytrain's greedy text: {g['native_text']!r} (same first "
+                    f"{g['common_prefix_chars']} characters)"
+                )
         stages = "  ".join(f"{k[:-2]} {v:.1f} s" for k, v in r.get("stages", {}).items())
         print(f"{r['name']}: {stages}" + (f"  error: {r['error'][:200]}" if "error" in r else ""))
 
@@ -418,40 +507,64 @@ def main() -> None:
     parser.add_argument("--data", default=None, help="prepared dataset (default: the repo's data/shakespeare)")
     parser.add_argument("--steps", type=int, default=100, help="training steps of a recipe given without :STEPS")
     parser.add_argument("--global-batch", type=int, default=8)
-    parser.add_argument("--micro-batch", type=int, default=0,
-                        help="0: the recipe's (1.1B compiled: 8, 39.5 GiB), at most the global batch and, eager, at "
-                             "most 4 (eager mamba-1.4b: 4)")  # fmt: skip
+    parser.add_argument(
+        "--micro-batch",
+        type=int,
+        default=0,
+        help="0: the recipe's (1.1B compiled: 8, 39.5 GiB), at most the global batch and, eager, at "
+        "most 4 (eager mamba-1.4b: 4)",
+    )
     parser.add_argument("--seq-len", type=int, default=2048)
-    parser.add_argument("--compile", nargs="?", const="recipe", default="auto", choices=["auto", "recipe", "off"],
-                        help="auto (default): Transformer recipes keep their train.compile (configs/1.1b.yaml: "
-                             "compiled, micro-batch 8, 39.5 GiB; eager at 8 ran out of memory on an 80 GB H100), "
-                             "Mamba recipes train eagerly (micro-batch 4); recipe (or a bare --compile): every recipe "
-                             "keeps its compile; off: all eager")  # fmt: skip
+    parser.add_argument(
+        "--compile",
+        nargs="?",
+        const="recipe",
+        default="auto",
+        choices=["auto", "recipe", "off"],
+        help="auto (default): Transformer recipes keep their train.compile (configs/1.1b.yaml: "
+        "compiled, micro-batch 8, 39.5 GiB; eager at 8 ran out of memory on an 80 GB H100), "
+        "Mamba recipes train eagerly (micro-batch 4); recipe (or a bare --compile): every recipe "
+        "keeps its compile; off: all eager",
+    )
     parser.add_argument("--train-args", default="", help="more `anytrain train` overrides, one string")
     parser.add_argument("--items", type=int, default=500, help="task items")
     parser.add_argument("--choices", type=int, default=4)
     parser.add_argument("--context-words", type=int, default=24)
     parser.add_argument("--choice-words", type=int, default=6)
-    parser.add_argument("--stacks", nargs="+", default=STACKS, choices=STACKS,
-                        help="hflm needs accelerate besides lm-eval")  # fmt: skip
-    parser.add_argument("--stack-items", nargs="*", default=STACK_ITEMS, metavar="STACK[@ARCH]=N",
-                        help="score only the first N items with STACK (for recipes of ARCH only, when given); the "
-                             "native row also reports acc / acc_norm on those items. Default: hflm@mamba=64 "
-                             "(transformers' slow PyTorch Mamba scan without mamba_ssm / causal_conv1d); give "
-                             "--stack-items alone for every stack on every item")  # fmt: skip
+    parser.add_argument(
+        "--stacks", nargs="+", default=STACKS, choices=STACKS, help="hflm needs accelerate besides lm-eval"
+    )
+    parser.add_argument(
+        "--stack-items",
+        nargs="*",
+        default=STACK_ITEMS,
+        metavar="STACK[@ARCH]=N",
+        help="score only the first N items with STACK (for recipes of ARCH only, when given); the "
+        "native row also reports acc / acc_norm on those items. Default: hflm@mamba=64 "
+        "(transformers' slow PyTorch Mamba scan without mamba_ssm / causal_conv1d); give "
+        "--stack-items alone for every stack on every item",
+    )
     parser.add_argument("--batch-size", type=int, default=32, help="sequences per forward, all three stacks")
     parser.add_argument("--warmup-items", type=int, default=16, help="untimed warm-up pass of each stack (0: none)")
     parser.add_argument("--prompt", default="ROMEO.\n")
     parser.add_argument("--max-new-tokens", type=int, default=32)
-    parser.add_argument("--budget-s", type=float, default=450.0,
-                        help="skip a recipe that would start later; kill a stage running past it")  # fmt: skip
+    parser.add_argument(
+        "--budget-s",
+        type=float,
+        default=450.0,
+        help="skip a recipe that would start later; kill a stage running past it",
+    )
     parser.add_argument("--work", default=None, help="work directory (default: a temporary one)")
     parser.add_argument("--keep", action="store_true", help="keep the runs and exports in --work")
-    parser.add_argument("--results", default=str(ROOT / "bench" / "results"),
-                        help="where eval_throughput_<device>.json goes (not with --smoke)")  # fmt: skip
+    parser.add_argument(
+        "--results",
+        default=str(ROOT / "bench" / "results"),
+        help="where eval_throughput_<device>.json goes (not with --smoke)",
+    )
     parser.add_argument("--out", default=None, help="also write the result JSON (and stage logs) here")
-    parser.add_argument("--smoke", action="store_true",
-                        help="CPU check: tiny recipes, debug flavour, fp32, 2 steps, 12 items")  # fmt: skip
+    parser.add_argument(
+        "--smoke", action="store_true", help="CPU check: tiny recipes, debug flavour, fp32, 2 steps, 12 items"
+    )
     parser.add_argument("--eval-child", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     args.stack_items = parse_stack_items(args.stack_items)
@@ -487,10 +600,11 @@ def main() -> None:
             log(f"smoke data: {time.perf_counter() - started:.1f} s")
     started = time.perf_counter()
     args.data = str(Path(args.data).resolve())  # the stages run in the repo root
-    task = build_task(Path(args.data), work / "task", args.items, args.choices, args.context_words,
-                      args.choice_words)  # fmt: skip
-    log(f"task: {task['items']} items x {task['choices']} choices from {args.data}: "
-        f"{time.perf_counter() - started:.1f} s")  # fmt: skip
+    task = build_task(Path(args.data), work / "task", args.items, args.choices, args.context_words, args.choice_words)
+    log(
+        f"task: {task['items']} items x {task['choices']} choices from {args.data}: "
+        f"{time.perf_counter() - started:.1f} s"
+    )
     targets = [] if args.smoke else [Path(args.results)]
     targets += [Path(args.out)] if args.out else []
     options = {k: v for k, v in vars(args).items() if k not in ("eval_child",)}
@@ -514,8 +628,14 @@ def main() -> None:
     device = hardware.resolve_device("cpu" if args.smoke else "auto")
     env = versions(device)
     slug = "smoke" if args.smoke else re.sub(r"[^a-z0-9]+", "-", env["device"].lower()).strip("-")
-    result = {"device": env, "task": task, "wall_s": budget.elapsed(), "options": options, "complete": True,
-              "rows": rows}  # fmt: skip
+    result = {
+        "device": env,
+        "task": task,
+        "wall_s": budget.elapsed(),
+        "options": options,
+        "complete": True,
+        "rows": rows,
+    }
     text = json.dumps(result, indent=1, default=str)
     for folder in targets:
         folder.mkdir(parents=True, exist_ok=True)
@@ -525,8 +645,11 @@ def main() -> None:
         (targets[-1] / PARTIAL).unlink(missing_ok=True)
     if not args.keep and not args.work:
         shutil.rmtree(work, ignore_errors=True)
-    failed = [r for r in rows if "error" in r or "error" in r.get("generate", {})
-              or any("error" in s for s in r.get("stacks", {}).values())]  # fmt: skip
+    failed = [
+        r
+        for r in rows
+        if "error" in r or "error" in r.get("generate", {}) or any("error" in s for s in r.get("stacks", {}).values())
+    ]
     log(f"total {budget.elapsed():.1f} s" + (f"; {len(failed)} recipe(s) with errors" if failed else ""))
     if failed:
         sys.exit(1)

@@ -25,9 +25,30 @@ STEPS, SWITCH_TO_CPU, SWITCH_TO_GPU = 50, 30, 40
 
 
 def train(run_dir: Path, data: str, *extra: str) -> None:
-    cmd = [sys.executable, "-m", "anytrain", "train", "configs/tiny.yaml", "--run-dir", str(run_dir),
-           "--data.path", data, "--train.steps", str(STEPS), "--train.log_interval", "1", "--train.warmup_steps", "5",
-           "--train.eval_interval", "0", "--train.eval_batches", "2", "--checkpoint.interval", "0", *extra]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "anytrain",
+        "train",
+        "configs/tiny.yaml",
+        "--run-dir",
+        str(run_dir),
+        "--data.path",
+        data,
+        "--train.steps",
+        str(STEPS),
+        "--train.log_interval",
+        "1",
+        "--train.warmup_steps",
+        "5",
+        "--train.eval_interval",
+        "0",
+        "--train.eval_batches",
+        "2",
+        "--checkpoint.interval",
+        "0",
+        *extra,
+    ]
     env = dict(os.environ, PYTHONPATH=str(ROOT / "src") + os.pathsep + os.environ.get("PYTHONPATH", ""))
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
     if proc.returncode != 0:
@@ -56,8 +77,7 @@ def plot(result: dict, png: Path) -> None:
     ]
     for i, (lo, hi, label, color) in enumerate(segments):
         xs = [s for s in sw if lo <= s <= hi]
-        ax.plot(xs, [sw[s] for s in xs], color=color, marker="o", ms=3, lw=1.2, ls="-" if i != 2 else "--",
-                label=label)  # fmt: skip
+        ax.plot(xs, [sw[s] for s in xs], color=color, marker="o", ms=3, lw=1.2, ls="-" if i != 2 else "--", label=label)
     for s in (SWITCH_TO_CPU, SWITCH_TO_GPU):
         ax.axvline(s + 0.5, color="k", lw=0.8, ls=":")
     ax.set_xlabel("optimizer step")
@@ -100,7 +120,7 @@ def main() -> None:
             "gpu": [1, SWITCH_TO_CPU],
             "cpu": [SWITCH_TO_CPU + 1, SWITCH_TO_GPU],
             "gpu2": [SWITCH_TO_GPU + 1, STEPS],
-        },  # fmt: skip
+        },
         "uninterrupted": ref,
         "switched": sw,
         "diff_first_cpu_step": diff[SWITCH_TO_CPU + 1],

@@ -252,23 +252,36 @@ def main() -> int:
     if args.sweep:
         conv_variants = [
             ConvConfig(),  # runs of 4 in the backward
-            ConvConfig(4, 256, 4, 4, 256, 4), ConvConfig(8, 256, 4, 8, 256, 4), ConvConfig(4, 512, 4, 4, 512, 4),
-            ConvConfig(8, 512, 8, 8, 512, 8), ConvConfig(16, 256, 8, 16, 256, 8), ConvConfig(2, 1024, 4, 2, 1024, 4),
-            ConvConfig(16, 128, 4, 16, 128, 4), ConvConfig(4, 1024, 8, 4, 1024, 8),
+            ConvConfig(4, 256, 4, 4, 256, 4),
+            ConvConfig(8, 256, 4, 8, 256, 4),
+            ConvConfig(4, 512, 4, 4, 512, 4),
+            ConvConfig(8, 512, 8, 8, 512, 8),
+            ConvConfig(16, 256, 8, 16, 256, 8),
+            ConvConfig(2, 1024, 4, 2, 1024, 4),
+            ConvConfig(16, 128, 4, 16, 128, 4),
+            ConvConfig(4, 1024, 8, 4, 1024, 8),
             # the default tiles with the backward's (batch, time block) loop software-pipelined: cp.async loads of
             # the next 1-2 iterations (offline Triton 3.6 sm_90: 30 / 45 cp.async, 10 / 20 KB shared, 63 / 64 regs)
-            ConvConfig(2, 1024, 4, 1, 1024, 4, 1024, 2), ConvConfig(2, 1024, 4, 1, 1024, 4, 1024, 3),
-            ConvConfig(2, 1024, 4, 2, 512, 4, 1024, 3), ConvConfig(2, 1024, 4, 1, 512, 4, 1024, 4),
-            ConvConfig(2, 1024, 4, 1, 1024, 8, 1024, 3), ConvConfig(2, 1024, 4, 1, 2048, 8, 1024, 2),
-            ConvConfig(2, 1024, 4, 1, 512, 2, 1024, 3), ConvConfig(2, 1024, 4, 1, 1024, 4, 2048, 3),
+            ConvConfig(2, 1024, 4, 1, 1024, 4, 1024, 2),
+            ConvConfig(2, 1024, 4, 1, 1024, 4, 1024, 3),
+            ConvConfig(2, 1024, 4, 2, 512, 4, 1024, 3),
+            ConvConfig(2, 1024, 4, 1, 512, 4, 1024, 4),
+            ConvConfig(2, 1024, 4, 1, 1024, 8, 1024, 3),
+            ConvConfig(2, 1024, 4, 1, 2048, 8, 1024, 2),
+            ConvConfig(2, 1024, 4, 1, 512, 2, 1024, 3),
+            ConvConfig(2, 1024, 4, 1, 1024, 4, 2048, 3),
             ConvConfig(2, 1024, 4, 1, 1024, 4, 512, 3),
             # runs of 8 timesteps per thread in the backward (slots_bwd 8; offline Triton 3.6 sm_90: 417 instead of
             # 512 instructions per 8 outputs at the default tiles, 48 registers)
-            ConvConfig(2, 1024, 4, 1, 1024, 4, 1024, 0, 8), ConvConfig(2, 1024, 4, 1, 2048, 4, 1024, 0, 8),
-            ConvConfig(2, 1024, 4, 2, 1024, 4, 1024, 0, 8), ConvConfig(2, 1024, 4, 1, 1024, 2, 1024, 0, 8),
-            ConvConfig(2, 1024, 4, 1, 512, 2, 1024, 0, 8), ConvConfig(2, 1024, 4, 1, 2048, 8, 1024, 0, 8),
-            ConvConfig(2, 1024, 4, 1, 1024, 4, 2048, 0, 8), ConvConfig(2, 1024, 4, 2, 512, 2, 1024, 0, 8),
-        ]  # fmt: skip
+            ConvConfig(2, 1024, 4, 1, 1024, 4, 1024, 0, 8),
+            ConvConfig(2, 1024, 4, 1, 2048, 4, 1024, 0, 8),
+            ConvConfig(2, 1024, 4, 2, 1024, 4, 1024, 0, 8),
+            ConvConfig(2, 1024, 4, 1, 1024, 2, 1024, 0, 8),
+            ConvConfig(2, 1024, 4, 1, 512, 2, 1024, 0, 8),
+            ConvConfig(2, 1024, 4, 1, 2048, 8, 1024, 0, 8),
+            ConvConfig(2, 1024, 4, 1, 1024, 4, 2048, 0, 8),
+            ConvConfig(2, 1024, 4, 2, 512, 2, 1024, 0, 8),
+        ]
         if conv_given is not None:
             conv_variants = [conv_mod.default_config(), *conv_given]
         for cfg in conv_variants:
@@ -279,10 +292,24 @@ def main() -> int:
             except Exception as e:
                 print(f"conv {cfg}: failed {type(e).__name__}: {str(e)[:200]}")
                 continue
-            sweep.append({"op": "conv", "config": vars(cfg), "fwd_ms": f, "bwd_ms": b, "ms": f + b,
-                          "fwd_launch_ms": fl, "bwd_launch_ms": bl, "fwd_gpu_ms": fg, "bwd_gpu_ms": bg})  # fmt: skip
-            print(f"conv {cfg}: fwd {f:.4f} ms bwd {b:.4f} ms; launchers alone fwd {fl:.4f} bwd {bl:.4f}; "
-                  f"GPU time fwd {fg:.4f} bwd {bg:.4f}", flush=True)  # fmt: skip
+            sweep.append(
+                {
+                    "op": "conv",
+                    "config": vars(cfg),
+                    "fwd_ms": f,
+                    "bwd_ms": b,
+                    "ms": f + b,
+                    "fwd_launch_ms": fl,
+                    "bwd_launch_ms": bl,
+                    "fwd_gpu_ms": fg,
+                    "bwd_gpu_ms": bg,
+                }
+            )
+            print(
+                f"conv {cfg}: fwd {f:.4f} ms bwd {b:.4f} ms; launchers alone fwd {fl:.4f} bwd {bl:.4f}; "
+                f"GPU time fwd {fg:.4f} bwd {bg:.4f}",
+                flush=True,
+            )
     if sweep:  # use the fastest swept conv config
         convs = [r for r in sweep if r["op"] == "conv"]
         if convs:

@@ -86,27 +86,89 @@ def default_cases() -> list[Case]:
         # 4x fewer tokens than in the recipe, which "1.4b-recipe" runs as configured (micro-batch 8; "1.4b-mb4c" is
         # the recipe at micro-batch 4, for cards below 80 GB).
         Case("1.4b", "1.4b", 2048, 4, 8, "anytrain", "anytrain 1.4b, micro-batch 4, global batch 8"),
-        Case("1.4b-recipe", "1.4b", 2048, 8, 32, "anytrain", "recipe (mamba-1.4b.yaml)", True, False, "auto", 2, 5,
-             BF16_RESIDUAL),
-        Case("1.4b-mb4c", "1.4b", 2048, 4, 32, "anytrain", "recipe at micro-batch 4", True, False, "auto", 2, 5,
-             BF16_RESIDUAL),
+        Case(
+            "1.4b-recipe",
+            "1.4b",
+            2048,
+            8,
+            32,
+            "anytrain",
+            "recipe (mamba-1.4b.yaml)",
+            True,
+            False,
+            "auto",
+            2,
+            5,
+            BF16_RESIDUAL,
+        ),
+        Case(
+            "1.4b-mb4c",
+            "1.4b",
+            2048,
+            4,
+            32,
+            "anytrain",
+            "recipe at micro-batch 4",
+            True,
+            False,
+            "auto",
+            2,
+            5,
+            BF16_RESIDUAL,
+        ),
         # cards of 141 GB or more (H200): micro-batch 16 (configs/mamba-1.4b-mb16.yaml, 122 GiB)
-        Case("1.4b-mb16", "1.4b", 2048, 16, 32, "anytrain", "recipe mb16 (mamba-1.4b-mb16.yaml)", True, False, "auto",
-             2, 5, BF16_RESIDUAL),
+        Case(
+            "1.4b-mb16",
+            "1.4b",
+            2048,
+            16,
+            32,
+            "anytrain",
+            "recipe mb16 (mamba-1.4b-mb16.yaml)",
+            True,
+            False,
+            "auto",
+            2,
+            5,
+            BF16_RESIDUAL,
+        ),
         # the fp32 residual stream (mamba-ssm's and HF's default)
-        Case("1.4b-fp32res", "1.4b", 2048, 8, 32, "anytrain", "recipe, fp32 residual stream", True, False, "auto",
-             2, 5),
-        Case("1.4b-mb16-fp32res", "1.4b", 2048, 16, 32, "anytrain", "recipe mb16, fp32 residual", True, False, "auto",
-             2, 5),
+        Case(
+            "1.4b-fp32res", "1.4b", 2048, 8, 32, "anytrain", "recipe, fp32 residual stream", True, False, "auto", 2, 5
+        ),
+        Case(
+            "1.4b-mb16-fp32res",
+            "1.4b",
+            2048,
+            16,
+            32,
+            "anytrain",
+            "recipe mb16, fp32 residual",
+            True,
+            False,
+            "auto",
+            2,
+            5,
+        ),
         Case("1.4b-mb8", "1.4b", 2048, 8, 16, "anytrain", "anytrain micro-batch 8"),
-        Case("1.4b-blocks", "1.4b", 2048, 8, 32, "anytrain", "recipe, per-block compile", compile=True, steps=5,
-             model_args=BF16_RESIDUAL),
+        Case(
+            "1.4b-blocks",
+            "1.4b",
+            2048,
+            8,
+            32,
+            "anytrain",
+            "recipe, per-block compile",
+            compile=True,
+            steps=5,
+            model_args=BF16_RESIDUAL,
+        ),
         Case("130m-blocks", "130m", 1024, 8, 64, "anytrain", "130m recipe, per-block compile", True, True, "blocks"),
         Case("1.4b-compile", "1.4b", 2048, 4, 8, "anytrain", "anytrain + per-block torch.compile", compile=True),
         Case("1.4b-graphs", "1.4b", 2048, 4, 8, "anytrain", "+ compile + CUDA graphs", compile=True, graphs=True),
         Case("130m-compile", "130m", 1024, 8, 64, "anytrain", "anytrain + per-block torch.compile", compile=True),
         Case("hf-130m", "130m", 1024, 8, 8, "hf", "HF MambaForCausalLM (slow path)", warmup=1, steps=2),
-    ]  # fmt: skip
+    ]
 
 
 def quick_cases() -> list[Case]:
@@ -184,11 +246,21 @@ def hf_step_fn(case: Case, device: torch.device, batches: RandomBatches) -> tupl
     from transformers.models.mamba import modeling_mamba
 
     a = resolve_args(ModelConfig(arch="mamba", flavour=case.flavour))
-    config = MambaConfig(vocab_size=a.vocab_size, hidden_size=a.d_model, state_size=a.d_state,
-                         num_hidden_layers=a.n_layers, expand=a.expand, conv_kernel=a.d_conv, time_step_rank=a.dt_rank,
-                         use_bias=False, use_conv_bias=True, layer_norm_epsilon=a.norm_eps,
-                         residual_in_fp32=a.residual_in_fp32, tie_word_embeddings=a.tie_embeddings,
-                         use_cache=False)  # fmt: skip
+    config = MambaConfig(
+        vocab_size=a.vocab_size,
+        hidden_size=a.d_model,
+        state_size=a.d_state,
+        num_hidden_layers=a.n_layers,
+        expand=a.expand,
+        conv_kernel=a.d_conv,
+        time_step_rank=a.dt_rank,
+        use_bias=False,
+        use_conv_bias=True,
+        layer_norm_epsilon=a.norm_eps,
+        residual_in_fp32=a.residual_in_fp32,
+        tie_word_embeddings=a.tie_embeddings,
+        use_cache=False,
+    )
     torch.manual_seed(0)
     with torch.device(device):
         model = MambaForCausalLM(config)
@@ -242,9 +314,13 @@ def measure(step: Callable[[int], None], device: torch.device, warmup: int, step
             t = time.perf_counter()
             step(warmup + i)
             step_s.append(time.perf_counter() - t)
-    return {"seconds": sum(step_s), "step_s": step_s, "warmup_s": warmup_s,
-            "peak_mem_gib": hardware.peak_memory_gib(device),
-            "peak_reserved_gib": hardware.peak_memory_gib(device, reserved=True)}  # fmt: skip
+    return {
+        "seconds": sum(step_s),
+        "step_s": step_s,
+        "warmup_s": warmup_s,
+        "peak_mem_gib": hardware.peak_memory_gib(device),
+        "peak_reserved_gib": hardware.peak_memory_gib(device, reserved=True),
+    }
 
 
 def flops_per_token(flavour: str, seq: int) -> tuple[float, int]:
@@ -305,8 +381,11 @@ def finish_rows(rows: list[dict], peak: float | None) -> None:
     for r in rows:
         r["mfu"] = r["flops_per_token"] * r["tokens_per_s"] / peak if peak and "tokens_per_s" in r else None
     for r in rows:
-        hf = [x["tokens_per_s"] for x in rows if x["stack"] == "hf" and x["flavour"] == r["flavour"]
-              and "tokens_per_s" in x]  # fmt: skip
+        hf = [
+            x["tokens_per_s"]
+            for x in rows
+            if x["stack"] == "hf" and x["flavour"] == r["flavour"] and "tokens_per_s" in x
+        ]
         r["ratio_vs_hf"] = r["tokens_per_s"] / max(hf) if hf and "tokens_per_s" in r else None
 
 
@@ -315,13 +394,17 @@ def print_table(rows: list[dict]) -> None:
     print("\n" + head + "\n" + "-" * len(head))
     for r in rows:
         if "tokens_per_s" not in r:
-            print(f"{r['name']:<18}{r['label'][:43]:<44}{r['seq']:>6}{r['micro']:>4}{r['global_batch']:>4}  "
-                  f"{r.get('error', 'skipped')[:100]}")  # fmt: skip
+            print(
+                f"{r['name']:<18}{r['label'][:43]:<44}{r['seq']:>6}{r['micro']:>4}{r['global_batch']:>4}  "
+                f"{r.get('error', 'skipped')[:100]}"
+            )
             continue
         mfu = "n/a" if r["mfu"] is None else f"{100 * r['mfu']:.1f}%"
         ratio = "" if r["ratio_vs_hf"] is None else f"{r['ratio_vs_hf']:,.0f}x"
-        print(f"{r['name']:<18}{r['label'][:43]:<44}{r['seq']:>6}{r['micro']:>4}{r['global_batch']:>4}"
-              f"{r['tokens_per_s']:>12,.0f}{mfu:>8}{r['peak_mem_gib']:>10.1f}{ratio:>10}")  # fmt: skip
+        print(
+            f"{r['name']:<18}{r['label'][:43]:<44}{r['seq']:>6}{r['micro']:>4}{r['global_batch']:>4}"
+            f"{r['tokens_per_s']:>12,.0f}{mfu:>8}{r['peak_mem_gib']:>10.1f}{ratio:>10}"
+        )
 
 
 def cpu_scan_rows(repeats: int = 3) -> list[dict]:
@@ -348,8 +431,15 @@ def cpu_scan_rows(repeats: int = 3) -> list[dict]:
                     model(tokens, tokens).backward()
                     best[impl] = min(best.get(impl, float("inf")), time.perf_counter() - t0)
                     model.zero_grad(set_to_none=True)
-        row = {"layers": layers, "batch": batch, "seq": seq, "loop_s": best["loop"], "chunked_s": best["chunked"],
-               "speedup": best["loop"] / best["chunked"], "threads": torch.get_num_threads()}  # fmt: skip
+        row = {
+            "layers": layers,
+            "batch": batch,
+            "seq": seq,
+            "loop_s": best["loop"],
+            "chunked_s": best["chunked"],
+            "speedup": best["loop"] / best["chunked"],
+            "threads": torch.get_num_threads(),
+        }
         print(json.dumps(row), flush=True)
         rows.append(row)
     return rows
@@ -373,8 +463,10 @@ def main() -> None:
         env["cpu_count"], env["load_avg_1m"] = os.cpu_count(), os.getloadavg()[0]
         print(f"\n{'layers':>7}{'batch':>7}{'seq':>6}{'loop s':>10}{'chunked s':>11}{'speedup':>9}")
         for r in rows:
-            print(f"{r['layers']:>7}{r['batch']:>7}{r['seq']:>6}{r['loop_s']:>10.2f}{r['chunked_s']:>11.2f}"
-                  f"{r['speedup']:>8.1f}x")  # fmt: skip
+            print(
+                f"{r['layers']:>7}{r['batch']:>7}{r['seq']:>6}{r['loop_s']:>10.2f}{r['chunked_s']:>11.2f}"
+                f"{r['speedup']:>8.1f}x"
+            )
         out_path = Path(args.out) / "mamba_train_cpu-scan.json"
         out_path.parent.mkdir(parents=True, exist_ok=True)
         out_path.write_text(json.dumps({"date": time.strftime("%Y-%m-%d"), "versions": env, "rows": rows}, indent=1))
@@ -407,13 +499,23 @@ def main() -> None:
         t0 = time.perf_counter()
         rows.append(run_case(case, device, profile=case.name in (args.profile or [])))
         rows[-1]["row_wall_s"] = time.perf_counter() - t0
-        print(json.dumps({k: v for k, v in rows[-1].items() if k not in ("step_s", "kernel_profile")}, default=str),
-              flush=True)  # fmt: skip
+        print(
+            json.dumps({k: v for k, v in rows[-1].items() if k not in ("step_s", "kernel_profile")}, default=str),
+            flush=True,
+        )
         finish_rows(rows, hardware.peak_flops(device))
         kernels = {k: v for k, v in os.environ.items() if k.startswith(("ANYTRAIN", "TORCH"))}
-        payload = {"date": time.strftime("%Y-%m-%d"), "device": env["device"], "versions": env,
-                   "settings": {"dtype": "bf16 autocast over fp32 weights (fp32 on CPU)", "optimizer": "AdamW fused",
-                                "env": kernels}, "rows": rows}  # fmt: skip
+        payload = {
+            "date": time.strftime("%Y-%m-%d"),
+            "device": env["device"],
+            "versions": env,
+            "settings": {
+                "dtype": "bf16 autocast over fp32 weights (fp32 on CPU)",
+                "optimizer": "AdamW fused",
+                "env": kernels,
+            },
+            "rows": rows,
+        }
         out_path.write_text(json.dumps(payload, indent=1, default=str))
     finish_rows(rows, hardware.peak_flops(device))
     print_table(rows)

@@ -111,8 +111,12 @@ def train_row(pos: str, document: bool, device: torch.device, args: argparse.Nam
     row.update(timed(trainer.train_step, device, args.warmup, args.steps))
     model = trainer.raw_model
     tokens = s["global_batch"] * s["seq"]
-    row.update(params=model.num_params(), flops_per_token=model.flops_per_token(s["seq"]),
-               tokens_per_s=tokens / row["seconds_per_step"], driver="Trainer.train_step")  # fmt: skip
+    row.update(
+        params=model.num_params(),
+        flops_per_token=model.flops_per_token(s["seq"]),
+        tokens_per_s=tokens / row["seconds_per_step"],
+        driver="Trainer.train_step",
+    )
     peak = hardware.peak_flops(device)
     row["mfu"] = row["flops_per_token"] * row["tokens_per_s"] / peak if peak else None
     if document:
@@ -133,14 +137,15 @@ def run_row(name: str, args: argparse.Namespace) -> dict:
 
 
 def run_child(name: str, args: argparse.Namespace) -> dict:
-    argv = ["--out", args.out, "--steps", str(args.steps), "--warmup", str(args.warmup), "--doc-len",
-            str(args.doc_len)]  # fmt: skip
+    argv = ["--out", args.out, "--steps", str(args.steps), "--warmup", str(args.warmup), "--doc-len", str(args.doc_len)]
     return run_row_in_child("bench.packing", argv, name)
 
 
 def print_table(rows: list[dict]) -> None:
-    print(f"\n{'row':<22}{'ms/step':>10}{'tokens/s':>12}{'MFU':>8}{'peak GiB':>10}{'docs/seq':>10}{'mask ms':>9}"
-          f"{'vs causal':>11}")  # fmt: skip
+    print(
+        f"\n{'row':<22}{'ms/step':>10}{'tokens/s':>12}{'MFU':>8}{'peak GiB':>10}{'docs/seq':>10}{'mask ms':>9}"
+        f"{'vs causal':>11}"
+    )
     base = {r["pos_encoding"]: r["seconds_per_step"] for r in rows if not r.get("document_mask") and "error" not in r}
     for r in rows:
         if "error" in r:
@@ -150,8 +155,10 @@ def print_table(rows: list[dict]) -> None:
         mask = f"{r['mask_build_ms']:.2f}" if "mask_build_ms" in r else ""
         pos = r["pos_encoding"]
         ratio = f"{r['seconds_per_step'] / base[pos]:.3f}x" if pos in base else ""
-        print(f"{r['row']:<22}{1e3 * r['seconds_per_step']:>10.1f}{r['tokens_per_s']:>12,.0f}{mfu:>8}"
-              f"{r['peak_mem_gib']:>10.1f}{r['documents_per_sequence']:>10.1f}{mask:>9}{ratio:>11}")  # fmt: skip
+        print(
+            f"{r['row']:<22}{1e3 * r['seconds_per_step']:>10.1f}{r['tokens_per_s']:>12,.0f}{mfu:>8}"
+            f"{r['peak_mem_gib']:>10.1f}{r['documents_per_sequence']:>10.1f}{mask:>9}{ratio:>11}"
+        )
 
 
 def main() -> None:

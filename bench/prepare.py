@@ -153,8 +153,9 @@ def run_side(code: str, args: list[str]) -> dict:
 
     used = resource.getrusage(resource.RUSAGE_CHILDREN)
     env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", "PYTHONPATH": str(ROOT / "src")}
-    proc = subprocess.Popen([sys.executable, "-c", code, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, env=env)  # fmt: skip
+    proc = subprocess.Popen(
+        [sys.executable, "-c", code, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env
+    )
     peak = [0]
 
     def sample() -> None:
@@ -171,13 +172,17 @@ def run_side(code: str, args: list[str]) -> dict:
     now = resource.getrusage(resource.RUSAGE_CHILDREN)
     cpu = now.ru_utime + now.ru_stime - used.ru_utime - used.ru_stime
     result = json.loads(out.strip().splitlines()[-1])
-    return {**result, "tokens_per_s": result["tokens"] / result["seconds"], "peak_pss_mib": peak[0] / 1024,
-            "cpu_s": cpu, "tokens_per_cpu_s": result["tokens"] / cpu}  # fmt: skip
+    return {
+        **result,
+        "tokens_per_s": result["tokens"] / result["seconds"],
+        "peak_pss_mib": peak[0] / 1024,
+        "cpu_s": cpu,
+        "tokens_per_cpu_s": result["tokens"] / cpu,
+    }
 
 
 def versions() -> dict:
-    out = {"python": sys.version.split()[0], "cpu": platform.processor() or platform.machine(),
-           "cores": os.cpu_count()}  # fmt: skip
+    out = {"python": sys.version.split()[0], "cpu": platform.processor() or platform.machine(), "cores": os.cpu_count()}
     for name in ("anytrain", "tokenizers", "datasets", "pyarrow", "numpy"):
         try:
             out[name] = __import__(name).__version__
@@ -193,8 +198,11 @@ def main() -> None:
     parser.add_argument("--vocab-size", type=int, default=8192)
     parser.add_argument("--out", default=str(ROOT / "bench" / "results"), help="folder for the JSON result")
     parser.add_argument("--note", default="", help="recorded with the result (e.g. 'shared machine')")
-    parser.add_argument("--workdir", help="keep the generated corpus and tokenizer in this folder and reuse them on "
-                        "the next run of the same size (default: a temporary folder, removed)")  # fmt: skip
+    parser.add_argument(
+        "--workdir",
+        help="keep the generated corpus and tokenizer in this folder and reuse them on "
+        "the next run of the same size (default: a temporary folder, removed)",
+    )
     args = parser.parse_args()
     if args.workdir:
         Path(args.workdir).mkdir(parents=True, exist_ok=True)
@@ -210,13 +218,23 @@ def main() -> None:
     print(f"corpus {size / 1e6:,.0f} MB, {args.workers} workers, vocab {args.vocab_size}")
     print(f"{'':28s} {'seconds':>9s} {'tokens/s':>12s} {'peak PSS MiB':>13s} {'CPU s':>8s}")
     for name, row in rows.items():
-        print(f"{name:28s} {row['seconds']:9.1f} {row['tokens_per_s']:12,.0f} {row['peak_pss_mib']:13,.0f} "
-              f"{row['cpu_s']:8.1f}")  # fmt: skip
+        print(
+            f"{name:28s} {row['seconds']:9.1f} {row['tokens_per_s']:12,.0f} {row['peak_pss_mib']:13,.0f} "
+            f"{row['cpu_s']:8.1f}"
+        )
     speedup = rows["anytrain prepare"]["tokens_per_s"] / base["tokens_per_s"]
     memory = rows["anytrain prepare"]["peak_pss_mib"] / base["peak_pss_mib"]
     print(f"anytrain / datasets: {speedup:.2f}x tokens/s, {memory:.2f}x peak memory")
-    result = {"corpus_bytes": size, "workers": args.workers, "vocab_size": args.vocab_size, "rows": rows,
-              "speedup": speedup, "memory_ratio": memory, "note": args.note, "versions": versions()}  # fmt: skip
+    result = {
+        "corpus_bytes": size,
+        "workers": args.workers,
+        "vocab_size": args.vocab_size,
+        "rows": rows,
+        "speedup": speedup,
+        "memory_ratio": memory,
+        "note": args.note,
+        "versions": versions(),
+    }
     host = (platform.processor() or platform.machine()).lower().replace(" ", "-") or "cpu"
     path = Path(args.out) / f"prepare_{host}.json"
     path.parent.mkdir(parents=True, exist_ok=True)

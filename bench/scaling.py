@@ -57,25 +57,65 @@ from bench.scaling_cases import RECIPES, ROOT, Case, default_cases, layout_overr
 # Launching
 
 
-def anytrain_command(case: Case, run_dir: Path, data: str, steps: int, log_interval: int,
-                     extra: tuple[str, ...] = ()) -> list[str]:  # fmt: skip
+def anytrain_command(
+    case: Case, run_dir: Path, data: str, steps: int, log_interval: int, extra: tuple[str, ...] = ()
+) -> list[str]:
     overrides = {
-        "data.path": data, "data.seq_len": case.seq, "train.global_batch": case.global_batch,
-        "train.micro_batch": case.micro, "train.steps": steps, "train.log_interval": log_interval,
-        "train.eval_interval": 0, "train.eval_batches": 0, "checkpoint.interval": 0, "checkpoint.save_final": "false",
-    }  # fmt: skip
+        "data.path": data,
+        "data.seq_len": case.seq,
+        "train.global_batch": case.global_batch,
+        "train.micro_batch": case.micro,
+        "train.steps": steps,
+        "train.log_interval": log_interval,
+        "train.eval_interval": 0,
+        "train.eval_batches": 0,
+        "checkpoint.interval": 0,
+        "checkpoint.save_final": "false",
+    }
     args = [a for k, v in overrides.items() for a in (f"--{k}", str(v))]
     args += layout_overrides(case.layout, case.tp, case.pp, case.dp_replicate)
     recipe = case.recipe or RECIPES[case.model]
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={case.gpus}",
-            "-m", "anytrain", "train", recipe, "--run-dir", str(run_dir), *args, *case.extra, *extra]  # fmt: skip
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc_per_node={case.gpus}",
+        "-m",
+        "anytrain",
+        "train",
+        recipe,
+        "--run-dir",
+        str(run_dir),
+        *args,
+        *case.extra,
+        *extra,
+    ]
 
 
 def hf_command(case: Case, out_json: Path, steps: int, warmup: int) -> list[str]:
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={case.gpus}",
-            "-m", "bench.scaling", "--hf-worker", "--global-batch", str(case.global_batch),
-            "--micro", str(case.micro), "--seq", str(case.seq), "--steps", str(steps), "--warmup", str(warmup),
-            "--worker-out", str(out_json)]  # fmt: skip
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc_per_node={case.gpus}",
+        "-m",
+        "bench.scaling",
+        "--hf-worker",
+        "--global-batch",
+        str(case.global_batch),
+        "--micro",
+        str(case.micro),
+        "--seq",
+        str(case.seq),
+        "--steps",
+        str(steps),
+        "--warmup",
+        str(warmup),
+        "--worker-out",
+        str(out_json),
+    ]
 
 
 @dataclass
@@ -94,8 +134,9 @@ def start_job(case: Case, gpus: list[int], work: Path, args: argparse.Namespace)
     if case.layout == "hf-ddp":
         cmd = hf_command(case, job_dir / "hf.json", args.steps - args.log_interval, args.log_interval)
     else:
-        cmd = anytrain_command(case, job_dir / "run", args.data, args.steps, args.log_interval,
-                               tuple(args.train_args.split()))  # fmt: skip
+        cmd = anytrain_command(
+            case, job_dir / "run", args.data, args.steps, args.log_interval, tuple(args.train_args.split())
+        )
     from anytrain import hardware
 
     # the job's GPUs as this process numbers them, inside any visible-devices list it was started with
@@ -116,11 +157,19 @@ def run_setting(run_dir: Path, section: str, name: str):
 
 def collect(job: Job, timed_out: bool) -> dict:
     case = job.case
-    row = {**asdict(case), "dp": case.dp, "accum": case.accum, "gpu_ids": job.gpus,
-           "wall_s": round(time.perf_counter() - job.started, 1)}  # fmt: skip
+    row = {
+        **asdict(case),
+        "dp": case.dp,
+        "accum": case.accum,
+        "gpu_ids": job.gpus,
+        "wall_s": round(time.perf_counter() - job.started, 1),
+    }
     text = job.log.read_text(errors="replace") if job.log.exists() else ""
-    causes = [ln for ln in text.splitlines() if re.match(r"^(error: |\w*(Error|Exception): )", ln)
-              and "ChildFailedError" not in ln]  # fmt: skip
+    causes = [
+        ln
+        for ln in text.splitlines()
+        if re.match(r"^(error: |\w*(Error|Exception): )", ln) and "ChildFailedError" not in ln
+    ]
     tail = " | ".join(causes[:3]) if causes else text[-1500:]
     if timed_out:
         row["error"] = f"timed out after {row['wall_s']} s; log tail: {tail[-600:]}"
@@ -132,20 +181,22 @@ def collect(job: Job, timed_out: bool) -> dict:
         row.update(json.loads((job.work / "hf.json").read_text()))
         return row
     summary = json.loads((job.work / "run" / "summary.json").read_text())
-    row.update({
-        "tokens_per_s": summary["tokens_per_s"],
-        "tokens_per_s_per_gpu": summary["tokens_per_s_per_device"],
-        "mfu": summary["mfu"],
-        "peak_mem_gib": summary["peak_mem_gib"],
-        # every log window's rate (the first holds compilation): shows whether a slow row was slow throughout or hit
-        # by one stall
-        "window_tokens_per_s": summary.get("window_tokens_per_s"),
-        "params": summary["params"],
-        "flops_per_token": summary["flops_per_token"],
-        "strategy": summary["strategy"],
-        "device": summary["hardware"].get("device"),
-        "ddp_bucket_mb": run_setting(job.work / "run", "parallel", "ddp_bucket_mb"),
-    })  # fmt: skip
+    row.update(
+        {
+            "tokens_per_s": summary["tokens_per_s"],
+            "tokens_per_s_per_gpu": summary["tokens_per_s_per_device"],
+            "mfu": summary["mfu"],
+            "peak_mem_gib": summary["peak_mem_gib"],
+            # every log window's rate (the first holds compilation): shows whether a slow row was slow throughout or hit
+            # by one stall
+            "window_tokens_per_s": summary.get("window_tokens_per_s"),
+            "params": summary["params"],
+            "flops_per_token": summary["flops_per_token"],
+            "strategy": summary["strategy"],
+            "device": summary["hardware"].get("device"),
+            "ddp_bucket_mb": run_setting(job.work / "run", "parallel", "ddp_bucket_mb"),
+        }
+    )
     profiles = sorted((job.work / "run" / "profile").glob("rank*.json"))  # cases run with --profile.steps
     if profiles:
         row["profile"] = [json.loads(p.read_text()) for p in profiles]
@@ -250,8 +301,9 @@ def hf_worker(args: argparse.Namespace) -> None:
     case = bench_transformer.Case("hf", "1.1b", args.seq, args.micro, per_rank, "hf-eager")
     batches = bench_transformer.RandomBatches(32000, args.global_batch, args.seq, seed=0)
     _, info, (model, optimizer, _) = bench_transformer.hf_step_fn(case, device, batches)
-    ddp = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None,
-                                  gradient_as_bucket_view=True)  # fmt: skip
+    ddp = DistributedDataParallel(
+        model, device_ids=[device.index] if device.type == "cuda" else None, gradient_as_bucket_view=True
+    )
     accum = per_rank // args.micro
 
     def step(i: int) -> None:
@@ -279,10 +331,16 @@ def hf_worker(args: argparse.Namespace) -> None:
         with torch.device("meta"):
             fpt = transformer.Transformer(resolve_args(ModelConfig(flavour="1.1b"))).flops_per_token(args.seq)
         per_gpu = tokens_per_s / world
-        out = {"tokens_per_s": tokens_per_s, "tokens_per_s_per_gpu": per_gpu, "peak_mem_gib": float(peak.item()),
-               "params": info["params"], "flops_per_token": fpt, "strategy": "hf-ddp",
-               "mfu": fpt * per_gpu / hardware.peak_flops(device) if hardware.peak_flops(device) else None,
-               "device": hardware.summary(device).get("device")}  # fmt: skip
+        out = {
+            "tokens_per_s": tokens_per_s,
+            "tokens_per_s_per_gpu": per_gpu,
+            "peak_mem_gib": float(peak.item()),
+            "params": info["params"],
+            "flops_per_token": fpt,
+            "strategy": "hf-ddp",
+            "mfu": fpt * per_gpu / hardware.peak_flops(device) if hardware.peak_flops(device) else None,
+            "device": hardware.summary(device).get("device"),
+        }
         Path(args.worker_out).write_text(json.dumps(out))
     dist.destroy_process_group()
 
@@ -297,12 +355,13 @@ def machine_id(device) -> str:
 
 def smoke(args: argparse.Namespace) -> None:
     """The launcher, collection and analysis on CPU (gloo): the debug Transformer at 1 and 2 processes."""
-    tiny = dict(model="transformer", micro=2, seq=64, recipe="configs/tiny.yaml",
-                extra=["--device", "cpu"])  # fmt: skip
-    cases = [Case("t-1-g8", gpus=1, layout="single", global_batch=8, studies=("strong",), **tiny),
-             Case("t-1-g4", gpus=1, layout="single", global_batch=4, studies=("weak",), **tiny),
-             Case("t-fsdp-2-g8", gpus=2, layout="fsdp", global_batch=8, studies=("strong", "weak"), **tiny),
-             Case("t-ddp-2-g8", gpus=2, layout="ddp", global_batch=8, studies=("strong",), **tiny)]  # fmt: skip
+    tiny = dict(model="transformer", micro=2, seq=64, recipe="configs/tiny.yaml", extra=["--device", "cpu"])
+    cases = [
+        Case("t-1-g8", gpus=1, layout="single", global_batch=8, studies=("strong",), **tiny),
+        Case("t-1-g4", gpus=1, layout="single", global_batch=4, studies=("weak",), **tiny),
+        Case("t-fsdp-2-g8", gpus=2, layout="fsdp", global_batch=8, studies=("strong", "weak"), **tiny),
+        Case("t-ddp-2-g8", gpus=2, layout="ddp", global_batch=8, studies=("strong",), **tiny),
+    ]
     args.steps, args.log_interval = 4, 2
     rows = run_cases(cases, args, 2)
     add_efficiencies(rows)
@@ -360,12 +419,20 @@ def main() -> None:
         help="merge results files (oldest first; a later row replaces an earlier one of the same case "
         "unless it failed), recompute the analysis, write scaling_<device><tag>.json in --out",
     )
-    parser.add_argument("--train-args", default="", help="overrides appended to every anytrain row, e.g. "
-                        "'--train.gc_interval 0' (A/B runs of a trainer option; record it with --tag)")  # fmt: skip
+    parser.add_argument(
+        "--train-args",
+        default="",
+        help="overrides appended to every anytrain row, e.g. "
+        "'--train.gc_interval 0' (A/B runs of a trainer option; record it with --tag)",
+    )
     parser.add_argument("--note", action="append", default=[], help="with --merge: a note to record in the file")
-    parser.add_argument("--grad-compression", default="", help="parallel.grad_compression of every anytrain row "
-                        "(none, bf16, fp16, powersgd:rank=R; PowerSGD from step 2): the compression A/B of "
-                        "docs/scaling.md; name the run with --tag")  # fmt: skip
+    parser.add_argument(
+        "--grad-compression",
+        default="",
+        help="parallel.grad_compression of every anytrain row "
+        "(none, bf16, fp16, powersgd:rank=R; PowerSGD from step 2): the compression A/B of "
+        "docs/scaling.md; name the run with --tag",
+    )
     # worker mode (internal)
     parser.add_argument("--hf-worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--global-batch", type=int, default=8, help=argparse.SUPPRESS)
@@ -392,8 +459,14 @@ def main() -> None:
     n_gpus = gpu_count()
     if n_gpus == 0:
         sys.exit("error: bench/scaling.py needs CUDA/ROCm GPUs (found none); use --plot to redraw a results file")
-    cases = [c for c in default_cases(n_gpus) if c.model in args.models and (args.gpus is None or c.gpus in args.gpus)
-             and (args.only is None or c.name in args.only) and not {c.name, c.layout} & set(args.exclude)]  # fmt: skip
+    cases = [
+        c
+        for c in default_cases(n_gpus)
+        if c.model in args.models
+        and (args.gpus is None or c.gpus in args.gpus)
+        and (args.only is None or c.name in args.only)
+        and not {c.name, c.layout} & set(args.exclude)
+    ]
     from anytrain import hardware
 
     device = hardware.resolve_device("auto")
@@ -407,12 +480,21 @@ def main() -> None:
     add_efficiencies(rows)
     add_predictions(rows, "h200" if "H200" in env.get("device", "") else "h100", n_gpus)
     print_table(rows)
-    payload = {"date": time.strftime("%Y-%m-%d"), "device": env.get("device"), "gpus_on_host": n_gpus,
-               "host": machine_id(device),  # runs of one machine: repeats when merged
-               "versions": env, "settings": {"steps": args.steps, "log_interval": args.log_interval,
-                                             "repeats": args.repeats, "concurrent": not args.serial,
-                                             "train_args": args.train_args},
-               "rows": rows}  # fmt: skip
+    payload = {
+        "date": time.strftime("%Y-%m-%d"),
+        "device": env.get("device"),
+        "gpus_on_host": n_gpus,
+        "host": machine_id(device),  # runs of one machine: repeats when merged
+        "versions": env,
+        "settings": {
+            "steps": args.steps,
+            "log_interval": args.log_interval,
+            "repeats": args.repeats,
+            "concurrent": not args.serial,
+            "train_args": args.train_args,
+        },
+        "rows": rows,
+    }
     path.write_text(json.dumps(payload, indent=1, default=str))
     partial.unlink(missing_ok=True)
     print(f"\nwrote {path}")

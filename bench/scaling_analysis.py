@@ -31,11 +31,23 @@ def add_efficiencies(rows: list[dict]) -> None:
         """The same-shape 1-GPU row; for a model-parallel row whose micro-batch one GPU cannot hold (TP at 16), the
         1-GPU row of the same model, recipe and sequence at another micro-batch (its name is recorded as the ref)."""
         hf = row["layout"] == "hf-ddp"
-        found = [r for r in good if r["gpus"] == 1 and (r["layout"] == "hf-ddp") == hf
-                 and shape_key(r) == shape_key(row) and r["global_batch"] == global_batch]  # fmt: skip
+        found = [
+            r
+            for r in good
+            if r["gpus"] == 1
+            and (r["layout"] == "hf-ddp") == hf
+            and shape_key(r) == shape_key(row)
+            and r["global_batch"] == global_batch
+        ]
         if not found and (row["tp"] > 1 or row["pp"] > 1):
-            found = [r for r in good if r["gpus"] == 1 and (r["layout"] == "hf-ddp") == hf
-                     and shape_key(r)[:3] == shape_key(row)[:3] and r["global_batch"] == global_batch]  # fmt: skip
+            found = [
+                r
+                for r in good
+                if r["gpus"] == 1
+                and (r["layout"] == "hf-ddp") == hf
+                and shape_key(r)[:3] == shape_key(row)[:3]
+                and r["global_batch"] == global_batch
+            ]
         return found[0] if found else None
 
     for r in good:
@@ -44,8 +56,11 @@ def add_efficiencies(rows: list[dict]) -> None:
         for study, ref in (("weak", base(r, per_gpu_batch)), ("strong", base(r, r["global_batch"]))):
             r[f"{study}_efficiency"] = r["tokens_per_s_per_gpu"] / ref["tokens_per_s_per_gpu"] if ref else None
             r[f"{study}_ref"] = ref["name"] if ref else None
-        hf_rows = [x for x in good if x["layout"] == "hf-ddp" and x["gpus"] == r["gpus"] and not hf
-                   and shape_key(x) == shape_key(r)]  # fmt: skip
+        hf_rows = [
+            x
+            for x in good
+            if x["layout"] == "hf-ddp" and x["gpus"] == r["gpus"] and not hf and shape_key(x) == shape_key(r)
+        ]
         same_batch = [x for x in hf_rows if x["global_batch"] == r["global_batch"]]
         ref = (same_batch or hf_rows or [None])[0]
         r["vs_hf_ddp_same_gpus"] = r["tokens_per_s_per_gpu"] / ref["tokens_per_s_per_gpu"] if ref else None
@@ -74,8 +89,16 @@ def run_config(case: dict, overrides: list[str] | tuple[str, ...] = ()):
     layout = case["layout"]
     degrees = (case.get("tp", 1), case.get("pp", 1), case.get("dp_replicate", 1))
     args = [] if layout == "hf-ddp" else layout_overrides(layout, *degrees)
-    args += [*case.get("extra", []), "--data.seq_len", str(case["seq"]), "--train.global_batch",
-             str(case["global_batch"]), "--train.micro_batch", str(case["micro"]), *overrides]  # fmt: skip
+    args += [
+        *case.get("extra", []),
+        "--data.seq_len",
+        str(case["seq"]),
+        "--train.global_batch",
+        str(case["global_batch"]),
+        "--train.micro_batch",
+        str(case["micro"]),
+        *overrides,
+    ]
     return load_config(ROOT / recipe, [o for o in args if o not in ("--device", "cpu")])
 
 
@@ -112,9 +135,16 @@ def add_predictions(rows: list[dict], device_key: str, gpus_per_node: int, calib
             except Exception as exc:  # a row the cost model cannot take must not cost the file its measured rows
                 r["predicted"][label] = {"error": f"{type(exc).__name__}: {exc}"}
                 continue
-            pred = {"step_s": est.step_s, "allocated_gib": est.allocated_gib, "efficiency": dev.efficiency,
-                    "exposed_comm_s": est.exposed_comm_s, "bubble_s": est.bubble_s, "host_s": est.host_s,
-                    "elementwise_s": est.elementwise_s, "calibration_run": r["name"] == calibrate}  # fmt: skip
+            pred = {
+                "step_s": est.step_s,
+                "allocated_gib": est.allocated_gib,
+                "efficiency": dev.efficiency,
+                "exposed_comm_s": est.exposed_comm_s,
+                "bubble_s": est.bubble_s,
+                "host_s": est.host_s,
+                "elementwise_s": est.elementwise_s,
+                "calibration_run": r["name"] == calibrate,
+            }
             if "tokens_per_s" in r:
                 measured = r["global_batch"] * r["seq"] / r["tokens_per_s"]
                 pred["measured_step_s"] = measured
@@ -123,8 +153,16 @@ def add_predictions(rows: list[dict], device_key: str, gpus_per_node: int, calib
             r["predicted"][label] = pred
 
 
-DERIVED = ("weak_efficiency", "strong_efficiency", "weak_ref", "strong_ref", "vs_hf_ddp_same_gpus", "vs_hf_ddp_ref",
-           "vs_hf_ddp_batch_matched", "predicted")  # fmt: skip
+DERIVED = (
+    "weak_efficiency",
+    "strong_efficiency",
+    "weak_ref",
+    "strong_ref",
+    "vs_hf_ddp_same_gpus",
+    "vs_hf_ddp_ref",
+    "vs_hf_ddp_batch_matched",
+    "predicted",
+)
 
 
 def _outcome(row: dict) -> dict:
@@ -157,8 +195,7 @@ def merge_rows(sources: list[tuple[str, dict]]) -> list[dict]:
                 repeats[name] = runs
                 rates = [r["tokens_per_s_per_gpu"] for r in runs]
                 median = next(r for r in runs if r["tokens_per_s_per_gpu"] == statistics.median_low(rates))
-                merged[name] = {**median, "repeat_tokens_per_s_per_gpu": rates,
-                                "other_runs": old.get("other_runs", [])}  # fmt: skip
+                merged[name] = {**median, "repeat_tokens_per_s_per_gpu": rates, "other_runs": old.get("other_runs", [])}
             else:
                 replaced = repeats[name] or [old]  # every run of the replaced host
                 new["other_runs"] = [*old.get("other_runs", []), *map(_outcome, replaced)]
@@ -193,12 +230,16 @@ def merge_payloads(sources: list[tuple[str, dict]], notes: list[str] | tuple[str
             if n and n != r["name"] and by_name[n]["source"] != r["source"]:
                 cross.setdefault((r["source"], by_name[n]["source"]), []).append(f"{r['name']} ({kind} {n})")
     for (src, ref_src), items in cross.items():
-        auto.append(f"reference rows from another results file (another run; merged_from names the machines): {src} "
-                    f"rows against {ref_src}: {', '.join(items)}")  # fmt: skip
+        auto.append(
+            f"reference rows from another results file (another run; merged_from names the machines): {src} "
+            f"rows against {ref_src}: {', '.join(items)}"
+        )
     loose = [f"{r['name']} vs {r['vs_hf_ddp_ref']}" for r in rows if r.get("vs_hf_ddp_batch_matched") is False]
     if loose:
-        auto.append("vs HF + DDP at a different global batch (no HF row of the same batch on that GPU count): "
-                    + ", ".join(loose))  # fmt: skip
+        auto.append(
+            "vs HF + DDP at a different global batch (no HF row of the same batch on that GPU count): "
+            + ", ".join(loose)
+        )
     dates = sorted({p.get("date") for p in payloads})
     versions = [p.get("versions") for p in payloads]
     settings = [p.get("settings") for p in payloads]
@@ -217,13 +258,13 @@ def merge_payloads(sources: list[tuple[str, dict]], notes: list[str] | tuple[str
                 "rows_not_kept": [r["name"] for r in p["rows"] if by_name[r["name"]]["source"] != src],
             }
             for src, p in sources
-        ],  # fmt: skip
+        ],
         "analysis": {
             "recomputed_by": "bench/scaling.py --merge",
             "cost_model_device": device_key,
             "gpus_per_node": gpus_per_node,
             "calibration_run": "t-1-g32",
-        },  # fmt: skip
+        },
         "notes": [*notes, *auto],
         "rows": rows,
     }
@@ -232,8 +273,10 @@ def merge_payloads(sources: list[tuple[str, dict]], notes: list[str] | tuple[str
 def print_table(rows: list[dict]) -> None:
     """The results table; ``host`` is the machine a merged row came from, ``~`` marks a vs-HF ratio taken against an
     HF row of another global batch."""
-    head = (f"{'case':<20}{'GPUs':>5}{'layout':>8}{'gbs':>5}{'acc':>4}{'tok/s/GPU':>11}{'MFU':>7}{'GiB':>7}"
-            f"{'weak':>7}{'strong':>8}{'vs HF':>8}{'pred err':>9}{'host':>6}")  # fmt: skip
+    head = (
+        f"{'case':<20}{'GPUs':>5}{'layout':>8}{'gbs':>5}{'acc':>4}{'tok/s/GPU':>11}{'MFU':>7}{'GiB':>7}"
+        f"{'weak':>7}{'strong':>8}{'vs HF':>8}{'pred err':>9}{'host':>6}"
+    )
     print("\n" + head + "\n" + "-" * len(head))
     pct = lambda v: "" if v is None else f"{100 * v:.1f}%"  # noqa: E731
     for r in rows:
@@ -244,16 +287,23 @@ def print_table(rows: list[dict]) -> None:
         pred = (r.get("predicted") or {}).get("calibrated", {}).get("step_error")
         vs = r.get("vs_hf_ddp_same_gpus")
         vs = "" if vs is None else f"{vs:.2f}x" + ("~" if r.get("vs_hf_ddp_batch_matched") is False else " ")
-        print(f"{r['name']:<20}{r['gpus']:>5}{r['layout']:>8}{r['global_batch']:>5}{r['accum']:>4}"
-              f"{r['tokens_per_s_per_gpu']:>11,.0f}{pct(r.get('mfu')):>7}{r['peak_mem_gib']:>7.1f}"
-              f"{pct(r.get('weak_efficiency')):>7}{pct(r.get('strong_efficiency')):>8}{vs:>8}"
-              f"{'' if pred is None else format(100 * pred, '+.0f') + '%':>9}{host:>6}")  # fmt: skip
+        print(
+            f"{r['name']:<20}{r['gpus']:>5}{r['layout']:>8}{r['global_batch']:>5}{r['accum']:>4}"
+            f"{r['tokens_per_s_per_gpu']:>11,.0f}{pct(r.get('mfu')):>7}{r['peak_mem_gib']:>7.1f}"
+            f"{pct(r.get('weak_efficiency')):>7}{pct(r.get('strong_efficiency')):>8}{vs:>8}"
+            f"{'' if pred is None else format(100 * pred, '+.0f') + '%':>9}{host:>6}"
+        )
 
 
-LAYOUT_STYLE = {"fsdp": ("FSDP", "tab:blue", "o"), "zero2": ("ZeRO-2", "tab:orange", "s"),
-                "zero1": ("ZeRO-1", "tab:green", "D"), "ddp": ("DDP", "tab:red", "^"),
-                "hsdp": ("HSDP 2x2", "tab:purple", "v"), "tp": ("TP", "tab:brown", "P"),
-                "pp": ("PP", "tab:pink", "X")}  # fmt: skip
+LAYOUT_STYLE = {
+    "fsdp": ("FSDP", "tab:blue", "o"),
+    "zero2": ("ZeRO-2", "tab:orange", "s"),
+    "zero1": ("ZeRO-1", "tab:green", "D"),
+    "ddp": ("DDP", "tab:red", "^"),
+    "hsdp": ("HSDP 2x2", "tab:purple", "v"),
+    "tp": ("TP", "tab:brown", "P"),
+    "pp": ("PP", "tab:pink", "X"),
+}
 
 
 def row_variant(row: dict) -> str:
@@ -282,25 +332,50 @@ def plot_series(rows: list[dict], model: str) -> list[dict]:
     strong_gbs = max(singles, default=None)
     series = []
     for (layout, variant), (name, color, marker) in variant_styles(rows):
-        mine = sorted((r for r in rows if r["layout"] == layout and row_variant(r) == variant and r["gpus"] > 1),
-                      key=lambda r: r["gpus"])  # fmt: skip
+        mine = sorted(
+            (r for r in rows if r["layout"] == layout and row_variant(r) == variant and r["gpus"] > 1),
+            key=lambda r: r["gpus"],
+        )
         name = f"{name}{variant}"
         strong = [r for r in mine if r["global_batch"] == strong_gbs]
         if strong:
             untied = any("tie_embeddings" in " ".join(r.get("extra", [])) for r in strong)
-            series.append({"label": f"{name}{' (untied emb.)' if untied else ''}, {strong_gbs} seq global",
-                           "rows": [singles[strong_gbs], *strong], "eff": "strong", "color": color,
-                           "marker": marker, "style": "-" if not variant else "-."})  # fmt: skip
+            series.append(
+                {
+                    "label": f"{name}{' (untied emb.)' if untied else ''}, {strong_gbs} seq global",
+                    "rows": [singles[strong_gbs], *strong],
+                    "eff": "strong",
+                    "color": color,
+                    "marker": marker,
+                    "style": "-" if not variant else "-.",
+                }
+            )
         weak_batches = {r["global_batch"] // r["gpus"] for r in mine if r["global_batch"] != strong_gbs}
         for b in sorted(weak_batches & set(singles)):
             weak = [r for r in mine if r["dp"] == r["gpus"] and r["global_batch"] == b * r["gpus"]]
-            series.append({"label": f"{name}, {b} seq per GPU", "rows": [singles[b], *weak], "eff": "weak",
-                           "color": color, "marker": marker, "style": ":"})  # fmt: skip
+            series.append(
+                {
+                    "label": f"{name}, {b} seq per GPU",
+                    "rows": [singles[b], *weak],
+                    "eff": "weak",
+                    "color": color,
+                    "marker": marker,
+                    "style": ":",
+                }
+            )
     hf = sorted((r for r in rows if r["layout"] == "hf-ddp"), key=lambda r: r["gpus"])
     if hf:
         b = hf[0]["global_batch"] // hf[0]["gpus"]
-        series.append({"label": f"HF + DDP, {b} seq per GPU", "rows": hf, "eff": "weak", "color": "dimgray",
-                       "marker": "o", "style": "--"})  # fmt: skip
+        series.append(
+            {
+                "label": f"HF + DDP, {b} seq per GPU",
+                "rows": hf,
+                "eff": "weak",
+                "color": "dimgray",
+                "marker": "o",
+                "style": "--",
+            }
+        )
     return series
 
 
@@ -314,16 +389,25 @@ def plot(payload: dict, png: Path) -> None:
     rows = payload["rows"]
     models = [m for m in MODEL_NAMES if any(r["model"] == m and "tokens_per_s_per_gpu" in r for r in rows)]
     widths = [1.6 if m == "transformer" else 1.0 for m in models]  # the Transformer panel has more lines and labels
-    fig, axes = plt.subplots(1, len(models), figsize=(6.6 * sum(widths), 7.2), squeeze=False,
-                             gridspec_kw={"width_ratios": widths})  # fmt: skip
+    fig, axes = plt.subplots(
+        1, len(models), figsize=(6.6 * sum(widths), 7.2), squeeze=False, gridspec_kw={"width_ratios": widths}
+    )
     for ax, model in zip(axes[0], models, strict=True):
         series = plot_series(rows, model)
         labels: dict[int, list[tuple[float, str, str]]] = {}
         for s in series:
             xs = [r["gpus"] for r in s["rows"]]
             ys = [r["tokens_per_s_per_gpu"] / 1e3 for r in s["rows"]]
-            ax.plot(xs, ys, linestyle=s["style"], marker=s["marker"], color=s["color"], label=s["label"],
-                    linewidth=2.2 if s["color"] == "dimgray" else 1.6, markersize=7)  # fmt: skip
+            ax.plot(
+                xs,
+                ys,
+                linestyle=s["style"],
+                marker=s["marker"],
+                color=s["color"],
+                label=s["label"],
+                linewidth=2.2 if s["color"] == "dimgray" else 1.6,
+                markersize=7,
+            )
             for r in s["rows"][1:]:
                 eff = r.get(f"{s['eff']}_efficiency")
                 if eff is not None:
@@ -341,9 +425,17 @@ def plot(payload: dict, png: Path) -> None:
                 placed.append(max(y, placed[-1] + gap) if placed else y)
             shift = max(0.0, placed[-1] - (top - gap / 2))
             for (y, text, color), ly in zip(items, placed, strict=True):
-                ax.annotate(text, (gpus, y), xytext=(gpus * 1.1, ly - shift), fontsize=8.5, color=color, va="center",
-                            bbox={"boxstyle": "square,pad=0.15", "fc": "white", "ec": "none", "alpha": 0.9},
-                            arrowprops={"arrowstyle": "-", "color": color, "lw": 0.6}, zorder=5)  # fmt: skip
+                ax.annotate(
+                    text,
+                    (gpus, y),
+                    xytext=(gpus * 1.1, ly - shift),
+                    fontsize=8.5,
+                    color=color,
+                    va="center",
+                    bbox={"boxstyle": "square,pad=0.15", "fc": "white", "ec": "none", "alpha": 0.9},
+                    arrowprops={"arrowstyle": "-", "color": color, "lw": 0.6},
+                    zorder=5,
+                )
         counts = sorted({r["gpus"] for s in series for r in s["rows"]})
         ax.set_xscale("log", base=2)
         ax.set_xticks(counts, [str(c) for c in counts])
@@ -356,9 +448,11 @@ def plot(payload: dict, png: Path) -> None:
         ax.legend(fontsize=8, loc="lower left")
     date = payload.get("date")
     date = ", ".join(date) if isinstance(date, list) else date
-    fig.suptitle(f"Per-GPU throughput and scaling efficiency: {payload.get('device')}, {date} "
-                 "(strong: vs 1 GPU at the same global batch; weak: vs 1 GPU at the same per-GPU batch)",
-                 fontsize=10)  # fmt: skip
+    fig.suptitle(
+        f"Per-GPU throughput and scaling efficiency: {payload.get('device')}, {date} "
+        "(strong: vs 1 GPU at the same global batch; weak: vs 1 GPU at the same per-GPU batch)",
+        fontsize=10,
+    )
     fig.tight_layout()
     png.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(png, dpi=120)

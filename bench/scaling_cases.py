@@ -138,10 +138,26 @@ def default_cases(max_gpus: int) -> list[Case]:
 
 def layout_overrides(layout: str, tp: int, pp: int, dp_replicate: int) -> list[str]:
     """The trainer options that make a row's layout (``Case.layout`` and its degrees)."""
-    strategy = {"single": "auto", "fsdp": "fsdp", "hsdp": "fsdp", "ddp": "ddp", "tp": "fsdp", "pp": "fsdp",
-                "zero2": "fsdp", "zero1": "zero1"}[layout]  # fmt: skip
-    args = ["--parallel.strategy", strategy, "--parallel.tp", str(tp), "--parallel.pp", str(pp),
-            "--parallel.dp_replicate", str(dp_replicate)]  # fmt: skip
+    strategy = {
+        "single": "auto",
+        "fsdp": "fsdp",
+        "hsdp": "fsdp",
+        "ddp": "ddp",
+        "tp": "fsdp",
+        "pp": "fsdp",
+        "zero2": "fsdp",
+        "zero1": "zero1",
+    }[layout]
+    args = [
+        "--parallel.strategy",
+        strategy,
+        "--parallel.tp",
+        str(tp),
+        "--parallel.pp",
+        str(pp),
+        "--parallel.dp_replicate",
+        str(dp_replicate),
+    ]
     if layout == "zero2":  # FSDP keeping the gathered parameters from forward to backward
         args += ["--parallel.reshard_after_forward", "false"]
     return args

@@ -71,8 +71,12 @@ def main() -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     path = out / f"sdpa_backends_{re.sub(r'[^a-z0-9]+', '-', name.lower()).strip('-')}.json"
-    record = {"device": name, "versions": {**versions(torch.device("cuda")), "cudnn": torch.backends.cudnn.version()},
-              "shape": {"batch": B, "heads": H, "kv_heads": KV, "seq": S, "head_dim": D}, "rows": rows}  # fmt: skip
+    record = {
+        "device": name,
+        "versions": {**versions(torch.device("cuda")), "cudnn": torch.backends.cudnn.version()},
+        "shape": {"batch": B, "heads": H, "kv_heads": KV, "seq": S, "head_dim": D},
+        "rows": rows,
+    }
     path.write_text(json.dumps(record, indent=2) + "\n")
     print(f"wrote {path}")
     return 0

@@ -41,8 +41,10 @@ def main() -> None:
     device = torch.device("cuda", rank % torch.cuda.device_count()) if gpu else torch.device("cpu")
     if gpu:
         torch.cuda.set_device(device)
-    cfg = load_config("configs/tiny.yaml", [*SHAPE, "--parallel.tp", str(world), "--device", "gpu" if gpu else "cpu",
-                                            "--train.dtype", "fp32"])  # fmt: skip
+    cfg = load_config(
+        "configs/tiny.yaml",
+        [*SHAPE, "--parallel.tp", str(world), "--device", "gpu" if gpu else "cpu", "--train.dtype", "fp32"],
+    )
     with torch.device("meta"):
         model = get_spec(cfg.model.arch).build(resolve_args(cfg.model))
     model.to_empty(device=device)
@@ -69,8 +71,16 @@ def main() -> None:
             optimizer.step()
         hardware.synchronize(device)
         ms = 1e3 * (time.perf_counter() - start) / args.steps
-        rows.append({"row": name, "ms_per_step": ms, "param_groups": len(optimizer.param_groups), "params": n_params,
-                     "tp": world, "steps": args.steps})  # fmt: skip
+        rows.append(
+            {
+                "row": name,
+                "ms_per_step": ms,
+                "param_groups": len(optimizer.param_groups),
+                "params": n_params,
+                "tp": world,
+                "steps": args.steps,
+            }
+        )
     if rank == 0:
         base = rows[0]["ms_per_step"]
         print(f"\n{'row':<40}{'ms/step':>10}{'groups':>8}{'vs per-parameter':>18}")

@@ -24,9 +24,27 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def run_recipe(recipe: str, steps: int, data: str, extra: list[str], work: Path) -> dict:
     run_dir = work / Path(recipe).stem
-    cmd = [sys.executable, "-m", "anytrain", "train", recipe, "--run-dir", str(run_dir), "--overwrite",
-           "--train.steps", str(steps), "--train.log_interval", "10", "--train.eval_interval", "0",
-           "--data.path", data, "--checkpoint.interval", "0", *extra]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "anytrain",
+        "train",
+        recipe,
+        "--run-dir",
+        str(run_dir),
+        "--overwrite",
+        "--train.steps",
+        str(steps),
+        "--train.log_interval",
+        "10",
+        "--train.eval_interval",
+        "0",
+        "--data.path",
+        data,
+        "--checkpoint.interval",
+        "0",
+        *extra,
+    ]
     env = dict(os.environ, PYTHONPATH=str(ROOT / "src") + os.pathsep + os.environ.get("PYTHONPATH", ""))
     started = time.perf_counter()
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
@@ -76,9 +94,11 @@ def main() -> None:
             print(f"{r['recipe']:<22} FAILED: {r['error'].strip().splitlines()[-1]}")
             continue
         mfu = "n/a" if r["mfu"] is None else f"{100 * r['mfu']:.1f}%"
-        print(f"{r['recipe']:<22}{r['params'] / 1e6:>11.1f}M{r['seq_len']:>6}{r['global_batch']:>7}"
-              f"{r['tokens_per_s']:>12,.0f}{mfu:>8}{r['peak_mem_gib']:>10.2f}"
-              f"{r['first_loss']:>8.3f}->{r['last_loss']:.3f}")  # fmt: skip
+        print(
+            f"{r['recipe']:<22}{r['params'] / 1e6:>11.1f}M{r['seq_len']:>6}{r['global_batch']:>7}"
+            f"{r['tokens_per_s']:>12,.0f}{mfu:>8}{r['peak_mem_gib']:>10.2f}"
+            f"{r['first_loss']:>8.3f}->{r['last_loss']:.3f}"
+        )
     slug = re.sub(r"[^a-z0-9]+", "-", device.lower()).strip("-")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

@@ -138,7 +138,7 @@ def default_cases(ablations: bool = False) -> list[Case]:
             label="anytrain mb 8, fp32 residual stream (before)",
             options=fp32_residual,
             ablation=True,
-        ),  # fmt: skip
+        ),
         Case(
             g,
             **big,
@@ -146,7 +146,7 @@ def default_cases(ablations: bool = False) -> list[Case]:
             label="anytrain mb 4, fp32 residual stream (before)",
             options=fp32_residual,
             ablation=True,
-        ),  # fmt: skip
+        ),
         Case("125m-2048", "125m", 2048, 8, 32, "anytrain", label="anytrain (compile_scope auto)", options=auto),
         Case("125m-2048", "125m", 2048, 8, 32, "hf-eager", label="HF eager"),
         Case("125m-2048", "125m", 2048, 8, 32, "hf-compile", label="HF + torch.compile"),
@@ -164,7 +164,7 @@ def default_cases(ablations: bool = False) -> list[Case]:
             loss_impl="naive",
             native_gqa=False,
             ablation=True,
-        ),  # fmt: skip
+        ),
         Case(
             g,
             **big,
@@ -172,11 +172,11 @@ def default_cases(ablations: bool = False) -> list[Case]:
             label="anytrain + chunked linear+CE (K/V expanded)",
             native_gqa=False,
             ablation=True,
-        ),  # fmt: skip
+        ),
         Case(g, **big, stack="anytrain", label="anytrain, train.check_finite false", check_finite=False, ablation=True),
         Case(
             g8, **mb8, stack="anytrain", label="anytrain mb 8, cuDNN attention first", attention="cudnn", ablation=True
-        ),  # fmt: skip
+        ),
         Case(
             g16,
             **mb16,
@@ -185,7 +185,7 @@ def default_cases(ablations: bool = False) -> list[Case]:
             options=auto,
             wide_grads=False,
             ablation=True,
-        ),  # fmt: skip
+        ),
         Case(
             g16,
             **mb16,
@@ -195,7 +195,7 @@ def default_cases(ablations: bool = False) -> list[Case]:
             profile=True,  # the kernel table shows which attention kernels ran
             options=auto,
             ablation=True,
-        ),  # fmt: skip
+        ),
     ]
     cases += side_by_side_cases()
     return [c for c in cases if ablations or not c.ablation]
@@ -240,8 +240,10 @@ def estimate_s(case: Case) -> float:
 def model_switches(case: Case) -> Iterator[None]:
     saved = losses.LOSS_IMPL, transformer.SDPA_NATIVE_GQA, transformer.WIDE_GRAD_LINEAR
     losses.LOSS_IMPL, transformer.SDPA_NATIVE_GQA, transformer.WIDE_GRAD_LINEAR = (
-        case.loss_impl, case.native_gqa, case.wide_grads
-    )  # fmt: skip
+        case.loss_impl,
+        case.native_gqa,
+        case.wide_grads,
+    )
     try:
         yield
     finally:
@@ -306,10 +308,19 @@ def hf_llama_config(flavour: str):
     from transformers import LlamaConfig
 
     a = resolve_args(ModelConfig(arch="transformer", flavour=flavour))
-    return LlamaConfig(vocab_size=a.vocab_size, hidden_size=a.dim, intermediate_size=a.ffn_dim,
-                       num_hidden_layers=a.n_layers, num_attention_heads=a.n_heads, num_key_value_heads=a.n_kv_heads,
-                       max_position_embeddings=a.max_seq_len, rms_norm_eps=a.norm_eps,
-                       tie_word_embeddings=a.tie_embeddings, use_cache=False, attn_implementation="sdpa")  # fmt: skip
+    return LlamaConfig(
+        vocab_size=a.vocab_size,
+        hidden_size=a.dim,
+        intermediate_size=a.ffn_dim,
+        num_hidden_layers=a.n_layers,
+        num_attention_heads=a.n_heads,
+        num_key_value_heads=a.n_kv_heads,
+        max_position_embeddings=a.max_seq_len,
+        rms_norm_eps=a.norm_eps,
+        tie_word_embeddings=a.tie_embeddings,
+        use_cache=False,
+        attn_implementation="sdpa",
+    )
 
 
 def hf_float8(model: torch.nn.Module, recipe: str) -> dict:
@@ -450,13 +461,17 @@ def print_table(rows: list[dict]) -> None:
         mfu = "n/a" if r["mfu"] is None else f"{100 * r['mfu']:.1f}%"
         ratio = "" if r["ratio_vs_best_hf"] is None else f"{r['ratio_vs_best_hf']:.2f}x"
         titan = "" if r["ratio_vs_torchtitan"] is None else f"{r['ratio_vs_torchtitan']:.2f}x"
-        print(f"{r['group']:<16}{r['label'][:47]:<48}{r['micro']:>4}{r['tokens_per_s']:>11,.0f}{mfu:>8}"
-              f"{r['peak_mem_gib']:>10.1f}{ratio:>12}{titan:>10}")  # fmt: skip
+        print(
+            f"{r['group']:<16}{r['label'][:47]:<48}{r['micro']:>4}{r['tokens_per_s']:>11,.0f}{mfu:>8}"
+            f"{r['peak_mem_gib']:>10.1f}{ratio:>12}{titan:>10}"
+        )
     for r in rows:
         if "kernel_profile" in r:
             p = r["kernel_profile"]
-            print(f"\nprofile of one step of '{r['group']} {r['label']}': wall {p['step_wall_ms']:.0f} ms, "
-                  f"kernels {p['kernel_ms']:.0f} ms")  # fmt: skip
+            print(
+                f"\nprofile of one step of '{r['group']} {r['label']}': wall {p['step_wall_ms']:.0f} ms, "
+                f"kernels {p['kernel_ms']:.0f} ms"
+            )
             for kind, v in p["kinds"].items():
                 print(f"  {kind:<40}{v['ms']:>9.1f} ms {100 * v['share']:>5.1f}%")
             for k in p["top"]:
@@ -523,11 +538,15 @@ def main() -> None:
             Case("debug", "debug", 64, 2, 4, "anytrain", label="naive loss", loss_impl="naive", native_gqa=False),
             Case("debug", "debug", 64, 2, 4, "anytrain-hf", label="model.arch hf (HF Llama class)"),
         ]
-        args.steps, args.warmup, args.no_compile = 2, 1, True  # fmt: skip
+        args.steps, args.warmup, args.no_compile = 2, 1, True
     else:
-        cases = [c for c in default_cases(args.ablations) if (args.groups is None or c.group in args.groups)
-                 and (args.stacks is None or c.stack in args.stacks)
-                 and (args.match is None or any(m in c.label for m in args.match))]  # fmt: skip
+        cases = [
+            c
+            for c in default_cases(args.ablations)
+            if (args.groups is None or c.group in args.groups)
+            and (args.stacks is None or c.stack in args.stacks)
+            and (args.match is None or any(m in c.label for m in args.match))
+        ]
     env = versions(device)
     out_path = results_path(args.out, "transformer", env, args.smoke)
     print(json.dumps(env), flush=True)
@@ -543,10 +562,18 @@ def main() -> None:
         shown = {k: v for k, v in rows[-1].items() if k not in ("kernel_profile", "options")}
         print(json.dumps(shown, default=str), flush=True)
         finish_rows(rows, hardware.peak_flops(device))
-        payload = {"date": time.strftime("%Y-%m-%d"), "device": env["device"], "versions": env,
-                   "settings": {"steps": args.steps, "warmup": args.warmup, "dtype": "bf16 autocast (fp32 on CPU)",
-                                "env": {k: v for k, v in os.environ.items() if k.startswith(("ANYTRAIN", "TORCH"))}},
-                   "rows": rows}  # fmt: skip
+        payload = {
+            "date": time.strftime("%Y-%m-%d"),
+            "device": env["device"],
+            "versions": env,
+            "settings": {
+                "steps": args.steps,
+                "warmup": args.warmup,
+                "dtype": "bf16 autocast (fp32 on CPU)",
+                "env": {k: v for k, v in os.environ.items() if k.startswith(("ANYTRAIN", "TORCH"))},
+            },
+            "rows": rows,
+        }
         out_path.write_text(json.dumps(payload, indent=1, default=str))
     finish_rows(rows, hardware.peak_flops(device))
     print_table(rows)

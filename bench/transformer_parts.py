@@ -56,8 +56,11 @@ def gemms() -> dict:
             t = 4096 if name == "head chunk" else TOKENS  # the chunked loss's ~256 MiB of bf16 logits
             x, w = torch.randn(t, i, device="cuda").bfloat16(), torch.randn(o, i, device="cuda").bfloat16()
             dy = torch.randn(t, o, device="cuda").bfloat16()
-            for kind, fn in (("forward", lambda: torch.nn.functional.linear(x, w)), ("input grad", lambda: dy @ w),
-                             ("weight grad", lambda: dy.t() @ x)):  # fmt: skip
+            for kind, fn in (
+                ("forward", lambda: torch.nn.functional.linear(x, w)),
+                ("input grad", lambda: dy @ w),
+                ("weight grad", lambda: dy.t() @ x),
+            ):
                 ms = timeit(fn)
                 rows.append(dict(lib=lib, gemm=name, kind=kind, ms=ms, tflops=2 * t * i * o / ms / 1e9))
         a = torch.randn(8192, 8192, device="cuda").bfloat16()
@@ -126,19 +129,27 @@ def rope() -> dict:
     q = torch.randn(B, T, H, E, device="cuda").bfloat16().requires_grad_()
     k = torch.randn(B, T, K, E, device="cuda").bfloat16().requires_grad_()
     gq, gk = torch.randn_like(q), torch.randn_like(k)
-    rows = [dict(variant="max |swap form - pairwise form|",
-                 value=(apply_rope(q, cos, sin).float() - _pairwise_rope(q, half_cos, half_sin).float()).abs().max()
-                 .item())]  # fmt: skip
-    for name, f, c, s in (("x cos + swap(x) sin (apply_rope)", apply_rope, cos, sin),
-                          ("pairwise stack (before)", _pairwise_rope, half_cos, half_sin)):  # fmt: skip
+    rows = [
+        dict(
+            variant="max |swap form - pairwise form|",
+            value=(apply_rope(q, cos, sin).float() - _pairwise_rope(q, half_cos, half_sin).float()).abs().max().item(),
+        )
+    ]
+    for name, f, c, s in (
+        ("x cos + swap(x) sin (apply_rope)", apply_rope, cos, sin),
+        ("pairwise stack (before)", _pairwise_rope, half_cos, half_sin),
+    ):
         both = torch.compile(lambda a, b, f=f, c=c, s=s: (f(a, c, s), f(b, c, s)))
 
         def fwd_bwd(both=both):
             q.grad = k.grad = None
             torch.autograd.backward(both(q, k), (gq, gk))
 
-        rows.append(dict(variant=name, fwd_ms=timeit(lambda both=both: both(q.detach(), k.detach())),
-                         fwd_bwd_ms=timeit(fwd_bwd)))  # fmt: skip
+        rows.append(
+            dict(
+                variant=name, fwd_ms=timeit(lambda both=both: both(q.detach(), k.detach())), fwd_bwd_ms=timeit(fwd_bwd)
+            )
+        )
     rows.append(
         dict(variant="copy of q and k (floor)", fwd_ms=timeit(lambda: (q.detach().clone(), k.detach().clone())))
     )
@@ -170,8 +181,11 @@ def gaps() -> dict:
                 step(i)
             torch.cuda.synchronize()
     del holder
-    events = sorted((e.name, e.time_range.start, e.time_range.end) for e in prof.events()
-                    if e.device_type == DeviceType.CUDA and not getattr(e, "is_user_annotation", False))  # fmt: skip
+    events = sorted(
+        (e.name, e.time_range.start, e.time_range.end)
+        for e in prof.events()
+        if e.device_type == DeviceType.CUDA and not getattr(e, "is_user_annotation", False)
+    )
     events.sort(key=lambda r: r[1])
     first, last = events[0][1], max(e for _, _, e in events)
     lo, hi = first + (last - first) / 3, first + 2 * (last - first) / 3  # the middle step, roughly
@@ -183,8 +197,13 @@ def gaps() -> dict:
             end, prev = e, name
     found.sort(key=lambda g: -g["us"])
     kernel_ms = sum(e - s for _, s, e in events if lo < s < hi) / 1e3
-    out = dict(wall_ms_per_step=wall_ms, window_ms=(hi - lo) / 1e3, kernel_ms_in_window=kernel_ms,
-               gaps_over_15us_ms=sum(g["us"] for g in found) / 1e3, top_gaps=found[:40])  # fmt: skip
+    out = dict(
+        wall_ms_per_step=wall_ms,
+        window_ms=(hi - lo) / 1e3,
+        kernel_ms_in_window=kernel_ms,
+        gaps_over_15us_ms=sum(g["us"] for g in found) / 1e3,
+        top_gaps=found[:40],
+    )
     print({k: v for k, v in out.items() if k != "top_gaps"}, *found[:10], sep="\n")
     return {"gaps": out}
 

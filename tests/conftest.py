@@ -31,8 +31,9 @@ def cli_env(gpu: bool = False, **extra: str) -> dict[str, str]:
     return env
 
 
-def run_cli(*args: str, cwd: Path | None = None, timeout: int = 600, gpu: bool = False, nproc: int = 1,
-            **env: str) -> subprocess.CompletedProcess:  # fmt: skip
+def run_cli(
+    *args: str, cwd: Path | None = None, timeout: int = 600, gpu: bool = False, nproc: int = 1, **env: str
+) -> subprocess.CompletedProcess:
     """``anytrain ARGS`` in new processes (``nproc`` ranks, each with its own gloo process group) -> (returncode,
     stdout, stderr). CPU runs are forks of a pre-imported server (tests/forklaunch.py: the same CLI without the
     interpreter start-up); GPU runs, and several ranks with a fault-injection kill (a dead rank must take the others
@@ -42,14 +43,31 @@ def run_cli(*args: str, cwd: Path | None = None, timeout: int = 600, gpu: bool =
         from tests import forklaunch
 
         return forklaunch.run(list(args), environ, cwd or ROOT, nproc=nproc, timeout=timeout)
-    launcher = ["-m", "anytrain"] if nproc == 1 else ["-m", "torch.distributed.run", "--standalone",
-                                                       f"--nproc_per_node={nproc}", "-m", "anytrain"]  # fmt: skip
-    return subprocess.run([sys.executable, *launcher, *args], cwd=cwd or ROOT, env=environ, capture_output=True,
-                          text=True, timeout=timeout)  # fmt: skip
+    launcher = (
+        ["-m", "anytrain"]
+        if nproc == 1
+        else ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", "-m", "anytrain"]
+    )
+    return subprocess.run(
+        [sys.executable, *launcher, *args],
+        cwd=cwd or ROOT,
+        env=environ,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
 
 
-def torchrun_ranks(script: str, data: Path, tmp: Path, steps: int, global_batch: int, parallel: str = "",
-                   nproc: int = 2, timeout: int = 300) -> list[dict]:  # fmt: skip
+def torchrun_ranks(
+    script: str,
+    data: Path,
+    tmp: Path,
+    steps: int,
+    global_batch: int,
+    parallel: str = "",
+    nproc: int = 2,
+    timeout: int = 300,
+) -> list[dict]:
     """Run a test file as a torchrun job of ``nproc`` CPU (gloo) ranks with the arguments (config file, ``tmp``): the
     file's ``__main__`` trains in-process and ends with ``end_rank``. The config: the debug Transformer on ``data``,
     seq 32, micro-batch 2, fp32, ``steps`` steps of ``global_batch`` sequences, ``parallel`` (e.g. "strategy: fsdp").
@@ -65,8 +83,16 @@ train: {{steps: {steps}, global_batch: {global_batch}, micro_batch: 2, lr: 3.0e-
 parallel: {{{parallel}}}
 device: cpu
 """)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", script,
-           str(config), str(tmp)]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc_per_node={nproc}",
+        script,
+        str(config),
+        str(tmp),
+    ]
     proc = subprocess.run(cmd, cwd=ROOT, env=cli_env(), capture_output=True, text=True, timeout=timeout)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return [json.loads((tmp / f"rank{r}.json").read_text()) for r in range(nproc)]

@@ -82,13 +82,17 @@ def _combine(op, acc: tuple, cur: tuple, inputs, shape: tuple) -> tuple:
 
     ret = op.combine_fn.fn(*acc, *cur)
     ret = ret if isinstance(ret, tuple) else (ret,)
-    return tuple(_wrap(op, r.handle.data if isinstance(r, tl.core.tensor) else r, shape, a.dtype)
-                 for r, a in zip(ret, inputs, strict=True))  # fmt: skip
+    return tuple(
+        _wrap(op, r.handle.data if isinstance(r, tl.core.tensor) else r, shape, a.dtype)
+        for r, a in zip(ret, inputs, strict=True)
+    )
 
 
 def _slices(op, datas, inputs, axis: int, k: int) -> tuple:
-    return tuple(_wrap(op, d[_at(d.ndim, axis, k)], d.shape[:axis] + d.shape[axis + 1 :], a.dtype)
-                 for d, a in zip(datas, inputs, strict=True))  # fmt: skip
+    return tuple(
+        _wrap(op, d[_at(d.ndim, axis, k)], d.shape[:axis] + d.shape[axis + 1 :], a.dtype)
+        for d, a in zip(datas, inputs, strict=True)
+    )
 
 
 def _generic_reduce(self, input):

@@ -48,8 +48,10 @@ def disk_full_as_error(what: str | Path) -> Iterator[None]:
         raise
     except BaseException as exc:  # DCP's CheckpointException is a BaseException; anything else is re-raised as is
         if _is_disk_full(exc) or _is_disk_full(exc.__cause__ or exc):
-            raise DiskFullError(f"disk full while writing {what}; free space on that filesystem or write "
-                                "elsewhere (nothing was replaced)") from None  # fmt: skip
+            raise DiskFullError(
+                f"disk full while writing {what}; free space on that filesystem or write "
+                "elsewhere (nothing was replaced)"
+            ) from None
         raise
 
 

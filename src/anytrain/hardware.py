@@ -256,11 +256,18 @@ def set_attention_backend(name: str) -> list[str]:
         raise ConfigError(f"train.attention_backend: unknown {name!r}; use auto, {', '.join(SDPA_BACKENDS)}")
     from torch.nn.attention import SDPBackend
 
-    enum = {"flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION,
-            "efficient": SDPBackend.EFFICIENT_ATTENTION, "math": SDPBackend.MATH}  # fmt: skip
+    enum = {
+        "flash": SDPBackend.FLASH_ATTENTION,
+        "cudnn": SDPBackend.CUDNN_ATTENTION,
+        "efficient": SDPBackend.EFFICIENT_ATTENTION,
+        "math": SDPBackend.MATH,
+    }
     order = [name, *[b for b in SDPA_BACKENDS if b != name]] if name != "math" else ["math"]
-    switches = {"flash": torch.backends.cuda.enable_flash_sdp, "cudnn": torch.backends.cuda.enable_cudnn_sdp,
-                "efficient": torch.backends.cuda.enable_mem_efficient_sdp}  # fmt: skip
+    switches = {
+        "flash": torch.backends.cuda.enable_flash_sdp,
+        "cudnn": torch.backends.cuda.enable_cudnn_sdp,
+        "efficient": torch.backends.cuda.enable_mem_efficient_sdp,
+    }
     getter, setter = (getattr(torch._C, f"_{v}_sdp_priority_order", None) for v in ("get", "set"))
     if getter is None or setter is None:  # older torch: only the chosen kernel (and math) stays on
         order = [name, "math"] if name != "math" else order
@@ -287,14 +294,17 @@ def enable_async_tp(device: torch.device, group_name: str) -> None:
     symmetric memory) for the process group ``group_name``. Raises ConfigError where it cannot run: CPU devices
     (gloo has no symmetric memory) and GPUs whose PyTorch build lacks it."""
     if not is_gpu(device):
-        raise ConfigError("parallel.async_tp: needs GPUs (symmetric memory between the tensor-parallel ranks); set "
-                          "--parallel.async_tp false on CPU")  # fmt: skip
+        raise ConfigError(
+            "parallel.async_tp: needs GPUs (symmetric memory between the tensor-parallel ranks); set "
+            "--parallel.async_tp false on CPU"
+        )
     try:
         import torch._inductor.config as inductor_config
         from torch.distributed import _symmetric_memory as symm_mem
     except ImportError as exc:  # a build without symmetric memory
-        raise ConfigError(f"parallel.async_tp: this PyTorch build has no symmetric memory ({exc}); set "
-                          "--parallel.async_tp false") from exc  # fmt: skip
+        raise ConfigError(
+            f"parallel.async_tp: this PyTorch build has no symmetric memory ({exc}); set --parallel.async_tp false"
+        ) from exc
     inductor_config._micro_pipeline_tp = True
     enable = getattr(symm_mem, "enable_symm_mem_for_group", None)  # needed by older releases, a no-op in newer ones
     if enable is not None:

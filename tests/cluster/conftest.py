@@ -105,8 +105,10 @@ def _wait_idle(env: dict[str, str], procs: list[subprocess.Popen], root: Path, t
 def slurm_cluster(tmp_path_factory):
     missing = missing_tools(SLURM_TOOLS)
     if missing:
-        pytest.skip(f"SLURM not installed ({', '.join(missing)} missing): run tests/cluster/install.sh as root "
-                    "(apt-get install slurm-wlm munge)")  # fmt: skip
+        pytest.skip(
+            f"SLURM not installed ({', '.join(missing)} missing): run tests/cluster/install.sh as root "
+            "(apt-get install slurm-wlm munge)"
+        )
     root = tmp_path_factory.mktemp("slurm")
     root.chmod(0o700)  # munged refuses keys and sockets in directories others can write
     for sub in ("state", "spool"):
@@ -120,11 +122,19 @@ def slurm_cluster(tmp_path_factory):
     env = cluster.env()
     sbin = os.pathsep.join(("/usr/sbin", "/sbin", env.get("PATH", "")))
     commands = [
-        ["munged", "-F", "-f", f"--socket={root}/munge.sock", f"--key-file={key}", f"--log-file={root}/munged.log",
-         f"--pid-file={root}/munged.pid", f"--seed-file={root}/munged.seed"],
+        [
+            "munged",
+            "-F",
+            "-f",
+            f"--socket={root}/munge.sock",
+            f"--key-file={key}",
+            f"--log-file={root}/munged.log",
+            f"--pid-file={root}/munged.pid",
+            f"--seed-file={root}/munged.seed",
+        ],
         ["slurmctld", "-D", "-c", "-f", str(conf)],
         ["slurmd", "-D", "-f", str(conf), "-N", node],
-    ]  # fmt: skip
+    ]
     procs: list[subprocess.Popen] = []
     try:
         for cmd in commands:

@@ -49,43 +49,80 @@ def test_single_process_without_a_launcher():
 
 
 def test_torchrun_wins_even_inside_an_srun_step():
-    env = {"TORCHELASTIC_RUN_ID": "x", "RANK": "5", "WORLD_SIZE": "16", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "8",
-           "MASTER_ADDR": "n1", "MASTER_PORT": "1234", "SLURM_STEP_NUM_TASKS": "2", "SLURM_PROCID": "0"}  # fmt: skip
+    env = {
+        "TORCHELASTIC_RUN_ID": "x",
+        "RANK": "5",
+        "WORLD_SIZE": "16",
+        "LOCAL_RANK": "1",
+        "LOCAL_WORLD_SIZE": "8",
+        "MASTER_ADDR": "n1",
+        "MASTER_PORT": "1234",
+        "SLURM_STEP_NUM_TASKS": "2",
+        "SLURM_PROCID": "0",
+    }
     found = discover(env)
     assert (found.launcher, found.rank, found.world_size, found.local_rank, found.master_addr, found.master_port) == (
-        "torchrun", 5, 16, 1, "n1", 1234)  # fmt: skip
+        "torchrun",
+        5,
+        16,
+        1,
+        "n1",
+        1234,
+    )
 
 
 def slurm_step(**extra: str) -> dict[str, str]:
-    env = {"SLURM_JOB_ID": "77", "SLURM_STEP_ID": "0", "SLURM_PROCID": "3", "SLURM_NTASKS": "4",
-           "SLURM_STEP_NUM_TASKS": "4", "SLURM_LOCALID": "1", "SLURM_NODEID": "1",
-           "SLURM_STEP_TASKS_PER_NODE": "2(x2)", "SLURM_STEP_NODELIST": "gpu[07-08]"}  # fmt: skip
+    env = {
+        "SLURM_JOB_ID": "77",
+        "SLURM_STEP_ID": "0",
+        "SLURM_PROCID": "3",
+        "SLURM_NTASKS": "4",
+        "SLURM_STEP_NUM_TASKS": "4",
+        "SLURM_LOCALID": "1",
+        "SLURM_NODEID": "1",
+        "SLURM_STEP_TASKS_PER_NODE": "2(x2)",
+        "SLURM_STEP_NODELIST": "gpu[07-08]",
+    }
     return {**env, **extra}
 
 
 def test_srun_step_gives_rank_world_local_rank_and_the_first_host():
     found = discover(slurm_step())
     assert (found.launcher, found.rank, found.world_size, found.local_rank, found.local_world_size) == (
-        "slurm", 3, 4, 1, 2)  # fmt: skip
+        "slurm",
+        3,
+        4,
+        1,
+        2,
+    )
     assert found.master_addr == "gpu07" and 15000 <= found.master_port < 35000
     assert discover(slurm_step(SLURM_PROCID="0")).master_port == found.master_port  # every task derives it alike
     assert discover(slurm_step(MASTER_ADDR="head", MASTER_PORT="4242")).master_addr == "head"
     env: dict[str, str] = {}
     found.export(env)
-    assert env == {"RANK": "3", "WORLD_SIZE": "4", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2",
-                   "MASTER_ADDR": "gpu07", "MASTER_PORT": str(found.master_port)}  # fmt: skip
+    assert env == {
+        "RANK": "3",
+        "WORLD_SIZE": "4",
+        "LOCAL_RANK": "1",
+        "LOCAL_WORLD_SIZE": "2",
+        "MASTER_ADDR": "gpu07",
+        "MASTER_PORT": str(found.master_port),
+    }
 
 
 def test_a_batch_script_without_srun_is_one_process():
     assert discover({"SLURM_JOB_ID": "1", "SLURM_PROCID": "0", "SLURM_NTASKS": "4"}).launcher == "single"
 
 
-@pytest.mark.parametrize("extra, message", [
-    ({"WORLD_SIZE": "8"}, "srun: WORLD_SIZE=8 but SLURM_STEP_NUM_TASKS=4; the launchers disagree"),
-    ({"RANK": "0"}, "srun: RANK=0 but SLURM_PROCID=3"),
-    ({"SLURM_NTASKS": "2"}, "srun: SLURM_NTASKS=2 but SLURM_STEP_NUM_TASKS=4"),
-    ({"SLURM_PROCID": "9"}, "slurm: rank 9 is outside world size 4"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        ({"WORLD_SIZE": "8"}, "srun: WORLD_SIZE=8 but SLURM_STEP_NUM_TASKS=4; the launchers disagree"),
+        ({"RANK": "0"}, "srun: RANK=0 but SLURM_PROCID=3"),
+        ({"SLURM_NTASKS": "2"}, "srun: SLURM_NTASKS=2 but SLURM_STEP_NUM_TASKS=4"),
+        ({"SLURM_PROCID": "9"}, "slurm: rank 9 is outside world size 4"),
+    ],
+)
 def test_disagreeing_launchers_are_one_line_errors(extra, message):
     with pytest.raises(ConfigError, match=message.replace("(", r"\(")) as info:
         discover(slurm_step(**extra))
@@ -93,11 +130,21 @@ def test_disagreeing_launchers_are_one_line_errors(extra, message):
 
 
 def test_open_mpi_on_one_host_and_across_hosts():
-    env = {"OMPI_COMM_WORLD_RANK": "1", "OMPI_COMM_WORLD_SIZE": "2", "OMPI_COMM_WORLD_LOCAL_RANK": "1",
-           "OMPI_COMM_WORLD_LOCAL_SIZE": "2", "OMPI_MCA_ess_base_jobid": "680460289"}  # fmt: skip
+    env = {
+        "OMPI_COMM_WORLD_RANK": "1",
+        "OMPI_COMM_WORLD_SIZE": "2",
+        "OMPI_COMM_WORLD_LOCAL_RANK": "1",
+        "OMPI_COMM_WORLD_LOCAL_SIZE": "2",
+        "OMPI_MCA_ess_base_jobid": "680460289",
+    }
     found = discover(env)
     assert (found.launcher, found.rank, found.world_size, found.local_rank, found.master_addr) == (
-        "mpi", 1, 2, 1, "127.0.0.1")  # fmt: skip
+        "mpi",
+        1,
+        2,
+        1,
+        "127.0.0.1",
+    )
     with pytest.raises(ConfigError, match="ranks span several hosts but MASTER_ADDR is not set"):
         discover({**env, "OMPI_COMM_WORLD_SIZE": "4"})
     assert discover({**env, "OMPI_COMM_WORLD_SIZE": "4", "MASTER_ADDR": "n0"}).master_addr == "n0"
@@ -123,16 +170,34 @@ def test_hostlists_and_tasks_per_node():
 
 
 def test_sbatch_script_for_gpu_and_cpu_clusters(tmp_path):
-    gpu = render_sbatch(SlurmJob(config="configs/tiny.yaml", run_dir="runs/x", nodes=4, gpus_per_node=8,
-                                 partition="gpu", time="01:00:00", vendor="rocm", ifname="hsn0",
-                                 workdir=str(tmp_path), overrides=["--train.steps", "9"]))  # fmt: skip
-    for line in ("#SBATCH --nodes=4", "#SBATCH --ntasks-per-node=8", "#SBATCH --gpus-per-node=8",
-                 '#SBATCH --partition="gpu"', '#SBATCH --time="01:00:00"', "#SBATCH --signal=B:TERM@120",
-                 "#SBATCH --requeue", f'#SBATCH --output="{tmp_path}/runs/slurm-logs/slurm-%j.out"',
-                 'export MASTER_ADDR="$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)"',
-                 "export NCCL_SOCKET_IFNAME=hsn0", "export HSA_FORCE_FINE_GRAIN_PCIE=1",
-                 'export MIOPEN_USER_DB_PATH="/tmp/miopen-${USER}-${SLURM_JOB_ID:-0}"',
-                 ):  # fmt: skip
+    gpu = render_sbatch(
+        SlurmJob(
+            config="configs/tiny.yaml",
+            run_dir="runs/x",
+            nodes=4,
+            gpus_per_node=8,
+            partition="gpu",
+            time="01:00:00",
+            vendor="rocm",
+            ifname="hsn0",
+            workdir=str(tmp_path),
+            overrides=["--train.steps", "9"],
+        )
+    )
+    for line in (
+        "#SBATCH --nodes=4",
+        "#SBATCH --ntasks-per-node=8",
+        "#SBATCH --gpus-per-node=8",
+        '#SBATCH --partition="gpu"',
+        '#SBATCH --time="01:00:00"',
+        "#SBATCH --signal=B:TERM@120",
+        "#SBATCH --requeue",
+        f'#SBATCH --output="{tmp_path}/runs/slurm-logs/slurm-%j.out"',
+        'export MASTER_ADDR="$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)"',
+        "export NCCL_SOCKET_IFNAME=hsn0",
+        "export HSA_FORCE_FINE_GRAIN_PCIE=1",
+        'export MIOPEN_USER_DB_PATH="/tmp/miopen-${USER}-${SLURM_JOB_ID:-0}"',
+    ):
         assert line in gpu.splitlines(), line
     assert "--checkpoint.auto_resume true --train.steps 9\n" in gpu and "--device cpu" not in gpu
     assert 'then scontrol requeue "$SLURM_JOB_ID"; fi' in gpu
@@ -167,13 +232,51 @@ def test_mpirun_two_ranks_match_torchrun(small_data, tmp_path):
     for key in [k for k in env if k.startswith(("SLURM_", "OMPI_", "PMI"))]:
         env.pop(key)
     extra = "--oversubscribe" + (" --allow-run-as-root" if os.geteuid() == 0 else "")
-    mpi = subprocess.run([sys.executable, "-m", "anytrain", "launch", "mpi", str(config), "-n", "2", "--execute",
-                          "--run-dir", str(tmp_path / "mpi"), "--master-port", str(_free_port()), "--mpirun-args",
-                          extra], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)  # fmt: skip
+    mpi = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "anytrain",
+            "launch",
+            "mpi",
+            str(config),
+            "-n",
+            "2",
+            "--execute",
+            "--run-dir",
+            str(tmp_path / "mpi"),
+            "--master-port",
+            str(_free_port()),
+            "--mpirun-args",
+            extra,
+        ],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert mpi.returncode == 0, mpi.stdout[-2000:] + mpi.stderr[-3000:]
-    torchrun = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                               "-m", "anytrain", "train", str(config), "--run-dir", str(tmp_path / "torchrun")],
-                              cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)  # fmt: skip
+    torchrun = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc_per_node=2",
+            "-m",
+            "anytrain",
+            "train",
+            str(config),
+            "--run-dir",
+            str(tmp_path / "torchrun"),
+        ],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert torchrun.returncode == 0, torchrun.stderr[-3000:]
     assert json.loads((tmp_path / "mpi" / "summary.json").read_text())["world_size"] == 2
     assert losses(tmp_path / "mpi") == losses(tmp_path / "torchrun") and len(losses(tmp_path / "mpi")) == 5
@@ -193,12 +296,23 @@ def test_launch_slurm_submit_runs_sbatch_and_reports_its_failure(tmp_path, small
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     fake = bin_dir / "sbatch"
-    fake.write_text('#!/bin/sh\n[ -f "$1" ] && grep -q "^#SBATCH --requeue" "$1" && echo "Submitted batch job 42" '
-                    '&& exit 0\necho "sbatch: error: Batch job submission failed" >&2; exit 1\n')  # fmt: skip
+    fake.write_text(
+        '#!/bin/sh\n[ -f "$1" ] && grep -q "^#SBATCH --requeue" "$1" && echo "Submitted batch job 42" '
+        '&& exit 0\necho "sbatch: error: Batch job submission failed" >&2; exit 1\n'
+    )
     fake.chmod(0o755)
     env = cli_env(PATH=f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
-    args = [sys.executable, "-m", "anytrain", "launch", "slurm", str(config), "--run-dir", str(tmp_path / "run"),
-            "--submit"]  # fmt: skip
+    args = [
+        sys.executable,
+        "-m",
+        "anytrain",
+        "launch",
+        "slurm",
+        str(config),
+        "--run-dir",
+        str(tmp_path / "run"),
+        "--submit",
+    ]
     ok = subprocess.run(args, cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
     assert ok.returncode == 0 and "Submitted batch job 42" in ok.stdout, ok.stderr
     assert (tmp_path / "run.sbatch").is_file() and (tmp_path / "slurm-logs").is_dir()
@@ -209,8 +323,24 @@ def test_launch_slurm_submit_runs_sbatch_and_reports_its_failure(tmp_path, small
 def test_launch_slurm_nodes_auto_sizes_the_job_with_the_cost_model(tmp_path, capsys):
     """--nodes auto: the 1.1B recipe's 152,588 steps (1e10 tokens) by a 24 h limit on H200s -> 2 GPUs on one node
     with the planner's layout (docs/cost-model.md, "Job sizing", second example); too short a limit names the flag."""
-    args = ["launch", "slurm", str(ROOT / "configs/1.1b.yaml"), "--nodes", "auto", "--gpu", "h200", "--gpus-per-node",
-            "8", "--time", "24:00:00", "--run-dir", str(tmp_path / "run"), "--", "--train.steps", "152588"]  # fmt: skip
+    args = [
+        "launch",
+        "slurm",
+        str(ROOT / "configs/1.1b.yaml"),
+        "--nodes",
+        "auto",
+        "--gpu",
+        "h200",
+        "--gpus-per-node",
+        "8",
+        "--time",
+        "24:00:00",
+        "--run-dir",
+        str(tmp_path / "run"),
+        "--",
+        "--train.steps",
+        "152588",
+    ]
     code, out, err = cli_in_process(capsys, *args)
     assert code == 0, err
     assert "--nodes auto: 2 devices (dp2 fsdp-noreshard, micro-batch 16, AC none) take 19.0 h" in out

@@ -33,11 +33,19 @@ def srun(cluster, *args: str, timeout: int = 120, **env: str) -> subprocess.Comp
 
 
 def test_srun_with_a_contradicting_world_size_is_a_one_line_error(slurm_cluster, small_data, tmp_path):
-    proc = srun(slurm_cluster, "train", str(write_config(tmp_path, small_data, 2)), "--run-dir", str(tmp_path / "r"),
-                WORLD_SIZE="4")  # fmt: skip
+    proc = srun(
+        slurm_cluster,
+        "train",
+        str(write_config(tmp_path, small_data, 2)),
+        "--run-dir",
+        str(tmp_path / "r"),
+        WORLD_SIZE="4",
+    )
     assert proc.returncode != 0
-    line = ("error: srun: WORLD_SIZE=4 but SLURM_STEP_NUM_TASKS=2; the launchers disagree: unset WORLD_SIZE "
-            "(anytrain reads SLURM_STEP_NUM_TASKS) or launch 4 tasks")  # fmt: skip
+    line = (
+        "error: srun: WORLD_SIZE=4 but SLURM_STEP_NUM_TASKS=2; the launchers disagree: unset WORLD_SIZE "
+        "(anytrain reads SLURM_STEP_NUM_TASKS) or launch 4 tasks"
+    )
     assert line in proc.stderr.splitlines(), proc.stderr[-2000:]
     assert "Traceback" not in proc.stderr and not (tmp_path / "r").exists()
 
@@ -83,17 +91,48 @@ def write_job(
 ) -> Path:
     """The script ``anytrain launch slurm --dry-run`` writes for 1 node x 2 CPU tasks (``options``: more flags)."""
     script = tmp_path / "job.sbatch"
-    proc = subprocess.run([sys.executable, "-m", "anytrain", "launch", "slurm", str(config), "--nodes", "1",
-                           "--tasks-per-node", "2", "--run-dir", str(run_dir), "--script", str(script), "--dry-run",
-                           "--time", "00:10:00", *options, "--", *overrides],
-                          cwd=cwd, env=cluster.env(), capture_output=True, text=True, timeout=60)  # fmt: skip
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "anytrain",
+            "launch",
+            "slurm",
+            str(config),
+            "--nodes",
+            "1",
+            "--tasks-per-node",
+            "2",
+            "--run-dir",
+            str(run_dir),
+            "--script",
+            str(script),
+            "--dry-run",
+            "--time",
+            "00:10:00",
+            *options,
+            "--",
+            *overrides,
+        ],
+        cwd=cwd,
+        env=cluster.env(),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert proc.returncode == 0, proc.stderr
     return script
 
 
 def submit(cluster, script: Path, cwd: Path = ROOT, **env: str) -> str:
-    sub = subprocess.run(["sbatch", "--parsable", str(script)], cwd=cwd, env=cluster.env(**env), capture_output=True,
-                         text=True, timeout=60)  # fmt: skip
+    sub = subprocess.run(
+        ["sbatch", "--parsable", str(script)],
+        cwd=cwd,
+        env=cluster.env(**env),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert sub.returncode == 0, sub.stderr
     return sub.stdout.strip().split(";")[0]
 

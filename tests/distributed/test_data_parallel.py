@@ -92,8 +92,13 @@ def test_ranks_see_disjoint_slices_of_the_same_global_batch(runs, name, world):
 def test_checkpoint_written_by_every_strategy(runs):
     for name, (run_dir, _) in runs.items():
         summary = json.loads((run_dir / "summary.json").read_text())
-        expected = {"single": ("single", 1), "ddp": ("ddp", 2), "fsdp": ("fsdp", 2), "zero2": ("fsdp", 2),
-                    "hsdp": ("fsdp", 4)}[name]  # fmt: skip
+        expected = {
+            "single": ("single", 1),
+            "ddp": ("ddp", 2),
+            "fsdp": ("fsdp", 2),
+            "zero2": ("fsdp", 2),
+            "hsdp": ("fsdp", 4),
+        }[name]
         assert (summary["strategy"], summary["world_size"]) == expected
         final = run_dir / "checkpoints" / f"step_{STEPS:08d}"
         assert (final / "COMMITTED").is_file() and (final / ".metadata").is_file()

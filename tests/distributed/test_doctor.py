@@ -11,8 +11,23 @@ from tests.conftest import run_cli
 @pytest.fixture(scope="module")
 def quick(tmp_path_factory):
     out = tmp_path_factory.mktemp("doctor") / "doctor.json"
-    proc = run_cli("doctor", "--suite", "quick", "--json", str(out), "--max-mib", "1", "--repeats", "2",
-                   "--expect-gpus", "0", "--expect-nodes", "1", nproc=2, NCCL_DEBUG="WARN")  # fmt: skip
+    proc = run_cli(
+        "doctor",
+        "--suite",
+        "quick",
+        "--json",
+        str(out),
+        "--max-mib",
+        "1",
+        "--repeats",
+        "2",
+        "--expect-gpus",
+        "0",
+        "--expect-nodes",
+        "1",
+        nproc=2,
+        NCCL_DEBUG="WARN",
+    )
     return proc, json.loads(out.read_text()) if out.is_file() else None
 
 
@@ -58,8 +73,22 @@ def test_full_suite_trains_kills_and_resumes(tmp_path):
     """The full suite on 2 ranks, with a loss-drop threshold no 20-step run meets: every other check passes, the
     training checks fail naming the threshold, and the exit is non-zero."""
     out = tmp_path / "doctor.json"
-    proc = run_cli("doctor", "--json", str(out), "--max-mib", "1", "--min-bytes", "1048576", "--repeats", "2",
-                   "--work-dir", str(tmp_path / "work"), "--threshold", "min_loss_drop=0.99", nproc=2)  # fmt: skip
+    proc = run_cli(
+        "doctor",
+        "--json",
+        str(out),
+        "--max-mib",
+        "1",
+        "--min-bytes",
+        "1048576",
+        "--repeats",
+        "2",
+        "--work-dir",
+        str(tmp_path / "work"),
+        "--threshold",
+        "min_loss_drop=0.99",
+        nproc=2,
+    )
     report = json.loads(out.read_text())
     assert proc.returncode != 0
     assert len(report["failures"]) == 3, report["failures"]

@@ -22,9 +22,17 @@ from anytrain.errors import ConfigError
 from tests.conftest import cli_in_process, run_cli
 
 
-@pytest.mark.parametrize("name, world, factor", [("all_reduce", 8, 1.75), ("all_gather", 8, 0.875),
-                                                 ("reduce_scatter", 4, 0.75), ("all_to_all", 2, 0.5),
-                                                 ("broadcast", 8, 1.0), ("send_recv", 8, 1.0)])  # fmt: skip
+@pytest.mark.parametrize(
+    "name, world, factor",
+    [
+        ("all_reduce", 8, 1.75),
+        ("all_gather", 8, 0.875),
+        ("reduce_scatter", 4, 0.75),
+        ("all_to_all", 2, 0.5),
+        ("broadcast", 8, 1.0),
+        ("send_recv", 8, 1.0),
+    ],
+)
 def test_bus_factors_are_nccl_tests(name, world, factor):
     assert bus_factor(name, world) == factor
 
@@ -47,10 +55,14 @@ def test_expectations_and_failures_name_the_rank_and_check():
     ]
     assert expectation_failures(hosts, 8, None) == ["rank 1 (b): inventory: 7 GPUs visible, expected 8 per node"]
     gemms = [{"ok": True}, {"ok": False, "finite": False, "dtype": "bfloat16", "shape": 512}]
-    functional = [[{"name": "all_reduce", "wrong": 0, "error": None, "elements": 9}],
-                  [{"name": "all_reduce", "wrong": 2, "error": None, "elements": 9}]]  # fmt: skip
-    assert check_failures(hosts, gemms, functional) == ["rank 1 (b): gemm bfloat16 512^3: non-finite output",
-                                                        "rank 1 (b): all_reduce: #wrong 2 of 9 elements"]  # fmt: skip
+    functional = [
+        [{"name": "all_reduce", "wrong": 0, "error": None, "elements": 9}],
+        [{"name": "all_reduce", "wrong": 2, "error": None, "elements": 9}],
+    ]
+    assert check_failures(hosts, gemms, functional) == [
+        "rank 1 (b): gemm bfloat16 512^3: non-finite output",
+        "rank 1 (b): all_reduce: #wrong 2 of 9 elements",
+    ]
 
 
 def test_inventory_pieces_on_this_host():
@@ -72,11 +84,13 @@ def test_thresholds_from_file_and_flags_and_their_errors(tmp_path):
     assert th.loss_rtol == Thresholds().loss_rtol
     (tmp_path / "t.json").write_text(json.dumps({"resume_rtol": 0}))
     assert load_thresholds(str(tmp_path / "t.json")).resume_rtol == 0
-    for path, flags, message in [(None, ["busbw=1"], "unknown threshold 'busbw'; known: busbw_min_gb_per_s"),
-                                 (None, ["loss_rtol"], "expected NAME=VALUE"),
-                                 (None, ["loss_rtol=-1"], "must be >= 0"),
-                                 (None, ["loss_rtol=x"], "must be a number"),
-                                 (str(tmp_path / "none.yaml"), [], "none.yaml not found")]:  # fmt: skip
+    for path, flags, message in [
+        (None, ["busbw=1"], "unknown threshold 'busbw'; known: busbw_min_gb_per_s"),
+        (None, ["loss_rtol"], "expected NAME=VALUE"),
+        (None, ["loss_rtol=-1"], "must be >= 0"),
+        (None, ["loss_rtol=x"], "must be a number"),
+        (str(tmp_path / "none.yaml"), [], "none.yaml not found"),
+    ]:
         with pytest.raises(ConfigError, match=message):
             load_thresholds(path, flags)
 
@@ -112,10 +126,14 @@ def test_training_comparisons_name_the_check():
     curve = {s: 6.0 - 0.1 * s for s in range(1, 21)}
     resumed = {**curve, 15: curve[15] * 1.01}
     run = {"losses": curve, "error": None, "kill_restart": None}
-    training = {"one_device": [{**run, "kill_restart": {"error": None, "losses": resumed}}, run],
-                "all_ranks": [{"losses": list(curve.values()), "fingerprint": [1.0, 2.0], "ids": {0: [1]}},
-                              {"losses": list(curve.values()), "fingerprint": [1.0, 2.5], "ids": {0: [2]}}],
-                "global_ids": {0: [1, 2]}}  # fmt: skip
+    training = {
+        "one_device": [{**run, "kill_restart": {"error": None, "losses": resumed}}, run],
+        "all_ranks": [
+            {"losses": list(curve.values()), "fingerprint": [1.0, 2.0], "ids": {0: [1]}},
+            {"losses": list(curve.values()), "fingerprint": [1.0, 2.5], "ids": {0: [2]}},
+        ],
+        "global_ids": {0: [1, 2]},
+    }
     assert training_failures(hosts, training, Thresholds()) == [
         "rank 1 (b): training (all ranks): parameters differ from rank 0's after 20 steps (the replicas diverged)",
         "rank 0 (a): checkpoint kill-restart: resumed run against the uninterrupted one: step 15 loss 4.545 vs 4.5: "
@@ -126,32 +144,64 @@ def test_training_comparisons_name_the_check():
 def _made_up_report(world: int, failures: list[str]) -> dict:
     """A report of ``world`` ranks on hosts of 8 ranks, as run_doctor writes it (quick suite, no trainings)."""
     hosts = [{"host": f"node{r // 8}", "device": "GPU [x]", "gpus_visible": 8} for r in range(world)]
-    sweep = [{"bytes": 2**i, "seconds": 1e-4 * i, "algbw_gb_per_s": 0.5 * i, "busbw_gb_per_s": 0.75 * i}
-             for i in range(3, 6)]  # fmt: skip
-    functional = [[{"name": name, "elements": 4096, "wrong": int(name == "all_reduce" and r == 1), "error": None}
-                   for name in ("all_reduce", "send_recv")] for r in range(world)]  # fmt: skip
+    sweep = [
+        {"bytes": 2**i, "seconds": 1e-4 * i, "algbw_gb_per_s": 0.5 * i, "busbw_gb_per_s": 0.75 * i} for i in range(3, 6)
+    ]
+    functional = [
+        [
+            {"name": name, "elements": 4096, "wrong": int(name == "all_reduce" and r == 1), "error": None}
+            for name in ("all_reduce", "send_recv")
+        ]
+        for r in range(world)
+    ]
     latency = [[None if s == d else 10.0 + s + d for d in range(world)] for s in range(world)]
-    report = {"suite": "quick", "hosts": hosts, "slurm": None, "network": [], "collective_env": {},
-              "collective_env_differs": {}, "topology": [], "launch": {"launcher": "srun", "world_size": world},
-              "hardware": {"device": "GPU", "vendor": "cuda", "torch": "2", "cuda": "13", "hip": None, "triton": "3"},
-              "gemm": [{"dtype": "bfloat16", "shape": 512, "finite": True, "max_rel_error": 2e-3, "ok": True}] * world,
-              "gemm_throughput": [{"dtype": "bfloat16", "shape": 4096, "tflops": 700.0 + r, "peak_tflops": 989.0,
-                                   "fraction": (700.0 + r) / 989, "skipped": None} for r in range(world)],
-              "thresholds": {**Thresholds().__dict__, "p2p_latency_max_us": 30.0}, "functional": functional,
-              "collectives": {"world_size": world, "backend": "nccl", "all_reduce_correct": False, "sweep": sweep},
-              "p2p": {"small_bytes": 8, "large_bytes": 2**26, "latency_us": latency, "bandwidth_gb_per_s": latency},
-              "data_partition": {"steps": [0, 1, 9], "ranks": world},
-              "expectations": {"gpus_per_node": 8, "nodes": None}, "failures": failures}  # fmt: skip
+    report = {
+        "suite": "quick",
+        "hosts": hosts,
+        "slurm": None,
+        "network": [],
+        "collective_env": {},
+        "collective_env_differs": {},
+        "topology": [],
+        "launch": {"launcher": "srun", "world_size": world},
+        "hardware": {"device": "GPU", "vendor": "cuda", "torch": "2", "cuda": "13", "hip": None, "triton": "3"},
+        "gemm": [{"dtype": "bfloat16", "shape": 512, "finite": True, "max_rel_error": 2e-3, "ok": True}] * world,
+        "gemm_throughput": [
+            {
+                "dtype": "bfloat16",
+                "shape": 4096,
+                "tflops": 700.0 + r,
+                "peak_tflops": 989.0,
+                "fraction": (700.0 + r) / 989,
+                "skipped": None,
+            }
+            for r in range(world)
+        ],
+        "thresholds": {**Thresholds().__dict__, "p2p_latency_max_us": 30.0},
+        "functional": functional,
+        "collectives": {"world_size": world, "backend": "nccl", "all_reduce_correct": False, "sweep": sweep},
+        "p2p": {"small_bytes": 8, "large_bytes": 2**26, "latency_us": latency, "bandwidth_gb_per_s": latency},
+        "data_partition": {"steps": [0, 1, 9], "ranks": world},
+        "expectations": {"gpus_per_node": 8, "nodes": None},
+        "failures": failures,
+    }
     report["summary"] = summarize(report)
     return report
 
 
 def test_report_tables_and_summary_as_plain_text(capsys):
-    failures = ["rank 1 (node0): all_reduce: #wrong 1 of 4096 elements",
-                "rank 2 (node0): p2p to rank 3 (node0): latency 35.0 us > 30 us (p2p_latency_max_us)",
-                "rank 9 (node1): gemm bfloat16 512^3: non-finite output", "rank 0 (node0): odd: something"]  # fmt: skip
-    assert [failure_check(line) for line in failures] == [("all_reduce", [1]), ("p2p latency", [2, 3]),
-                                                          ("gemm vs float64", [9]), ("odd", [0])]  # fmt: skip
+    failures = [
+        "rank 1 (node0): all_reduce: #wrong 1 of 4096 elements",
+        "rank 2 (node0): p2p to rank 3 (node0): latency 35.0 us > 30 us (p2p_latency_max_us)",
+        "rank 9 (node1): gemm bfloat16 512^3: non-finite output",
+        "rank 0 (node0): odd: something",
+    ]
+    assert [failure_check(line) for line in failures] == [
+        ("all_reduce", [1]),
+        ("p2p latency", [2, 3]),
+        ("gemm vs float64", [9]),
+        ("odd", [0]),
+    ]
     assert rank_ranges([7, 0, 1, 2, 5, 8]) == "0-2, 5, 7-8" and rank_ranges([]) == ""
     for world in (4, 20):
         report = _made_up_report(world, failures[:1] if world == 4 else failures)
@@ -184,23 +234,45 @@ def test_report_tables_and_summary_as_plain_text(capsys):
 def test_planted_faults_and_unmet_thresholds_fail_naming_rank_and_check(tmp_path):
     out = tmp_path / "doctor.json"
     (tmp_path / "thresholds.json").write_text(json.dumps({"busbw_min_gb_per_s": 1e6}))
-    proc = run_cli("doctor", "--suite", "quick", "--json", str(out), "--max-mib", "1", "--min-bytes", "1048576",
-                   "--repeats", "2", "--thresholds", str(tmp_path / "thresholds.json"),
-                   "--threshold", "p2p_latency_max_us=0.001", nproc=2, ANYTRAIN_TEST_CORRUPT_RANK="1",
-                   ANYTRAIN_TEST_OVERLAP_RANK="1")  # fmt: skip
+    proc = run_cli(
+        "doctor",
+        "--suite",
+        "quick",
+        "--json",
+        str(out),
+        "--max-mib",
+        "1",
+        "--min-bytes",
+        "1048576",
+        "--repeats",
+        "2",
+        "--thresholds",
+        str(tmp_path / "thresholds.json"),
+        "--threshold",
+        "p2p_latency_max_us=0.001",
+        nproc=2,
+        ANYTRAIN_TEST_CORRUPT_RANK="1",
+        ANYTRAIN_TEST_OVERLAP_RANK="1",
+    )
     assert proc.returncode != 0
     report = json.loads(out.read_text())
-    wrong = {row["name"]: [rows[i]["wrong"] for rows in report["functional"]] for i, row in
-             enumerate(report["functional"][0])}  # fmt: skip
+    wrong = {
+        row["name"]: [rows[i]["wrong"] for rows in report["functional"]]
+        for i, row in enumerate(report["functional"][0])
+    }
     assert wrong["all_reduce"] == [0, 1]  # only the corrupting rank sees it
     assert all(counts == [0, 0] for name, counts in wrong.items() if name != "all_reduce")
     failures = [line.split(": ", 1)[1] for line in report["failures"]]  # without "rank r (host): "
     assert failures[0] == "all_reduce: #wrong 1 of 4096 elements" and report["failures"][0].startswith("rank 1 (")
     partition = [line for line in report["failures"] if "data partition" in line]
     assert len(partition) == 6  # 3 steps x (rank 1 took rank 0's ids, rank 0's share of the batch on no rank)
-    assert all(line.startswith("rank 1 (") and line.endswith("2 of its 2 sample ids are already on a lower rank") or
-               line.startswith("rank 0 (") and line.endswith("2 of the 4 global-batch sample ids are on no rank")
-               for line in partition)  # fmt: skip
+    assert all(
+        line.startswith("rank 1 (")
+        and line.endswith("2 of its 2 sample ids are already on a lower rank")
+        or line.startswith("rank 0 (")
+        and line.endswith("2 of the 4 global-batch sample ids are on no rank")
+        for line in partition
+    )
     assert sum(line.endswith("(busbw_min_gb_per_s)") for line in failures) == 1
     p2p = [line for line in report["failures"] if line.endswith("(p2p_latency_max_us)")]
     assert len(p2p) == 2 and {line[:6] for line in p2p} == {"rank 0", "rank 1"}

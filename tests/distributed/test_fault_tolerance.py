@@ -45,8 +45,15 @@ device: cpu
 def command(nproc: int) -> list[str]:
     if nproc == 1:
         return [sys.executable, "-m", "anytrain"]
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", "-m",
-            "anytrain"]  # fmt: skip
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc_per_node={nproc}",
+        "-m",
+        "anytrain",
+    ]
 
 
 def train(config: Path, run_dir: Path, nproc: int = 2, *extra: str, expect_ok: bool = True, **env: str):
@@ -118,8 +125,9 @@ def test_kill_9_of_one_rank_then_resume_is_exact(reference):
     assert sorted(resumed) == list(range(1, 41))
     for step in range(16, 41):
         assert resumed[step] == ref[step], step  # bitwise, CPU fp32
-    assert_same_weights(weights(run / "checkpoints/step_00000040", tmp),
-                        weights(tmp / "reference/checkpoints/step_00000040", tmp))  # fmt: skip
+    assert_same_weights(
+        weights(run / "checkpoints/step_00000040", tmp), weights(tmp / "reference/checkpoints/step_00000040", tmp)
+    )
     ids, ref_ids = consumed(run, 2), consumed(tmp / "reference", 2)
     assert ids == ref_ids and len(ids) == 40 * 8  # every global sample once, in order: 0 duplicates, 0 skips
 
@@ -175,15 +183,26 @@ def _worker_pid(parent: int, rank: int) -> int:
 # all cases slow: make test covers SIGTERM's save of the current step with test_preemption (torchrun forwards the
 # signal; 0 steps lost, requeued resume), the bitwise resume with test_kill_9_of_one_rank_then_resume_is_exact, and the
 # lagged checks with test_lagged_checks_stop_a_nan_step_with_the_state_before_it ("fused": the lagged checks)
-@pytest.mark.parametrize("nproc,impl", [pytest.param(1, "auto", marks=pytest.mark.slow),
-                                        pytest.param(2, "auto", marks=pytest.mark.slow),
-                                        pytest.param(2, "fused", marks=pytest.mark.slow)])  # fmt: skip
+@pytest.mark.parametrize(
+    "nproc,impl",
+    [
+        pytest.param(1, "auto", marks=pytest.mark.slow),
+        pytest.param(2, "auto", marks=pytest.mark.slow),
+        pytest.param(2, "fused", marks=pytest.mark.slow),
+    ],
+)
 def test_sigterm_saves_the_current_step_and_resume_is_exact(tmp_path, small_data, nproc, impl):
     # many slow-ish steps so the signal lands mid-run; the schedule is fixed by train.steps
     config = write_config(tmp_path, small_data, steps=100_000, interval=0, log_sample_ids=False, optimizer_impl=impl)
     run = tmp_path / "preempted"
-    proc = subprocess.Popen([*command(nproc), "train", str(config), "--run-dir", str(run)], cwd=ROOT,
-                            env=cli_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
+    proc = subprocess.Popen(
+        [*command(nproc), "train", str(config), "--run-dir", str(run)],
+        cwd=ROOT,
+        env=cli_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     _wait_for_step(run, random.randint(3, 12), proc)
     target = proc.pid if nproc == 1 else _worker_pid(proc.pid, 1)  # any rank: here the non-coordinator
     os.kill(target, signal.SIGTERM)
@@ -215,8 +234,9 @@ def test_nan_on_one_rank_stops_every_rank_before_the_update(reference):
     assert saved == ["step_00000005", "step_00000006"]  # no checkpoint of a NaN state
     ref_weights = tmp / "ref-step6"
     train(config, ref_weights, 2, "--train.stop_at_step", "6")
-    assert_same_weights(weights(run / "checkpoints/step_00000006", tmp),
-                        weights(ref_weights / "checkpoints/step_00000006", tmp))  # fmt: skip
+    assert_same_weights(
+        weights(run / "checkpoints/step_00000006", tmp), weights(ref_weights / "checkpoints/step_00000006", tmp)
+    )
     for tensor in weights(run / "checkpoints/step_00000006", tmp).values():
         assert torch.isfinite(tensor).all()
 
@@ -226,7 +246,10 @@ def test_retention_keeps_exactly_keep_last(tmp_path, small_data):
     run = tmp_path / "retention"
     train(config, run, 1)
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == [
-        "step_00000008", "step_00000009", "step_00000010"]  # fmt: skip
+        "step_00000008",
+        "step_00000009",
+        "step_00000010",
+    ]
 
 
 def test_auto_resume_continues_a_requeued_run(tmp_path, small_data):
@@ -255,9 +278,14 @@ def assert_same_state(a, b, where: str = "") -> None:
 
 # make test runs one case per mechanism (FSDP, DDP with async save); the rest under the slow marker
 _SLOW = pytest.mark.slow
-LAGGED_CASES = [pytest.param(7, "ddp", False, marks=_SLOW), pytest.param(5, "ddp", False, marks=_SLOW),
-                (7, "fsdp", False), pytest.param(7, "zero1", False, marks=_SLOW), (6, "ddp", True),
-                pytest.param(7, "pp", False, marks=_SLOW)]  # fmt: skip
+LAGGED_CASES = [
+    pytest.param(7, "ddp", False, marks=_SLOW),
+    pytest.param(5, "ddp", False, marks=_SLOW),
+    (7, "fsdp", False),
+    pytest.param(7, "zero1", False, marks=_SLOW),
+    (6, "ddp", True),
+    pytest.param(7, "pp", False, marks=_SLOW),
+]
 
 
 @pytest.mark.parametrize("nan_step,layout,async_save", LAGGED_CASES)
@@ -269,15 +297,23 @@ def test_lagged_checks_stop_a_nan_step_with_the_state_before_it(tmp_path, small_
     # nan_step 7: read at the next step; 5: read at the step-5 checkpoint (a sync point); 6 with async saves: the stop
     # wants step 5, whose background save may still be in flight (it is finished and kept, not rewritten)
     parallel = ("--parallel.pp", "2") if layout == "pp" else ("--parallel.strategy", layout)
-    flags = ("--train.optimizer_impl", "fused", "--train.log_interval", "10", *parallel,
-             "--checkpoint.async_save", str(async_save).lower())  # fmt: skip
+    flags = (
+        "--train.optimizer_impl",
+        "fused",
+        "--train.log_interval",
+        "10",
+        *parallel,
+        "--checkpoint.async_save",
+        str(async_save).lower(),
+    )
     good = nan_step - 1
     ref = tmp_path / "ref"
     train(config, ref, 2, *flags, "--train.stop_at_step", str(good))
     assert json.loads((ref / "summary.json").read_text())["step_checks"] == "lagged"
     run = tmp_path / "nan"
-    proc = train(config, run, 2, *flags, expect_ok=False, ANYTRAIN_TEST_NAN_AT_STEP=str(nan_step),
-                 ANYTRAIN_TEST_NAN_RANK="1")  # fmt: skip
+    proc = train(
+        config, run, 2, *flags, expect_ok=False, ANYTRAIN_TEST_NAN_AT_STEP=str(nan_step), ANYTRAIN_TEST_NAN_RANK="1"
+    )
     assert proc.returncode != 0
     assert proc.stderr.count(f"step {nan_step}: non-finite loss or gradient norm") == 2
     saved = sorted(p.name for p in (run / "checkpoints").iterdir() if (p / "COMMITTED").is_file())
@@ -337,8 +373,14 @@ def test_every_logged_record_after_a_kill_and_resume_equals_the_uninterrupted_ru
     tmp, config = windowed
     kill = random.Random(seed).randint(6, 12)  # after the step-4 checkpoint
     run = tmp / f"killed{nproc}-{seed}"
-    proc = train(config, run, nproc, expect_ok=False, ANYTRAIN_TEST_KILL_AT_STEP=str(kill),
-                 ANYTRAIN_TEST_KILL_RANK=str(nproc - 1))  # fmt: skip
+    proc = train(
+        config,
+        run,
+        nproc,
+        expect_ok=False,
+        ANYTRAIN_TEST_KILL_AT_STEP=str(kill),
+        ANYTRAIN_TEST_KILL_RANK=str(nproc - 1),
+    )
     assert proc.returncode != 0
     proc = train(config, run, nproc, "--resume")
     saved = 4 * ((kill - 1) // 4)

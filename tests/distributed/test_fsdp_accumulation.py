@@ -71,9 +71,15 @@ def _train(config: Path, run_dir: Path, reshard_during_accumulation: bool, group
     trainer.close()
     fsdp_modules = sum(1 for m in trainer.model.modules() if hasattr(m, "set_reshard_after_backward"))
     n_blocks = len(trainer.model.blocks())
-    return {"losses": losses, "grad_norms": grad_norms, "gathers_per_step": gathers_per_step,
-            "micro_batches": micro_batches, "after_eval_forward": after_eval_forward,
-            "fsdp_modules": fsdp_modules, "n_blocks": n_blocks}  # fmt: skip
+    return {
+        "losses": losses,
+        "grad_norms": grad_norms,
+        "gathers_per_step": gathers_per_step,
+        "micro_batches": micro_batches,
+        "after_eval_forward": after_eval_forward,
+        "fsdp_modules": fsdp_modules,
+        "n_blocks": n_blocks,
+    }
 
 
 def _worker(config: Path, out: Path) -> None:

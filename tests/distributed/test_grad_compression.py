@@ -78,8 +78,14 @@ def _train(config: Path, run_dir: Path, *overrides: str, resume: bool = False) -
         dist.all_reduce = all_reduce
         trainer.close()
     params = [p for p in trainer.model.parameters() if p.requires_grad]
-    return {"sent": sent, "val_loss": summary["final_val_loss"], "strategy": trainer.strategy, "run_dir": str(run_dir),
-            "shapes": [list(p.shape) for p in params], "fp32_bytes": sum(4 * p.numel() for p in params)}  # fmt: skip
+    return {
+        "sent": sent,
+        "val_loss": summary["final_val_loss"],
+        "strategy": trainer.strategy,
+        "run_dir": str(run_dir),
+        "shapes": [list(p.shape) for p in params],
+        "fp32_bytes": sum(4 * p.numel() for p in params),
+    }
 
 
 def _bucket_layout_case() -> dict:
@@ -173,8 +179,11 @@ def _worker(mode: str, data: Path, out: Path) -> None:
             "cut": ("--parallel.grad_compression", rank, "--train.stop_at_step", str(CUT), *SAVE_FINAL),
         }
     else:
-        cases = {"none": (), "bf16": ("--parallel.grad_compression", "bf16"),
-                 "powersgd": ("--parallel.grad_compression", rank)}  # fmt: skip
+        cases = {
+            "none": (),
+            "bf16": ("--parallel.grad_compression", "bf16"),
+            "powersgd": ("--parallel.grad_compression", rank),
+        }
     results = {name: _train(config, out / name, *overrides) for name, overrides in cases.items()}
     if mode == "short":
         results["resumed"] = _train(config, out / "cut", "--parallel.grad_compression", rank, resume=True)
@@ -200,8 +209,17 @@ if __name__ == "__main__":  # one torchrun rank (see ``_launch``)
 def _launch(mode: str, data: Path, out: Path) -> dict:
     from tests.conftest import ROOT, cli_env
 
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", __file__, mode,
-           str(data), str(out)]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node=2",
+        __file__,
+        mode,
+        str(data),
+        str(out),
+    ]
     proc = subprocess.run(cmd, cwd=ROOT, env=cli_env(), capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
@@ -295,20 +313,28 @@ def test_200_steps_of_bf16_and_powersgd_end_within_2_percent(tmp_path, small_dat
     assert runs["none"]["val_loss"] < runs["none"]["records"][1]["loss"] - 1.5
 
 
-@pytest.mark.parametrize("overrides, message", [
-    (("--parallel.strategy", "fsdp", "--parallel.grad_compression", "powersgd:rank=4"),
-     "error: parallel.grad_compression: powersgd runs with ddp or zero1 only (PyTorch has no PowerSGD for FSDP)"),
-    (("--parallel.grad_compression", "powersgd:rank=0"),
-     "error: parallel.grad_compression: expected none, bf16, fp16 or powersgd:rank=R"),
-    (("--parallel.grad_compression", "powersgd"), "PowerSGD needs its rank, e.g. powersgd:rank=4"),
-    (("--parallel.grad_compression", "int8"), "got 'int8'"),
-    (("--parallel.powersgd_start_step", "1"), "error: parallel.powersgd_start_step: must be 0"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (
+            ("--parallel.strategy", "fsdp", "--parallel.grad_compression", "powersgd:rank=4"),
+            "error: parallel.grad_compression: powersgd runs with ddp or zero1 only (PyTorch has no PowerSGD for FSDP)",
+        ),
+        (
+            ("--parallel.grad_compression", "powersgd:rank=0"),
+            "error: parallel.grad_compression: expected none, bf16, fp16 or powersgd:rank=R",
+        ),
+        (("--parallel.grad_compression", "powersgd"), "PowerSGD needs its rank, e.g. powersgd:rank=4"),
+        (("--parallel.grad_compression", "int8"), "got 'int8'"),
+        (("--parallel.powersgd_start_step", "1"), "error: parallel.powersgd_start_step: must be 0"),
+    ],
+)
 def test_bad_compression_settings_are_one_line(capsys, tmp_path, small_data, overrides, message):
     from tests.conftest import cli_in_process
 
-    code, out, err = cli_in_process(capsys, "train", str(_config(tmp_path, small_data, STEPS)), *overrides,
-                                    "--run-dir", str(tmp_path / "run"))  # fmt: skip
+    code, out, err = cli_in_process(
+        capsys, "train", str(_config(tmp_path, small_data, STEPS)), *overrides, "--run-dir", str(tmp_path / "run")
+    )
     assert code != 0 and message in err
     assert len(err.strip().splitlines()) == 1 and "Traceback" not in err
     assert not (tmp_path / "run").exists()

@@ -18,8 +18,11 @@ def runs(tmp_path_factory, small_data) -> dict[str, tuple[Path, list[dict]]]:
     tmp = tmp_path_factory.mktemp("mamba_dp")
     config = write_config(tmp, small_data)
     out = {}
-    for name, nproc, extra in (("single", 1, ()), ("ddp", 2, ("--parallel.strategy", "ddp")),
-                               ("fsdp", 2, ("--parallel.strategy", "fsdp"))):  # fmt: skip
+    for name, nproc, extra in (
+        ("single", 1, ()),
+        ("ddp", 2, ("--parallel.strategy", "ddp")),
+        ("fsdp", 2, ("--parallel.strategy", "fsdp")),
+    ):
         out[name] = (tmp / name, train(config, tmp / name, nproc, *MAMBA, *extra))
     return out
 
@@ -39,8 +42,9 @@ def test_data_parallel_mamba_matches_single_process(runs, name):
     single, other = train_records(runs["single"][1], "loss"), train_records(runs[name][1], "loss")
     assert len(other) == STEPS
     np.testing.assert_allclose(other, single, rtol=0, atol=1e-5)
-    np.testing.assert_allclose(train_records(runs[name][1], "grad_norm"),
-                               train_records(runs["single"][1], "grad_norm"), rtol=1e-4)  # fmt: skip
+    np.testing.assert_allclose(
+        train_records(runs[name][1], "grad_norm"), train_records(runs["single"][1], "grad_norm"), rtol=1e-4
+    )
     summary = json.loads((runs[name][0] / "summary.json").read_text())
     assert summary["strategy"] == name and summary["world_size"] == 2
     final = runs[name][0] / "checkpoints" / f"step_{STEPS:08d}"

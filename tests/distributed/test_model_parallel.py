@@ -47,8 +47,19 @@ def test_first_losses_match_single_process(runs, name):
 def test_dp2_tp2_checkpoint_resumes_at_dp4(runs):
     tmp, config, run = runs
     mid = tmp / "tp_mid"
-    train(config, mid, 4, "--train.eval_batches", "0", "--parallel.tp", "2", "--parallel.strategy", "fsdp",
-          "--train.stop_at_step", "3")  # fmt: skip
+    train(
+        config,
+        mid,
+        4,
+        "--train.eval_batches",
+        "0",
+        "--parallel.tp",
+        "2",
+        "--parallel.strategy",
+        "fsdp",
+        "--train.stop_at_step",
+        "3",
+    )
     train(config, mid, 4, "--train.eval_batches", "0", "--parallel.strategy", "fsdp", "--resume")
     resumed = losses(train_records(mid))
     reference = losses(run("dp2_tp2")[1])
@@ -70,7 +81,8 @@ def test_impossible_layouts_fail_clearly(runs, tmp_path):
     _, config, _ = runs
     from tests.conftest import run_cli
 
-    proc = run_cli("train", str(config), "--parallel.tp", "4", "--parallel.dp_shard", "1", "--run-dir",
-                   str(tmp_path / "x"))  # fmt: skip
+    proc = run_cli(
+        "train", str(config), "--parallel.tp", "4", "--parallel.dp_shard", "1", "--run-dir", str(tmp_path / "x")
+    )
     assert proc.returncode == 2 and "error: parallel: pp=1 x dp_replicate=1 x dp_shard=1 x tp=4 = 4" in proc.stderr
     assert not (tmp_path / "x").exists()

@@ -18,7 +18,7 @@ LAYOUTS = {  # name: (processes, extra arguments)
     "pp2_v2_interleaved": (
         2,
         ("--parallel.pp", "2", "--parallel.pp_schedule", "Interleaved1F1B", "--parallel.pp_virtual_stages", "2"),
-    ),  # fmt: skip
+    ),
     "dp2_pp2_gpipe_fsdp": (4, ("--parallel.pp", "2", "--parallel.pp_schedule", "GPipe", "--parallel.strategy", "fsdp")),
     "zero1": (2, ("--parallel.strategy", "zero1")),
 }
@@ -44,11 +44,13 @@ def test_first_losses_match_single_process(runs, name):
     single, other = losses(out["single"][1]), losses(out[name][1])
     assert len(other) == STEPS and single[-1] < single[0]
     np.testing.assert_allclose(other, single, rtol=0, atol=1e-4)
-    np.testing.assert_allclose(records(out[name][1], "train", "grad_norm"),
-                               records(out["single"][1], "train", "grad_norm"), rtol=1e-4)  # fmt: skip
+    np.testing.assert_allclose(
+        records(out[name][1], "train", "grad_norm"), records(out["single"][1], "train", "grad_norm"), rtol=1e-4
+    )
     # validation (stage-by-stage forward under PP) sees the same weights and data
-    np.testing.assert_allclose(records(out[name][1], "eval", "val_loss"),
-                               records(out["single"][1], "eval", "val_loss"), rtol=0, atol=1e-4)  # fmt: skip
+    np.testing.assert_allclose(
+        records(out[name][1], "eval", "val_loss"), records(out["single"][1], "eval", "val_loss"), rtol=0, atol=1e-4
+    )
     summary = json.loads((out[name][0] / "summary.json").read_text())
     assert summary["world_size"] == LAYOUTS[name][0]
     assert (out[name][0] / "checkpoints" / f"step_{STEPS:08d}" / "COMMITTED").is_file()
@@ -63,11 +65,17 @@ def train_records(run_dir) -> list[dict]:
     return [by_step[s] for s in sorted(by_step)]
 
 
-@pytest.mark.parametrize("first, then", [
-    ((4, ("--parallel.pp", "2", "--parallel.strategy", "fsdp")), (1, ())),  # dp2 x pp2 (FSDP) -> one process
-    pytest.param((2, ("--parallel.strategy", "zero1")), (2, ("--parallel.pp", "2")),  # ZeRO-1 (sharded state) -> pp2
-                 marks=pytest.mark.slow),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "first, then",
+    [
+        ((4, ("--parallel.pp", "2", "--parallel.strategy", "fsdp")), (1, ())),  # dp2 x pp2 (FSDP) -> one process
+        pytest.param(
+            (2, ("--parallel.strategy", "zero1")),
+            (2, ("--parallel.pp", "2")),  # ZeRO-1 (sharded state) -> pp2
+            marks=pytest.mark.slow,
+        ),
+    ],
+)
 def test_checkpoint_resumes_at_another_layout(runs, tmp_path, first, then):
     _, config, out = runs
     run = tmp_path / "moved"
@@ -94,8 +102,9 @@ def launch(config, run_dir, *args: str, **env: str) -> subprocess.CompletedProce
 
 def test_nan_on_the_last_stage_stops_every_stage(runs, tmp_path):
     _, config, _ = runs
-    proc = launch(config, tmp_path / "nan", "--parallel.pp", "2", ANYTRAIN_TEST_NAN_AT_STEP="3",
-                  ANYTRAIN_TEST_NAN_RANK="1")  # fmt: skip
+    proc = launch(
+        config, tmp_path / "nan", "--parallel.pp", "2", ANYTRAIN_TEST_NAN_AT_STEP="3", ANYTRAIN_TEST_NAN_RANK="1"
+    )
     assert proc.returncode != 0
     assert proc.stderr.count("step 3: non-finite loss or gradient norm") == 2  # both stages, same verdict
     assert (tmp_path / "nan" / "checkpoints" / "step_00000002" / "COMMITTED").is_file()

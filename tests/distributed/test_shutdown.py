@@ -32,8 +32,12 @@ def _wrapper_freed_on_close(config: Path, run_dir: Path, strategy: str) -> dict:
     wrapped = type(trainer.model).__name__
     trainer.close()  # the trainer object stays referenced, as by a traceback
     gc.collect()
-    return {"wrapped": wrapped, "freed": wrapper() is None, "params": sum(1 for _ in trainer.model.parameters()),
-            "state_is_module": trainer.state.model is trainer.model}  # fmt: skip
+    return {
+        "wrapped": wrapped,
+        "freed": wrapper() is None,
+        "params": sum(1 for _ in trainer.model.parameters()),
+        "state_is_module": trainer.state.model is trainer.model,
+    }
 
 
 def _worker(config: Path, out: Path) -> None:

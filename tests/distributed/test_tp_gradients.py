@@ -40,8 +40,9 @@ def _worker(config: Path, out: Path) -> None:
     micro = trainer.layout.plan.micro_batch
     trainer.forward_backward(inputs[:micro], targets[:micro], sync=True, step=1)
     params = [p for p in trainer.model.parameters() if p.grad is not None]
-    partial = {id(p): p.grad for p in params
-               if any(isinstance(pl, Partial) for pl in getattr(p.grad, "placements", ()))}  # fmt: skip
+    partial = {
+        id(p): p.grad for p in params if any(isinstance(pl, Partial) for pl in getattr(p.grad, "placements", ()))
+    }
     expected = {k: g.redistribute(placements=[Replicate()]).to_local().clone() for k, g in partial.items()}
     local_ids = {k: g.to_local().data_ptr() for k, g in partial.items()}
     issued = reduce_partial_gradients(params)

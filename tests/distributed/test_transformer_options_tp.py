@@ -11,10 +11,23 @@ from tests.distributed.test_data_parallel import STEPS, losses, train, write_con
 
 MODELS = {
     "mpt": ("--model.flavour", "mpt-debug"),
-    "gpt": ("--model.flavour", "mpt-debug", "--model.args.pos_encoding", "learned", "--model.args.norm_bias", "true",
-            "--model.args.bias", "true", "--model.args.qk_norm", "true", "--model.args.tie_embeddings", "false",
-            "--model.args.n_kv_heads", "2"),
-}  # fmt: skip
+    "gpt": (
+        "--model.flavour",
+        "mpt-debug",
+        "--model.args.pos_encoding",
+        "learned",
+        "--model.args.norm_bias",
+        "true",
+        "--model.args.bias",
+        "true",
+        "--model.args.qk_norm",
+        "true",
+        "--model.args.tie_embeddings",
+        "false",
+        "--model.args.n_kv_heads",
+        "2",
+    ),
+}
 
 
 @pytest.fixture(scope="module")

@@ -39,8 +39,11 @@ def _worker(config: Path, out: Path) -> None:
     flat = torch.cat([p.detach().reshape(-1) for p in trainer.model.parameters()])
     gathered = [torch.empty_like(flat) for _ in range(dist.get_world_size())]
     dist.all_gather(gathered, flat)
-    result = {"ddp": ddp_losses, "zero1": zero1_losses,
-              "ranks_agree": all(torch.equal(gathered[0], g) for g in gathered)}  # fmt: skip
+    result = {
+        "ddp": ddp_losses,
+        "zero1": zero1_losses,
+        "ranks_agree": all(torch.equal(gathered[0], g) for g in gathered),
+    }
     trainer.close()
     end_rank(out, result)
 

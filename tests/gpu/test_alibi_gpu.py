@@ -13,8 +13,20 @@ from tests.conftest import run_cli
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA/ROCm GPU")]
 
-MPT = dict(vocab_size=257, dim=128, n_layers=2, n_heads=8, n_kv_heads=8, ffn_dim=512, max_seq_len=512, init_std=0.02,
-           pos_encoding="alibi", norm="layernorm", mlp="gelu", tie_embeddings=True)  # fmt: skip
+MPT = dict(
+    vocab_size=257,
+    dim=128,
+    n_layers=2,
+    n_heads=8,
+    n_kv_heads=8,
+    ffn_dim=512,
+    max_seq_len=512,
+    init_std=0.02,
+    pos_encoding="alibi",
+    norm="layernorm",
+    mlp="gelu",
+    tie_embeddings=True,
+)
 
 
 def loss_and_grads(model: Transformer, tokens: torch.Tensor) -> tuple[float, dict[str, torch.Tensor]]:
@@ -58,13 +70,37 @@ def test_the_mpt_recipe_settings_train_like_the_plain_model(tmp_path, small_data
     """The MPT recipes' GPU settings (compiled blocks around flex_attention, full activation checkpointing, bf16)
     against the same debug-sized MPT trained eagerly without checkpointing: the same losses within bf16's noise, and
     falling (the MPT-7B first steps rose; this separates the recipe's settings from the model's own dynamics)."""
-    mpt = ["--model.flavour", "debug", "--model.args.pos_encoding", "alibi", "--model.args.norm", "layernorm",
-           "--model.args.mlp", "gelu", "--model.args.tie_embeddings", "true", "--data.path", str(small_data),
-           "--data.seq_len", "256", "--train.steps", "20", "--train.log_interval", "1", "--train.eval_batches", "0",
-           "--checkpoint.save_final", "false", "--device", "gpu"]  # fmt: skip
+    mpt = [
+        "--model.flavour",
+        "debug",
+        "--model.args.pos_encoding",
+        "alibi",
+        "--model.args.norm",
+        "layernorm",
+        "--model.args.mlp",
+        "gelu",
+        "--model.args.tie_embeddings",
+        "true",
+        "--data.path",
+        str(small_data),
+        "--data.seq_len",
+        "256",
+        "--train.steps",
+        "20",
+        "--train.log_interval",
+        "1",
+        "--train.eval_batches",
+        "0",
+        "--checkpoint.save_final",
+        "false",
+        "--device",
+        "gpu",
+    ]
     curves = {}
-    for name, extra in {"recipe": ["--train.compile", "true", "--train.activation_checkpointing", "full"],
-                        "plain": ["--train.compile", "false"]}.items():  # fmt: skip
+    for name, extra in {
+        "recipe": ["--train.compile", "true", "--train.activation_checkpointing", "full"],
+        "plain": ["--train.compile", "false"],
+    }.items():
         run_dir = tmp_path / name
         proc = run_cli("train", "configs/tiny.yaml", *mpt, *extra, "--run-dir", str(run_dir), gpu=True)
         assert proc.returncode == 0, proc.stderr[-3000:]

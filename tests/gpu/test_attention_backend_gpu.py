@@ -33,15 +33,24 @@ print(int(got), int(getattr(SDPBackend, sys.argv[3])))
 
 @pytest.mark.parametrize(
     "name,gqa,expect",
-    [("flash", True, "FLASH_ATTENTION"), ("efficient", False, "EFFICIENT_ATTENTION"),
-     ("cudnn", True, "CUDNN_ATTENTION"), ("math", True, "MATH")],
-)  # fmt: skip
+    [
+        ("flash", True, "FLASH_ATTENTION"),
+        ("efficient", False, "EFFICIENT_ATTENTION"),
+        ("cudnn", True, "CUDNN_ATTENTION"),
+        ("math", True, "MATH"),
+    ],
+)
 def test_the_chosen_kernel_runs(name, gqa, expect):
     if name == "cudnn" and torch.version.hip:
         pytest.skip("cuDNN attention exists on NVIDIA only")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
-    out = subprocess.run([sys.executable, "-c", _SCRIPT, name, "gqa" if gqa else "expanded", expect],
-                         capture_output=True, text=True, env=env, timeout=120)  # fmt: skip
+    out = subprocess.run(
+        [sys.executable, "-c", _SCRIPT, name, "gqa" if gqa else "expanded", expect],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+    )
     assert out.returncode == 0, out.stderr[-2000:]
     got, want = out.stdout.split()
     assert got == want, f"attention_backend {name}: SDPA chose backend {got}, expected {want} ({expect})"

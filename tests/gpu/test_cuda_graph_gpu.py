@@ -15,12 +15,40 @@ def _config(small_data, arch: str, graphs: bool, dtype: str, compile_blocks: boo
     from anytrain.config import load_config
 
     recipe = "tiny-mamba.yaml" if arch == "mamba" else "tiny.yaml"
-    cfg = load_config(RECIPES / recipe, [
-        "--model.flavour", "debug", "--data.path", str(small_data), "--data.seq_len", "64",
-        "--train.global_batch", "8", "--train.micro_batch", "4", "--train.steps", "6", "--train.lr", "1e-2",
-        "--train.warmup_steps", "0", "--train.dtype", dtype, "--train.eval_batches", "2",
-        "--train.cuda_graphs", str(graphs).lower(), "--train.compile", str(compile_blocks).lower(),
-        "--checkpoint.save_final", "false", "--checkpoint.interval", "0", *extra])  # fmt: skip
+    cfg = load_config(
+        RECIPES / recipe,
+        [
+            "--model.flavour",
+            "debug",
+            "--data.path",
+            str(small_data),
+            "--data.seq_len",
+            "64",
+            "--train.global_batch",
+            "8",
+            "--train.micro_batch",
+            "4",
+            "--train.steps",
+            "6",
+            "--train.lr",
+            "1e-2",
+            "--train.warmup_steps",
+            "0",
+            "--train.dtype",
+            dtype,
+            "--train.eval_batches",
+            "2",
+            "--train.cuda_graphs",
+            str(graphs).lower(),
+            "--train.compile",
+            str(compile_blocks).lower(),
+            "--checkpoint.save_final",
+            "false",
+            "--checkpoint.interval",
+            "0",
+            *extra,
+        ],
+    )
     cfg.device = "gpu"
     return cfg
 
@@ -75,8 +103,7 @@ def test_graphed_nonfinite_step_is_skipped_on_the_device_and_reported(small_data
     """The lagged check with graphs, one micro-batch per step: an inf weight (the graph reads it in place) makes step
     4's gradients non-finite; its update is skipped on the device (fused AdamW found_inf), step 5 reports step 4 as
     non-finite, and the captured gradient buffers are zeroed in place, not dropped."""
-    trainer = _trainer(small_data, tmp_path / "nan", "transformer", True, "bf16",
-                       extra=("--train.micro_batch", "8"))  # fmt: skip
+    trainer = _trainer(small_data, tmp_path / "nan", "transformer", True, "bf16", extra=("--train.micro_batch", "8"))
     assert trainer.guard.uses_lag() and trainer.layout.plan.grad_accum == 1
     for step in range(4):
         _, _, status = trainer.train_step(step)
@@ -105,8 +132,9 @@ def test_graphed_run_resumes_like_an_uninterrupted_one(small_data, tmp_path):
 
     def run(run_dir, steps, resume=False):
         extra = ("--train.steps", "6", "--train.stop_at_step", str(steps), "--checkpoint.interval", "3")
-        trainer = Trainer(_config(small_data, "transformer", True, "fp32", extra=extra), run_dir=str(run_dir),
-                          resume=resume)  # fmt: skip
+        trainer = Trainer(
+            _config(small_data, "transformer", True, "fp32", extra=extra), run_dir=str(run_dir), resume=resume
+        )
         summary = trainer.train()
         weights = [p.detach().clone() for p in trainer.model.parameters()]
         trainer.close()
@@ -131,15 +159,25 @@ def test_graph_replay_of_an_hf_model(small_data, tmp_path):
 
     folder = tmp_path / "llama"
     torch.manual_seed(0)
-    config = transformers.LlamaConfig(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-                                      num_key_value_heads=2, max_position_embeddings=128, vocab_size=512,
-                                      bos_token_id=0, eos_token_id=0)  # fmt: skip
+    config = transformers.LlamaConfig(
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=128,
+        vocab_size=512,
+        bos_token_id=0,
+        eos_token_id=0,
+    )
     transformers.AutoModelForCausalLM.from_config(config).save_pretrained(folder)
     hf = ("--model.arch", "hf", "--model.hf_path", str(folder), "--train.compile_scope", "auto")
 
     def trainer(name: str, graphs: bool):
-        return Trainer(_config(small_data, "transformer", graphs, "bf16", compile_blocks=True, extra=hf),
-                       run_dir=str(tmp_path / name))  # fmt: skip
+        return Trainer(
+            _config(small_data, "transformer", graphs, "bf16", compile_blocks=True, extra=hf),
+            run_dir=str(tmp_path / name),
+        )
 
     eager = _run(trainer("eager", False))
     graphed_trainer = trainer("graphs", True)

@@ -61,8 +61,9 @@ def test_chunked_linear_ce_at_tinyllama_head():
 
 @pytest.mark.parametrize("compile_blocks", [False, True])
 def test_native_gqa_matches_expanded_kv(monkeypatch, compile_blocks):
-    args = transformer.TransformerArgs(vocab_size=1000, dim=256, n_layers=2, n_heads=8, n_kv_heads=2, ffn_dim=512,
-                                       max_seq_len=512)  # fmt: skip
+    args = transformer.TransformerArgs(
+        vocab_size=1000, dim=256, n_layers=2, n_heads=8, n_kv_heads=2, ffn_dim=512, max_seq_len=512
+    )
     out = {}
     for native in (False, True):
         monkeypatch.setattr(transformer, "SDPA_NATIVE_GQA", native)

@@ -15,12 +15,45 @@ pytestmark = [
 
 
 def _train(run_dir, small_data, graphs: bool) -> tuple[list[float], dict, str]:
-    proc = run_cli("train", "configs/tiny.yaml", "--model.flavour", "debug", "--data.path", str(small_data),
-                   "--data.seq_len", "64", "--train.global_batch", "8", "--train.micro_batch", "4",
-                   "--train.steps", "8", "--train.log_interval", "1", "--train.lr", "1e-2", "--train.warmup_steps",
-                   "0", "--train.dtype", "fp32", "--train.compile", "true", "--parallel.tp", "2",
-                   "--train.cuda_graphs", str(graphs).lower(), "--checkpoint.interval", "0", "--run-dir",
-                   str(run_dir), "--device", "gpu", gpu=True, nproc=2, timeout=900)  # fmt: skip
+    proc = run_cli(
+        "train",
+        "configs/tiny.yaml",
+        "--model.flavour",
+        "debug",
+        "--data.path",
+        str(small_data),
+        "--data.seq_len",
+        "64",
+        "--train.global_batch",
+        "8",
+        "--train.micro_batch",
+        "4",
+        "--train.steps",
+        "8",
+        "--train.log_interval",
+        "1",
+        "--train.lr",
+        "1e-2",
+        "--train.warmup_steps",
+        "0",
+        "--train.dtype",
+        "fp32",
+        "--train.compile",
+        "true",
+        "--parallel.tp",
+        "2",
+        "--train.cuda_graphs",
+        str(graphs).lower(),
+        "--checkpoint.interval",
+        "0",
+        "--run-dir",
+        str(run_dir),
+        "--device",
+        "gpu",
+        gpu=True,
+        nproc=2,
+        timeout=900,
+    )
     assert proc.returncode == 0, proc.stderr[-4000:]
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     losses = [r["loss"] for r in rows if r["kind"] == "train"]

@@ -12,9 +12,25 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 
 def test_bf16_training_on_gpu(tmp_path, small_data):
     run_dir = tmp_path / "gpu"
-    proc = run_cli("train", "configs/tiny.yaml", "--model.flavour", "debug", "--data.path", str(small_data),
-                   "--data.seq_len", "64", "--train.steps", "30", "--train.log_interval", "10", "--run-dir",
-                   str(run_dir), "--device", "gpu", gpu=True)  # fmt: skip
+    proc = run_cli(
+        "train",
+        "configs/tiny.yaml",
+        "--model.flavour",
+        "debug",
+        "--data.path",
+        str(small_data),
+        "--data.seq_len",
+        "64",
+        "--train.steps",
+        "30",
+        "--train.log_interval",
+        "10",
+        "--run-dir",
+        str(run_dir),
+        "--device",
+        "gpu",
+        gpu=True,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["dtype"] == "bfloat16" and summary["hardware"]["vendor"] in ("cuda", "rocm")
@@ -28,10 +44,30 @@ def test_lagged_nan_check_on_gpu_keeps_the_state_before_the_bad_step(tmp_path, s
     """The lagged path's device side (pinned copies, the event, found_inf in the fused CUDA/ROCm kernel): a NaN at
     step 6 is read at step 7, and the run stops with step 5's checkpoint, finite, and nothing after it."""
     run_dir = tmp_path / "nan"
-    proc = run_cli("train", "configs/tiny.yaml", "--model.flavour", "debug", "--data.path", str(small_data),
-                   "--data.seq_len", "64", "--train.steps", "12", "--train.log_interval", "10", "--train.eval_batches",
-                   "0", "--checkpoint.interval", "0", "--run-dir", str(run_dir), "--device", "gpu", gpu=True,
-                   ANYTRAIN_TEST_NAN_AT_STEP="6")  # fmt: skip
+    proc = run_cli(
+        "train",
+        "configs/tiny.yaml",
+        "--model.flavour",
+        "debug",
+        "--data.path",
+        str(small_data),
+        "--data.seq_len",
+        "64",
+        "--train.steps",
+        "12",
+        "--train.log_interval",
+        "10",
+        "--train.eval_batches",
+        "0",
+        "--checkpoint.interval",
+        "0",
+        "--run-dir",
+        str(run_dir),
+        "--device",
+        "gpu",
+        gpu=True,
+        ANYTRAIN_TEST_NAN_AT_STEP="6",
+    )
     assert proc.returncode != 0 and "step 6: non-finite loss or gradient norm" in proc.stderr, proc.stderr[-3000:]
     saved = sorted(p.name for p in (run_dir / "checkpoints").iterdir())
     assert saved == ["step_00000005"]

@@ -41,9 +41,25 @@ def run(tmp_path_factory, corpus):
     base = tmp_path_factory.mktemp("bad_input")
     proc = run_cli("prepare", str(corpus), "--out", str(base / "data"), "--vocab-size", "300", "--val-fraction", "0.3")
     assert proc.returncode == 0, proc.stderr[-2000:]
-    proc = run_cli("train", str(Path("configs/tiny.yaml").resolve()), "--model.flavour", "debug", "--data.path",
-                   "data", "--data.seq_len", "32", "--train.steps", "2", "--train.global_batch", "4",
-                   "--train.eval_batches", "1", "--run-dir", "run", cwd=base)  # fmt: skip
+    proc = run_cli(
+        "train",
+        str(Path("configs/tiny.yaml").resolve()),
+        "--model.flavour",
+        "debug",
+        "--data.path",
+        "data",
+        "--data.seq_len",
+        "32",
+        "--train.steps",
+        "2",
+        "--train.global_batch",
+        "4",
+        "--train.eval_batches",
+        "1",
+        "--run-dir",
+        "run",
+        cwd=base,
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     return base, base / "run"
 
@@ -111,8 +127,18 @@ def test_prepare_non_utf8_and_integer_parquet_column(tmp_path):
 def test_train_bad_numbers_leave_no_run_dir(tmp_path, run, args, field):
     base, _ = run
     run_dir = tmp_path / "run"
-    proc = run_cli("train", "configs/tiny.yaml", "--model.flavour", "debug", "--data.path", str(base / "data"),
-                   "--run-dir", str(run_dir), *args, timeout=120)  # fmt: skip
+    proc = run_cli(
+        "train",
+        "configs/tiny.yaml",
+        "--model.flavour",
+        "debug",
+        "--data.path",
+        str(base / "data"),
+        "--run-dir",
+        str(run_dir),
+        *args,
+        timeout=120,
+    )
     one_error(proc, field)
     assert not run_dir.exists()
 
@@ -132,11 +158,11 @@ def copy_dataset(src: Path, dst: Path) -> Path:
         (
             lambda d: (d / "train_00000.bin").write_bytes(b"\xff\xff" * (d / "train_00000.bin").stat().st_size),
             "index says",
-        ),  # fmt: skip
+        ),
         (
             lambda d: (d / "train_00000.bin").write_bytes(b"\xff\xff" * ((d / "train_00000.bin").stat().st_size // 2)),
             "token id 65535 is outside the vocabulary",
-        ),  # fmt: skip
+        ),
     ],
 )
 def test_train_on_a_damaged_dataset_is_one_line(tmp_path, run, damage, message):
@@ -144,8 +170,19 @@ def test_train_on_a_damaged_dataset_is_one_line(tmp_path, run, damage, message):
     data = copy_dataset(base / "data", tmp_path / "data")
     damage(data)
     run_dir = tmp_path / "run"
-    proc = run_cli("train", "configs/tiny.yaml", "--model.flavour", "debug", "--data.path", str(data),
-                   "--data.seq_len", "32", "--run-dir", str(run_dir), timeout=120)  # fmt: skip
+    proc = run_cli(
+        "train",
+        "configs/tiny.yaml",
+        "--model.flavour",
+        "debug",
+        "--data.path",
+        str(data),
+        "--data.seq_len",
+        "32",
+        "--run-dir",
+        str(run_dir),
+        timeout=120,
+    )
     one_error(proc, message)
     assert not run_dir.exists()
 
@@ -218,8 +255,17 @@ def test_export_refuses_an_existing_sidecar_and_overwrite_replaces_both(tmp_path
 def test_export_missing_checkpoint_is_one_line(tmp_path, run):
     _, run_dir = run
     out = str(tmp_path / "m.safetensors")
-    proc = run_cli("export", str(run_dir), "--format", "safetensors", "--out", out, "--checkpoint",
-                   str(tmp_path / "nope"), timeout=120)  # fmt: skip
+    proc = run_cli(
+        "export",
+        str(run_dir),
+        "--format",
+        "safetensors",
+        "--out",
+        out,
+        "--checkpoint",
+        str(tmp_path / "nope"),
+        timeout=120,
+    )
     one_error(proc, f"--checkpoint: {tmp_path / 'nope'} is not a checkpoint directory")
     assert list(tmp_path.iterdir()) == []
 

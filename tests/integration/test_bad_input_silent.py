@@ -50,8 +50,17 @@ def base(tmp_path_factory) -> dict[str, Path]:
     data, other = prepare(tmp, "data", TEXT * 3, 40), prepare(tmp, "other", OTHER, 6)
     index = json.loads((data / "index.json").read_text())
     assert min(s["tokens"] for split in index["splits"].values() for s in split) > 3 * 4096
-    proc = run_cli("train", "configs/tiny.yaml", *TRAIN, "--data.path", str(data), "--train.steps", "2", "--run-dir",
-                   str(tmp / "run"))  # fmt: skip
+    proc = run_cli(
+        "train",
+        "configs/tiny.yaml",
+        *TRAIN,
+        "--data.path",
+        str(data),
+        "--train.steps",
+        "2",
+        "--run-dir",
+        str(tmp / "run"),
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     return {"tmp": tmp, "data": data, "other": other, "run": tmp / "run"}
 
@@ -76,8 +85,11 @@ def plant_bad_ids(shard: Path) -> None:
 
 def test_eval_on_data_of_another_tokenizer_is_refused(base):
     proc = run_cli("eval", str(base["run"]), "--data", str(base["other"]), "--max-new-tokens", "2", timeout=120)
-    one_error(proc, f"--data: {base['other']} was prepared with another tokenizer than the run's data",
-              f"--tokenizer {base['data'] / 'tokenizer.json'}")  # fmt: skip
+    one_error(
+        proc,
+        f"--data: {base['other']} was prepared with another tokenizer than the run's data",
+        f"--tokenizer {base['data'] / 'tokenizer.json'}",
+    )
     proc = run_cli("eval", str(base["run"]), "--data", str(base["data"]), "--max-new-tokens", "2", timeout=120)
     assert proc.returncode == 0, proc.stderr[-2000:]
 
@@ -89,16 +101,27 @@ def test_eval_on_data_of_another_tokenizer_is_refused(base):
 def test_out_of_vocabulary_ids_mid_shard_stop_training_with_one_line(base, tmp_path):
     data = copy_dataset(base["data"], tmp_path / "data")
     plant_bad_ids(data / "train_00000.bin")
-    proc = run_cli("train", "configs/tiny.yaml", *TRAIN, "--data.path", str(data), "--train.steps", "4", "--run-dir",
-                   str(tmp_path / "run"), timeout=120)  # fmt: skip
+    proc = run_cli(
+        "train",
+        "configs/tiny.yaml",
+        *TRAIN,
+        "--data.path",
+        str(data),
+        "--train.steps",
+        "4",
+        "--run-dir",
+        str(tmp_path / "run"),
+        timeout=120,
+    )
     one_error(proc, f"{data / 'train_00000.bin'}: token id {BAD_ID} at token ", "outside the vocabulary of 300")
 
 
 def test_out_of_vocabulary_ids_mid_shard_stop_eval_with_one_line(base, tmp_path):
     data = copy_dataset(base["data"], tmp_path / "data")
     plant_bad_ids(data / "val_00000.bin")
-    proc = run_cli("eval", str(base["run"]), "--data", str(data), "--batches", "40", "--max-new-tokens", "2",
-                   timeout=120)  # fmt: skip
+    proc = run_cli(
+        "eval", str(base["run"]), "--data", str(data), "--batches", "40", "--max-new-tokens", "2", timeout=120
+    )
     one_error(proc, f"{data / 'val_00000.bin'}: token id {BAD_ID} at token ", "outside the vocabulary of 300")
 
 
@@ -109,8 +132,21 @@ def test_out_of_vocabulary_ids_mid_shard_stop_eval_with_one_line(base, tmp_path)
 def test_shard_truncated_while_training_is_one_line(base, tmp_path):
     data = copy_dataset(base["data"], tmp_path / "data")
     run_dir, done = tmp_path / "run", {}
-    args = ["train", "configs/tiny.yaml", *TRAIN, "--data.path", str(data), "--train.steps", "1000000",
-            "--train.log_interval", "1", "--train.eval_interval", "0", "--run-dir", str(run_dir)]  # fmt: skip
+    args = [
+        "train",
+        "configs/tiny.yaml",
+        *TRAIN,
+        "--data.path",
+        str(data),
+        "--train.steps",
+        "1000000",
+        "--train.log_interval",
+        "1",
+        "--train.eval_interval",
+        "0",
+        "--run-dir",
+        str(run_dir),
+    ]
     runner = threading.Thread(target=lambda: done.update(proc=run_cli(*args, timeout=240)))
     runner.start()
     metrics, deadline = run_dir / "metrics.jsonl", time.monotonic() + 180
@@ -146,13 +182,27 @@ def _config_as_list(folder: Path) -> Path:
     return folder / "config.json"
 
 
-@pytest.mark.parametrize("damage, message", [(_truncate_weights, "is not a readable safetensors file"),
-                                             (_config_as_list, "holds a JSON list")])  # fmt: skip
+@pytest.mark.parametrize(
+    "damage, message",
+    [(_truncate_weights, "is not a readable safetensors file"), (_config_as_list, "holds a JSON list")],
+)
 def test_init_from_a_damaged_hf_folder_is_one_line(base, hf_folder, tmp_path, damage, message):
     folder = copy_dataset(hf_folder, tmp_path / "hf")
     file = damage(folder)
-    proc = run_cli("train", "configs/tiny.yaml", *TRAIN, "--data.path", str(base["data"]), "--train.steps", "1",
-                   "--model.init_from", str(folder), "--run-dir", str(tmp_path / "run"), timeout=120)  # fmt: skip
+    proc = run_cli(
+        "train",
+        "configs/tiny.yaml",
+        *TRAIN,
+        "--data.path",
+        str(base["data"]),
+        "--train.steps",
+        "1",
+        "--model.init_from",
+        str(folder),
+        "--run-dir",
+        str(tmp_path / "run"),
+        timeout=120,
+    )
     one_error(proc, f"model.init_from: {file}", message)
 
 
@@ -160,9 +210,25 @@ def test_arch_hf_with_truncated_weights_is_one_line(base, hf_folder, tmp_path):
     pytest.importorskip("transformers")
     folder = copy_dataset(hf_folder, tmp_path / "hf")
     file = _truncate_weights(folder)
-    proc = run_cli("train", "configs/tiny.yaml", "--model.arch", "hf", "--model.hf_path", str(folder),
-                   "--data.path", str(base["data"]), "--data.seq_len", "32", "--train.steps", "1",
-                   "--train.global_batch", "4", "--run-dir", str(tmp_path / "run"), timeout=120)  # fmt: skip
+    proc = run_cli(
+        "train",
+        "configs/tiny.yaml",
+        "--model.arch",
+        "hf",
+        "--model.hf_path",
+        str(folder),
+        "--data.path",
+        str(base["data"]),
+        "--data.seq_len",
+        "32",
+        "--train.steps",
+        "1",
+        "--train.global_batch",
+        "4",
+        "--run-dir",
+        str(tmp_path / "run"),
+        timeout=120,
+    )
     one_error(proc, f"model.hf_path: {file} is not a readable safetensors file")
 
 
@@ -172,8 +238,11 @@ def test_arch_hf_with_truncated_weights_is_one_line(base, hf_folder, tmp_path):
 
 def _metrics_run(path: Path) -> Path:
     path.mkdir()
-    records = [{"kind": kind, "step": s, key: 6.0 - 0.1 * s, "tokens_seen": 128 * s} for s in range(1, 6)
-               for kind, key in (("train", "loss"), ("eval", "val_loss"))]  # fmt: skip
+    records = [
+        {"kind": kind, "step": s, key: 6.0 - 0.1 * s, "tokens_seen": 128 * s}
+        for s in range(1, 6)
+        for kind, key in (("train", "loss"), ("eval", "val_loss"))
+    ]
     (path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
     return path
 
@@ -181,8 +250,11 @@ def _metrics_run(path: Path) -> Path:
 def test_compare_out_must_be_a_new_png(tmp_path, capsys):
     a, b = _metrics_run(tmp_path / "a"), _metrics_run(tmp_path / "b")
     code, _, err = cli_in_process(capsys, "compare", str(a), str(b), "--out", str(tmp_path / "x.jsonl"))
-    assert code == 2 and err.strip() == f"error: --out: {tmp_path / 'x.jsonl'} must end in .png (the curves are " \
-                                        "written as a PNG image)", err  # fmt: skip
+    assert (
+        code == 2
+        and err.strip()
+        == f"error: --out: {tmp_path / 'x.jsonl'} must end in .png (the curves are written as a PNG image)"
+    ), err
     assert not (tmp_path / "x.jsonl").exists()
     png = tmp_path / "curves.png"
     png.write_bytes(b"an earlier plot")
@@ -193,7 +265,10 @@ def test_compare_out_must_be_a_new_png(tmp_path, capsys):
     code, _, err = cli_in_process(capsys, "compare", str(a), str(b), "--out", str(png), "--overwrite")
     assert code == 0, err
     assert png.read_bytes().startswith(b"\x89PNG") and sorted(p.name for p in tmp_path.iterdir()) == [
-        "a", "b", "curves.png"]  # fmt: skip
+        "a",
+        "b",
+        "curves.png",
+    ]
 
 
 # ---------------------------------------------------------------------------------------------------------------------

@@ -13,8 +13,14 @@ from tests.conftest import ROOT, cli_env
 
 
 def _bench(tmp_path, script: str, *flags: str) -> list[dict]:
-    proc = subprocess.run([sys.executable, "-m", f"bench.{script}", *flags, "--out", str(tmp_path)], cwd=ROOT,
-                          env=cli_env(), capture_output=True, text=True, timeout=600)  # fmt: skip
+    proc = subprocess.run(
+        [sys.executable, "-m", f"bench.{script}", *flags, "--out", str(tmp_path)],
+        cwd=ROOT,
+        env=cli_env(),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     (path,) = tmp_path.glob(f"{script}_*.json")
     return json.loads(path.read_text())["rows"]
@@ -117,10 +123,18 @@ def test_spread_runs_each_job_on_one_gpu_under_its_limit_and_packs_one_file(tmp_
     import tarfile
 
     jobs = tmp_path / "jobs.txt"
-    jobs.write_text('# a comment\nT=5 echo "gpu $CUDA_VISIBLE_DEVICES" > $JOB_OUT/a.txt\n\nT=1 sleep 5\n'
-                    'echo "gpu $CUDA_VISIBLE_DEVICES" > $JOB_OUT/c.txt\n')  # fmt: skip
-    proc = subprocess.run(["bash", "bench/device/spread.sh", str(jobs), "2"], cwd=ROOT, capture_output=True, text=True,
-                          env={**cli_env(), "OUT": str(tmp_path / "out")}, timeout=60)  # fmt: skip
+    jobs.write_text(
+        '# a comment\nT=5 echo "gpu $CUDA_VISIBLE_DEVICES" > $JOB_OUT/a.txt\n\nT=1 sleep 5\n'
+        'echo "gpu $CUDA_VISIBLE_DEVICES" > $JOB_OUT/c.txt\n'
+    )
+    proc = subprocess.run(
+        ["bash", "bench/device/spread.sh", str(jobs), "2"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        env={**cli_env(), "OUT": str(tmp_path / "out")},
+        timeout=60,
+    )
     assert proc.returncode == 0, proc.stderr
     with tarfile.open(tmp_path / "out" / "spread.tgz") as tar:
         tar.extractall(tmp_path / "x", filter="data")
@@ -132,9 +146,29 @@ def test_spread_runs_each_job_on_one_gpu_under_its_limit_and_packs_one_file(tmp_
 
 
 def test_tp_optimizer_bench_times_per_parameter_and_per_mesh_updates_on_two_ranks(tmp_path):
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-                           "-m", "bench.tp_optimizer", "--steps", "2", "--warmup", "1", "--out", str(tmp_path)],
-                          cwd=ROOT, env=cli_env(), capture_output=True, text=True, timeout=300)  # fmt: skip
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc_per_node",
+            "2",
+            "-m",
+            "bench.tp_optimizer",
+            "--steps",
+            "2",
+            "--warmup",
+            "1",
+            "--out",
+            str(tmp_path),
+        ],
+        cwd=ROOT,
+        env=cli_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     (path,) = tmp_path.glob("tp_optimizer_tp2_*.json")
     rows = {r["row"]: r for r in json.loads(path.read_text())["rows"]}

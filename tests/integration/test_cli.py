@@ -13,10 +13,28 @@ from tests.conftest import cli_in_process, run_cli
 @pytest.fixture(scope="module")
 def tiny_run(tmp_path_factory, shakespeare_data):
     run_dir = tmp_path_factory.mktemp("cli") / "tiny"
-    proc = run_cli("train", "configs/tiny.yaml", "--train.steps", "4", "--train.warmup_steps", "2", "--data.path",
-                   str(shakespeare_data), "--run-dir", str(run_dir), "--train.eval_interval", "0",
-                   "--train.log_interval", "1", "--checkpoint.interval", "2", "--train.global_batch", "8",
-                   "--train.eval_batches", "1")  # fmt: skip
+    proc = run_cli(
+        "train",
+        "configs/tiny.yaml",
+        "--train.steps",
+        "4",
+        "--train.warmup_steps",
+        "2",
+        "--data.path",
+        str(shakespeare_data),
+        "--run-dir",
+        str(run_dir),
+        "--train.eval_interval",
+        "0",
+        "--train.log_interval",
+        "1",
+        "--checkpoint.interval",
+        "2",
+        "--train.global_batch",
+        "8",
+        "--train.eval_batches",
+        "1",
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     return run_dir, proc
 
@@ -53,8 +71,16 @@ def test_eval_reads_the_checkpoint(tiny_run):
 def test_existing_run_dir_is_refused_and_untouched(tiny_run, shakespeare_data):
     run_dir, _ = tiny_run
     before = {p: p.stat().st_mtime_ns for p in run_dir.rglob("*") if p.is_file()}
-    proc = run_cli("train", "configs/tiny.yaml", "--train.steps", "2", "--run-dir", str(run_dir),
-                   "--data.path", str(shakespeare_data))  # fmt: skip
+    proc = run_cli(
+        "train",
+        "configs/tiny.yaml",
+        "--train.steps",
+        "2",
+        "--run-dir",
+        str(run_dir),
+        "--data.path",
+        str(shakespeare_data),
+    )
     assert proc.returncode != 0
     assert proc.stderr.strip().splitlines()[-1].startswith(f"error: {run_dir}: run dir already holds a run")
     assert {p: p.stat().st_mtime_ns for p in run_dir.rglob("*") if p.is_file()} == before
@@ -127,10 +153,13 @@ def test_export_to_safetensors(tiny_run, tmp_path):
     assert only_hf.returncode == 2 and "--tokenizer: only with --format hf" in only_hf.stderr
 
 
-@pytest.mark.parametrize("args, message", [
-    (("plan", "configs/1.1b.yaml", "--device", "h100"), "No such option: --device"),
-    (("plan",), "Missing option '--model'"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (("plan", "configs/1.1b.yaml", "--device", "h100"), "No such option: --device"),
+        (("plan",), "Missing option '--model'"),
+    ],
+)
 def test_usage_errors_exit_2_without_a_traceback(capsys, args, message):
     code, _, err = cli_in_process(capsys, *args)
     assert code == 2 and message in err and "Traceback" not in err and "│" not in err

@@ -12,8 +12,10 @@ from anytrain.config import load_config
 from anytrain.evals.lm_eval_bridge import write_local_task
 from tests.conftest import cli_in_process as cli
 
-ITEMS = [{"context": f"ROMEO. Scene {i}:", "choices": ["love", "hate", "death and night"][: 2 + i % 2],
-          "label": i % 2} for i in range(10)]  # fmt: skip
+ITEMS = [
+    {"context": f"ROMEO. Scene {i}:", "choices": ["love", "hate", "death and night"][: 2 + i % 2], "label": i % 2}
+    for i in range(10)
+]
 
 
 @pytest.fixture(scope="module")
@@ -21,10 +23,27 @@ def run(tmp_path_factory, small_data) -> Path:
     from anytrain.train.trainer import run_training
 
     run_dir = tmp_path_factory.mktemp("evaltasks") / "run"
-    cfg = load_config("configs/tiny.yaml", ["--model.flavour", "debug", "--model.args.n_layers", "1", "--data.path",
-                                            str(small_data), "--data.seq_len", "32", "--train.global_batch", "4",
-                                            "--train.steps", "2", "--train.eval_batches", "1", "--train.dtype",
-                                            "fp32"])  # fmt: skip
+    cfg = load_config(
+        "configs/tiny.yaml",
+        [
+            "--model.flavour",
+            "debug",
+            "--model.args.n_layers",
+            "1",
+            "--data.path",
+            str(small_data),
+            "--data.seq_len",
+            "32",
+            "--train.global_batch",
+            "4",
+            "--train.steps",
+            "2",
+            "--train.eval_batches",
+            "1",
+            "--train.dtype",
+            "fp32",
+        ],
+    )
     run_training(cfg, run_dir=str(run_dir))
     return run_dir
 
@@ -39,8 +58,19 @@ def task_dir(tmp_path_factory) -> Path:
 
 
 def test_eval_tasks_writes_results_and_a_table(run, task_dir, capsys):
-    code, out, err = cli(capsys, "eval", str(run), "--tasks", f"val,toy,{task_dir / 'lines.txt'}", "--task-dir",
-                         str(task_dir), "--num-fewshot", "2", "--limit", "4")  # fmt: skip
+    code, out, err = cli(
+        capsys,
+        "eval",
+        str(run),
+        "--tasks",
+        f"val,toy,{task_dir / 'lines.txt'}",
+        "--task-dir",
+        str(task_dir),
+        "--num-fewshot",
+        "2",
+        "--limit",
+        "4",
+    )
     assert code == 0, err
     toy = json.loads((run / "evals" / "toy.json").read_text())
     assert (toy["format"], toy["n"], toy["num_fewshot"], toy["step"]) == ("mc", 4, 2, 2)
@@ -104,8 +134,11 @@ class FixedScorer:
 def test_acc_norm_divides_by_the_characters_of_the_choice_as_lm_eval(tmp_path, monkeypatch):
     from anytrain.evals.tasks import load_task, norm_scores, score_task
 
-    conventions = {"bytes of ' ' + choice": lambda c: len((" " + c).encode()), "chars of ' ' + choice": lambda c:
-                   len(" " + c), "bytes of choice": lambda c: len(c.encode())}  # fmt: skip
+    conventions = {
+        "bytes of ' ' + choice": lambda c: len((" " + c).encode()),
+        "chars of ' ' + choice": lambda c: len(" " + c),
+        "bytes of choice": lambda c: len(c.encode()),
+    }
     wrong = dict.fromkeys(conventions, 0)
     for record, lls in NORM_ITEMS:
         choices, label = record["choices"], record["label"]

@@ -23,11 +23,34 @@ TOLERANCE = 5e-4
 """Absolute, per step. One thread, fp32: bitwise equal run to run here (and with 2 threads); the margin is for other
 CPUs' vector kernels and torch versions over 8 steps, far below the ~0.05 a step of training moves the loss."""
 RECIPES = {"transformer": "configs/tiny.yaml", "mamba": "configs/tiny-mamba.yaml"}
-OVERRIDES = ["--model.flavour", "debug", "--model.args.n_layers", "2", "--data.seq_len", "32",
-             "--train.global_batch", "4", "--train.steps", str(STEPS), "--train.log_interval", "1",
-             "--train.eval_interval", "0", "--train.eval_batches", "1", "--train.dtype", "fp32",
-             "--train.warmup_steps", "2", "--train.lr", "3e-3", "--checkpoint.save_final", "false",
-             "--model.init_device", "cpu"]  # fmt: skip
+OVERRIDES = [
+    "--model.flavour",
+    "debug",
+    "--model.args.n_layers",
+    "2",
+    "--data.seq_len",
+    "32",
+    "--train.global_batch",
+    "4",
+    "--train.steps",
+    str(STEPS),
+    "--train.log_interval",
+    "1",
+    "--train.eval_interval",
+    "0",
+    "--train.eval_batches",
+    "1",
+    "--train.dtype",
+    "fp32",
+    "--train.warmup_steps",
+    "2",
+    "--train.lr",
+    "3e-3",
+    "--checkpoint.save_final",
+    "false",
+    "--model.init_device",
+    "cpu",
+]
 """``model.init_device cpu``: the GPU runs start from the CPU's initial weights (a GPU's generator draws others)."""
 
 
@@ -87,10 +110,16 @@ def regenerate(device: str = "cpu") -> None:
         for arch in RECIPES:
             losses = train_losses(arch, data, Path(tmp) / arch, device)
             flag = " --gpu" if device == "gpu" else ""
-            record = {"arch": arch, "recipe": RECIPES[arch], "overrides": OVERRIDES, "tolerance": TOLERANCE,
-                      "torch": torch.__version__, "device": hardware.device_name(hardware.resolve_device(device)),
-                      "losses": losses,
-                      "regenerate": f"PYTHONPATH=src python -m tests.integration.test_golden_losses{flag}"}  # fmt: skip
+            record = {
+                "arch": arch,
+                "recipe": RECIPES[arch],
+                "overrides": OVERRIDES,
+                "tolerance": TOLERANCE,
+                "torch": torch.__version__,
+                "device": hardware.device_name(hardware.resolve_device(device)),
+                "losses": losses,
+                "regenerate": f"PYTHONPATH=src python -m tests.integration.test_golden_losses{flag}",
+            }
             golden_path(arch, device).write_text(json.dumps(record, indent=1) + "\n")
             print(f"{arch}: {losses}", file=sys.stderr)
 

@@ -26,16 +26,45 @@ transformers = pytest.importorskip("transformers")
 RECIPES = {"transformer": "configs/tiny.yaml", "mamba": "configs/tiny-mamba.yaml"}
 # non-default values of the fields the export must carry over (theta, eps, GQA, untied head, FFN width)
 SHAPES = {
-    "transformer": ["--model.args.n_layers", "2", "--model.args.rope_theta", "5000", "--model.args.norm_eps", "1e-6",
-                    "--model.args.ffn_dim", "96", "--model.args.tie_embeddings", "false"],
+    "transformer": [
+        "--model.args.n_layers",
+        "2",
+        "--model.args.rope_theta",
+        "5000",
+        "--model.args.norm_eps",
+        "1e-6",
+        "--model.args.ffn_dim",
+        "96",
+        "--model.args.tie_embeddings",
+        "false",
+    ],
     "mamba": ["--model.args.n_layers", "2", "--model.args.d_state", "4", "--model.args.d_conv", "3"],
-}  # fmt: skip
+}
 
 
 def train_args(data: Path, steps: int = 2) -> list[str]:
-    return ["--model.flavour", "debug", "--data.path", str(data), "--data.seq_len", "32", "--train.global_batch", "4",
-            "--train.steps", str(steps), "--train.log_interval", "1", "--train.eval_batches", "1",
-            "--train.dtype", "fp32", "--train.warmup_steps", "1", "--train.lr", "3e-3"]  # fmt: skip
+    return [
+        "--model.flavour",
+        "debug",
+        "--data.path",
+        str(data),
+        "--data.seq_len",
+        "32",
+        "--train.global_batch",
+        "4",
+        "--train.steps",
+        str(steps),
+        "--train.log_interval",
+        "1",
+        "--train.eval_batches",
+        "1",
+        "--train.dtype",
+        "fp32",
+        "--train.warmup_steps",
+        "1",
+        "--train.lr",
+        "3e-3",
+    ]
 
 
 def train(arch: str, run_dir: Path, data: Path, *extra: str, steps: int = 2) -> list[dict]:
@@ -67,8 +96,14 @@ def logits_pair(run_dir: Path, hf_dir: Path, vocab: int = 500) -> tuple[torch.Te
 def test_export_loads_in_transformers_with_equal_logits(runs, tmp_path, arch, cls):
     out = export_hf(runs[arch], tmp_path / "hf")
     names = {p.name for p in out.iterdir()}
-    assert {"model.safetensors", "config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
-            MARKER} <= names  # fmt: skip
+    assert {
+        "model.safetensors",
+        "config.json",
+        "generation_config.json",
+        "tokenizer.json",
+        "tokenizer_config.json",
+        MARKER,
+    } <= names
     ours, theirs = logits_pair(runs[arch], out)
     assert type(transformers.AutoModelForCausalLM.from_pretrained(out)).__name__ == cls
     torch.testing.assert_close(theirs, ours, rtol=0, atol=1e-5)
@@ -135,13 +170,29 @@ def random_hf_model(arch: str, directory: Path):
     """A tiny random HF model (vocabulary 512, as small_data's tokenizer) saved with save_pretrained."""
     torch.manual_seed(0)
     if arch == "transformer":
-        config = transformers.LlamaConfig(vocab_size=512, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
-                                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-                                          rope_theta=2000.0, rms_norm_eps=1e-6, tie_word_embeddings=True)  # fmt: skip
+        config = transformers.LlamaConfig(
+            vocab_size=512,
+            hidden_size=32,
+            intermediate_size=48,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=64,
+            rope_theta=2000.0,
+            rms_norm_eps=1e-6,
+            tie_word_embeddings=True,
+        )
         model = transformers.LlamaForCausalLM(config)
     else:
-        config = transformers.MambaConfig(vocab_size=512, hidden_size=32, state_size=4, num_hidden_layers=2, expand=2,
-                                          conv_kernel=3, tie_word_embeddings=False)  # fmt: skip
+        config = transformers.MambaConfig(
+            vocab_size=512,
+            hidden_size=32,
+            state_size=4,
+            num_hidden_layers=2,
+            expand=2,
+            conv_kernel=3,
+            tie_word_embeddings=False,
+        )
         model = transformers.MambaForCausalLM(config)
     model.save_pretrained(directory)
     return model.eval()
@@ -160,13 +211,24 @@ def test_init_from_hf_gives_equal_logits_and_training_continues(tmp_path, small_
     with torch.no_grad():
         torch.testing.assert_close(model(ids), hf(ids).logits, rtol=0, atol=1e-5)
     # the trainer starts from these weights: its step-0 validation loss is transformers' loss on the same batch
-    records = train(arch, tmp_path / "run", small_data, "--model.init_from", str(tmp_path / "hf"), "--train.lr", "1e-2",
-                    "--train.schedule", "constant", steps=2)  # fmt: skip
+    records = train(
+        arch,
+        tmp_path / "run",
+        small_data,
+        "--model.init_from",
+        str(tmp_path / "hf"),
+        "--train.lr",
+        "1e-2",
+        "--train.schedule",
+        "constant",
+        steps=2,
+    )
     evals = [r for r in records if r["kind"] == "eval"]
     from anytrain.data.shards import TokenDataset
 
-    hf_loss, _ = validation_loss(lambda x: hf(x).logits, TokenDataset(small_data), 32, 1, 4, torch.device("cpu"),
-                                 torch.float32)  # fmt: skip
+    hf_loss, _ = validation_loss(
+        lambda x: hf(x).logits, TokenDataset(small_data), 32, 1, 4, torch.device("cpu"), torch.float32
+    )
     assert evals[0]["step"] == 0 and evals[0]["val_loss"] == pytest.approx(hf_loss, abs=1e-4)
     assert evals[-1]["val_loss"] < evals[0]["val_loss"] - 0.02  # training goes on from them
 

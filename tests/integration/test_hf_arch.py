@@ -26,21 +26,43 @@ def tiny_config(shape: str):
     """A 2-layer model of vocabulary 512 (small_data's tokenizer), no dropout, special ids inside the vocabulary."""
     common = dict(vocab_size=512, bos_token_id=0, eos_token_id=0)
     if shape == "gpt2":
-        return transformers.GPT2Config(n_embd=32, n_layer=2, n_head=4, n_positions=64, resid_pdrop=0.0,
-                                       embd_pdrop=0.0, attn_pdrop=0.0, **common)  # fmt: skip
+        return transformers.GPT2Config(
+            n_embd=32, n_layer=2, n_head=4, n_positions=64, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, **common
+        )
     if shape == "llama":
-        return transformers.LlamaConfig(hidden_size=32, intermediate_size=48, num_hidden_layers=2,
-                                        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-                                        **common)  # fmt: skip
+        return transformers.LlamaConfig(
+            hidden_size=32,
+            intermediate_size=48,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=64,
+            **common,
+        )
     if shape == "qwen2":
-        return transformers.Qwen2Config(hidden_size=32, intermediate_size=48, num_hidden_layers=2,
-                                        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-                                        tie_word_embeddings=True, **common)  # fmt: skip
+        return transformers.Qwen2Config(
+            hidden_size=32,
+            intermediate_size=48,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=64,
+            tie_word_embeddings=True,
+            **common,
+        )
     if shape == "gemma2":  # logits soft-capped after the head: the fused loss must not be used
-        return transformers.Gemma2Config(hidden_size=32, intermediate_size=48, num_hidden_layers=2,
-                                         num_attention_heads=4, num_key_value_heads=2, head_dim=8,
-                                         max_position_embeddings=64, final_logit_softcapping=0.5,
-                                         pad_token_id=0, **common)  # fmt: skip
+        return transformers.Gemma2Config(
+            hidden_size=32,
+            intermediate_size=48,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=8,
+            max_position_embeddings=64,
+            final_logit_softcapping=0.5,
+            pad_token_id=0,
+            **common,
+        )
     raise ValueError(shape)
 
 
@@ -48,24 +70,52 @@ def save_model(shape: str, folder: Path, tokenizer_file: Path | None = None) -> 
     torch.manual_seed(0)
     transformers.AutoModelForCausalLM.from_config(tiny_config(shape)).save_pretrained(folder)
     if tokenizer_file is not None:  # the folder ships its tokenizer, as a hub download does
-        transformers.PreTrainedTokenizerFast(tokenizer_file=str(tokenizer_file), eos_token="<|endoftext|>")\
-            .save_pretrained(folder)  # fmt: skip
+        transformers.PreTrainedTokenizerFast(
+            tokenizer_file=str(tokenizer_file), eos_token="<|endoftext|>"
+        ).save_pretrained(folder)
     return folder
 
 
 @pytest.fixture(scope="module")
 def hf_models(tmp_path_factory, small_data) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("hf_models")
-    return {shape: save_model(shape, root / shape, small_data / "tokenizer.json" if shape == "llama" else None)
-            for shape in ("gpt2", "llama", "qwen2", "gemma2")}  # fmt: skip
+    return {
+        shape: save_model(shape, root / shape, small_data / "tokenizer.json" if shape == "llama" else None)
+        for shape in ("gpt2", "llama", "qwen2", "gemma2")
+    }
 
 
 def train_args(data: Path, hf_path: Path, steps: int = STEPS) -> list[str]:
-    return ["--model.arch", "hf", "--model.hf_path", str(hf_path), "--data.path", str(data), "--data.seq_len", "32",
-            "--train.global_batch", "4", "--train.steps", str(steps), "--train.log_interval", "1",
-            "--train.eval_batches", "1", "--train.eval_interval", "0", "--train.dtype", "fp32",
-            "--train.warmup_steps", "1", "--train.lr", "3e-3", "--train.schedule", "constant",
-            "--device", "cpu"]  # fmt: skip
+    return [
+        "--model.arch",
+        "hf",
+        "--model.hf_path",
+        str(hf_path),
+        "--data.path",
+        str(data),
+        "--data.seq_len",
+        "32",
+        "--train.global_batch",
+        "4",
+        "--train.steps",
+        str(steps),
+        "--train.log_interval",
+        "1",
+        "--train.eval_batches",
+        "1",
+        "--train.eval_interval",
+        "0",
+        "--train.dtype",
+        "fp32",
+        "--train.warmup_steps",
+        "1",
+        "--train.lr",
+        "3e-3",
+        "--train.schedule",
+        "constant",
+        "--device",
+        "cpu",
+    ]
 
 
 def records(run_dir: Path, kind: str) -> list[dict]:
@@ -91,14 +141,17 @@ def hf_logits_equal(run_dir: Path, out: Path, vocab: int = 512) -> None:
         torch.testing.assert_close(theirs(ids).logits, ours(ids), rtol=0, atol=1e-5)
 
 
-@pytest.mark.parametrize("shape, strategy", [
-    ("llama", "fsdp"),
-    pytest.param("gpt2", "ddp", marks=pytest.mark.slow),
-    pytest.param("llama", "ddp", marks=pytest.mark.slow),
-    pytest.param("gpt2", "fsdp", marks=pytest.mark.slow),
-    pytest.param("qwen2", "ddp", marks=pytest.mark.slow),
-    pytest.param("qwen2", "fsdp", marks=pytest.mark.slow),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "shape, strategy",
+    [
+        ("llama", "fsdp"),
+        pytest.param("gpt2", "ddp", marks=pytest.mark.slow),
+        pytest.param("llama", "ddp", marks=pytest.mark.slow),
+        pytest.param("gpt2", "fsdp", marks=pytest.mark.slow),
+        pytest.param("qwen2", "ddp", marks=pytest.mark.slow),
+        pytest.param("qwen2", "fsdp", marks=pytest.mark.slow),
+    ],
+)
 def test_two_ranks_train_resume_exactly_and_export(tmp_path, small_data, hf_models, shape, strategy):
     """10 steps on 2 gloo ranks: the validation loss falls; resuming from the step-5 checkpoint gives the same losses
     for steps 6-10 bit for bit; the export loads in transformers (same class) with equal logits."""
@@ -125,8 +178,9 @@ def test_two_ranks_train_resume_exactly_and_export(tmp_path, small_data, hf_mode
 def run_in_process(data: Path, hf_path: Path, run_dir: Path, *extra: str, steps: int = 3) -> dict:
     from anytrain.train.trainer import run_training
 
-    return run_training(load_config("configs/tiny.yaml", train_args(data, hf_path, steps) + list(extra)),
-                        run_dir=str(run_dir))  # fmt: skip
+    return run_training(
+        load_config("configs/tiny.yaml", train_args(data, hf_path, steps) + list(extra)), run_dir=str(run_dir)
+    )
 
 
 def test_export_ships_the_folders_tokenizer(tmp_path, small_data, hf_models):
@@ -236,8 +290,12 @@ def test_residual_stream_dtype_under_autocast(small_data, hf_models):
     ids = torch.randint(0, 512, (2, 17), generator=torch.Generator().manual_seed(0))
     losses, seen = {}, {}
     for keep in (False, True):
-        cfg = resolve_run_config(load_config("configs/tiny.yaml", train_args(small_data, hf_models["gpt2"])
-                          + ["--model.args.residual_in_fp32", str(keep).lower()]))  # fmt: skip
+        cfg = resolve_run_config(
+            load_config(
+                "configs/tiny.yaml",
+                train_args(small_data, hf_models["gpt2"]) + ["--model.args.residual_in_fp32", str(keep).lower()],
+            )
+        )
         model = build_model(cfg.model)
         dtypes = []
         for block in model.blocks():
@@ -305,9 +363,18 @@ def test_models_with_windowed_attention_keep_transformers_masks(tmp_path, small_
     from anytrain.models import build_model
     from anytrain.models.hf.adapter import plain_causal
 
-    conf = transformers.MistralConfig(hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
-                                      num_key_value_heads=2, max_position_embeddings=64, sliding_window=4,
-                                      vocab_size=512, bos_token_id=0, eos_token_id=0)  # fmt: skip
+    conf = transformers.MistralConfig(
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        sliding_window=4,
+        vocab_size=512,
+        bos_token_id=0,
+        eos_token_id=0,
+    )
     assert not plain_causal(conf)
     assert plain_causal(transformers.Qwen2Config()) and plain_causal(transformers.GPT2Config())
     assert not plain_causal(transformers.Qwen2Config(use_sliding_window=True, sliding_window=16, max_window_layers=0))
@@ -329,19 +396,39 @@ def test_models_with_windowed_attention_keep_transformers_masks(tmp_path, small_
     torch.testing.assert_close(loss, expected, rtol=0, atol=1e-5)
 
 
-@pytest.mark.parametrize("overrides, message", [
-    ([], "model.hf_path: model.arch hf needs a local Hugging Face model folder"),
-    (["--model.hf_path", "{tmp}"], "has no config.json"),
-    (["--model.hf_path", "{tmp}/nowhere"], "is not a directory"),
-    (["--model.hf_path", "{llama}", "--parallel.tp", "2"], "parallel.tp: model.arch hf trains with data parallelism"),
-    (["--model.hf_path", "{llama}", "--parallel.pp", "2"], "parallel.pp: model.arch hf trains with data parallelism"),
-    (["--model.hf_path", "{llama}", "--model.args.n_layers", "4"], "model.args.n_layers: is read from model.hf_path"),
-    (["--model.hf_path", "{llama}", "--model.init_from", "{llama}"], "model.init_from: not used with model.arch hf"),
-    (["--model.hf_path", "{llama}", "--model.args.init", "zeros"], "model.args.init: expected one of"),
-    (["--model.hf_path", "{gemma2}", "--train.cuda_graphs", "true"], "train.cuda_graphs: with model.arch hf only for"),
-    (["--model.hf_path", "{llama}", "--train.cuda_graphs", "true", "--model.args.attn_implementation", "eager"],
-     "train.cuda_graphs: with model.arch hf only for"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        ([], "model.hf_path: model.arch hf needs a local Hugging Face model folder"),
+        (["--model.hf_path", "{tmp}"], "has no config.json"),
+        (["--model.hf_path", "{tmp}/nowhere"], "is not a directory"),
+        (
+            ["--model.hf_path", "{llama}", "--parallel.tp", "2"],
+            "parallel.tp: model.arch hf trains with data parallelism",
+        ),
+        (
+            ["--model.hf_path", "{llama}", "--parallel.pp", "2"],
+            "parallel.pp: model.arch hf trains with data parallelism",
+        ),
+        (
+            ["--model.hf_path", "{llama}", "--model.args.n_layers", "4"],
+            "model.args.n_layers: is read from model.hf_path",
+        ),
+        (
+            ["--model.hf_path", "{llama}", "--model.init_from", "{llama}"],
+            "model.init_from: not used with model.arch hf",
+        ),
+        (["--model.hf_path", "{llama}", "--model.args.init", "zeros"], "model.args.init: expected one of"),
+        (
+            ["--model.hf_path", "{gemma2}", "--train.cuda_graphs", "true"],
+            "train.cuda_graphs: with model.arch hf only for",
+        ),
+        (
+            ["--model.hf_path", "{llama}", "--train.cuda_graphs", "true", "--model.args.attn_implementation", "eager"],
+            "train.cuda_graphs: with model.arch hf only for",
+        ),
+    ],
+)
 def test_config_errors_name_the_field(tmp_path, small_data, hf_models, overrides, message):
     args = [a.format(tmp=tmp_path, llama=hf_models["llama"], gemma2=hf_models["gemma2"]) for a in overrides]
     base = ["--model.arch", "hf", "--data.path", str(small_data), "--data.seq_len", "32"]
@@ -373,8 +460,17 @@ def test_hf_path_without_arch_hf_and_cli_error_line(tmp_path, capsys, small_data
                 "configs/tiny.yaml", ["--model.hf_path", str(hf_models["llama"]), "--data.path", str(small_data)]
             )
         )
-    code, _, err = cli_in_process(capsys, "train", "configs/tiny.yaml", "--model.arch", "hf", "--model.hf_path",
-                                  str(tmp_path), "--data.path", str(small_data))  # fmt: skip
+    code, _, err = cli_in_process(
+        capsys,
+        "train",
+        "configs/tiny.yaml",
+        "--model.arch",
+        "hf",
+        "--model.hf_path",
+        str(tmp_path),
+        "--data.path",
+        str(small_data),
+    )
     assert code == 2 and err.strip().startswith("error: model.hf_path:") and len(err.strip().splitlines()) == 1
     assert not any(tmp_path.iterdir())  # nothing written
 
@@ -388,8 +484,17 @@ def test_sft_from_jsonl_end_to_end(tmp_path, capsys, small_data, hf_models):
     jsonl = tmp_path / "sft.jsonl"
     jsonl.write_text("".join(json.dumps(line) + "\n" for line in lines))
     data = tmp_path / "sft"
-    code, out, err = cli_in_process(capsys, "prepare-sft", str(jsonl), "--out", str(data), "--tokenizer",
-                                    str(hf_models["llama"]), "--val-fraction", "0.2")  # fmt: skip
+    code, out, err = cli_in_process(
+        capsys,
+        "prepare-sft",
+        str(jsonl),
+        "--out",
+        str(data),
+        "--tokenizer",
+        str(hf_models["llama"]),
+        "--val-fraction",
+        "0.2",
+    )
     assert code == 0, err
     assert "trained" in out
     summary = run_in_process(data, hf_models["llama"], tmp_path / "run", "--train.eval_interval", "0", steps=8)
@@ -403,8 +508,9 @@ def test_sft_from_jsonl_end_to_end(tmp_path, capsys, small_data, hf_models):
     _, val = masked_sources(TokenDataset(data), 32, 4, 1234)
     inputs, targets, _ = val.rank_batch(0, 0, 1)
     with torch.no_grad():
-        losses = torch.nn.functional.cross_entropy(model(inputs).flatten(0, 1), targets.flatten().clamp(min=0),
-                                                   reduction="none")  # fmt: skip
+        losses = torch.nn.functional.cross_entropy(
+            model(inputs).flatten(0, 1), targets.flatten().clamp(min=0), reduction="none"
+        )
     trained = targets.flatten() != -100
     assert 0 < trained.sum() < trained.numel()
     assert records(tmp_path / "run", "eval")[-1]["val_loss"] == pytest.approx(losses[trained].mean().item(), abs=1e-5)

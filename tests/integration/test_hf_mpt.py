@@ -29,11 +29,43 @@ RECIPE = "configs/mpt-125m.yaml"
 def train_args(data: Path, *extra: str) -> list[str]:
     """mpt-debug (d 64, 2 layers, 4 heads) with 6 heads here: ALiBi's slopes for a head count that is not a power of
     two are where MPT's order differs from the ALiBi paper's."""
-    return ["--model.flavour", "mpt-debug", "--model.args.dim", "48", "--model.args.n_heads", "6",
-            "--data.path", str(data), "--data.seq_len", "32", "--train.global_batch", "4", "--train.micro_batch", "0",
-            "--train.steps", "2", "--train.log_interval", "1", "--train.eval_batches", "1", "--train.eval_interval",
-            "0", "--train.dtype", "fp32", "--train.compile", "false", "--parallel.strategy", "auto",
-            "--train.warmup_steps", "1", "--train.lr", "3e-3", "--checkpoint.interval", "0", *extra]  # fmt: skip
+    return [
+        "--model.flavour",
+        "mpt-debug",
+        "--model.args.dim",
+        "48",
+        "--model.args.n_heads",
+        "6",
+        "--data.path",
+        str(data),
+        "--data.seq_len",
+        "32",
+        "--train.global_batch",
+        "4",
+        "--train.micro_batch",
+        "0",
+        "--train.steps",
+        "2",
+        "--train.log_interval",
+        "1",
+        "--train.eval_batches",
+        "1",
+        "--train.eval_interval",
+        "0",
+        "--train.dtype",
+        "fp32",
+        "--train.compile",
+        "false",
+        "--parallel.strategy",
+        "auto",
+        "--train.warmup_steps",
+        "1",
+        "--train.lr",
+        "3e-3",
+        "--checkpoint.interval",
+        "0",
+        *extra,
+    ]
 
 
 @pytest.fixture(scope="module")
@@ -60,8 +92,16 @@ def test_export_is_mpt_with_equal_logits(run, tmp_path):
 def random_mpt(directory: Path, tie: bool):
     """A tiny random MptForCausalLM (vocabulary 512, as small_data's tokenizer), its norm weights moved off 1."""
     torch.manual_seed(0)
-    config = transformers.MptConfig(d_model=48, n_heads=6, n_layers=2, expansion_ratio=4, max_seq_len=64,
-                                    vocab_size=512, layer_norm_epsilon=1e-5, tie_word_embeddings=tie)  # fmt: skip
+    config = transformers.MptConfig(
+        d_model=48,
+        n_heads=6,
+        n_layers=2,
+        expansion_ratio=4,
+        max_seq_len=64,
+        vocab_size=512,
+        layer_norm_epsilon=1e-5,
+        tie_word_embeddings=tie,
+    )
     model = transformers.MptForCausalLM(config)
     with torch.no_grad():
         for name, param in model.named_parameters():
@@ -92,8 +132,17 @@ def test_import_refuses_what_anytrain_does_not_compute(tmp_path, small_data):
         resolve_run_config(load_config(RECIPE, train_args(small_data, "--model.init_from", str(tmp_path / "hf"))))
 
 
-@pytest.mark.parametrize("options", [{"bias": True}, {"pos_encoding": "learned"}, {"qk_norm": True},
-                                     {"n_kv_heads": 2}, {"mlp": "swiglu"}, {"norm": "rmsnorm"}])  # fmt: skip
+@pytest.mark.parametrize(
+    "options",
+    [
+        {"bias": True},
+        {"pos_encoding": "learned"},
+        {"qk_norm": True},
+        {"n_kv_heads": 2},
+        {"mlp": "swiglu"},
+        {"norm": "rmsnorm"},
+    ],
+)
 def test_no_hf_class_is_one_clear_error(options):
     mpt = dict(pos_encoding="alibi", norm="layernorm", mlp="gelu", tie_embeddings=True)
     args = TransformerArgs(**{**dict(dim=64, n_heads=4, n_layers=2), **mpt, **options})
@@ -107,8 +156,10 @@ def test_export_cli_refusal_writes_nothing(tmp_path, capsys, small_data):
     from anytrain.train.trainer import run_training
 
     run_dir = tmp_path / "run"
-    run_training(load_config(RECIPE, train_args(small_data, "--model.args.qk_norm", "true", "--train.steps", "1")),
-                 run_dir=str(run_dir))  # fmt: skip
+    run_training(
+        load_config(RECIPE, train_args(small_data, "--model.args.qk_norm", "true", "--train.steps", "1")),
+        run_dir=str(run_dir),
+    )
     capsys.readouterr()  # the training's output
     code, _, err = cli(capsys, "export", str(run_dir), "--format", "hf", "--out", str(tmp_path / "hf"))
     assert code == 2 and len(err.strip().splitlines()) == 1

@@ -13,8 +13,18 @@ import torch
 from tests.conftest import run_cli
 
 SHARD = 4 * 2**20  # --max-shard-size of the memory test; the big model's weights are ~8.3x this
-BIG = ["--model.args.dim", "256", "--model.args.n_layers", "8", "--model.args.n_heads", "4", "--model.args.n_kv_heads",
-       "4", "--model.args.ffn_dim", "1024"]  # fmt: skip
+BIG = [
+    "--model.args.dim",
+    "256",
+    "--model.args.n_layers",
+    "8",
+    "--model.args.n_heads",
+    "4",
+    "--model.args.n_kv_heads",
+    "4",
+    "--model.args.ffn_dim",
+    "1024",
+]
 
 
 def write_config(directory: Path, data: Path, *model: str) -> Path:
@@ -84,7 +94,8 @@ def test_export_of_an_fsdp_checkpoint_equals_the_whole_model_export(fsdp_run, tm
     expected = dict(to_hf_tensors(hf_family(cfg.model.arch, args), args, model.state_dict()))
     exported = read_export(out)
     assert sorted(exported) == sorted(expected) and index["metadata"]["total_size"] == sum(
-        t.numel() * t.element_size() for t in expected.values())  # fmt: skip
+        t.numel() * t.element_size() for t in expected.values()
+    )
     for name, tensor in expected.items():
         assert torch.equal(exported[name], tensor), name
 
@@ -114,8 +125,9 @@ def test_export_peak_memory_is_about_one_shard(big_fsdp_run, fsdp_run, tmp_path)
     assert weights >= 8 * SHARD
     context = forklaunch._ctx()  # processes forked from a clean server (a fork of pytest may hold others' locks)
     queue = context.Queue()
-    child = context.Process(target=_export_peak, args=(str(big_fsdp_run), str(fsdp_run),
-                                                      str(tmp_path / "hf"), SHARD, queue))  # fmt: skip
+    child = context.Process(
+        target=_export_peak, args=(str(big_fsdp_run), str(fsdp_run), str(tmp_path / "hf"), SHARD, queue)
+    )
     child.start()
     before, after = queue.get(timeout=120)
     child.join(timeout=60)
@@ -133,9 +145,18 @@ def hf_llama(tmp_path_factory) -> Path:
     """A tiny random untied LlamaForCausalLM (GQA; vocabulary 512 as small_data's) saved with save_pretrained."""
     transformers = pytest.importorskip("transformers")
     torch.manual_seed(0)
-    config = transformers.LlamaConfig(vocab_size=512, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
-                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-                                      rope_theta=2000.0, rms_norm_eps=1e-6, tie_word_embeddings=False)  # fmt: skip
+    config = transformers.LlamaConfig(
+        vocab_size=512,
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        rope_theta=2000.0,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=False,
+    )
     out = tmp_path_factory.mktemp("hf") / "llama"
     transformers.LlamaForCausalLM(config).save_pretrained(out, max_shard_size="40KB")  # several files, an index
     return out
@@ -214,6 +235,9 @@ def test_a_stage_reads_only_its_tensors_and_checks_them_all(hf_llama, small_data
     tensors["model.layers.0.self_attn.q_proj.weight"] = tensors["model.layers.0.self_attn.q_proj.weight"][:16]
     save_file(tensors, str(file), metadata={"format": "pt"})
     cfg.model.init_from = str(bad)
-    with pytest.raises(ConfigError, match=r"^model\.init_from: model\.layers\.0\.self_attn\.q_proj\.weight in .* has "
-                                          r"shape \(16, 32\), the model expects \(32, 32\)$"):  # fmt: skip
+    with pytest.raises(
+        ConfigError,
+        match=r"^model\.init_from: model\.layers\.0\.self_attn\.q_proj\.weight in .* has "
+        r"shape \(16, 32\), the model expects \(32, 32\)$",
+    ):
         init_from_hf(prune_to_stage(build_model(cfg.model), 1, 2), cfg.model, log=lambda line: None)

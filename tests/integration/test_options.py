@@ -17,10 +17,31 @@ def losses(run_dir):
 
 
 def train(small_data, run_dir, *extra):
-    proc = run_cli("train", "configs/tiny.yaml", "--model.flavour", "debug", "--data.path", str(small_data),
-                   "--data.seq_len", "32", "--train.global_batch", "4", "--train.steps", "4", "--train.log_interval",
-                   "1", "--train.eval_batches", "0", "--train.dtype", "fp32", "--run-dir", str(run_dir),
-                   "--checkpoint.save_final", "false", *extra)  # fmt: skip
+    proc = run_cli(
+        "train",
+        "configs/tiny.yaml",
+        "--model.flavour",
+        "debug",
+        "--data.path",
+        str(small_data),
+        "--data.seq_len",
+        "32",
+        "--train.global_batch",
+        "4",
+        "--train.steps",
+        "4",
+        "--train.log_interval",
+        "1",
+        "--train.eval_batches",
+        "0",
+        "--train.dtype",
+        "fp32",
+        "--run-dir",
+        str(run_dir),
+        "--checkpoint.save_final",
+        "false",
+        *extra,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     return losses(run_dir)
 
@@ -41,18 +62,40 @@ def test_compiled_blocks_give_the_same_losses(baseline, small_data, tmp_path):
 
 
 def test_whole_model_compile_gives_the_same_losses(baseline, small_data, tmp_path):
-    compiled = train(small_data, tmp_path / "compiled_model", "--train.compile", "true", "--train.compile_scope",
-                     "model")  # fmt: skip
+    compiled = train(
+        small_data, tmp_path / "compiled_model", "--train.compile", "true", "--train.compile_scope", "model"
+    )
     np.testing.assert_allclose(compiled, baseline, rtol=0, atol=1e-4)
 
 
 @pytest.mark.slow  # the Transformer case of the same mechanism stays in make test
 def test_whole_model_compile_of_mamba_gives_the_same_losses(small_data, tmp_path):
     def mamba(run_dir, *extra):
-        proc = run_cli("train", "configs/tiny-mamba.yaml", "--data.path", str(small_data), "--data.seq_len", "16",
-                       "--train.global_batch", "2", "--train.steps", "3", "--train.log_interval", "1",
-                       "--train.eval_batches", "0", "--train.dtype", "fp32", "--run-dir", str(run_dir),
-                       "--model.args.n_layers", "2", "--checkpoint.save_final", "false", *extra)  # fmt: skip
+        proc = run_cli(
+            "train",
+            "configs/tiny-mamba.yaml",
+            "--data.path",
+            str(small_data),
+            "--data.seq_len",
+            "16",
+            "--train.global_batch",
+            "2",
+            "--train.steps",
+            "3",
+            "--train.log_interval",
+            "1",
+            "--train.eval_batches",
+            "0",
+            "--train.dtype",
+            "fp32",
+            "--run-dir",
+            str(run_dir),
+            "--model.args.n_layers",
+            "2",
+            "--checkpoint.save_final",
+            "false",
+            *extra,
+        )
         assert proc.returncode == 0, proc.stderr[-3000:]
         return losses(run_dir)
 
@@ -76,19 +119,45 @@ def test_whole_model_compile_refuses_data_parallelism(small_data, tmp_path):
     with pytest.raises(ConfigError, match="train.compile_scope"):
         parallelize(build_model(cfg.model), cfg, dims, torch.device("cpu"), torch.float32)
     # one process: the body is wrapped by torch.compile, the blocks are not compiled one by one
-    model, _ = parallelize(build_model(cfg.model), cfg, ParallelDims.from_config(cfg.parallel, world_size=1),
-                           torch.device("cpu"), torch.float32)  # fmt: skip
+    model, _ = parallelize(
+        build_model(cfg.model),
+        cfg,
+        ParallelDims.from_config(cfg.parallel, world_size=1),
+        torch.device("cpu"),
+        torch.float32,
+    )
     assert hasattr(model.forward_hidden, "_torchdynamo_orig_callable")
-    mcfg = load_config(None, ["--model.arch", "mamba", "--model.flavour", "tiny-mamba", "--train.compile", "true",
-                              "--train.compile_scope", "model"])  # fmt: skip
-    mamba, _ = parallelize(build_model(mcfg.model), mcfg, ParallelDims.from_config(mcfg.parallel, world_size=1),
-                           torch.device("cpu"), torch.float32)  # fmt: skip
+    mcfg = load_config(
+        None,
+        [
+            "--model.arch",
+            "mamba",
+            "--model.flavour",
+            "tiny-mamba",
+            "--train.compile",
+            "true",
+            "--train.compile_scope",
+            "model",
+        ],
+    )
+    mamba, _ = parallelize(
+        build_model(mcfg.model),
+        mcfg,
+        ParallelDims.from_config(mcfg.parallel, world_size=1),
+        torch.device("cpu"),
+        torch.float32,
+    )
     assert mamba.backbone._compiled_call_impl is not None  # Mamba: the backbone module is the compiled body
     assert all(getattr(b, "_compiled_call_impl", None) is None for b in model.blocks())
     # auto: the whole body in one process, per-block compile under data parallelism (no error)
     cfg.train.compile_scope = "auto"
-    model, _ = parallelize(build_model(cfg.model), cfg, ParallelDims.from_config(cfg.parallel, world_size=1),
-                           torch.device("cpu"), torch.float32)  # fmt: skip
+    model, _ = parallelize(
+        build_model(cfg.model),
+        cfg,
+        ParallelDims.from_config(cfg.parallel, world_size=1),
+        torch.device("cpu"),
+        torch.float32,
+    )
     assert hasattr(model.forward_hidden, "_torchdynamo_orig_callable")
 
 
@@ -137,9 +206,26 @@ def _cpu_trainer(small_data, run_dir, *overrides: str):
     from anytrain.train.trainer import Trainer
 
     recipe = Path(__file__).resolve().parents[2] / "configs" / "tiny.yaml"
-    cfg = load_config(recipe, ["--model.flavour", "debug", "--data.path", str(small_data), "--data.seq_len", "32",
-                               "--train.global_batch", "4", "--train.eval_batches", "0", "--train.dtype", "fp32",
-                               "--checkpoint.save_final", "false", *overrides])  # fmt: skip
+    cfg = load_config(
+        recipe,
+        [
+            "--model.flavour",
+            "debug",
+            "--data.path",
+            str(small_data),
+            "--data.seq_len",
+            "32",
+            "--train.global_batch",
+            "4",
+            "--train.eval_batches",
+            "0",
+            "--train.dtype",
+            "fp32",
+            "--checkpoint.save_final",
+            "false",
+            *overrides,
+        ],
+    )
     cfg.device = "cpu"
     return Trainer(cfg, run_dir=str(run_dir))
 
@@ -147,8 +233,9 @@ def _cpu_trainer(small_data, run_dir, *overrides: str):
 def test_gc_is_off_while_training_and_collected_every_interval(small_data, tmp_path, monkeypatch):
     import gc
 
-    trainer = _cpu_trainer(small_data, tmp_path / "run", "--train.steps", "5", "--train.log_interval", "1",
-                           "--train.gc_interval", "2")  # fmt: skip
+    trainer = _cpu_trainer(
+        small_data, tmp_path / "run", "--train.steps", "5", "--train.log_interval", "1", "--train.gc_interval", "2"
+    )
     collected, enabled = [], []
     real_collect, real_step = gc.collect, trainer.train_step
     monkeypatch.setattr(gc, "collect", lambda generation=2: collected.append(generation) or real_collect(generation))
@@ -173,8 +260,9 @@ def test_gc_interval_must_not_be_negative():
 
 def test_cuda_graphs_on_cpu_train_eagerly_and_say_so(small_data, tmp_path, capsys):
     """The same recipe with train.cuda_graphs runs on a CPU: eager micro-steps, a line saying why, no replays."""
-    trainer = _cpu_trainer(small_data, tmp_path / "run", "--train.micro_batch", "2", "--train.steps", "3",
-                           "--train.cuda_graphs", "true")  # fmt: skip
+    trainer = _cpu_trainer(
+        small_data, tmp_path / "run", "--train.micro_batch", "2", "--train.steps", "3", "--train.cuda_graphs", "true"
+    )
     try:
         summary = trainer.train()
     finally:
@@ -193,8 +281,9 @@ def test_the_family_step_context_spans_the_micro_batches_and_closes_before_the_u
     ``wide_mm.accumulate_in_gemm`` (its GEMMs sum the later micro-batches' weight gradients into .grad)."""
     from anytrain.kernels import mamba_inner
 
-    trainer = _cpu_trainer(small_data, tmp_path / "run", "--model.arch", arch, "--train.steps", "2",
-                           "--train.micro_batch", "2")  # fmt: skip
+    trainer = _cpu_trainer(
+        small_data, tmp_path / "run", "--model.arch", arch, "--train.steps", "2", "--train.micro_batch", "2"
+    )
     events = []
     real_fb, real_update = trainer.forward_backward, trainer.optimizer.step
     from anytrain.kernels import wide_mm
@@ -246,8 +335,16 @@ def test_clipping_factor_goes_to_the_fused_optimizer(small_data, tmp_path, monke
     """With torch's fused AdamW, clipping computes the norm and hands 1 / factor to the optimizer (grad_scale, used
     for that step only) instead of scaling the gradients itself: the weights equal those of torch's
     clip_grad_norm_ (train.clip_in_optimizer false) to float rounding, and differ from an unclipped run."""
-    args = ("--train.steps", "3", "--train.optimizer_impl", "fused", "--train.lagged_checks", lagged,
-            "--train.grad_clip", "0.05")  # fmt: skip
+    args = (
+        "--train.steps",
+        "3",
+        "--train.optimizer_impl",
+        "fused",
+        "--train.lagged_checks",
+        lagged,
+        "--train.grad_clip",
+        "0.05",
+    )
     calls, seen = [], []
     real_clip = torch.nn.utils.clip_grad_norm_
     monkeypatch.setattr(torch.nn.utils, "clip_grad_norm_", lambda *a, **k: calls.append(1) or real_clip(*a, **k))

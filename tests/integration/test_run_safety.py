@@ -135,12 +135,16 @@ def test_resume_refuses_a_changed_model_or_data_order(done_run):
     before, config_text = snapshot(run), (run / "config.yaml").read_text()
     proc = train(config, run, "--resume", "--model.args.n_layers", "1", ok=False)
     one_error_line(proc, "model.args.n_layers: 2 in the run, 1 now", "--resume-allow-changes model.args.n_layers")
-    one_error_line(train(config, run, "--resume", "--train.seed", "7", "--data.seq_len", "16", ok=False),
-                   "train.seed: 1234 in the run, 7 now", "data.seq_len: 32 in the run, 16 now")  # fmt: skip
+    one_error_line(
+        train(config, run, "--resume", "--train.seed", "7", "--data.seq_len", "16", ok=False),
+        "train.seed: 1234 in the run, 7 now",
+        "data.seq_len: 32 in the run, 16 now",
+    )
     assert snapshot(run) == before
     # allowed by name, the checkpoint still cannot fit the model: one line, no traceback, config.yaml kept
-    proc = train(config, run, "--resume", "--model.args.n_layers", "3", "--resume-allow-changes",
-                 "model.args.n_layers", ok=False)  # fmt: skip
+    proc = train(
+        config, run, "--resume", "--model.args.n_layers", "3", "--resume-allow-changes", "model.args.n_layers", ok=False
+    )
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
     assert proc.stderr.strip().splitlines()[-1].startswith(f"error: {run / 'checkpoints'}: no committed checkpoint")
     assert (run / "config.yaml").read_text() == config_text
@@ -211,8 +215,9 @@ def test_checkpoint_to_a_full_disk_is_one_line_and_leaves_no_torn_checkpoint(tmp
     """A real full filesystem (a 640 KiB tmpfs: the run's files fit, a debug model's checkpoint does not): one
     'disk full' line, exit 2, and no uncommitted checkpoint folder left taking the space."""
     run_dir = small_tmpfs("640k") / "run"
-    proc = train(write_config(tmp_path, small_data, steps=2, interval=2), run_dir, "--train.log_interval", "2",
-                 ok=False)  # fmt: skip
+    proc = train(
+        write_config(tmp_path, small_data, steps=2, interval=2), run_dir, "--train.log_interval", "2", ok=False
+    )
     assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
     last = proc.stderr.strip().splitlines()[-1]  # after the step's log line
     assert last.startswith("error: disk full while writing " + str(run_dir / "checkpoints")), last

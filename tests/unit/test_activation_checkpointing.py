@@ -20,13 +20,15 @@ FAMILIES = {"transformer": ("debug", {"n_layers": 4}), "mamba": ("debug", {"n_la
 
 def _model(arch: str, policy: str):
     flavour, args = FAMILIES[arch]
-    cfg = load_config(None, ["--model.arch", arch, "--model.flavour", flavour,
-                             "--train.activation_checkpointing", policy])  # fmt: skip
+    cfg = load_config(
+        None, ["--model.arch", arch, "--model.flavour", flavour, "--train.activation_checkpointing", policy]
+    )
     cfg.model.args = dict(args)
     torch.manual_seed(0)
     model = build_model(cfg.model)
-    model, _ = parallelize(model, cfg, ParallelDims.from_config(cfg.parallel, world_size=1), torch.device("cpu"),
-                           torch.float32)  # fmt: skip
+    model, _ = parallelize(
+        model, cfg, ParallelDims.from_config(cfg.parallel, world_size=1), torch.device("cpu"), torch.float32
+    )
     return model
 
 

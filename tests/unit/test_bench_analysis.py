@@ -12,8 +12,14 @@ from tests.conftest import ROOT
 
 
 def _row(case: scaling_cases.Case, tokens_per_s_per_gpu: float, peak: float) -> dict:
-    return {**asdict(case), "dp": case.dp, "accum": case.accum, "tokens_per_s": tokens_per_s_per_gpu * case.gpus,
-            "tokens_per_s_per_gpu": tokens_per_s_per_gpu, "peak_mem_gib": peak}  # fmt: skip
+    return {
+        **asdict(case),
+        "dp": case.dp,
+        "accum": case.accum,
+        "tokens_per_s": tokens_per_s_per_gpu * case.gpus,
+        "tokens_per_s_per_gpu": tokens_per_s_per_gpu,
+        "peak_mem_gib": peak,
+    }
 
 
 def test_efficiencies_use_the_matching_one_gpu_baseline():
@@ -42,9 +48,13 @@ def test_efficiencies_use_the_matching_one_gpu_baseline():
 
 def test_efficiency_baselines_match_the_model_shape():
     cases = {c.name: c for c in scaling_cases.default_cases(4)}
-    rows = [_row(cases["t-1-g32"], 1000.0, 30.0), _row(cases["v-tiny-1"], 250000.0, 0.4),
-            _row(cases["t-fsdp-2-g32"], 950.0, 20.0), _row(cases["m-fsdp-2-g32"], 400.0, 40.0),
-            _row(cases["hf-ddp-2-g16"], 450.0, 40.0)]  # fmt: skip
+    rows = [
+        _row(cases["t-1-g32"], 1000.0, 30.0),
+        _row(cases["v-tiny-1"], 250000.0, 0.4),
+        _row(cases["t-fsdp-2-g32"], 950.0, 20.0),
+        _row(cases["m-fsdp-2-g32"], 400.0, 40.0),
+        _row(cases["hf-ddp-2-g16"], 450.0, 40.0),
+    ]
     scaling_analysis.add_efficiencies(rows)
     by = {r["name"]: r for r in rows}
     # v-tiny-1 is a 1-GPU "transformer" row of global batch 16 = t-fsdp-2-g32's per-GPU batch, but another model
@@ -103,8 +113,13 @@ def test_merge_takes_the_median_of_one_hosts_runs():
     cases = {c.name: c for c in scaling_cases.default_cases(4)}
 
     def payload(host, rate, date="d1"):
-        return {"device": "NVIDIA H100", "gpus_on_host": 4, "date": date, "host": host,
-                "rows": [_row(cases["t-ddp-4-g32"], rate, 33.0)]}  # fmt: skip
+        return {
+            "device": "NVIDIA H100",
+            "gpus_on_host": 4,
+            "date": date,
+            "host": host,
+            "rows": [_row(cases["t-ddp-4-g32"], rate, 33.0)],
+        }
 
     same = [("a.json", payload("h1", 900.0)), ("b.json", payload("h1", 1000.0)), ("c.json", payload("h1", 950.0))]
     (row,) = scaling_analysis.merge_rows(same)
@@ -139,8 +154,11 @@ def test_cost_layout_maps_case_layouts():
 
 def test_validation_calibrates_on_one_run_and_predicts_the_rest():
     cases = {c.name: c for c in cost_model_validation.default_cases()}
-    rows = [_row(cases["t-1-g32"], 70000.0, 34.0), _row(cases["t-fsdp-2-g32"], 66000.0, 22.0),
-            _row(cases["v-125m-1"], 450000.0, 14.0)]  # fmt: skip
+    rows = [
+        _row(cases["t-1-g32"], 70000.0, 34.0),
+        _row(cases["t-fsdp-2-g32"], 66000.0, 22.0),
+        _row(cases["v-125m-1"], 450000.0, 14.0),
+    ]
     table = cost_model_validation.predict(rows, "h200", 4, "t-1-g32")
     calib, fsdp, small = (r["predicted"] for r in rows)
     assert calib["calibration_run"] and calib["step_error"] == pytest.approx(0.0, abs=1e-9)
@@ -154,9 +172,17 @@ def test_validation_calibrates_on_one_run_and_predicts_the_rest():
 
 def test_plot_series_keeps_option_variants_apart_and_drops_profiled_rows():
     cases = {c.name: c for c in scaling_cases.default_cases(4)}
-    rows = [_row(cases[n], tps, 20.0) for n, tps in (("t-1-g32", 1000.0), ("t-fsdp-4-g32", 850.0),
-                                                     ("t-fsdpg-4-g32", 930.0), ("t-fsdp-2-g32", 900.0),
-                                                     ("t-fsdpg-2-g32", 970.0), ("p-fsdp-2-g16", 500.0))]  # fmt: skip
+    rows = [
+        _row(cases[n], tps, 20.0)
+        for n, tps in (
+            ("t-1-g32", 1000.0),
+            ("t-fsdp-4-g32", 850.0),
+            ("t-fsdpg-4-g32", 930.0),
+            ("t-fsdp-2-g32", 900.0),
+            ("t-fsdpg-2-g32", 970.0),
+            ("p-fsdp-2-g16", 500.0),
+        )
+    ]
     scaling_analysis.add_efficiencies(rows)
     series = {s["label"]: [r["name"] for r in s["rows"]] for s in scaling_analysis.plot_series(rows, "transformer")}
     assert series["FSDP, 32 seq global"] == ["t-1-g32", "t-fsdp-2-g32", "t-fsdp-4-g32"]
@@ -170,9 +196,17 @@ def test_eight_gpu_cases_exist_and_pair_with_one_gpu_baselines():
     assert not any(c.gpus == 8 for c in scaling_cases.default_cases(4))
     assert cases["t-fsdp-8-g32"].accum == 1  # the goal row: one micro-batch of 4 per GPU
     assert cases["t-fsdpg-8-g64"].accum == 2 and cases["t-hsdp2x4-8-g32"].dp_replicate == 2
-    rows = [_row(cases[n], tps, 20.0) for n, tps in (("t-1-g32", 1000.0), ("t-1-g8", 950.0), ("hf-ddp-1-g8", 600.0),
-                                                     ("t-fsdp-8-g32", 900.0), ("t-fsdpg-8-g64", 920.0),
-                                                     ("hf-ddp-8-g64", 560.0))]  # fmt: skip
+    rows = [
+        _row(cases[n], tps, 20.0)
+        for n, tps in (
+            ("t-1-g32", 1000.0),
+            ("t-1-g8", 950.0),
+            ("hf-ddp-1-g8", 600.0),
+            ("t-fsdp-8-g32", 900.0),
+            ("t-fsdpg-8-g64", 920.0),
+            ("hf-ddp-8-g64", 560.0),
+        )
+    ]
     scaling_analysis.add_efficiencies(rows)
     by = {r["name"]: r for r in rows}
     assert by["t-fsdp-8-g32"]["strong_ref"] == "t-1-g32" and by["t-fsdp-8-g32"]["strong_efficiency"] == 0.9
@@ -230,8 +264,14 @@ def test_a_row_the_cost_model_cannot_take_keeps_the_others_predicted():
 def test_repeats_run_round_robin_and_fold_into_the_median_run():
     cases = {c.name: c for c in scaling_cases.default_cases(4)}
     runs = scaling.with_repeats([cases["t-1-g32"], cases["t-ddp-4-g32"]], 3)
-    assert [c.name for c in runs] == ["t-1-g32", "t-ddp-4-g32", "t-1-g32#2", "t-ddp-4-g32#2", "t-1-g32#3",
-                                      "t-ddp-4-g32#3"]  # fmt: skip
+    assert [c.name for c in runs] == [
+        "t-1-g32",
+        "t-ddp-4-g32",
+        "t-1-g32#2",
+        "t-ddp-4-g32#2",
+        "t-1-g32#3",
+        "t-ddp-4-g32#3",
+    ]
     rows = [
         {**_row(c, rate, peak), "name": c.name}
         for c, rate, peak in zip(runs, (70, 60, 72, 62, 71, 10), range(6), strict=True)

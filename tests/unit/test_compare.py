@@ -13,15 +13,29 @@ from anytrain.evals.compare import compare_runs, load_curves, plot_curves
 from tests.conftest import cli_in_process as cli
 
 
-def write_run(path: Path, losses: list[float], tokens_per_step: int = 128, bump: dict[int, float] | None = None,
-              tokens_per_s: float = 1000.0) -> Path:  # fmt: skip
+def write_run(
+    path: Path,
+    losses: list[float],
+    tokens_per_step: int = 128,
+    bump: dict[int, float] | None = None,
+    tokens_per_s: float = 1000.0,
+) -> Path:
     """A run dir whose metrics.jsonl logs train loss at every step and val loss every 5 steps."""
     path.mkdir(parents=True)
     records = []
     for step, loss in enumerate(losses, 1):
         loss += (bump or {}).get(step, 0.0)
-        records.append({"kind": "train", "step": step, "loss": loss, "tokens_seen": step * tokens_per_step,
-                        "tokens_per_s": tokens_per_s, "mfu": 0.25, "peak_mem_gib": 1.5})  # fmt: skip
+        records.append(
+            {
+                "kind": "train",
+                "step": step,
+                "loss": loss,
+                "tokens_seen": step * tokens_per_step,
+                "tokens_per_s": tokens_per_s,
+                "mfu": 0.25,
+                "peak_mem_gib": 1.5,
+            }
+        )
         if step % 5 == 0:
             records.append({"kind": "eval", "step": step, "val_loss": loss + 0.1})
     (path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
@@ -49,8 +63,10 @@ def test_align_by_tokens_across_batch_sizes(tmp_path):
     b = write_run(tmp_path / "b", [LOSSES[2 * i + 1] for i in range(10)], tokens_per_step=256)
     result = compare_runs([a, b], by="tokens")
     assert result["differences"]["b"]["loss"] == {"points": 10, "max_abs": 0.0, "mean_abs": 0.0}
-    assert load_curves(b, "tokens").curves["val_loss"] == {1280: pytest.approx(LOSSES[9] + 0.1),
-                                                           2560: pytest.approx(LOSSES[19] + 0.1)}  # fmt: skip
+    assert load_curves(b, "tokens").curves["val_loss"] == {
+        1280: pytest.approx(LOSSES[9] + 0.1),
+        2560: pytest.approx(LOSSES[19] + 0.1),
+    }
     assert result["differences"]["b"]["val_loss"]["points"] == 2  # tokens 1280 and 2560
 
 
@@ -75,7 +91,10 @@ def test_png_and_the_missing_extra(tmp_path, monkeypatch):
 def test_bad_input_is_one_line(tmp_path, capsys):
     a = write_run(tmp_path / "a", LOSSES)
     code, _, err = cli(capsys, "compare", str(a), str(tmp_path / "nothere"))
-    assert code == 2 and err.strip() == f"error: {tmp_path / 'nothere'}: no metrics.jsonl; is this a directory " \
-        "written by `anytrain train`?"  # fmt: skip
+    assert (
+        code == 2
+        and err.strip()
+        == f"error: {tmp_path / 'nothere'}: no metrics.jsonl; is this a directory written by `anytrain train`?"
+    )
     code, _, err = cli(capsys, "compare", str(a), str(a), "--by", "time")
     assert code == 2 and err.strip() == "error: --by: expected step or tokens, got 'time'"

@@ -209,23 +209,46 @@ def test_tensor_parallel_keeps_the_lm_head_whole():
         ("t-1-g32", ("transformer", "1.1b"), Layout(micro_batch=4), 32, 2048, True, AMP, 29.30),
         ("v-tiny-1", ("transformer", "tiny"), Layout(micro_batch=16), 16, 256, False, AMP, 0.436),
         ("v-125m-1", ("transformer", "125m"), Layout(micro_batch=16), 64, 1024, True, AMP, 7.54),
-        ("t-fsdp-2-g32", ("transformer", "1.1b"), Layout(dp=2, strategy="fsdp", micro_batch=4), 32, 2048, True,
-         FSDP_BF16, 21.64),
+        (
+            "t-fsdp-2-g32",
+            ("transformer", "1.1b"),
+            Layout(dp=2, strategy="fsdp", micro_batch=4),
+            32,
+            2048,
+            True,
+            FSDP_BF16,
+            21.64,
+        ),
         ("t-ddp-2-g32", ("transformer", "1.1b"), Layout(dp=2, micro_batch=4), 32, 2048, True, AMP, 35.28),
-        ("t-zero2-2-g32", ("transformer", "1.1b"), Layout(dp=2, strategy="fsdp", micro_batch=4,
-                                                          reshard_after_forward=False), 32, 2048, True, FSDP_BF16,
-         23.36),
+        (
+            "t-zero2-2-g32",
+            ("transformer", "1.1b"),
+            Layout(dp=2, strategy="fsdp", micro_batch=4, reshard_after_forward=False),
+            32,
+            2048,
+            True,
+            FSDP_BF16,
+            23.36,
+        ),
         ("t-pp4-4-g32", ("transformer", "1.1b"), Layout(pp=4, micro_batch=4), 32, 2048, True, AMP, 18.33),
         ("mb16", ("transformer", "1.1b"), Layout(micro_batch=16), 32, 2048, True, AMP, 59.83),
         ("fp32-residual", ("transformer", "1.1b", True), Layout(micro_batch=8), 32, 2048, True, AMP, 40.97),
         ("m-1-g32", ("mamba", "1.4b"), Layout(micro_batch=4), 32, 2048, False, AMP, 50.36),
         ("mamba-compiled", ("mamba", "1.4b"), Layout(micro_batch=4), 8, 2048, True, AMP, 47.36),
-        ("m-fsdp-2-g32", ("mamba", "1.4b"), Layout(dp=2, strategy="fsdp", micro_batch=4), 32, 2048, False,
-         FSDP_BF16, 42.87),
+        (
+            "m-fsdp-2-g32",
+            ("mamba", "1.4b"),
+            Layout(dp=2, strategy="fsdp", micro_batch=4),
+            32,
+            2048,
+            False,
+            FSDP_BF16,
+            42.87,
+        ),
         # bench/results/scaling_nvidia-h100-80gb-hbm3_4gpu_all.json (4 H100s): DDP, parallel.ddp_bucket_mb 100
         ("t-ddp-4-g32 bucket 100", ("transformer", "1.1b"), Layout(dp=4, micro_batch=4), 32, 2048, True, AMP, 33.39),
     ],
-)  # fmt: skip
+)
 def test_against_measured_h200_peaks(name, shape_args, layout, batch, seq, compiled, prec, measured):
     from anytrain.config import RunConfig
     from anytrain.cost.shapes import shape_from_config
@@ -249,8 +272,9 @@ def test_mamba_residual_stream_dtype_moves_the_predicted_peak_as_measured(micro,
     peaks = {}
     for fp32 in (True, False):
         cfg = RunConfig(model=ModelConfig(arch="mamba", flavour="1.4b", args={"residual_in_fp32": fp32}))
-        mem = memory_per_device(shape_from_config(cfg), Layout(micro_batch=micro), Workload(2048, 32, compiled=True),
-                                AMP)  # fmt: skip
+        mem = memory_per_device(
+            shape_from_config(cfg), Layout(micro_batch=micro), Workload(2048, 32, compiled=True), AMP
+        )
         peaks[fp32] = sum(mem.values()) / GIB
     assert peaks[True] - peaks[False] == pytest.approx(measured_fp32 - measured_bf16, rel=0.2)
     assert peaks[False] == pytest.approx(measured_bf16, rel=0.05)
@@ -281,9 +305,14 @@ TINY_ARGS = dict(vocab_size=96, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn
 
 @pytest.mark.parametrize(
     "mode, residual_fp32, compiled",
-    [("amp", False, False), ("amp", True, False), ("bf16", False, False), ("fp32", False, False),
-     pytest.param("amp", False, True, marks=pytest.mark.slow)],
-)  # fmt: skip
+    [
+        ("amp", False, False),
+        ("amp", True, False),
+        ("bf16", False, False),
+        ("fp32", False, False),
+        pytest.param("amp", False, True, marks=pytest.mark.slow),
+    ],
+)
 def test_saved_tensors_match_the_formula(mode, residual_fp32, compiled):
     """A 2-block Transformer on CPU: autocast over fp32 params ('amp'), bf16 params without autocast (FSDP2's
     'bf16') or plain fp32; the bytes autograd saves = L·N·A + N·(head) + 4·V·d (the loss's fp32 dW) + the blocks'
@@ -330,8 +359,17 @@ def test_saved_tensors_of_the_fused_mamba_mixer():
     torch.manual_seed(0)
     mixer = MambaMixer(args)
     mixer.reset_parameters()
-    weights = [mixer.in_proj.weight, mixer.conv1d.weight, mixer.conv1d.bias, mixer.x_proj.weight,
-               mixer.dt_proj.weight, mixer.dt_proj.bias, mixer.A_log, mixer.D, mixer.out_proj.weight]  # fmt: skip
+    weights = [
+        mixer.in_proj.weight,
+        mixer.conv1d.weight,
+        mixer.conv1d.bias,
+        mixer.x_proj.weight,
+        mixer.dt_proj.weight,
+        mixer.dt_proj.bias,
+        mixer.A_log,
+        mixer.D,
+        mixer.out_proj.weight,
+    ]
     h = torch.randn(2, 24, 32, dtype=torch.bfloat16, requires_grad=True)
     saved = _saved_bytes(lambda: mamba_inner._MambaInnerFn.apply(h, *weights, False), [*weights, h])
     shape = MambaShape(1, 32, 64, 8, 4, 4, 100)
@@ -345,9 +383,29 @@ def test_eager_ops_per_block():
 
     from anytrain.models.llama.model import Transformer, TransformerArgs
 
-    views = {"view", "_unsafe_view", "t", "transpose", "expand", "unsqueeze", "squeeze", "permute", "slice", "select",
-             "split", "split_with_sizes", "unbind", "as_strided", "alias", "detach", "reshape", "unflatten",
-             "flatten", "_reshape_alias", "chunk"}  # fmt: skip
+    views = {
+        "view",
+        "_unsafe_view",
+        "t",
+        "transpose",
+        "expand",
+        "unsqueeze",
+        "squeeze",
+        "permute",
+        "slice",
+        "select",
+        "split",
+        "split_with_sizes",
+        "unbind",
+        "as_strided",
+        "alias",
+        "detach",
+        "reshape",
+        "unflatten",
+        "flatten",
+        "_reshape_alias",
+        "chunk",
+    }
 
     class Count(TorchDispatchMode):
         n = 0
@@ -538,8 +596,11 @@ def test_tp_step_is_the_gpu_or_the_host_whichever_is_longer():
     Megatron-style precisions keep the plain link terms."""
     h100 = get_device("h100").replace(gpus_per_node=4)
     eager, graphs = Workload(2048, 32, compiled=True), Workload(2048, 32, compiled=True, cuda_graphs=True)
-    steps = {(mb, g): estimate(LLAMA_1B, Layout(dp=1, tp=4, micro_batch=mb), wl, h100)
-             for mb in (4, 16) for g, wl in ((False, eager), (True, graphs))}  # fmt: skip
+    steps = {
+        (mb, g): estimate(LLAMA_1B, Layout(dp=1, tp=4, micro_batch=mb), wl, h100)
+        for mb in (4, 16)
+        for g, wl in ((False, eager), (True, graphs))
+    }
     gpu = {k: e.compute_s + e.bubble_s + sum(c.exposed_seconds for c in e.comm) for k, e in steps.items()}
     assert steps[16, False].step_s == pytest.approx(steps[16, True].step_s) == pytest.approx(gpu[16, False])
     assert steps[4, False].step_s == pytest.approx(steps[4, False].host_s)
@@ -605,14 +666,39 @@ def test_layout_from_config_is_the_layout_the_trainer_runs():
         dims = ParallelDims.from_config(cfg.parallel, world)
         return Layout.from_config(cfg, dims, resolve_strategy(cfg, dims), cfg.train.micro_batch)
 
-    hsdp = layout(4, "--parallel.strategy", "fsdp", "--parallel.dp_replicate", "2",
-                  "--parallel.reshard_during_accumulation", "false")  # fmt: skip
+    hsdp = layout(
+        4,
+        "--parallel.strategy",
+        "fsdp",
+        "--parallel.dp_replicate",
+        "2",
+        "--parallel.reshard_during_accumulation",
+        "false",
+    )
     assert (hsdp.strategy, hsdp.dp, hsdp.shard_size, hsdp.reshard_during_accumulation) == ("hsdp", 4, 2, False)
     zero2 = layout(4, "--parallel.strategy", "fsdp", "--parallel.reshard_after_forward", "false")
     assert (zero2.strategy, zero2.reshard_after_forward, zero2.shard_size) == ("fsdp", False, 4)
-    pp = layout(4, "--parallel.pp", "4", "--parallel.pp_schedule", "Interleaved1F1B", "--parallel.pp_virtual_stages",
-                "2", "--train.activation_checkpointing", "full", "--train.micro_batch", "2")  # fmt: skip
+    pp = layout(
+        4,
+        "--parallel.pp",
+        "4",
+        "--parallel.pp_schedule",
+        "Interleaved1F1B",
+        "--parallel.pp_virtual_stages",
+        "2",
+        "--train.activation_checkpointing",
+        "full",
+        "--train.micro_batch",
+        "2",
+    )
     assert (pp.strategy, pp.dp, pp.pp, pp.pp_schedule, pp.pp_chunks, pp.ac, pp.micro_batch) == (
-        "ddp", 1, 4, "interleaved", 2, "full", 2)  # fmt: skip
+        "ddp",
+        1,
+        4,
+        "interleaved",
+        2,
+        "full",
+        2,
+    )
     assert (layout(1).strategy, layout(1).dp) == ("ddp", 1)
     assert layout(2, "--parallel.strategy", "zero1").strategy == "zero1"

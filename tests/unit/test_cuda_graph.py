@@ -47,9 +47,11 @@ def test_zero_grads_of_a_tensor_parallel_model_mixes_dtensors_and_plain_tensors(
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
         mesh = init_device_mesh("cpu", (1,))
-        params = [torch.nn.Parameter(distribute_tensor(torch.ones(4, 2), mesh, [Shard(0)])),
-                  torch.nn.Parameter(distribute_tensor(torch.ones(3), mesh, [Replicate()])),
-                  torch.nn.Parameter(torch.ones(5))]  # fmt: skip
+        params = [
+            torch.nn.Parameter(distribute_tensor(torch.ones(4, 2), mesh, [Shard(0)])),
+            torch.nn.Parameter(distribute_tensor(torch.ones(3), mesh, [Replicate()])),
+            torch.nn.Parameter(torch.ones(5)),
+        ]
         step = GraphedMicroStep(lambda x, y: x.sum(), params)
         for p in params:
             p.grad = p.detach().clone() * 3

@@ -199,7 +199,9 @@ def test_mixture_refuses_sources_with_another_tokenizer(tmp_path, small_data):
     for i in range(6):
         (raw / f"d{i}.txt").write_text(f"{i} " + TEXT)
     prepare([str(raw)], tmp_path / "other", vocab_size=300, val_fraction=0.3)
-    sources = [{"path": str(small_data), "weight": 1.0, "name": "a"},
-               {"path": str(tmp_path / "other"), "weight": 1.0, "name": "b"}]  # fmt: skip
+    sources = [
+        {"path": str(small_data), "weight": 1.0, "name": "a"},
+        {"path": str(tmp_path / "other"), "weight": 1.0, "name": "b"},
+    ]
     with pytest.raises(DataError, match=r"data.sources\[1\].path: .*other was prepared with another tokenizer"):
         open_mixture(sources, TokenDataset(small_data), 16, 8, 0)

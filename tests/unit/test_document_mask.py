@@ -101,9 +101,26 @@ def test_document_mask_refused_where_it_cannot_apply(tmp_path):
 
 def test_cli_training_records_document_mask_and_eval_masks_too(many_documents, tmp_path):
     run_dir = tmp_path / "run"
-    proc = run_cli("train", "configs/tiny.yaml", "--model.flavour", "debug", "--data.path", str(many_documents),
-                   "--data.seq_len", "64", "--data.document_mask", "true", "--train.steps", "2",
-                   "--train.global_batch", "4", "--train.eval_batches", "2", "--run-dir", str(run_dir))  # fmt: skip
+    proc = run_cli(
+        "train",
+        "configs/tiny.yaml",
+        "--model.flavour",
+        "debug",
+        "--data.path",
+        str(many_documents),
+        "--data.seq_len",
+        "64",
+        "--data.document_mask",
+        "true",
+        "--train.steps",
+        "2",
+        "--train.global_batch",
+        "4",
+        "--train.eval_batches",
+        "2",
+        "--run-dir",
+        str(run_dir),
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert yaml.safe_load((run_dir / "config.yaml").read_text())["data"]["document_mask"] is True
     proc = run_cli("eval", str(run_dir), "--json", "--max-new-tokens", "0")
@@ -139,10 +156,31 @@ def test_tensor_parallel_training_equals_one_process(many_documents, tmp_path):
     runs = {}
     for name, tp, mask in (("tp1", 1, "true"), ("tp2", 2, "true"), ("off", 1, "false")):
         run_dir = tmp_path / name
-        proc = run_cli("train", "configs/tiny.yaml", "--model.flavour", "debug", "--data.path", str(many_documents),
-                       "--data.seq_len", "64", "--data.document_mask", mask, "--train.steps", "3",
-                       "--train.log_interval", "1", "--train.global_batch", "4", "--train.eval_batches", "1",
-                       "--parallel.tp", str(tp), "--run-dir", str(run_dir), nproc=tp)  # fmt: skip
+        proc = run_cli(
+            "train",
+            "configs/tiny.yaml",
+            "--model.flavour",
+            "debug",
+            "--data.path",
+            str(many_documents),
+            "--data.seq_len",
+            "64",
+            "--data.document_mask",
+            mask,
+            "--train.steps",
+            "3",
+            "--train.log_interval",
+            "1",
+            "--train.global_batch",
+            "4",
+            "--train.eval_batches",
+            "1",
+            "--parallel.tp",
+            str(tp),
+            "--run-dir",
+            str(run_dir),
+            nproc=tp,
+        )
         assert proc.returncode == 0, proc.stderr[-2000:]
         runs[name] = losses(run_dir)
     assert runs["tp2"] == pytest.approx(runs["tp1"], rel=1e-5, abs=0)

@@ -47,8 +47,9 @@ def _reference(hidden, weight, targets):
     return loss.detach(), h.grad, w.grad
 
 
-@pytest.mark.parametrize("dtype,block,tol", [(torch.float32, 8, 1e-6), (torch.float32, 64, 1e-6),
-                                             (torch.bfloat16, 16, 1e-2)])  # fmt: skip
+@pytest.mark.parametrize(
+    "dtype,block,tol", [(torch.float32, 8, 1e-6), (torch.float32, 64, 1e-6), (torch.bfloat16, 16, 1e-2)]
+)
 def test_row_kernel_matches_reference(dtype, block, tol):
     _triton_interpreter()
     g = torch.Generator().manual_seed(1)
@@ -240,8 +241,12 @@ def test_wide_grad_linear_applies_only_to_fp32_weights_under_autocast(monkeypatc
     from anytrain.models.llama import model as transformer
 
     x = torch.randn(2, 8)
-    for kwargs, setup, autocast in (({}, None, False), ({}, "bf16", True), ({"bias": True}, None, True),
-                                    ({}, "off", True)):  # fmt: skip
+    for kwargs, setup, autocast in (
+        ({}, None, False),
+        ({}, "bf16", True),
+        ({"bias": True}, None, True),
+        ({}, "off", True),
+    ):
         mod = transformer.Linear(8, 4, **kwargs)
         if setup == "bf16":
             mod = mod.bfloat16()
@@ -279,8 +284,11 @@ def test_weight_gradients_accumulate_in_the_gemm(backend):
         return storage
 
     run(ref, list(ref.parameters()), contextlib.nullcontext())
-    for context, expected in ((wide_mm.accumulate_in_gemm(), 4), (contextlib.nullcontext(), 0),
-                              (wide_mm.accumulate_in_gemm(False), 0)):  # fmt: skip
+    for context, expected in (
+        (wide_mm.accumulate_in_gemm(), 4),
+        (contextlib.nullcontext(), 0),
+        (wide_mm.accumulate_in_gemm(False), 0),
+    ):
         mod.zero_grad(set_to_none=True)
         before = wide_mm.accumulated
         ptrs = run(fn, list(mod.parameters()), context)

@@ -26,8 +26,12 @@ def test_cudnn_first_keeps_the_others_as_fallbacks(monkeypatch, restore_sdpa):
     before = torch._C._get_sdp_priority_order()
     assert hardware.set_attention_backend("cudnn") == ["cudnn", "flash", "efficient", "math"]
     order = torch._C._get_sdp_priority_order()
-    assert order[:4] == [int(SDPBackend.CUDNN_ATTENTION), int(SDPBackend.FLASH_ATTENTION),
-                         int(SDPBackend.EFFICIENT_ATTENTION), int(SDPBackend.MATH)]  # fmt: skip
+    assert order[:4] == [
+        int(SDPBackend.CUDNN_ATTENTION),
+        int(SDPBackend.FLASH_ATTENTION),
+        int(SDPBackend.EFFICIENT_ATTENTION),
+        int(SDPBackend.MATH),
+    ]
     assert sorted(order) == sorted(before)  # a permutation: nothing dropped
     assert all(getattr(torch._C, f"_get_{n}_sdp_enabled")() for n in NAMES)
 
@@ -39,17 +43,26 @@ def test_the_order_is_set_after_pytorch_settles_its_default(name, monkeypatch, r
     Here a stand-in for that first call writes the H200's default; cuDNN stays on as a fallback."""
     from torch.nn.attention import SDPBackend
 
-    cudnn_first = [int(SDPBackend.CUDNN_ATTENTION), int(SDPBackend.FLASH_ATTENTION),
-                   int(SDPBackend.EFFICIENT_ATTENTION), int(SDPBackend.MATH)]  # fmt: skip
+    cudnn_first = [
+        int(SDPBackend.CUDNN_ATTENTION),
+        int(SDPBackend.FLASH_ATTENTION),
+        int(SDPBackend.EFFICIENT_ATTENTION),
+        int(SDPBackend.MATH),
+    ]
     calls = []
     monkeypatch.setattr(hardware, "vendor", lambda: hardware.CUDA)
-    monkeypatch.setattr(hardware, "settle_sdpa_order",
-                        lambda: calls.append(1) or torch._C._set_sdp_priority_order(cudnn_first))  # fmt: skip
+    monkeypatch.setattr(
+        hardware, "settle_sdpa_order", lambda: calls.append(1) or torch._C._set_sdp_priority_order(cudnn_first)
+    )
     expected = {"flash": ["flash", "cudnn", "efficient", "math"], "efficient": ["efficient", "flash", "cudnn", "math"]}
     assert hardware.set_attention_backend(name) == expected[name]
     assert calls == [1]
-    enum = {"flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION,
-            "efficient": SDPBackend.EFFICIENT_ATTENTION, "math": SDPBackend.MATH}  # fmt: skip
+    enum = {
+        "flash": SDPBackend.FLASH_ATTENTION,
+        "cudnn": SDPBackend.CUDNN_ATTENTION,
+        "efficient": SDPBackend.EFFICIENT_ATTENTION,
+        "math": SDPBackend.MATH,
+    }
     assert torch._C._get_sdp_priority_order()[:4] == [int(enum[n]) for n in expected[name]]
     assert all(getattr(torch._C, f"_get_{n}_sdp_enabled")() for n in NAMES)
 

@@ -167,7 +167,7 @@ def dataset(tmp_path, tokens=np.arange(100), vocab=200):
         (
             lambda i: {**i, "splits": {"train": [{"file": "train_00000.bin", "tokens": 100, "max_id": 300}]}},
             r"train\[0\].max_id must be an integer in \[-1, 199\]",
-        ),  # fmt: skip
+        ),
     ],
 )
 def test_garbage_or_incomplete_index_is_one_error(tmp_path, edit, message):

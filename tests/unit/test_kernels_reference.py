@@ -60,8 +60,10 @@ def test_causal_conv1d_ref_is_causal_and_matches_loop():
     x, w, b = _rand(1, 2, 6, seed=1), _rand(2, 3, seed=2), _rand(2, seed=3)
     out = causal_conv1d_ref(x, w, b)
     xp = F.pad(x, (2, 0))
-    loop = torch.stack([b[:, None] * 0 + b[:, None] + sum(w[:, k, None] * xp[0, :, t + k, None] for k in range(3))
-                        for t in range(6)], dim=-1)[:, 0]  # fmt: skip
+    loop = torch.stack(
+        [b[:, None] * 0 + b[:, None] + sum(w[:, k, None] * xp[0, :, t + k, None] for k in range(3)) for t in range(6)],
+        dim=-1,
+    )[:, 0]
     torch.testing.assert_close(out[0], loop)
     x2 = x.clone()
     x2[..., 4:] += 1.0  # changing the future leaves the past unchanged
@@ -107,14 +109,22 @@ def test_configure_sets_every_kernel_option(monkeypatch):
     from anytrain.config import KernelsConfig
     from anytrain.kernels import fused_linear_ce, mamba_inner, wide_mm
 
-    for mod, name in ((ops, "_backend"), (ops, "_deterministic"), (mamba_inner, "_enabled"),
-                      (mamba_inner, "_cache_casts"), (wide_mm, "_accumulate_on")):  # fmt: skip
+    for mod, name in (
+        (ops, "_backend"),
+        (ops, "_deterministic"),
+        (mamba_inner, "_enabled"),
+        (mamba_inner, "_cache_casts"),
+        (wide_mm, "_accumulate_on"),
+    ):
         monkeypatch.setattr(mod, name, getattr(mod, name))  # restored after the test
     monkeypatch.setattr(fused_linear_ce, "triton_importable", lambda: True)
     gpu = torch.empty(0, device="meta")
     monkeypatch.setattr(type(gpu), "is_cuda", property(lambda t: True))
-    K.configure(KernelsConfig(backend="reference", deterministic=True, fused_mamba_inner=False, cast_cache=False,
-                              gemm_accumulate=False))  # fmt: skip
+    K.configure(
+        KernelsConfig(
+            backend="reference", deterministic=True, fused_mamba_inner=False, cast_cache=False, gemm_accumulate=False
+        )
+    )
     assert (K.get_backend(), K.is_deterministic()) == ("reference", True)
     assert not mamba_inner._enabled and not mamba_inner._cache_casts and not wide_mm._accumulate_on
     assert not fused_linear_ce._use_triton(gpu)
@@ -147,8 +157,9 @@ def test_chunked_scan_matches_loop_float64(seqlen, decay_scale):
         grads = torch.autograd.grad((out * z).sum() + last.square().sum(), leaves)
         assert torch.isfinite(out).all() and all(torch.isfinite(gr).all() for gr in grads)
         results.append((out, last, *grads))
-    for name, ref, got in zip(("out", "last", "du", "ddelta", "dA", "dB", "dC", "dD", "dz", "dbias"), *results,
-                              strict=True):  # fmt: skip
+    for name, ref, got in zip(
+        ("out", "last", "du", "ddelta", "dA", "dB", "dC", "dD", "dz", "dbias"), *results, strict=True
+    ):
         torch.testing.assert_close(got, ref, rtol=1e-10, atol=1e-10, msg=lambda m, n=name: f"{n}: {m}")
 
 

@@ -23,9 +23,16 @@ from anytrain.models.mamba.model import MambaArgs, MambaBlock, MambaMixer  # noq
 
 F64 = torch.float64
 WEIGHTS = (
-    "in_proj.weight", "conv1d.weight", "conv1d.bias", "x_proj.weight", "dt_proj.weight", "dt_proj.bias", "A_log", "D",
+    "in_proj.weight",
+    "conv1d.weight",
+    "conv1d.bias",
+    "x_proj.weight",
+    "dt_proj.weight",
+    "dt_proj.bias",
+    "A_log",
+    "D",
     "out_proj.weight",
-)  # fmt: skip
+)
 
 
 @pytest.fixture(autouse=True)

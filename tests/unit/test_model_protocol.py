@@ -38,8 +38,9 @@ def test_tied_embeddings_refuse_a_pipeline_split():
 def test_a_family_without_a_tensor_parallel_plan_refuses_tp():
     cfg = load_config(None, ["--model.arch", "mamba", "--model.flavour", "debug", "--parallel.tp", "2"])
     with pytest.raises(ConfigError, match="parallel.tp: tensor parallelism is not implemented for mamba"):
-        parallelize(build_model(cfg.model), cfg, ParallelDims.from_config(cfg.parallel, 2), torch.device("cpu"),
-                    torch.float32)  # fmt: skip
+        parallelize(
+            build_model(cfg.model), cfg, ParallelDims.from_config(cfg.parallel, 2), torch.device("cpu"), torch.float32
+        )
 
 
 @pytest.mark.parametrize("path", sorted(MODELS.rglob("*.py")), ids=lambda p: str(p.relative_to(MODELS)))

@@ -48,24 +48,46 @@ PP2 = dict(pp=2, dp_shard=1)
 @pytest.mark.parametrize(
     "world, kw, n_micro, tied, message",
     [
-        (2, dict(PP2, pp_schedule="Interleaved1F1B", pp_virtual_stages=3), 4, False,
-         "parallel.pp: 2 x 3 pipeline stages for 4 layers"),
+        (
+            2,
+            dict(PP2, pp_schedule="Interleaved1F1B", pp_virtual_stages=3),
+            4,
+            False,
+            "parallel.pp: 2 x 3 pipeline stages for 4 layers",
+        ),
         (2, dict(PP2, pp_virtual_stages=2), 4, False, "parallel.pp_virtual_stages: 1F1B runs one stage per"),
-        (2, dict(PP2, pp_schedule="Interleaved1F1B"), 4, False,
-         "parallel.pp_virtual_stages: Interleaved1F1B needs >= 2"),
+        (
+            2,
+            dict(PP2, pp_schedule="Interleaved1F1B"),
+            4,
+            False,
+            "parallel.pp_virtual_stages: Interleaved1F1B needs >= 2",
+        ),
         (2, PP2, 1, False, "train.micro_batch: 1 micro-batches per step for 2 pipeline ranks"),
-        (2, dict(PP2, pp_schedule="Interleaved1F1B", pp_virtual_stages=2), 5, False,
-         "train.micro_batch: Interleaved1F1B needs the micro-batch count \\(5\\) to be a multiple of 2"),
+        (
+            2,
+            dict(PP2, pp_schedule="Interleaved1F1B", pp_virtual_stages=2),
+            5,
+            False,
+            "train.micro_batch: Interleaved1F1B needs the micro-batch count \\(5\\) to be a multiple of 2",
+        ),
         (2, PP2, 4, True, "parallel.pp: tied embeddings put the embedding and the head on one stage"),
         (4, dict(pp=2, strategy="zero1"), 4, False, "parallel.strategy: zero1 does not combine with tensor/pipeline"),
         (4, dict(tp=2, strategy="ddp"), 4, False, "parallel.strategy: ddp does not combine with tensor/pipeline"),
     ],
-)  # fmt: skip
+)
 def test_impossible_pipeline_layouts(world, kw, n_micro, tied, message):
     cfg = ParallelConfig(**kw)
     with pytest.raises(ConfigError, match=message):
-        validate_for_model(ParallelDims.from_config(cfg, world), n_layers=4, n_heads=8, n_kv_heads=8, cfg=cfg,
-                           n_microbatches=n_micro, tied_embeddings=tied)  # fmt: skip
+        validate_for_model(
+            ParallelDims.from_config(cfg, world),
+            n_layers=4,
+            n_heads=8,
+            n_kv_heads=8,
+            cfg=cfg,
+            n_microbatches=n_micro,
+            tied_embeddings=tied,
+        )
 
 
 def test_stage_assignment():

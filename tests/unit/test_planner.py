@@ -170,9 +170,24 @@ def test_parallel_auto_in_the_trainer_keeps_cpu_choices_and_runs(tmp_path, small
     """On CPU (no device spec) parallel.auto keeps the config's choices; the run proceeds."""
     from tests.conftest import run_cli
 
-    proc = run_cli("train", "configs/tiny.yaml", "--model.flavour", "debug", "--data.path", str(small_data),
-                   "--data.seq_len", "32", "--train.steps", "2", "--train.eval_batches", "0", "--parallel.auto",
-                   "true", "--run-dir", str(tmp_path / "auto"))  # fmt: skip
+    proc = run_cli(
+        "train",
+        "configs/tiny.yaml",
+        "--model.flavour",
+        "debug",
+        "--data.path",
+        str(small_data),
+        "--data.seq_len",
+        "32",
+        "--train.steps",
+        "2",
+        "--train.eval_batches",
+        "0",
+        "--parallel.auto",
+        "true",
+        "--run-dir",
+        str(tmp_path / "auto"),
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
 
 
@@ -209,11 +224,19 @@ def test_job_sizing_seed_example_175b_on_frontier_in_50_days():
     (no count up to 512 can make it, whatever the layout) and 38.1 d at 768; the model's 41.1 d fits: 96 nodes."""
     shape = shape_from_params(175e9)
     device = get_device("frontier")
-    sized = size_job(shape, device, Workload(2048, 1536, tokens=175e9), deadline_s=50 * 86400, max_gpus=3072,
-                     precision=MEGATRON, strategies=STRATEGIES)  # fmt: skip
+    sized = size_job(
+        shape,
+        device,
+        Workload(2048, 1536, tokens=175e9),
+        deadline_s=50 * 86400,
+        max_gpus=3072,
+        precision=MEGATRON,
+        strategies=STRATEGIES,
+    )
     assert (sized.gpus, sized.nodes) == (768, 96)
-    bound_days = {n: 6 * shape.num_params * 175e9 / (n * device.peak_flops * device.efficiency) / 86400
-                  for n in (512, 768)}  # fmt: skip
+    bound_days = {
+        n: 6 * shape.num_params * 175e9 / (n * device.peak_flops * device.efficiency) / 86400 for n in (512, 768)
+    }
     assert bound_days[512] > 50 > bound_days[768]
     by_count = {row["gpus"]: row for row in sized.tried}
     assert by_count[512]["total_s"] > 50 * 86400 >= sized.best.total_s >= bound_days[768] * 86400
@@ -241,8 +264,18 @@ def test_job_sizing_1b_on_h200s_fewest_cheapest_and_budget():
         size_job(shape, device, wl, deadline_s=3600, max_gpus=8, strategies=RUNNABLE_STRATEGIES)
 
 
-@pytest.mark.parametrize("text, seconds", [("36h", 129600), ("30d", 2592000), ("90min", 5400), ("45m", 2700),
-                                           ("600s", 600), ("2-00:00:00", 172800), ("04:30:00", 16200)])  # fmt: skip
+@pytest.mark.parametrize(
+    "text, seconds",
+    [
+        ("36h", 129600),
+        ("30d", 2592000),
+        ("90min", 5400),
+        ("45m", 2700),
+        ("600s", 600),
+        ("2-00:00:00", 172800),
+        ("04:30:00", 16200),
+    ],
+)
 def test_deadline_formats(text, seconds):
     assert parse_duration(text) == seconds
 

@@ -79,7 +79,8 @@ def test_every_format_streams_the_same_documents_and_resumes_mid_file(tmp_path):
     datasets.Dataset.from_dict({"text": texts}).save_to_disk(str(tmp_path / "hf"))
     splits = {"train": texts[:30], "test": texts[30:]}
     datasets.DatasetDict({k: datasets.Dataset.from_dict({"text": v}) for k, v in splits.items()}).save_to_disk(
-        str(tmp_path / "dd"))  # fmt: skip
+        str(tmp_path / "dd")
+    )
     for name in ("x.jsonl", "x.jsonl.gz", "x.jsonl.zst", "x.parquet", "hf", "dd"):
         files = list_inputs([str(tmp_path / name)])
         read = list(iter_documents(files, None, "text", "strict"))
@@ -105,8 +106,9 @@ def test_one_and_two_workers_write_identical_bytes(tmp_path, corpus, reference):
 
 def test_kill_9_then_resume_gives_the_uninterrupted_bytes(tmp_path, corpus, reference):
     out = tmp_path / "data"
-    code = (f"from anytrain.data.prepare import prepare; prepare([{str(corpus)!r}], {str(out)!r}, workers=2, "
-            f"**{OPTIONS!r})")  # fmt: skip
+    code = (
+        f"from anytrain.data.prepare import prepare; prepare([{str(corpus)!r}], {str(out)!r}, workers=2, **{OPTIONS!r})"
+    )
     env = {**cli_env(), KILL_AT_CHUNK: "9"}
     proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
     assert proc.returncode == -signal.SIGKILL, proc.stderr[-2000:]
@@ -168,8 +170,14 @@ def test_peak_memory_does_not_grow_with_the_corpus(tmp_path, corpus_mb, fraction
     for i in range(4):
         write_jsonl(tmp_path / "big" / f"part{i}.jsonl", big[i::4])
     corpus_kib = sum(len(t) for t in big) // 1024
-    proc = subprocess.run([sys.executable, "-c", MEMORY_PROBE, str(tmp_path), str(tmp_path / "out")], cwd=ROOT,
-                          env=cli_env(), capture_output=True, text=True, timeout=600)  # fmt: skip
+    proc = subprocess.run(
+        [sys.executable, "-c", MEMORY_PROBE, str(tmp_path), str(tmp_path / "out")],
+        cwd=ROOT,
+        env=cli_env(),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     rss = json.loads(proc.stdout.strip().splitlines()[-1])
     grown = [after - before for before, after in zip(rss["before_kib"], rss["after_kib"], strict=True)]
@@ -187,9 +195,25 @@ def test_piece_cache_gives_the_tokenizer_ids_on_any_whitespace_and_added_tokens(
     from anytrain.data.encoding import TextEncoder
     from anytrain.data.prepare import train_tokenizer
 
-    alphabet = [*" \t\n\r\x0b\x0c\x1c\x1f\x85\xa0\u1680\u2003\u2028\u2029\u3000\u180e", *"abcXYZ019'.,!?-_\"#",
-                "'s", "'ll", "'re", "e\u0301", "日本語", "😀", "٣", "Ⅻ", "<|endoftext|>", "<|pad|>", "<|", "  ", "\n\n",
-                " \n", "\t "]  # fmt: skip
+    alphabet = [
+        *" \t\n\r\x0b\x0c\x1c\x1f\x85\xa0\u1680\u2003\u2028\u2029\u3000\u180e",
+        *"abcXYZ019'.,!?-_\"#",
+        "'s",
+        "'ll",
+        "'re",
+        "e\u0301",
+        "日本語",
+        "😀",
+        "٣",
+        "Ⅻ",
+        "<|endoftext|>",
+        "<|pad|>",
+        "<|",
+        "  ",
+        "\n\n",
+        " \n",
+        "\t ",
+    ]
     rng = random.Random(0)
     texts = ["".join(rng.choice(alphabet) for _ in range(rng.randint(0, 40))) for _ in range(3000)]
     tokenizer = train_tokenizer(iter(texts[:1000]), 500)

@@ -69,8 +69,17 @@ def base_layers(cfg) -> int:
 
 def test_the_logger_prints_non_finite_and_missing_values(tmp_path, capsys):
     log = MetricsLogger(tmp_path, True, 10, tensorboard=False)
-    log.log({"step": 1, "loss": float("nan"), "lr": float("inf"), "grad_norm": float("-inf"), "tokens_per_s": None,
-             "mfu": float("nan"), "peak_mem_gib": 0.0})  # fmt: skip
+    log.log(
+        {
+            "step": 1,
+            "loss": float("nan"),
+            "lr": float("inf"),
+            "grad_norm": float("-inf"),
+            "tokens_per_s": None,
+            "mfu": float("nan"),
+            "peak_mem_gib": 0.0,
+        }
+    )
     log.log({"step": 1, "val_loss": float("nan"), "val_ppl": float("inf")}, kind="eval")
     log.close()
     err = capsys.readouterr().err

@@ -89,8 +89,15 @@ def test_every_window_holds_a_trained_token_and_order_is_a_function_of_seed_and_
 
 def test_pad_layout_starts_every_window_at_an_example(tmp_path, tokenizer_file):
     out = tmp_path / "pad"
-    index = prepare_sft([str(write_jsonl(tmp_path / "a.jsonl", EXAMPLES))], out, str(tokenizer_file),
-                        val_fraction=0.2, layout="pad", seq_len=16, shard_tokens=40)  # fmt: skip
+    index = prepare_sft(
+        [str(write_jsonl(tmp_path / "a.jsonl", EXAMPLES))],
+        out,
+        str(tokenizer_file),
+        val_fraction=0.2,
+        layout="pad",
+        seq_len=16,
+        shard_tokens=40,
+    )
     assert all(s["tokens"] % 16 == 0 for s in index["splits"]["train"][:-1])  # shards hold whole windows
     tokenizer = load_tokenizer(tokenizer_file)
     train, _ = masked_sources(TokenDataset(out), 16, 2, seed=0)
@@ -107,12 +114,15 @@ def test_plain_token_data_has_no_mask(small_data):
     assert masked_sources(TokenDataset(small_data), 32, 4, 0) is None
 
 
-@pytest.mark.parametrize("row, message", [
-    ("{not json", "a.jsonl:2: not valid JSON"),
-    ({"question": "x"}, 'a.jsonl:2: expected {"text": ...} or {"prompt": ..., "completion": ...}'),
-    ({"prompt": "x", "completion": 3}, "a.jsonl:2: prompt, completion and text must be strings"),
-    ({"prompt": "x", "completion": ""}, "a.jsonl:2: empty completion"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "row, message",
+    [
+        ("{not json", "a.jsonl:2: not valid JSON"),
+        ({"question": "x"}, 'a.jsonl:2: expected {"text": ...} or {"prompt": ..., "completion": ...}'),
+        ({"prompt": "x", "completion": 3}, "a.jsonl:2: prompt, completion and text must be strings"),
+        ({"prompt": "x", "completion": ""}, "a.jsonl:2: empty completion"),
+    ],
+)
 def test_bad_lines_name_file_and_line(tmp_path, tokenizer_file, row, message):
     jsonl = write_jsonl(tmp_path / "a.jsonl", [EXAMPLES[0], row])
     with pytest.raises(DataError, match=message.replace("{", r"\{").replace("}", r"\}").replace(".", r"\.")):

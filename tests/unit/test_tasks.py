@@ -48,8 +48,16 @@ def mc_task(tmp_path, n=4):
 def test_k_shot_prompts_are_built_exactly(tmp_path):
     task = mc_task(tmp_path)
     assert task.format == "mc" and task.kind == "multiple_choice"
-    assert build_requests(task, 0) == [("Q0:", " a0"), ("Q0:", " b0"), ("Q1:", " a1"), ("Q1:", " b1"),
-                                       ("Q2:", " a2"), ("Q2:", " b2"), ("Q3:", " a3"), ("Q3:", " b3")]  # fmt: skip
+    assert build_requests(task, 0) == [
+        ("Q0:", " a0"),
+        ("Q0:", " b0"),
+        ("Q1:", " a1"),
+        ("Q1:", " b1"),
+        ("Q2:", " a2"),
+        ("Q2:", " b2"),
+        ("Q3:", " a3"),
+        ("Q3:", " b3"),
+    ]
     pairs = build_requests(task, 2, seed=7)
     # seed 7 draws items (1, 3) for item 0, (0, 3) for 1, (3, 1) for 2, (2, 0) for 3; never the item itself
     assert pairs[0] == ("Q1: b1\n\nQ3: b3\n\nQ0:", " a0") and pairs[1] == ("Q1: b1\n\nQ3: b3\n\nQ0:", " b0")
@@ -90,8 +98,7 @@ def test_a_model_that_knows_the_answer_scores_full_marks(tmp_path, tokenizer):
     result = score_task(Scorer(knows, tokenizer, eos, max_len=64), task, k=1)
     assert result == {"acc": 1.0, "acc_norm": 1.0, "n": 3}
     wrong = BiasedLM(tokenizer.get_vocab_size(), tokenizer.encode(" no").ids, bias=30.0)
-    assert score_task(Scorer(wrong, tokenizer, eos, max_len=64), task, limit=2) == {"acc": 0.0, "acc_norm": 0.0,
-                                                                                     "n": 2}  # fmt: skip
+    assert score_task(Scorer(wrong, tokenizer, eos, max_len=64), task, limit=2) == {"acc": 0.0, "acc_norm": 0.0, "n": 2}
 
 
 def test_perplexity_and_bits_per_byte_of_a_uniform_model(tokenizer):
@@ -107,33 +114,70 @@ def test_perplexity_and_bits_per_byte_of_a_uniform_model(tokenizer):
 @pytest.mark.parametrize(
     "record, context, continuations, label",
     [
-        ({"ctx_a": "A man is sitting.", "ctx_b": "he [title] waves", "ctx": "", "activity_label": "Waving",
-          "endings": ["and  smiles.", "and [x]leaves."], "label": "1"},
-         "Waving: A man is sitting. He. waves", [" and smiles.", " and leaves."], 1),
-        ({"question": {"stem": "Which is hot?", "choices": [{"text": "ice", "label": "A"},
-                                                            {"text": "fire", "label": "B"}]}, "answerKey": "B"},
-         "Question: Which is hot?\nAnswer:", [" ice", " fire"], 1),
-        ({"question": "Which is hot?", "choices": {"text": ["ice", "fire"], "label": ["1", "2"]}, "answerKey": "1"},
-         "Question: Which is hot?\nAnswer:", [" ice", " fire"], 0),
-        ({"goal": "Open a jar", "sol1": "twist", "sol2": "bite", "label": 0},
-         "Question: Open a jar\nAnswer:", [" twist", " bite"], 0),
-        ({"question": "is ice cold", "title": "Ice", "answer": True, "passage": "Ice is frozen water."},
-         "Ice is frozen water.\nQuestion: is ice cold?\nAnswer:", [" no", " yes"], 1),
+        (
+            {
+                "ctx_a": "A man is sitting.",
+                "ctx_b": "he [title] waves",
+                "ctx": "",
+                "activity_label": "Waving",
+                "endings": ["and  smiles.", "and [x]leaves."],
+                "label": "1",
+            },
+            "Waving: A man is sitting. He. waves",
+            [" and smiles.", " and leaves."],
+            1,
+        ),
+        (
+            {
+                "question": {
+                    "stem": "Which is hot?",
+                    "choices": [{"text": "ice", "label": "A"}, {"text": "fire", "label": "B"}],
+                },
+                "answerKey": "B",
+            },
+            "Question: Which is hot?\nAnswer:",
+            [" ice", " fire"],
+            1,
+        ),
+        (
+            {"question": "Which is hot?", "choices": {"text": ["ice", "fire"], "label": ["1", "2"]}, "answerKey": "1"},
+            "Question: Which is hot?\nAnswer:",
+            [" ice", " fire"],
+            0,
+        ),
+        (
+            {"goal": "Open a jar", "sol1": "twist", "sol2": "bite", "label": 0},
+            "Question: Open a jar\nAnswer:",
+            [" twist", " bite"],
+            0,
+        ),
+        (
+            {"question": "is ice cold", "title": "Ice", "answer": True, "passage": "Ice is frozen water."},
+            "Ice is frozen water.\nQuestion: is ice cold?\nAnswer:",
+            [" no", " yes"],
+            1,
+        ),
         ({"text": "to be or not to be"}, "to be or not to", [" be"], 0),
     ],
-)  # fmt: skip
+)
 def test_loaders_make_lm_eval_prompts(tmp_path, record, context, continuations, label):
     item = load_task(write_jsonl(tmp_path / "t.jsonl", [record])).items[0]
     assert (item.contexts, item.continuations, item.label) == ([context], continuations, label)
 
 
 def test_winogrande_scores_the_same_ending_after_each_option(tmp_path):
-    record = {"sentence": "The ball broke the window because _ was hard.", "option1": "the ball",
-              "option2": "the window", "answer": "1"}  # fmt: skip
+    record = {
+        "sentence": "The ball broke the window because _ was hard.",
+        "option1": "the ball",
+        "option2": "the window",
+        "answer": "1",
+    }
     task = load_task(write_jsonl(tmp_path / "w.jsonl", [record]))
     assert task.format == "winogrande"
-    assert build_requests(task) == [("The ball broke the window because the ball", " was hard."),
-                                    ("The ball broke the window because the window", " was hard.")]  # fmt: skip
+    assert build_requests(task) == [
+        ("The ball broke the window because the ball", " was hard."),
+        ("The ball broke the window because the window", " was hard."),
+    ]
 
 
 def test_piqa_labels_from_the_lst_beside_the_file(tmp_path):
@@ -146,8 +190,12 @@ def test_unknown_records_are_one_line(tmp_path):
     with pytest.raises(DataError, match=r"first record has keys \['foo'\]; expected those of one of mc"):
         load_task(write_jsonl(tmp_path / "x.jsonl", [{"foo": 1}]))
     with pytest.raises(DataError, match=r"x.jsonl:2: not a mc record"):
-        load_task(write_jsonl(tmp_path / "x.jsonl", [{"context": "c", "choices": ["a"], "label": 0},
-                                                     {"context": "c", "choices": ["a"], "label": "zero"}]))  # fmt: skip
+        load_task(
+            write_jsonl(
+                tmp_path / "x.jsonl",
+                [{"context": "c", "choices": ["a"], "label": 0}, {"context": "c", "choices": ["a"], "label": "zero"}],
+            )
+        )
 
 
 def test_piqa_labels_of_another_length_are_one_line(tmp_path):

@@ -90,8 +90,9 @@ def test_rope_rotates_interleaved_pairs():
     got = apply_rope(x, cos, sin)
     torch.testing.assert_close(got, expected, rtol=1e-6, atol=1e-6)  # fp32 tables
     g = torch.randn_like(got)
-    torch.testing.assert_close(torch.autograd.grad(got, x, g)[0], torch.autograd.grad(expected, x, g)[0],
-                               rtol=1e-6, atol=1e-6)  # fmt: skip
+    torch.testing.assert_close(
+        torch.autograd.grad(got, x, g)[0], torch.autograd.grad(expected, x, g)[0], rtol=1e-6, atol=1e-6
+    )
 
 
 def test_flavours_and_arg_errors():

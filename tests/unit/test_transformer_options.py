@@ -33,9 +33,16 @@ OPTIONS = {
     "mqa": {"n_kv_heads": 1},
     "qk_norm": {"qk_norm": True},
     "mpt": {"pos_encoding": "alibi", "norm": "layernorm", "mlp": "gelu", "tie_embeddings": True},
-    "gpt2": {"pos_encoding": "learned", "norm": "layernorm", "norm_bias": True, "mlp": "gelu", "bias": True,
-             "qk_norm": True, "n_kv_heads": 2},
-}  # fmt: skip
+    "gpt2": {
+        "pos_encoding": "learned",
+        "norm": "layernorm",
+        "norm_bias": True,
+        "mlp": "gelu",
+        "bias": True,
+        "qk_norm": True,
+        "n_kv_heads": 2,
+    },
+}
 
 
 def make(**options) -> Transformer:
@@ -127,8 +134,13 @@ def test_option_matches_reference_forward(name):
 
 def test_option_parameters_exist_as_described():
     names = set(dict(make(**OPTIONS["gpt2"]).named_parameters()))
-    assert {"pos_embeddings.weight", "layers.0.attention.wq.bias", "layers.0.attention.q_norm.bias",
-            "layers.0.feed_forward.w2.bias", "norm.bias"} <= names  # fmt: skip
+    assert {
+        "pos_embeddings.weight",
+        "layers.0.attention.wq.bias",
+        "layers.0.attention.q_norm.bias",
+        "layers.0.feed_forward.w2.bias",
+        "norm.bias",
+    } <= names
     assert not any(".w3." in n for n in names)
     mpt = set(dict(make(**OPTIONS["mpt"]).named_parameters()))
     assert not any(n.endswith(".bias") or "pos_embeddings" in n for n in mpt)
@@ -251,4 +263,10 @@ def test_recipe_builds_on_meta_with_documented_size(name):
         a = model.args
         assert count == a.vocab_size * a.dim + a.n_layers * (12 * a.dim**2 + 2 * a.dim) + a.dim
         assert (a.pos_encoding, a.norm, a.norm_bias, a.mlp, a.bias, a.tie_embeddings) == (
-            "alibi", "layernorm", False, "gelu", False, True)  # fmt: skip
+            "alibi",
+            "layernorm",
+            False,
+            "gelu",
+            False,
+            True,
+        )

@@ -157,8 +157,9 @@ def memory_phases(
     return best
 
 
-def _stage_phases(shape, layout: Layout, wl: Workload, prec: Precision, workspace_mib: float, first: bool,
-                  last: bool) -> dict[str, dict[str, float]]:  # fmt: skip
+def _stage_phases(
+    shape, layout: Layout, wl: Workload, prec: Precision, workspace_mib: float, first: bool, last: bool
+) -> dict[str, dict[str, float]]:
     t, p, z, anytrain = layout.tp, layout.pp, layout.shard_size, prec.framework == "anytrain"
     layers = math.ceil(shape.n_layers / p) if first else shape.n_layers // p
     m = max(1, wl.global_batch // (layout.dp * layout.micro_batch))
@@ -223,8 +224,10 @@ def _stage_phases(shape, layout: Layout, wl: Workload, prec: Precision, workspac
     optimizer = {**persistent, "grads": grads_final}
     if layout.strategy == "zero1" and anytrain and z > 1:  # Zero1AdamW's all-gather: own segment + gathered flat
         optimizer["zero1_gather"] = psi * prec.weight * (1 + 1 / z)
-    return {name: {k: val for k, val in phase.items() if val} for name, phase in
-            (("forward", forward), ("backward", backward), ("optimizer", optimizer))}  # fmt: skip
+    return {
+        name: {k: val for k, val in phase.items() if val}
+        for name, phase in (("forward", forward), ("backward", backward), ("optimizer", optimizer))
+    }
 
 
 def memory_per_device(
@@ -248,8 +251,9 @@ def peak_phase(shape, layout: Layout, wl: Workload, prec: Precision, workspace_m
     return max(phases, key=lambda name: sum(phases[name].values()))
 
 
-def run_memory_estimate(cfg: object, dims: object, strategy: str, micro_batch: int, fp32: bool,
-                        workspace_mib: float = 0.0) -> tuple[float, str] | None:  # fmt: skip
+def run_memory_estimate(
+    cfg: object, dims: object, strategy: str, micro_batch: int, fp32: bool, workspace_mib: float = 0.0
+) -> tuple[float, str] | None:
     """(peak allocated GiB per device, the step's moment it occurs) that the cost model predicts for a run about to
     start: ``cfg`` a RunConfig, ``dims`` its ParallelDims, ``strategy`` the trainer's resolved one ('single' is one
     process). None for a model family the cost model does not cover."""

@@ -349,8 +349,9 @@ def optimizer_seconds(shape: ModelShape | MambaShape, layout: Layout, prec: Prec
     return psi * device.optimizer_bytes_per_param / (device.hbm_tb_per_s * 1e12 * device.hbm_efficiency)
 
 
-def host_seconds(shape: ModelShape | MambaShape, layout: Layout, wl: Workload, device: Device,
-                 dtensor_tp: bool = True) -> float:  # fmt: skip
+def host_seconds(
+    shape: ModelShape | MambaShape, layout: Layout, wl: Workload, device: Device, dtensor_tp: bool = True
+) -> float:
     """The host's floor for one step: m·(L/p·per-block + outside the blocks) + per step.
 
     Eager blocks: ``shape.eager_ops_per_block`` ATen ops (121 per Llama block, forward + backward) × ``host_op_us``

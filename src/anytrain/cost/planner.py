@@ -244,8 +244,10 @@ def plan(
     if parse_grad_compression(wl.grad_compression)[0] == "powersgd":  # DDP's communication hook: ddp / zero1 only
         strategies = tuple(s for s in strategies if s in ("ddp", "zero1"))
         if not strategies:
-            raise ConfigError("--grad-compression: powersgd runs with the ddp or zero1 strategy only; allow one of "
-                              "them (--strategy ddp) or choose bf16")  # fmt: skip
+            raise ConfigError(
+                "--grad-compression: powersgd runs with the ddp or zero1 strategy only; allow one of "
+                "them (--strategy ddp) or choose bf16"
+            )
     kw = dict(
         strategies=strategies,
         tp=tp,
@@ -358,10 +360,18 @@ class SizingResult:
         return self.best.total_s * self.gpus / 3600
 
     def as_dict(self) -> dict:
-        return {"gpus": self.gpus, "nodes": self.nodes, "objective": self.objective, "reason": self.reason,
-                "total_s": self.best.total_s, "gpu_hours": self.gpu_hours, "steps": self.best.steps,
-                "recommended": self.best.as_dict(), "overrides": trainer_overrides(self.best),
-                "tried": self.tried}  # fmt: skip
+        return {
+            "gpus": self.gpus,
+            "nodes": self.nodes,
+            "objective": self.objective,
+            "reason": self.reason,
+            "total_s": self.best.total_s,
+            "gpu_hours": self.gpu_hours,
+            "steps": self.best.steps,
+            "recommended": self.best.as_dict(),
+            "overrides": trainer_overrides(self.best),
+            "tried": self.tried,
+        }
 
 
 def trainer_overrides(best: Estimate) -> list[str]:
@@ -374,25 +384,39 @@ def trainer_overrides(best: Estimate) -> list[str]:
         out += ["--parallel.dp_replicate", str(lay.dp // lay.shard_size), "--parallel.dp_shard", str(lay.shard_size)]
     if lay.strategy == "zero2" or (lay.strategy in ("fsdp", "hsdp") and not lay.reshard_after_forward):
         out += ["--parallel.reshard_after_forward", "false"]
-    return out + ["--train.micro_batch", str(lay.micro_batch), "--train.activation_checkpointing", lay.ac,
-                  "--train.steps", str(best.steps)]  # fmt: skip
+    return out + [
+        "--train.micro_batch",
+        str(lay.micro_batch),
+        "--train.activation_checkpointing",
+        lay.ac,
+        "--train.steps",
+        str(best.steps),
+    ]
 
 
 def _tried_row(gpus: int, gpus_per_node: int, best: Estimate | None, why: str = "") -> dict:
     row = {"gpus": gpus, "nodes": max(1, gpus // gpus_per_node)}
     if best is None:
         return {**row, "fits": False, "why": why}
-    return {**row, "fits": True, "layout": best.layout.label, "micro_batch": best.layout.micro_batch,
-            "ac": best.layout.ac, "step_s": best.step_s, "total_s": best.total_s,
-            "gpu_hours": best.total_s * gpus / 3600}  # fmt: skip
+    return {
+        **row,
+        "fits": True,
+        "layout": best.layout.label,
+        "micro_batch": best.layout.micro_batch,
+        "ac": best.layout.ac,
+        "step_s": best.step_s,
+        "total_s": best.total_s,
+        "gpu_hours": best.total_s * gpus / 3600,
+    }
 
 
 def _hours(seconds: float) -> str:
     return f"{seconds / 86400:.1f} d" if seconds >= 2 * 86400 else f"{seconds / 3600:.1f} h"
 
 
-def _fastest_layout(shape: ModelShape, device: Device, gpus: int, wl: Workload, precision: Precision | None,
-                    **kw: object) -> tuple[Estimate | None, str]:  # fmt: skip
+def _fastest_layout(
+    shape: ModelShape, device: Device, gpus: int, wl: Workload, precision: Precision | None, **kw: object
+) -> tuple[Estimate | None, str]:
     """``plan``'s choice on ``gpus`` devices without its search for the smallest change: (best, "") or (None, why)."""
     try:
         validate_request(shape, gpus, device.gpus_per_node, wl.global_batch, wl.seq_len, kw.get("tp"), kw.get("pp"))
@@ -407,9 +431,17 @@ def _fastest_layout(shape: ModelShape, device: Device, gpus: int, wl: Workload, 
     return None, f"the leanest layout ({lean.layout.label}) needs {lean.required_gib:.1f} GiB per device"
 
 
-def size_job(shape: ModelShape, device: Device, wl: Workload, deadline_s: float | None = None,
-             max_gpus: int | None = None, budget_gpu_hours: float | None = None, objective: str = "fewest",
-             precision: Precision | None = None, **plan_kw: object) -> SizingResult:  # fmt: skip
+def size_job(
+    shape: ModelShape,
+    device: Device,
+    wl: Workload,
+    deadline_s: float | None = None,
+    max_gpus: int | None = None,
+    budget_gpu_hours: float | None = None,
+    objective: str = "fewest",
+    precision: Precision | None = None,
+    **plan_kw: object,
+) -> SizingResult:
     """The device count for ``wl.tokens`` tokens: ``fewest`` devices whose best layout finishes by ``deadline_s``
     within ``budget_gpu_hours``, or the ``cheapest`` (fewest device-hours) that does. Counts are
     ``candidate_gpu_counts`` up to ``max_gpus`` (default 64 nodes); each count's layout is ``plan``'s choice.
@@ -442,8 +474,14 @@ def size_job(shape: ModelShape, device: Device, wl: Workload, deadline_s: float 
         gpus, best = meets[0]
     else:
         gpus, best = min(meets, key=lambda m: (m[0] * m[1].total_s, m[0]))
-    return SizingResult(best, gpus, max(1, gpus // g), objective,
-                        _sizing_reason(gpus, best, tried, objective, deadline_s, budget_gpu_hours), tried)  # fmt: skip
+    return SizingResult(
+        best,
+        gpus,
+        max(1, gpus // g),
+        objective,
+        _sizing_reason(gpus, best, tried, objective, deadline_s, budget_gpu_hours),
+        tried,
+    )
 
 
 def _no_size_message(tried: list[dict], deadline_s: float | None, budget: float | None, max_gpus: int) -> str:
@@ -453,20 +491,27 @@ def _no_size_message(tried: list[dict], deadline_s: float | None, budget: float 
     fastest = min(fits, key=lambda row: row["total_s"])
     cheapest = min(fits, key=lambda row: row["gpu_hours"])
     if deadline_s is not None and fastest["total_s"] > deadline_s:
-        return (f"--deadline: no device count up to --max-gpus {max_gpus} finishes in {_hours(deadline_s)}; the "
-                f"fastest, {fastest['gpus']} devices ({fastest['layout']}), takes {_hours(fastest['total_s'])}: "
-                "raise --max-gpus or the deadline, or train on fewer tokens")  # fmt: skip
+        return (
+            f"--deadline: no device count up to --max-gpus {max_gpus} finishes in {_hours(deadline_s)}; the "
+            f"fastest, {fastest['gpus']} devices ({fastest['layout']}), takes {_hours(fastest['total_s'])}: "
+            "raise --max-gpus or the deadline, or train on fewer tokens"
+        )
     in_time = [row for row in fits if deadline_s is None or row["total_s"] <= deadline_s]
     least = min(in_time, key=lambda row: row["gpu_hours"]) if in_time else cheapest
-    return (f"--budget-gpu-hours: {budget:,.0f} device-hours are too few; the cheapest count that meets the deadline, "
-            f"{least['gpus']} devices ({least['layout']}), needs {least['gpu_hours']:,.1f}")  # fmt: skip
+    return (
+        f"--budget-gpu-hours: {budget:,.0f} device-hours are too few; the cheapest count that meets the deadline, "
+        f"{least['gpus']} devices ({least['layout']}), needs {least['gpu_hours']:,.1f}"
+    )
 
 
-def _sizing_reason(gpus: int, best: Estimate, tried: list[dict], objective: str, deadline_s: float | None,
-                   budget: float | None) -> str:  # fmt: skip
+def _sizing_reason(
+    gpus: int, best: Estimate, tried: list[dict], objective: str, deadline_s: float | None, budget: float | None
+) -> str:
     hours = best.total_s * gpus / 3600
-    text = (f"{gpus} devices ({best.layout.label}, micro-batch {best.layout.micro_batch}, AC {best.layout.ac}) take "
-            f"{_hours(best.total_s)} = {hours:,.0f} device-hours")  # fmt: skip
+    text = (
+        f"{gpus} devices ({best.layout.label}, micro-batch {best.layout.micro_batch}, AC {best.layout.ac}) take "
+        f"{_hours(best.total_s)} = {hours:,.0f} device-hours"
+    )
     limits = [f"the deadline {_hours(deadline_s)}"] if deadline_s is not None else []
     limits += [f"the budget {budget:,.0f} device-hours"] if budget is not None else []
     fewer = [row for row in tried if row["gpus"] < gpus]
@@ -474,8 +519,11 @@ def _sizing_reason(gpus: int, best: Estimate, tried: list[dict], objective: str,
         text += f"; the fewest devices that meet {' and '.join(limits) or 'the request'}"
         if fewer:
             last = fewer[-1]
-            text += (f"; {last['gpus']} would take {_hours(last['total_s'])} ({last['gpu_hours']:,.0f} device-hours)"
-                     if last["fits"] else f"; {last['gpus']} do not fit ({last['why']})")  # fmt: skip
+            text += (
+                f"; {last['gpus']} would take {_hours(last['total_s'])} ({last['gpu_hours']:,.0f} device-hours)"
+                if last["fits"]
+                else f"; {last['gpus']} do not fit ({last['why']})"
+            )
     else:
         text += f"; the fewest device-hours of the counts that meet {' and '.join(limits) or 'the request'}"
     return text

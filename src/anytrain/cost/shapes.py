@@ -197,8 +197,18 @@ class MambaShape(_LanguageModelParams):
 
     @classmethod
     def from_args(cls, args: object, name: str = "") -> MambaShape:
-        return cls(args.n_layers, args.d_model, args.expand * args.d_model, args.d_state, args.dt_rank, args.d_conv,
-                   args.vocab_size, bool(args.tie_embeddings), bool(args.residual_in_fp32), name=name)  # fmt: skip
+        return cls(
+            args.n_layers,
+            args.d_model,
+            args.expand * args.d_model,
+            args.d_state,
+            args.dt_rank,
+            args.d_conv,
+            args.vocab_size,
+            bool(args.tie_embeddings),
+            bool(args.residual_in_fp32),
+            name=name,
+        )
 
 
 @dataclass(frozen=True)
@@ -274,8 +284,12 @@ class Layout:
     def keeps_gathered(self, micro_batches: int) -> bool:
         """FSDP with ``reshard_during_accumulation`` off and several micro-batches: the parameters stay gathered from
         the first forward to the last backward of the step (the trainer's pipeline schedules do not use it)."""
-        return (not self.reshard_during_accumulation and micro_batches > 1 and self.pp == 1
-                and self.strategy in ("fsdp", "hsdp"))  # fmt: skip
+        return (
+            not self.reshard_during_accumulation
+            and micro_batches > 1
+            and self.pp == 1
+            and self.strategy in ("fsdp", "hsdp")
+        )
 
     def gathers_per_step(self, micro_batches: int) -> int:
         """FSDP parameter all-gathers per step: per micro-batch one in forward and, when resharding after forward,
@@ -295,11 +309,19 @@ class Layout:
         with a replicate degree > 1 is HSDP), ``micro_batch`` the micro-batch it runs."""
         hsdp = strategy == "fsdp" and dims.dp_replicate > 1
         name = "hsdp" if hsdp else {"single": "ddp", "none": "ddp"}.get(strategy, strategy)
-        return cls(dp=dims.dp_replicate * dims.dp_shard, tp=dims.tp, pp=dims.pp, strategy=name,
-                   shard=dims.dp_shard if hsdp else 0, micro_batch=micro_batch, ac=cfg.train.activation_checkpointing,
-                   pp_schedule=cfg.parallel.pp_schedule.lower().replace("interleaved1f1b", "interleaved"),
-                   pp_chunks=cfg.parallel.pp_virtual_stages, reshard_after_forward=cfg.parallel.reshard_after_forward,
-                   reshard_during_accumulation=cfg.parallel.reshard_during_accumulation)  # fmt: skip
+        return cls(
+            dp=dims.dp_replicate * dims.dp_shard,
+            tp=dims.tp,
+            pp=dims.pp,
+            strategy=name,
+            shard=dims.dp_shard if hsdp else 0,
+            micro_batch=micro_batch,
+            ac=cfg.train.activation_checkpointing,
+            pp_schedule=cfg.parallel.pp_schedule.lower().replace("interleaved1f1b", "interleaved"),
+            pp_chunks=cfg.parallel.pp_virtual_stages,
+            reshard_after_forward=cfg.parallel.reshard_after_forward,
+            reshard_during_accumulation=cfg.parallel.reshard_during_accumulation,
+        )
 
     @property
     def label(self) -> str:
@@ -360,8 +382,9 @@ def powersgd_fraction(shape: ModelShape | MambaShape, rank: int) -> float:
     return values / shape.num_params
 
 
-def gradient_reduce_bytes(shape: ModelShape | MambaShape, prec: Precision, grad_compression: str,
-                          strategy: str) -> float:  # fmt: skip
+def gradient_reduce_bytes(
+    shape: ModelShape | MambaShape, prec: Precision, grad_compression: str, strategy: str
+) -> float:
     """Bytes per gradient value in the data-parallel reduction: ``prec.reduce`` uncompressed, 2 for bf16 / fp16,
     4 × ``powersgd_fraction`` for PowerSGD (fp32 factors; DDP and ZeRO-1 only, as in the trainer)."""
     from anytrain.config import parse_grad_compression
@@ -371,8 +394,10 @@ def gradient_reduce_bytes(shape: ModelShape | MambaShape, prec: Precision, grad_
         return 2.0
     if kind == "powersgd":
         if strategy not in ("ddp", "zero1"):
-            raise ConfigError(f"parallel.grad_compression: powersgd runs with ddp or zero1 only (PyTorch has no "
-                              f"PowerSGD for FSDP), not {strategy}")  # fmt: skip
+            raise ConfigError(
+                f"parallel.grad_compression: powersgd runs with ddp or zero1 only (PyTorch has no "
+                f"PowerSGD for FSDP), not {strategy}"
+            )
         return 4.0 * powersgd_fraction(shape, rank)
     return prec.reduce
 

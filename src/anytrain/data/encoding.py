@@ -24,10 +24,17 @@ def pieces_compose(config: dict) -> bool:
     here is not there either); pre-tokens are encoded independently, and no branch of the pattern looks behind, so a
     piece splits alone as it does inside the text."""
     pre, model = config.get("pre_tokenizer") or {}, config.get("model") or {}
-    return (config.get("normalizer") is None and config.get("truncation") is None and config.get("padding") is None
-            and pre.get("type") == "ByteLevel" and pre.get("use_regex", True) and not pre.get("add_prefix_space")
-            and model.get("type") == "BPE" and not model.get("dropout")
-            and (config.get("post_processor") or {"type": "ByteLevel"})["type"] == "ByteLevel")  # fmt: skip
+    return (
+        config.get("normalizer") is None
+        and config.get("truncation") is None
+        and config.get("padding") is None
+        and pre.get("type") == "ByteLevel"
+        and pre.get("use_regex", True)
+        and not pre.get("add_prefix_space")
+        and model.get("type") == "BPE"
+        and not model.get("dropout")
+        and (config.get("post_processor") or {"type": "ByteLevel"})["type"] == "ByteLevel"
+    )
 
 
 class TextEncoder:

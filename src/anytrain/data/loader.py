@@ -54,9 +54,11 @@ class SampleIndex:
             row, col = np.argwhere(raw >= vocab)[0]
             array = self.split.arrays[shards[row]]
             where = getattr(array, "path", f"shard {shards[row]}")
-            raise DataError(f"{where}: token id {int(raw[row, col])} at token {int(starts[row] + col)} is outside the "
-                            f"vocabulary of {vocab} in {INDEX}; the shard is damaged or was not written with this "
-                            "dataset's tokenizer: re-run anytrain prepare")  # fmt: skip
+            raise DataError(
+                f"{where}: token id {int(raw[row, col])} at token {int(starts[row] + col)} is outside the "
+                f"vocabulary of {vocab} in {INDEX}; the shard is damaged or was not written with this "
+                "dataset's tokenizer: re-run anytrain prepare"
+            )
         return raw.astype(np.int64, copy=False)
 
 

@@ -24,8 +24,9 @@ MIX_STREAM = 0x6D6978  # keys the count and slot generators apart from the sourc
 class MixtureSource:
     """Global batches drawn from several :class:`BatchSource` orders in proportions ``weights``."""
 
-    def __init__(self, sources: list[BatchSource], weights: list[float], names: list[str], global_batch: int,
-                 seed: int) -> None:  # fmt: skip
+    def __init__(
+        self, sources: list[BatchSource], weights: list[float], names: list[str], global_batch: int, seed: int
+    ) -> None:
         self.sources, self.names, self.global_batch, self.seed = sources, names, global_batch, seed
         w = np.asarray(weights, dtype=np.float64)
         self.weights = w / w.sum()
@@ -99,8 +100,9 @@ class MixtureSource:
         return tokens[:, :-1], tokens[:, 1:], self._offsets[slots] + local
 
 
-def open_mixture(sources: list[dict], first, seq_len: int, global_batch: int,
-                 seed: int) -> tuple[MixtureSource, dict[str, BatchSource]]:  # fmt: skip
+def open_mixture(
+    sources: list[dict], first, seq_len: int, global_batch: int, seed: int
+) -> tuple[MixtureSource, dict[str, BatchSource]]:
     """The training mixture of ``data.sources`` and each source's validation batches (storage order). ``first`` is
     the already opened dataset of the first source; every other must have its vocabulary (the same tokenizer)."""
     from anytrain.data.loader import SampleIndex
@@ -112,14 +114,23 @@ def open_mixture(sources: list[dict], first, seq_len: int, global_batch: int,
     vocab = load_tokenizer(first.tokenizer_path).get_vocab(with_added_tokens=True)
     for i, (source, ds) in enumerate(zip(sources, datasets, strict=True)):
         same = (ds.vocab_size, ds.eos_id) == (first.vocab_size, first.eos_id) and (
-            i == 0 or load_tokenizer(ds.tokenizer_path).get_vocab(with_added_tokens=True) == vocab)  # fmt: skip
+            i == 0 or load_tokenizer(ds.tokenizer_path).get_vocab(with_added_tokens=True) == vocab
+        )
         if not same:
-            raise DataError(f"data.sources[{i}].path: {source['path']} was prepared with another tokenizer than "
-                            f"data.sources[0] ({sources[0]['path']}); prepare every source with the same --tokenizer "
-                            "tokenizer.json")  # fmt: skip
-    train = [BatchSource(SampleIndex(ds.split("train"), seq_len, f"{s['name']} train"), 1, seed, stream=k)
-             for k, (s, ds) in enumerate(zip(sources, datasets, strict=True))]  # fmt: skip
-    val = {s["name"]: BatchSource(SampleIndex(ds.split("val"), seq_len, f"{s['name']} val"), global_batch, seed,
-                                  shuffle=False) for s, ds in zip(sources, datasets, strict=True)}  # fmt: skip
+            raise DataError(
+                f"data.sources[{i}].path: {source['path']} was prepared with another tokenizer than "
+                f"data.sources[0] ({sources[0]['path']}); prepare every source with the same --tokenizer "
+                "tokenizer.json"
+            )
+    train = [
+        BatchSource(SampleIndex(ds.split("train"), seq_len, f"{s['name']} train"), 1, seed, stream=k)
+        for k, (s, ds) in enumerate(zip(sources, datasets, strict=True))
+    ]
+    val = {
+        s["name"]: BatchSource(
+            SampleIndex(ds.split("val"), seq_len, f"{s['name']} val"), global_batch, seed, shuffle=False
+        )
+        for s, ds in zip(sources, datasets, strict=True)
+    }
     mixture = MixtureSource(train, [s["weight"] for s in sources], [s["name"] for s in sources], global_batch, seed)
     return mixture, val

@@ -143,8 +143,15 @@ def _sample_texts(files: list[InputFile], budget: int, opts: dict, forced_val: s
 _worker: dict = {}
 
 
-def _init_worker(tokenizer_file: str, val_fraction: float, forced_val: str | None, batch_docs: int, text_field: str,
-                 encoding_errors: str, separate_process: bool) -> None:  # fmt: skip
+def _init_worker(
+    tokenizer_file: str,
+    val_fraction: float,
+    forced_val: str | None,
+    batch_docs: int,
+    text_field: str,
+    encoding_errors: str,
+    separate_process: bool,
+) -> None:
     if separate_process:  # one tokenizer thread per worker process; exit when the main process dies (kill -9)
         os.environ["TOKENIZERS_PARALLELISM"] = "false"
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the main process's to handle (it stops the pool)
@@ -153,8 +160,14 @@ def _init_worker(tokenizer_file: str, val_fraction: float, forced_val: str | Non
     tokenizer = load_tokenizer(tokenizer_file)
     dtype = token_dtype(tokenizer.get_vocab_size(with_added_tokens=True))
     eos = np.array([_eos_id(tokenizer, tokenizer_file)], dtype=dtype).tobytes()
-    _worker.update(encoder=TextEncoder(tokenizer, dtype, batch_docs), eos=eos, val_fraction=val_fraction,
-                   forced_val=forced_val, text_field=text_field, encoding_errors=encoding_errors)  # fmt: skip
+    _worker.update(
+        encoder=TextEncoder(tokenizer, dtype, batch_docs),
+        eos=eos,
+        val_fraction=val_fraction,
+        forced_val=forced_val,
+        text_field=text_field,
+        encoding_errors=encoding_errors,
+    )
 
 
 def _exit_with_parent(parent: int) -> None:
@@ -175,9 +188,12 @@ def _encode_chunk(items: list[tuple]) -> dict:
         split = tokens["val" if source == w["forced_val"] or name_hash < w["val_fraction"] else "train"]
         split.append(ids)
         split.append(w["eos"])
-    return {"tokens": {k: b"".join(v) for k, v in tokens.items()},
-            "documents": {k: len(v) // 2 for k, v in tokens.items()}, "nulls": len(docs) - len(texts),
-            "lowest": min(zip(hashes, (s for s, _ in texts), strict=True)) if texts else None}  # fmt: skip
+    return {
+        "tokens": {k: b"".join(v) for k, v in tokens.items()},
+        "documents": {k: len(v) // 2 for k, v in tokens.items()},
+        "nulls": len(docs) - len(texts),
+        "lowest": min(zip(hashes, (s for s, _ in texts), strict=True)) if texts else None,
+    }
 
 
 class _Encoder:
@@ -248,13 +264,24 @@ def _chunks(files: list[InputFile], start: Position | None, opts: dict, chunk_by
 # Checks
 
 
-def check_options(vocab_size: int, val_fraction: float, shard_tokens: int, text_field: str, batch_docs: int,
-                  encoding_errors: str, tokenizer_path: str | None, workers: int = 1,
-                  tokenizer_sample_bytes: int = 1, chunk_bytes: int = 1) -> None:  # fmt: skip
+def check_options(
+    vocab_size: int,
+    val_fraction: float,
+    shard_tokens: int,
+    text_field: str,
+    batch_docs: int,
+    encoding_errors: str,
+    tokenizer_path: str | None,
+    workers: int = 1,
+    tokenizer_sample_bytes: int = 1,
+    chunk_bytes: int = 1,
+) -> None:
     """Refuse out-of-range prepare options before anything is read or written."""
     if tokenizer_path is None and not MIN_VOCAB <= vocab_size <= MAX_VOCAB:
-        raise DataError(f"--vocab-size: must be at least {MIN_VOCAB} (256 byte tokens + {len(SPECIAL_TOKENS)} "
-                        f"special tokens) and at most {MAX_VOCAB}, got {vocab_size}")  # fmt: skip
+        raise DataError(
+            f"--vocab-size: must be at least {MIN_VOCAB} (256 byte tokens + {len(SPECIAL_TOKENS)} "
+            f"special tokens) and at most {MAX_VOCAB}, got {vocab_size}"
+        )
     if not 0.0 < val_fraction < 1.0:
         raise DataError(f"--val-fraction: must be in (0, 1), got {val_fraction}")
     for name, value in (
@@ -281,8 +308,10 @@ def check_out_dir(out: Path, overwrite: bool) -> None:
     if not overwrite:
         raise DataError(f"{out}: output directory is not empty; pass --overwrite to replace it or pick another")
     if not (out / MARKER).is_file():
-        raise DataError(f"{out}: not empty and not a dataset written by anytrain prepare (no {MARKER}); refusing to "
-                        "delete it even with --overwrite; pick another --out")  # fmt: skip
+        raise DataError(
+            f"{out}: not empty and not a dataset written by anytrain prepare (no {MARKER}); refusing to "
+            "delete it even with --overwrite; pick another --out"
+        )
 
 
 def partial_dir(out: Path) -> Path:
@@ -315,11 +344,24 @@ def _settings_change(old: dict, new: dict) -> str | None:
 class _Run:
     """One prepare into ``self.partial``: tokenizer, the tokenizing pass (resumable), the index."""
 
-    def __init__(self, partial: Path, files: list[InputFile], opts: dict, settings: dict, given_tokenizer,
-                 workers: int, chunk_bytes: int, show_progress: bool) -> None:  # fmt: skip
+    def __init__(
+        self,
+        partial: Path,
+        files: list[InputFile],
+        opts: dict,
+        settings: dict,
+        given_tokenizer,
+        workers: int,
+        chunk_bytes: int,
+        show_progress: bool,
+    ) -> None:
         self.partial, self.files, self.opts, self.settings = partial, files, opts, settings
-        self.given, self.workers, self.chunk_bytes, self.show_progress = given_tokenizer, workers, chunk_bytes, (
-            show_progress)  # fmt: skip
+        self.given, self.workers, self.chunk_bytes, self.show_progress = (
+            given_tokenizer,
+            workers,
+            chunk_bytes,
+            (show_progress),
+        )
         self.total_bytes = sum(f.size for f in files)
         self.whole_sample = opts["tokenizer_sample_bytes"] >= self.total_bytes
 
@@ -334,9 +376,16 @@ class _Run:
         (self.partial / MARKER).write_text(json.dumps({"written_by": "anytrain prepare", "format": 1}) + "\n")
         tokenizer = self.given if self.given is not None else self._train_tokenizer(forced_val)
         tokenizer.save(str(self.partial / "tokenizer.json"))
-        state = {"settings": self.settings, "forced_val": forced_val, "chunks": 0, "position": None,
-                 "documents": {"train": 0, "val": 0}, "skipped_null": 0, "lowest": None,
-                 "shards": {"train": [], "val": []}}  # fmt: skip
+        state = {
+            "settings": self.settings,
+            "forced_val": forced_val,
+            "chunks": 0,
+            "position": None,
+            "documents": {"train": 0, "val": 0},
+            "skipped_null": 0,
+            "lowest": None,
+            "shards": {"train": [], "val": []},
+        }
         write_text_atomic(self.partial / PROGRESS, json.dumps(state))
         return state
 
@@ -346,8 +395,9 @@ class _Run:
         if self.show_progress:
             print(f"training a {self.opts['vocab_size']}-token tokenizer on {what}", file=sys.stderr)
         failure: list = []
-        tokenizer = train_tokenizer(_sample_texts(self.files, budget, self.opts, forced_val, failure),
-                                    self.opts["vocab_size"])  # fmt: skip
+        tokenizer = train_tokenizer(
+            _sample_texts(self.files, budget, self.opts, forced_val, failure), self.opts["vocab_size"]
+        )
         if failure:
             raise failure[0]
         return tokenizer
@@ -366,12 +416,14 @@ class _Run:
         state = self._tokenize(state)
         if state["documents"]["val"] == 0:  # no name hashed into validation: hold out the lowest-hash document
             if not self.whole_sample or state["lowest"] is None or state["forced_val"] is not None:
-                raise DataError(f"{', '.join(self.opts['inputs'])}: no document went to validation; raise "
-                                "--val-fraction")  # fmt: skip
+                raise DataError(
+                    f"{', '.join(self.opts['inputs'])}: no document went to validation; raise --val-fraction"
+                )
             state = self._tokenize(self._fresh(state["lowest"][1]))  # a small corpus: prepare it again
         if state["documents"]["train"] == 0:
-            raise DataError(f"{', '.join(self.opts['inputs'])}: every document went to validation; add data or lower "
-                            "--val-fraction")  # fmt: skip
+            raise DataError(
+                f"{', '.join(self.opts['inputs'])}: every document went to validation; add data or lower --val-fraction"
+            )
         return self._write_index(state)
 
     def _tokenize(self, state: dict) -> dict:
@@ -380,13 +432,23 @@ class _Run:
         tokenizer = load_tokenizer(tokenizer_file)
         dtype = token_dtype(tokenizer.get_vocab_size(with_added_tokens=True))
         shard_tokens = self.opts["shard_tokens"]
-        writers = {name: ShardWriter.resume(self.partial, name, dtype, shard_tokens, state["shards"][name])
-                   for name in ("train", "val")}  # fmt: skip
+        writers = {
+            name: ShardWriter.resume(self.partial, name, dtype, shard_tokens, state["shards"][name])
+            for name in ("train", "val")
+        }
         start = Position.from_list(state["position"]) if state["position"] else None
         kill_at = int(os.environ.get(KILL_AT_CHUNK, "0"))
-        encoder = _Encoder(self.workers, (str(tokenizer_file), self.opts["val_fraction"], state["forced_val"],
-                                          self.opts["batch_docs"], self.opts["text_field"],
-                                          self.opts["encoding_errors"]))  # fmt: skip
+        encoder = _Encoder(
+            self.workers,
+            (
+                str(tokenizer_file),
+                self.opts["val_fraction"],
+                state["forced_val"],
+                self.opts["batch_docs"],
+                self.opts["text_field"],
+                self.opts["encoding_errors"],
+            ),
+        )
         bar = _ProgressBar(self.total_bytes, self.files, state, self.show_progress)
         ok, last_commit = False, time.monotonic()
         try:
@@ -397,8 +459,9 @@ class _Run:
                     writer.write(tokens[name])
                     state["documents"][name] += result["documents"][name]
                 state["skipped_null"] += result["nulls"]
-                if result["lowest"] is not None and (state["lowest"] is None or result["lowest"] < tuple(
-                        state["lowest"])):  # fmt: skip
+                if result["lowest"] is not None and (
+                    state["lowest"] is None or result["lowest"] < tuple(state["lowest"])
+                ):
                     state["lowest"] = list(result["lowest"])
                 state["chunks"] += 1
                 state["position"] = end.to_list()
@@ -422,10 +485,16 @@ class _Run:
         tokenizer = load_tokenizer(self.partial / "tokenizer.json")
         vocab = tokenizer.get_vocab_size(with_added_tokens=True)
         eos = _eos_id(tokenizer, self.opts["tokenizer_hint"])
-        stats = {name: {"documents": state["documents"][name], "tokens": sum(s["tokens"] for s in shards)}
-                 for name, shards in state["shards"].items()}  # fmt: skip
-        meta = {"inputs": self.opts["inputs"], "val_fraction": self.opts["val_fraction"],
-                "skipped_null": state["skipped_null"], "stats": stats}  # fmt: skip
+        stats = {
+            name: {"documents": state["documents"][name], "tokens": sum(s["tokens"] for s in shards)}
+            for name, shards in state["shards"].items()
+        }
+        meta = {
+            "inputs": self.opts["inputs"],
+            "val_fraction": self.opts["val_fraction"],
+            "skipped_null": state["skipped_null"],
+            "stats": stats,
+        }
         write_index(self.partial, token_dtype(vocab), vocab, eos, state["shards"], meta)
         (self.partial / PROGRESS).unlink()
         return json.loads((self.partial / INDEX).read_text())
@@ -450,12 +519,19 @@ class _ProgressBar:
 
         self.before = np.cumsum([0] + [f.size for f in files])  # bytes of the inputs before each one
         self.tokens = sum(s["tokens"] for shards in state["shards"].values() for s in shards)
-        self.progress = Progress(TextColumn("tokenizing"), BarColumn(), DownloadColumn(), TransferSpeedColumn(),
-                                 TextColumn("{task.fields[docs]:,} docs {task.fields[tokens]:,} tokens"),
-                                 TimeRemainingColumn(), console=Console(stderr=True))  # fmt: skip
+        self.progress = Progress(
+            TextColumn("tokenizing"),
+            BarColumn(),
+            DownloadColumn(),
+            TransferSpeedColumn(),
+            TextColumn("{task.fields[docs]:,} docs {task.fields[tokens]:,} tokens"),
+            TimeRemainingColumn(),
+            console=Console(stderr=True),
+        )
         done = self._done(Position.from_list(state["position"])) if state["position"] else 0
-        self.task = self.progress.add_task("prepare", total=total_bytes, completed=done,
-                                           docs=sum(state["documents"].values()), tokens=self.tokens)  # fmt: skip
+        self.task = self.progress.add_task(
+            "prepare", total=total_bytes, completed=done, docs=sum(state["documents"].values()), tokens=self.tokens
+        )
         self.progress.start()
 
     def _done(self, position: Position) -> int:
@@ -464,8 +540,9 @@ class _ProgressBar:
     def update(self, end: Position, state: dict, tokens: int) -> None:
         if self.progress is not None:
             self.tokens += tokens
-            self.progress.update(self.task, completed=self._done(end), docs=sum(state["documents"].values()),
-                                 tokens=self.tokens)  # fmt: skip
+            self.progress.update(
+                self.task, completed=self._done(end), docs=sum(state["documents"].values()), tokens=self.tokens
+            )
 
     def close(self) -> None:
         if self.progress is not None:
@@ -485,45 +562,79 @@ def _open_partial(partial: Path, settings: dict, resume: bool, overwrite: bool, 
         return lock, None
     if not resume and not overwrite:
         lock.close()
-        raise DataError(f"{out}: an interrupted prepare is in {partial}; pass --resume to continue it or --overwrite "
-                        "to start over")  # fmt: skip
+        raise DataError(
+            f"{out}: an interrupted prepare is in {partial}; pass --resume to continue it or --overwrite to start over"
+        )
     if not resume:
         return lock, None
     state = json.loads(progress.read_text())
     changed = _settings_change(state["settings"], settings)
     if changed is not None:
         lock.close()
-        raise DataError(f"--resume: the interrupted prepare in {partial} was started with another {changed}; run the "
-                        "same command as before, or pass --overwrite instead of --resume to start over")  # fmt: skip
+        raise DataError(
+            f"--resume: the interrupted prepare in {partial} was started with another {changed}; run the "
+            "same command as before, or pass --overwrite instead of --resume to start over"
+        )
     return lock, state
 
 
-def prepare(inputs: list[str], out_dir: str | Path, tokenizer_path: str | None = None, vocab_size: int = 8192,
-            val_fraction: float = 0.05, text_field: str = "text", shard_tokens: int = 100_000_000,
-            overwrite: bool = False, batch_docs: int = 256, encoding_errors: str = "strict", workers: int = 1,
-            resume: bool = False, tokenizer_sample_bytes: int = 1_000_000_000, chunk_bytes: int = 4 << 20,
-            progress: bool | None = None) -> dict:  # fmt: skip
+def prepare(
+    inputs: list[str],
+    out_dir: str | Path,
+    tokenizer_path: str | None = None,
+    vocab_size: int = 8192,
+    val_fraction: float = 0.05,
+    text_field: str = "text",
+    shard_tokens: int = 100_000_000,
+    overwrite: bool = False,
+    batch_docs: int = 256,
+    encoding_errors: str = "strict",
+    workers: int = 1,
+    resume: bool = False,
+    tokenizer_sample_bytes: int = 1_000_000_000,
+    chunk_bytes: int = 4 << 20,
+    progress: bool | None = None,
+) -> dict:
     """Tokenize ``inputs`` into ``out_dir``; returns the index written. The dataset is built in
     :func:`partial_dir` and renamed onto ``out_dir`` when complete: a failure leaves ``out_dir`` as it was. An
     existing non-empty ``out_dir`` is replaced only with ``overwrite`` and only if it carries :data:`MARKER`.
     ``progress`` (default: stderr is a terminal) shows a progress bar."""
     out = Path(out_dir)
-    check_options(vocab_size, val_fraction, shard_tokens, text_field, batch_docs, encoding_errors, tokenizer_path,
-                  workers, tokenizer_sample_bytes, chunk_bytes)  # fmt: skip
+    check_options(
+        vocab_size,
+        val_fraction,
+        shard_tokens,
+        text_field,
+        batch_docs,
+        encoding_errors,
+        tokenizer_path,
+        workers,
+        tokenizer_sample_bytes,
+        chunk_bytes,
+    )
     check_out_dir(out, overwrite)
     given = load_tokenizer(tokenizer_path) if tokenizer_path else None
     files = list_inputs(inputs)
     if not files:
         raise DataError(f"{', '.join(inputs)}: no documents found")
-    opts = {"inputs": inputs, "vocab_size": vocab_size, "val_fraction": val_fraction, "text_field": text_field,
-            "shard_tokens": shard_tokens, "batch_docs": batch_docs,
-            "encoding_errors": "replace" if inputs == [EMBEDDED] else encoding_errors,
-            "tokenizer_sample_bytes": tokenizer_sample_bytes,
-            "tokenizer_hint": tokenizer_path or "trained tokenizer"}  # fmt: skip
+    opts = {
+        "inputs": inputs,
+        "vocab_size": vocab_size,
+        "val_fraction": val_fraction,
+        "text_field": text_field,
+        "shard_tokens": shard_tokens,
+        "batch_docs": batch_docs,
+        "encoding_errors": "replace" if inputs == [EMBEDDED] else encoding_errors,
+        "tokenizer_sample_bytes": tokenizer_sample_bytes,
+        "tokenizer_hint": tokenizer_path or "trained tokenizer",
+    }
     tokenizer_hash = hashlib.sha256(Path(tokenizer_path).read_bytes()).hexdigest() if given else None
-    settings = {**{k: v for k, v in opts.items() if k not in ("batch_docs", "tokenizer_hint")},
-                "files": [f.fingerprint() for f in files], "vocab_size": None if given else vocab_size,
-                "tokenizer": tokenizer_hash}  # fmt: skip
+    settings = {
+        **{k: v for k, v in opts.items() if k not in ("batch_docs", "tokenizer_hint")},
+        "files": [f.fingerprint() for f in files],
+        "vocab_size": None if given else vocab_size,
+        "tokenizer": tokenizer_hash,
+    }
     created = missing_parents(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     partial = partial_dir(out)
@@ -535,8 +646,9 @@ def prepare(inputs: list[str], out_dir: str | Path, tokenizer_path: str | None =
             index = run.run(state)
     except KeyboardInterrupt:
         lock.close()
-        raise PrepareInterrupted(f"interrupted; the finished shards are kept in {partial}: run the same command with "
-                                 "--resume to continue") from None  # fmt: skip
+        raise PrepareInterrupted(
+            f"interrupted; the finished shards are kept in {partial}: run the same command with --resume to continue"
+        ) from None
     except BaseException:
         lock.close()
         remove(partial)

@@ -119,8 +119,10 @@ def list_inputs(inputs: list[str]) -> list[InputFile]:
                 continue
             files = sorted(p for p in path.rglob("*") if p.is_file() and _kind(p))
             if not files:
-                raise DataError(f"{path}: directory holds no {', '.join(FILE_KINDS)} files and is not a datasets "
-                                "folder (save_to_disk)")  # fmt: skip
+                raise DataError(
+                    f"{path}: directory holds no {', '.join(FILE_KINDS)} files and is not a datasets "
+                    "folder (save_to_disk)"
+                )
             found.extend(InputFile(p, _kind(p), p.stat().st_size, p.name) for p in files)
         elif path.is_file():
             if not _kind(path):
@@ -139,8 +141,10 @@ def _decode(raw: bytes, where: str, errors: str) -> str:
     try:
         return raw.decode("utf-8", errors=errors)
     except UnicodeDecodeError as exc:
-        raise DataError(f"{where}: not UTF-8 at byte {exc.start}; convert it to UTF-8 or pass "
-                        "--encoding-errors replace to substitute U+FFFD") from None  # fmt: skip
+        raise DataError(
+            f"{where}: not UTF-8 at byte {exc.start}; convert it to UTF-8 or pass "
+            "--encoding-errors replace to substitute U+FFFD"
+        ) from None
 
 
 def _json_text(line: str, where: str, text_field: str) -> str | None:
@@ -152,8 +156,10 @@ def _json_text(line: str, where: str, text_field: str) -> str | None:
         raise DataError(f"{where}: no {text_field!r} field; set --text-field to the right key")
     text = record[text_field]
     if text is not None and not isinstance(text, str):
-        raise DataError(f"{where}: field {text_field!r} is a {type(text).__name__}, expected a string; set "
-                        "--text-field to the text key")  # fmt: skip
+        raise DataError(
+            f"{where}: field {text_field!r} is a {type(text).__name__}, expected a string; set "
+            "--text-field to the text key"
+        )
     return text
 
 
@@ -201,8 +207,11 @@ def _jsonl_blocks(f: InputFile, index: int, start: Position, block: int):
                 first = lineno + 1
                 lineno += blob.count(b"\n") + (0 if blob.endswith(b"\n") else 1)
                 offset += len(blob)
-                yield first, blob, Position(index, lineno, 0 if compressed else offset,
-                                            raw.tell() if compressed else offset)  # fmt: skip
+                yield (
+                    first,
+                    blob,
+                    Position(index, lineno, 0 if compressed else offset, raw.tell() if compressed else offset),
+                )
                 if not data:
                     return
                 parts, size = ([rest], len(rest)) if rest else ([], 0)
@@ -221,8 +230,9 @@ def _skip_lines(stream, count: int) -> None:
         count -= 1
 
 
-def parse_lines(blob: bytes, name: str, path: str, first: int, text_field: str,
-                errors: str) -> list[tuple[str, str | None]]:  # fmt: skip
+def parse_lines(
+    blob: bytes, name: str, path: str, first: int, text_field: str, errors: str
+) -> list[tuple[str, str | None]]:
     """``(source, text)`` of each non-blank JSONL line of ``blob`` (whole lines, the first numbered ``first``) of the
     input named ``name`` at ``path``."""
     lines = blob.split(b"\n")
@@ -250,8 +260,10 @@ def _jsonl(f: InputFile, index: int, start: Position, text_field: str, errors: s
             where = f"{f.path}:{lineno}"
             text = _decode(line, where, errors)
             if text.strip():
-                yield Document(f"{f.name}:{lineno}", _json_text(text, where, text_field)), Position(
-                    index, lineno, 0 if compressed else offset, end.done if compressed else offset)  # fmt: skip
+                yield (
+                    Document(f"{f.name}:{lineno}", _json_text(text, where, text_field)),
+                    Position(index, lineno, 0 if compressed else offset, end.done if compressed else offset),
+                )
 
 
 def _check_text_column(path: Path, names: list[str], kind, text_field: str) -> None:
@@ -275,8 +287,9 @@ def _parquet(f: InputFile, index: int, start: Position, text_field: str):
     except (pa.ArrowException, OSError) as exc:
         raise DataError(f"{f.path}: not a readable Parquet file ({exc})") from None
     schema = pf.schema_arrow
-    _check_text_column(f.path, schema.names, schema.field(text_field).type if text_field in schema.names else None,
-                       text_field)  # fmt: skip
+    _check_text_column(
+        f.path, schema.names, schema.field(text_field).type if text_field in schema.names else None, text_field
+    )
     total = max(pf.metadata.num_rows, 1)
     first_group, row = 0, 0
     while first_group < pf.num_row_groups and row + pf.metadata.row_group(first_group).num_rows <= start.record:
@@ -328,16 +341,18 @@ def iter_file(f: InputFile, index: int, start: Position | None, text_field: str,
         yield from _hf(f, index, start, text_field)
 
 
-def iter_documents(files: list[InputFile], start: Position | None, text_field: str,
-                   errors: str) -> Iterator[tuple[Document, Position]]:  # fmt: skip
+def iter_documents(
+    files: list[InputFile], start: Position | None, text_field: str, errors: str
+) -> Iterator[tuple[Document, Position]]:
     """Every input's documents in order from ``start`` (the beginning when None)."""
     first = start.file if start is not None else 0
     for index in range(first, len(files)):
         yield from iter_file(files[index], index, start, text_field, errors)
 
 
-def iter_items(files: list[InputFile], start: Position | None, text_field: str, errors: str,
-               block: int) -> Iterator[tuple[tuple, int, Position]]:  # fmt: skip
+def iter_items(
+    files: list[InputFile], start: Position | None, text_field: str, errors: str, block: int
+) -> Iterator[tuple[tuple, int, Position]]:
     """What :func:`item_documents` turns into documents, read from ``start`` with the least work: ``(item, bytes,
     Position after it)``. An item is ``("lines", name, path, first line number, bytes of whole lines)`` for JSONL
     (blocks of about ``block`` bytes, not decoded or parsed here) or ``("doc", source, text)`` for the other kinds."""

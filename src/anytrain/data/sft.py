@@ -131,8 +131,18 @@ def _tokenizer_file(path: str) -> Path:
     return file / "tokenizer.json" if file.is_dir() else file
 
 
-def _write_split(out: Path, name: str, examples: list[Example], tokenizer, eos_id: int, pad_id: int, dtype,
-                 layout: str, seq_len: int, shard_tokens: int) -> tuple[list[dict], list[dict], dict]:  # fmt: skip
+def _write_split(
+    out: Path,
+    name: str,
+    examples: list[Example],
+    tokenizer,
+    eos_id: int,
+    pad_id: int,
+    dtype,
+    layout: str,
+    seq_len: int,
+    shard_tokens: int,
+) -> tuple[list[dict], list[dict], dict]:
     """Token and mask shards of one split; pad layout keeps shard sizes multiples of ``seq_len`` so every window
     still starts at an example."""
     if layout == "pad":
@@ -157,9 +167,16 @@ def _write_split(out: Path, name: str, examples: list[Example], tokenizer, eos_i
     return tokens.shards, masks.shards, stats
 
 
-def prepare_sft(inputs: list[str], out_dir: str | Path, tokenizer_path: str, val_fraction: float = 0.05,
-                layout: str = "pack", seq_len: int = 0, shard_tokens: int = 100_000_000,
-                overwrite: bool = False) -> dict:  # fmt: skip
+def prepare_sft(
+    inputs: list[str],
+    out_dir: str | Path,
+    tokenizer_path: str,
+    val_fraction: float = 0.05,
+    layout: str = "pack",
+    seq_len: int = 0,
+    shard_tokens: int = 100_000_000,
+    overwrite: bool = False,
+) -> dict:
     """Tokenize the examples of ``inputs`` into ``out_dir`` (see the module docstring); returns the index written.
     Built in a hidden sibling folder and renamed into place, as ``anytrain prepare`` does."""
     if layout not in LAYOUTS:
@@ -190,12 +207,18 @@ def prepare_sft(inputs: list[str], out_dir: str | Path, tokenizer_path: str, val
             tokenizer.save(str(tmp / "tokenizer.json"))
             splits, masks, stats = {}, {}, {}
             for name, chosen in _split(examples, val_fraction, inputs).items():
-                splits[name], masks[name], stats[name] = _write_split(tmp, name, chosen, tokenizer, eos_id, pad_id,
-                                                                      token_dtype(vocab), layout, seq_len,
-                                                                      shard_tokens)  # fmt: skip
+                splits[name], masks[name], stats[name] = _write_split(
+                    tmp, name, chosen, tokenizer, eos_id, pad_id, token_dtype(vocab), layout, seq_len, shard_tokens
+                )
             sft = {"layout": layout, "seq_len": seq_len if layout == "pad" else 0, "masks": masks}
-            write_index(tmp, token_dtype(vocab), vocab, eos_id, splits,
-                        {"inputs": inputs, "val_fraction": val_fraction, "stats": stats, "sft": sft})  # fmt: skip
+            write_index(
+                tmp,
+                token_dtype(vocab),
+                vocab,
+                eos_id,
+                splits,
+                {"inputs": inputs, "val_fraction": val_fraction, "stats": stats, "sft": sft},
+            )
     except BaseException:
         remove(tmp)
         if created is not None:
@@ -261,29 +284,38 @@ def _mask_split(dataset: TokenDataset, meta: dict, name: str) -> Split:
     for entry, token_array in zip(meta["masks"].get(name, []), tokens, strict=False):
         file = dataset.path / entry["file"]
         if not file.is_file() or file.stat().st_size != token_array.size * MASK_DTYPE.itemsize:
-            raise DataError(f"{file}: missing, or not one mask byte per token of its shard; re-run anytrain "
-                            "prepare-sft")  # fmt: skip
+            raise DataError(
+                f"{file}: missing, or not one mask byte per token of its shard; re-run anytrain prepare-sft"
+            )
         # read with pread (not memory-mapped): a mask file cut while training is one DataError, not a SIGBUS
         arrays.append(ShardFile(file, MASK_DTYPE, token_array.size) if token_array.size else np.zeros(0, MASK_DTYPE))
     if len(arrays) != len(tokens):
-        raise DataError(f"{dataset.index_file}: meta.sft lists {len(arrays)} {name} mask shards for {len(tokens)} "
-                        "token shards; re-run anytrain prepare-sft")  # fmt: skip
+        raise DataError(
+            f"{dataset.index_file}: meta.sft lists {len(arrays)} {name} mask shards for {len(tokens)} "
+            "token shards; re-run anytrain prepare-sft"
+        )
     return Split(arrays)
 
 
-def masked_sources(dataset: TokenDataset, seq_len: int, global_batch: int,
-                   seed: int) -> tuple[MaskedBatchSource, MaskedBatchSource] | None:  # fmt: skip
+def masked_sources(
+    dataset: TokenDataset, seq_len: int, global_batch: int, seed: int
+) -> tuple[MaskedBatchSource, MaskedBatchSource] | None:
     """(train, validation) sources with the loss mask for a ``prepare-sft`` dataset; None for token-only data. The
     pad layout needs ``seq_len`` equal to the one it was prepared for."""
     meta = sft_meta(dataset)
     if meta is None:
         return None
     if meta.get("layout") == "pad" and meta.get("seq_len") != seq_len:
-        raise ConfigError(f"data.seq_len: {seq_len}, but {dataset.path} was prepared with --layout pad --seq-len "
-                          f"{meta.get('seq_len')}; set --data.seq_len {meta.get('seq_len')}")  # fmt: skip
+        raise ConfigError(
+            f"data.seq_len: {seq_len}, but {dataset.path} was prepared with --layout pad --seq-len "
+            f"{meta.get('seq_len')}; set --data.seq_len {meta.get('seq_len')}"
+        )
     sources = []
     for name, shuffle in (("train", True), ("val", False)):
-        windows = TrainedWindows(SampleIndex(dataset.split(name), seq_len, name),
-                                 SampleIndex(_mask_split(dataset, meta, name), seq_len, name), name)  # fmt: skip
+        windows = TrainedWindows(
+            SampleIndex(dataset.split(name), seq_len, name),
+            SampleIndex(_mask_split(dataset, meta, name), seq_len, name),
+            name,
+        )
         sources.append(MaskedBatchSource(windows, global_batch, seed, shuffle=shuffle))
     return sources[0], sources[1]

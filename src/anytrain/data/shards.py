@@ -89,8 +89,9 @@ class ShardWriter:
             last = out_dir / shards[-1]["file"]
             size = shards[-1]["tokens"] * dtype.itemsize
             if not last.is_file() or last.stat().st_size < size:
-                raise DataError(f"{last}: shorter than its committed {size} bytes; cannot resume, pass --overwrite "
-                                "to start over")  # fmt: skip
+                raise DataError(
+                    f"{last}: shorter than its committed {size} bytes; cannot resume, pass --overwrite to start over"
+                )
             with open(last, "r+b") as fh:
                 fh.truncate(size)
             writer._file = open(last, "ab")  # noqa: SIM115 - closed in close()
@@ -98,10 +99,22 @@ class ShardWriter:
         return writer
 
 
-def write_index(out_dir: Path, dtype: np.dtype, vocab_size: int, eos_id: int, splits: dict[str, list[dict]],
-                meta: dict | None = None) -> None:  # fmt: skip
-    index = {"format": FORMAT_VERSION, "dtype": dtype.name, "vocab_size": vocab_size, "eos_id": eos_id,
-             "splits": splits, "meta": meta or {}}  # fmt: skip
+def write_index(
+    out_dir: Path,
+    dtype: np.dtype,
+    vocab_size: int,
+    eos_id: int,
+    splits: dict[str, list[dict]],
+    meta: dict | None = None,
+) -> None:
+    index = {
+        "format": FORMAT_VERSION,
+        "dtype": dtype.name,
+        "vocab_size": vocab_size,
+        "eos_id": eos_id,
+        "splits": splits,
+        "meta": meta or {},
+    }
     write_text_atomic(out_dir / INDEX, json.dumps(index, indent=1))  # appears only once every shard is complete
 
 
@@ -137,13 +150,17 @@ class ShardFile:
             try:
                 got = _pread_into(self._fd, view[done:], offset + done)
             except OSError as exc:
-                raise DataError(f"{self.path}: cannot be read at byte {offset + done} ({exc.strerror}); check the "
-                                "disk, or re-run anytrain prepare") from None  # fmt: skip
+                raise DataError(
+                    f"{self.path}: cannot be read at byte {offset + done} ({exc.strerror}); check the "
+                    "disk, or re-run anytrain prepare"
+                ) from None
             if got == 0:
                 size, expected = os.fstat(self._fd).st_size, self.size * self.dtype.itemsize
-                raise DataError(f"{self.path}: {size} bytes, {INDEX} says {expected} (byte {offset + done} wanted): "
-                                "the shard was cut or changed after prepare; restore it or re-run anytrain "
-                                "prepare")  # fmt: skip
+                raise DataError(
+                    f"{self.path}: {size} bytes, {INDEX} says {expected} (byte {offset + done} wanted): "
+                    "the shard was cut or changed after prepare; restore it or re-run anytrain "
+                    "prepare"
+                )
             done += got
 
 
@@ -209,8 +226,10 @@ class TokenDataset:
         array = ShardFile(file, self.dtype, entry["tokens"])
         sample = max(int(array[:SAMPLE_TOKENS].max()), int(array[-SAMPLE_TOKENS:].max()))
         if sample >= self.vocab_size:
-            raise DataError(f"{file}: token id {sample} is outside the vocabulary of {self.vocab_size} in {INDEX}; "
-                            "the shard does not belong to this tokenizer: re-run anytrain prepare")  # fmt: skip
+            raise DataError(
+                f"{file}: token id {sample} is outside the vocabulary of {self.vocab_size} in {INDEX}; "
+                "the shard does not belong to this tokenizer: re-run anytrain prepare"
+            )
         return array
 
     @property
@@ -251,8 +270,9 @@ def _read_index(index_file: Path) -> dict:
 def _index_int(obj: dict, key: str, index_file: Path, low: int, high: int, where: str = "") -> int:
     value = obj.get(key)
     if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
-        raise DataError(f"{index_file}: {where}{key} must be an integer in [{low}, {high}], got {value!r}; "
-                        "re-run anytrain prepare")  # fmt: skip
+        raise DataError(
+            f"{index_file}: {where}{key} must be an integer in [{low}, {high}], got {value!r}; re-run anytrain prepare"
+        )
     return value
 
 
@@ -278,6 +298,8 @@ def check_seq_len(path: str | Path, seq_len: int) -> None:
     for name, entries in index["splits"].items():
         longest = max((entry["tokens"] for entry in entries), default=0)
         if entries and longest - 1 < seq_len:
-            raise DataError(f"data.seq_len: {seq_len} is too long for the {name} split of {path} (longest shard "
-                            f"{longest} tokens, a sequence needs {seq_len + 1}); lower data.seq_len or prepare more "
-                            "data")  # fmt: skip
+            raise DataError(
+                f"data.seq_len: {seq_len} is too long for the {name} split of {path} (longest shard "
+                f"{longest} tokens, a sequence needs {seq_len + 1}); lower data.seq_len or prepare more "
+                "data"
+            )

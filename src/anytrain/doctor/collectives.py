@@ -89,8 +89,7 @@ def _send_recv(rank: int, world: int, n: int, device: torch.device) -> tuple[tor
     """A ring: each rank sends to rank + 1 and receives from rank - 1."""
     base = _pattern(n, device)
     got = torch.zeros(n, device=device)
-    ops = [dist.P2POp(dist.isend, base + rank, (rank + 1) % world),
-           dist.P2POp(dist.irecv, got, (rank - 1) % world)]  # fmt: skip
+    ops = [dist.P2POp(dist.isend, base + rank, (rank + 1) % world), dist.P2POp(dist.irecv, got, (rank - 1) % world)]
     for req in dist.batch_isend_irecv(ops):
         req.wait()
     return got, base + (rank - 1) % world
@@ -187,6 +186,12 @@ def sweep(name: str, device: torch.device, sizes_bytes: list[int], repeats: int)
     for numel in message_numels(name, sizes_bytes, world):
         seconds = _median_seconds(_timed_op(name, numel, world, rank, device), device, repeats)
         algbw = numel * 4 / seconds / 1e9
-        rows.append({"bytes": numel * 4, "seconds": seconds, "algbw_gb_per_s": algbw,
-                     "busbw_gb_per_s": algbw * bus_factor(name, world)})  # fmt: skip
+        rows.append(
+            {
+                "bytes": numel * 4,
+                "seconds": seconds,
+                "algbw_gb_per_s": algbw,
+                "busbw_gb_per_s": algbw * bus_factor(name, world),
+            }
+        )
     return rows

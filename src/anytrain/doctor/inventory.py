@@ -48,8 +48,10 @@ def driver_versions(vendor: str) -> dict:
         return {"driver": _run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"])}
     if vendor == hardware.ROCM:
         info = Path("/opt/rocm/.info/version")
-        return {"driver": _run(["cat", "/sys/module/amdgpu/version"]),
-                "rocm": info.read_text().strip() if info.is_file() else None}  # fmt: skip
+        return {
+            "driver": _run(["cat", "/sys/module/amdgpu/version"]),
+            "rocm": info.read_text().strip() if info.is_file() else None,
+        }
     return {"driver": None}
 
 
@@ -113,9 +115,16 @@ def slurm_allocation(env: dict[str, str] | None = None) -> dict | None:
     env = dict(os.environ) if env is None else env
     if "SLURM_JOB_ID" not in env:
         return None
-    keys = {"job_id": "SLURM_JOB_ID", "partition": "SLURM_JOB_PARTITION", "nodelist": "SLURM_JOB_NODELIST",
-            "nodes": "SLURM_JOB_NUM_NODES", "tasks": "SLURM_NTASKS", "gpus_on_node": "SLURM_GPUS_ON_NODE",
-            "cpus_on_node": "SLURM_CPUS_ON_NODE", "step_id": "SLURM_STEP_ID"}  # fmt: skip
+    keys = {
+        "job_id": "SLURM_JOB_ID",
+        "partition": "SLURM_JOB_PARTITION",
+        "nodelist": "SLURM_JOB_NODELIST",
+        "nodes": "SLURM_JOB_NUM_NODES",
+        "tasks": "SLURM_NTASKS",
+        "gpus_on_node": "SLURM_GPUS_ON_NODE",
+        "cpus_on_node": "SLURM_CPUS_ON_NODE",
+        "step_id": "SLURM_STEP_ID",
+    }
     return {name: env.get(key) for name, key in keys.items()}
 
 
@@ -162,9 +171,14 @@ def gemm_throughput(device: torch.device, n: int, repeats: int = 10) -> dict:
         skipped = "CPU: no peak FLOP/s to compare with"
     elif peak is None:
         skipped = f"{hardware.device_name(device)} is not in hardware.DEVICE_CATALOGUE: no peak FLOP/s"
-    return {"dtype": str(dtype).replace("torch.", ""), "shape": n, "tflops": tflops,
-            "peak_tflops": peak / 1e12 if peak else None, "fraction": tflops * 1e12 / peak if peak and gpu else None,
-            "skipped": skipped}  # fmt: skip
+    return {
+        "dtype": str(dtype).replace("torch.", ""),
+        "shape": n,
+        "tflops": tflops,
+        "peak_tflops": peak / 1e12 if peak else None,
+        "fraction": tflops * 1e12 / peak if peak and gpu else None,
+        "skipped": skipped,
+    }
 
 
 def gemm_check(device: torch.device, n: int = 512, seed: int = 0) -> dict:
@@ -178,5 +192,10 @@ def gemm_check(device: torch.device, n: int = 512, seed: int = 0) -> dict:
     finite = bool(torch.isfinite(got).all())
     error = float((got - reference).abs().max() / reference.abs().max()) if finite else float("inf")
     tolerance = 2e-2 if dtype == torch.bfloat16 else 1e-4
-    return {"dtype": str(dtype).replace("torch.", ""), "shape": n, "finite": finite, "max_rel_error": error,
-            "ok": finite and error <= tolerance}  # fmt: skip
+    return {
+        "dtype": str(dtype).replace("torch.", ""),
+        "shape": n,
+        "finite": finite,
+        "max_rel_error": error,
+        "ok": finite and error <= tolerance,
+    }

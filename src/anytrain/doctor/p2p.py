@@ -62,8 +62,9 @@ def _ping(partner: int, initiator: bool, out: torch.Tensor, back: torch.Tensor, 
     return time.perf_counter() - start
 
 
-def _measure(partner: int, initiator: bool, out: torch.Tensor, back: torch.Tensor, device: torch.device,
-             repeats: int) -> float:  # fmt: skip
+def _measure(
+    partner: int, initiator: bool, out: torch.Tensor, back: torch.Tensor, device: torch.device, repeats: int
+) -> float:
     for _ in range(2):  # warm-up: the first send between two ranks sets up their connection
         _ping(partner, initiator, out, back, device)
     return _median([_ping(partner, initiator, out, back, device) for _ in range(repeats)])
@@ -91,8 +92,12 @@ def p2p_matrix(device: torch.device, small_bytes: int = 8, large_bytes: int = 64
             if initiator:
                 bandwidth[partner] = large.numel() * 4 / seconds / 1e9
     dist.barrier()
-    return {"latency_us": latency, "bandwidth_gb_per_s": bandwidth, "small_bytes": small.numel() * 4,
-            "large_bytes": large.numel() * 4}  # fmt: skip
+    return {
+        "latency_us": latency,
+        "bandwidth_gb_per_s": bandwidth,
+        "small_bytes": small.numel() * 4,
+        "large_bytes": large.numel() * 4,
+    }
 
 
 def as_matrices(rows: list[dict]) -> dict:

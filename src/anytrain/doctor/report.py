@@ -78,9 +78,14 @@ def _checks_run(report: dict) -> list[tuple[str, str, str]]:
     expect = report.get("expectations") or {}
     wording = {"gpus_per_node": "{} GPUs per node", "nodes": "{} node(s)"}
     wanted = [wording[key].format(value) for key, value in expect.items() if value is not None]
-    checks = [("inventory", "ok" if wanted or not expect else "not checked",
-               f"expected {', '.join(wanted)}" if wanted else "no --expect-gpus / --expect-nodes" if expect else ""),
-              ("gemm vs float64", "ok", f"{report['gemm'][0]['dtype']} {report['gemm'][0]['shape']}^3")]  # fmt: skip
+    checks = [
+        (
+            "inventory",
+            "ok" if wanted or not expect else "not checked",
+            f"expected {', '.join(wanted)}" if wanted else "no --expect-gpus / --expect-nodes" if expect else "",
+        ),
+        ("gemm vs float64", "ok", f"{report['gemm'][0]['dtype']} {report['gemm'][0]['shape']}^3"),
+    ]
     rates = report["gemm_throughput"]
     if th.get("gemm_min_fraction") and all(r["fraction"] is None for r in rates):
         checks.append(("gemm throughput", "skipped", rates[0]["skipped"] or "no peak for this device"))
@@ -96,8 +101,9 @@ def _checks_run(report: dict) -> list[tuple[str, str, str]]:
     checks.append(("data partition", "ok", f"steps {', '.join(map(str, report['data_partition']['steps']))}"))
     training = report.get("training")
     if training:
-        checks.append(("training (one device)", "ok", f"loss_rtol {th['loss_rtol']:g}, min_loss_drop "
-                                                      f"{th['min_loss_drop']:g}"))  # fmt: skip
+        checks.append(
+            ("training (one device)", "ok", f"loss_rtol {th['loss_rtol']:g}, min_loss_drop {th['min_loss_drop']:g}")
+        )
         if training["all_ranks"]:
             checks.append(("training (all ranks)", "ok", "mean loss, identical replicas"))
             checks.append(("training data partition", "ok", "sample ids of every step"))
@@ -110,8 +116,10 @@ def summarize(report: dict) -> list[dict]:
     """One row per check: {"check", "status" ("ok", "FAIL", "not checked" for a threshold of 0 or no expectation,
     "skipped"), "ranks" (the failing ranks, sorted), "failures" (how many lines), "note"}; a failure of a check not in
     the list adds its own row."""
-    rows = {name: {"check": name, "status": status, "ranks": [], "failures": 0, "note": note}
-            for name, status, note in _checks_run(report)}  # fmt: skip
+    rows = {
+        name: {"check": name, "status": status, "ranks": [], "failures": 0, "note": note}
+        for name, status, note in _checks_run(report)
+    }
     for line in report["failures"]:
         name, ranks = failure_check(line)
         row = rows.setdefault(name, {"check": name, "status": "ok", "ranks": [], "failures": 0, "note": ""})
@@ -158,10 +166,16 @@ def print_report(report: dict) -> None:
         for name, rows in [("all_reduce", coll["sweep"]), *report.get("sweeps", {}).items()]:
             table = _table("size", "time ms", "algbw GB/s", "busbw GB/s", left=0)
             for row in rows:
-                table.add_row(human_bytes(row["bytes"]), f"{1e3 * row['seconds']:.3f}", f"{row['algbw_gb_per_s']:.2f}",
-                              f"{row['busbw_gb_per_s']:.2f}")  # fmt: skip
-            _show(table, f"{name} over {coll['world_size']} ranks (busbw = algbw x "
-                         f"{bus_factor(name, coll['world_size']):.3g})")  # fmt: skip
+                table.add_row(
+                    human_bytes(row["bytes"]),
+                    f"{1e3 * row['seconds']:.3f}",
+                    f"{row['algbw_gb_per_s']:.2f}",
+                    f"{row['busbw_gb_per_s']:.2f}",
+                )
+            _show(
+                table,
+                f"{name} over {coll['world_size']} ranks (busbw = algbw x {bus_factor(name, coll['world_size']):.3g})",
+            )
     if report.get("p2p"):
         _print_p2p(report["p2p"])
     part = report["data_partition"]
@@ -175,17 +189,24 @@ def print_report(report: dict) -> None:
 
 def _print_inventory(report: dict) -> None:
     hw, hosts = report["hardware"], report["hosts"]
-    print(f"device: {hw['device']} ({hw['vendor']}), torch {hw['torch']}, cuda {hw['cuda']}, hip {hw['hip']}, "
-          f"driver {hosts[0].get('driver')}, triton {hw['triton']}")  # fmt: skip
+    print(
+        f"device: {hw['device']} ({hw['vendor']}), torch {hw['torch']}, cuda {hw['cuda']}, hip {hw['hip']}, "
+        f"driver {hosts[0].get('driver')}, triton {hw['triton']}"
+    )
     launch = report["launch"]
     names = sorted({h["host"] for h in hosts})
-    print(f"launcher: {launch['launcher']}, {launch['world_size']} rank(s) on {len(names)} host(s): "
-          f"{', '.join(names[:8])}{' ...' if len(names) > 8 else ''}")  # fmt: skip
+    print(
+        f"launcher: {launch['launcher']}, {launch['world_size']} rank(s) on {len(names)} host(s): "
+        f"{', '.join(names[:8])}{' ...' if len(names) > 8 else ''}"
+    )
     if report["slurm"]:
         s = report["slurm"]
         print(f"slurm: job {s['job_id']} on {s['nodelist']} ({s['nodes']} node(s), {s['tasks']} task(s))")
-    up = [f"{n['name']}{' ' + str(n['speed_mbps']) + 'Mb/s' if n['speed_mbps'] else ''}" for n in report["network"]
-          if n["state"] in ("up", "rdma", "unknown")]  # fmt: skip
+    up = [
+        f"{n['name']}{' ' + str(n['speed_mbps']) + 'Mb/s' if n['speed_mbps'] else ''}"
+        for n in report["network"]
+        if n["state"] in ("up", "rdma", "unknown")
+    ]
     print(f"network: {', '.join(up) or 'no interface up besides loopback'}")
     env = report["collective_env"]
     print("collective environment (rank 0): " + (" ".join(f"{k}={v}" for k, v in env.items()) or "none set"))
@@ -210,8 +231,16 @@ def _print_gemm(report: dict) -> None:
     first, check = rates[0], gemms[0]
     peak = f"of {first['peak_tflops']:.0f} peak" if first["peak_tflops"] else "of peak"
     per_rank = len(hosts) <= MATRIX_MAX_RANKS
-    table = _table("rank" if per_rank else "ranks", "host", "device", "GPUs", f"gemm {check['shape']}^3 error",
-                   f"{first['dtype']} {first['shape']}^3 TFLOP/s", peak, left=3)  # fmt: skip
+    table = _table(
+        "rank" if per_rank else "ranks",
+        "host",
+        "device",
+        "GPUs",
+        f"gemm {check['shape']}^3 error",
+        f"{first['dtype']} {first['shape']}^3 TFLOP/s",
+        peak,
+        left=3,
+    )
     groups: dict[str, list[int]] = {}
     for rank, host in enumerate(hosts):
         groups.setdefault(str(rank) if per_rank else host["host"], []).append(rank)
@@ -221,16 +250,22 @@ def _print_gemm(report: dict) -> None:
         bad = [r for r in ranks if not gemms[r]["ok"]]
         error = "non-finite" if any(not gemms[r]["finite"] for r in ranks) else format(max(errors), ".1e")
         fractions = [rates[r]["fraction"] for r in ranks if rates[r]["fraction"] is not None]
-        table.add_row(rank_ranges(ranks), host["host"], host["device"],
-                      _span([hosts[r]["gpus_visible"] for r in ranks], "d"),
-                      f"{error} {'WRONG on ' + rank_ranges(bad) if bad else 'ok'}",
-                      _span([rates[r]["tflops"] for r in ranks], ".3g"),
-                      _span(fractions, ".2f") if fractions else "-")  # fmt: skip
+        table.add_row(
+            rank_ranges(ranks),
+            host["host"],
+            host["device"],
+            _span([hosts[r]["gpus_visible"] for r in ranks], "d"),
+            f"{error} {'WRONG on ' + rank_ranges(bad) if bad else 'ok'}",
+            _span([rates[r]["tflops"] for r in ranks], ".3g"),
+            _span(fractions, ".2f") if fractions else "-",
+        )
     _show(table, "inventory and GEMMs")
     bad_gemm = sum(not g["ok"] for g in gemms)
     print(f"gemm {check['dtype']} vs float64: {'ok' if not bad_gemm else f'WRONG on {bad_gemm} rank(s)'}")
-    line = (f"gemm throughput {first['shape']}^3 {first['dtype']}: min {min(r['tflops'] for r in rates):.3g}, "
-            f"max {max(r['tflops'] for r in rates):.3g} TFLOP/s over {len(rates)} rank(s)")  # fmt: skip
+    line = (
+        f"gemm throughput {first['shape']}^3 {first['dtype']}: min {min(r['tflops'] for r in rates):.3g}, "
+        f"max {max(r['tflops'] for r in rates):.3g} TFLOP/s over {len(rates)} rank(s)"
+    )
     fractions = [r["fraction"] for r in rates if r["fraction"] is not None]
     if fractions:
         line += f"; {min(fractions):.2f}-{max(fractions):.2f} of the {first['peak_tflops']:.0f} TFLOP/s peak"
@@ -246,8 +281,10 @@ def _print_functional(functional: list[list[dict]]) -> None:
     """nccl-tests' ``#wrong`` column: one row per collective, one column per rank (beyond MATRIX_MAX_RANKS ranks the
     total and the ranks with a wrong element or an error)."""
     ranks = len(functional)
-    cell = [["err" if functional[r][i]["error"] else str(functional[r][i]["wrong"]) for r in range(ranks)]
-            for i in range(len(functional[0]))]  # fmt: skip
+    cell = [
+        ["err" if functional[r][i]["error"] else str(functional[r][i]["wrong"]) for r in range(ranks)]
+        for i in range(len(functional[0]))
+    ]
     if ranks <= MATRIX_MAX_RANKS:
         table = _table("#wrong", *(f"rank {r}" for r in range(ranks)))
         for row, cells in zip(functional[0], cell, strict=True):
@@ -256,17 +293,21 @@ def _print_functional(functional: list[list[dict]]) -> None:
         table = _table("#wrong", "total", "ranks wrong", "ranks with an error")
         for i, row in enumerate(functional[0]):
             rows = [functional[r][i] for r in range(ranks)]
-            table.add_row(row["name"], str(sum(x["wrong"] for x in rows)),
-                          rank_ranges([r for r, x in enumerate(rows) if x["wrong"]]) or "-",
-                          rank_ranges([r for r, x in enumerate(rows) if x["error"]]) or "-")  # fmt: skip
+            table.add_row(
+                row["name"],
+                str(sum(x["wrong"] for x in rows)),
+                rank_ranges([r for r, x in enumerate(rows) if x["wrong"]]) or "-",
+                rank_ranges([r for r, x in enumerate(rows) if x["error"]]) or "-",
+            )
     _show(table, f"collectives on {functional[0][0]['elements']} elements, exact results:")
 
 
 def _print_p2p(p2p: dict) -> None:
     world = len(p2p["latency_us"])
-    for key, title, fmt in (("latency_us", f"p2p latency, us ({human_bytes(p2p['small_bytes'])})", ".1f"),
-                            ("bandwidth_gb_per_s", f"p2p bandwidth, GB/s ({human_bytes(p2p['large_bytes'])})",
-                             ".2f")):  # fmt: skip
+    for key, title, fmt in (
+        ("latency_us", f"p2p latency, us ({human_bytes(p2p['small_bytes'])})", ".1f"),
+        ("bandwidth_gb_per_s", f"p2p bandwidth, GB/s ({human_bytes(p2p['large_bytes'])})", ".2f"),
+    ):
         matrix = p2p[key]
         if world <= MATRIX_MAX_RANKS:
             title += ": row = sender, column = receiver"
@@ -294,14 +335,17 @@ def _print_training(training: dict) -> None:
         print(f"training, all {len(runs)} ranks: mean loss {mean[0]:.4f} -> {mean[1]:.4f}")
     kill = training["one_device"][0]["kill_restart"]
     if kill:
-        what = kill["error"] or (f"SIGKILLed after the step-{kill['killed_at_step']} checkpoint, resumed to step "
-                                 f"{steps}: loss {kill['losses'].get(steps, float('nan')):.4f}")  # fmt: skip
+        what = kill["error"] or (
+            f"SIGKILLed after the step-{kill['killed_at_step']} checkpoint, resumed to step "
+            f"{steps}: loss {kill['losses'].get(steps, float('nan')):.4f}"
+        )
         print(f"checkpoint kill-restart: {what}")
 
 
 def _print_summary(rows: list[dict]) -> None:
-    counts = {status: sum(row["status"] == status for row in rows) for status in ("ok", "FAIL", "not checked",
-                                                                                  "skipped")}  # fmt: skip
+    counts = {
+        status: sum(row["status"] == status for row in rows) for status in ("ok", "FAIL", "not checked", "skipped")
+    }
     title = "summary: " + ", ".join(f"{n} {status}" for status, n in counts.items() if n)
     table = _table("check", "status", "failing ranks", "note", left=4)
     for row in rows:

@@ -40,9 +40,23 @@ SEQ_LEN = 32
 MICRO_BATCH = 2
 OVERLAP_RANK_VAR = "ANYTRAIN_TEST_OVERLAP_RANK"
 # what anytrain.parallel.env reads to find a launcher: a child without them is one process
-LAUNCH_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "ROLE_RANK", "MASTER_ADDR",
-               "MASTER_PORT", "SLURM_STEP_NUM_TASKS", "SLURM_PROCID", "SLURM_LOCALID", "PMI_RANK", "PMI_SIZE",
-               "MPI_LOCALRANKID", "MPI_LOCALNRANKS")  # fmt: skip
+LAUNCH_VARS = (
+    "RANK",
+    "WORLD_SIZE",
+    "LOCAL_RANK",
+    "LOCAL_WORLD_SIZE",
+    "GROUP_RANK",
+    "ROLE_RANK",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "SLURM_STEP_NUM_TASKS",
+    "SLURM_PROCID",
+    "SLURM_LOCALID",
+    "PMI_RANK",
+    "PMI_SIZE",
+    "MPI_LOCALRANKID",
+    "MPI_LOCALNRANKS",
+)
 LAUNCH_PREFIXES = ("TORCHELASTIC_", "OMPI_COMM_WORLD_")
 
 
@@ -61,13 +75,28 @@ def smoke_config(world: int, device: str = "auto", steps: int = SMOKE_STEPS, che
     """The run both the one-device and the all-rank trainings use (only the world size differs)."""
     from anytrain.config import RunConfig, from_dict, validate
 
-    cfg = from_dict(RunConfig, {
-        "name": "doctor-smoke", "device": device, "model": {"arch": "transformer", "flavour": "debug"},
-        "data": {"seq_len": SEQ_LEN}, "parallel": {"strategy": "ddp"},
-        "train": {"steps": steps, "global_batch": MICRO_BATCH * world, "micro_batch": MICRO_BATCH, "lr": 3e-3,
-                  "warmup_steps": 2, "log_interval": 1, "eval_batches": 0, "lagged_checks": False, "seed": 0},
-        "checkpoint": {"interval": checkpoint_interval, "save_final": False, "keep_last": 2},
-    })  # fmt: skip
+    cfg = from_dict(
+        RunConfig,
+        {
+            "name": "doctor-smoke",
+            "device": device,
+            "model": {"arch": "transformer", "flavour": "debug"},
+            "data": {"seq_len": SEQ_LEN},
+            "parallel": {"strategy": "ddp"},
+            "train": {
+                "steps": steps,
+                "global_batch": MICRO_BATCH * world,
+                "micro_batch": MICRO_BATCH,
+                "lr": 3e-3,
+                "warmup_steps": 2,
+                "log_interval": 1,
+                "eval_batches": 0,
+                "lagged_checks": False,
+                "seed": 0,
+            },
+            "checkpoint": {"interval": checkpoint_interval, "save_final": False, "keep_last": 2},
+        },
+    )
     validate(cfg)
     return cfg
 
@@ -87,8 +116,12 @@ def rank_partition(source, steps: list[int], rank: int, world: int) -> dict[int,
     return {step: source.rank_sample_ids(step, dp_rank, world).tolist() for step in steps}
 
 
-def partition_failures(per_rank: list[dict[int, list[int]]], global_ids: dict[int, list[int]], hosts: list[dict],
-                       check: str = "data partition") -> list[str]:  # fmt: skip
+def partition_failures(
+    per_rank: list[dict[int, list[int]]],
+    global_ids: dict[int, list[int]],
+    hosts: list[dict],
+    check: str = "data partition",
+) -> list[str]:
     """Every step's rank slices against rank 0's global batch, counted as multisets (a batch that wraps into the next
     epoch may hold an id twice): ids that no rank holds, ids a rank holds beyond the global batch's count (taken by a
     lower rank already), ids that are not in the global batch at all."""
@@ -110,8 +143,10 @@ def partition_failures(per_rank: list[dict[int, list[int]]], global_ids: dict[in
                 failures.append(f"{where}: {foreign} of its {len(ids)} sample ids are not in the global batch")
         missing = sum((counts - seen).values())
         if missing:
-            failures.append(f"rank 0 ({hosts[0]['host']}): {check}: step {step}: {missing} of the {len(expected)} "
-                            "global-batch sample ids are on no rank")  # fmt: skip
+            failures.append(
+                f"rank 0 ({hosts[0]['host']}): {check}: step {step}: {missing} of the {len(expected)} "
+                "global-batch sample ids are on no rank"
+            )
     return failures
 
 
@@ -119,8 +154,10 @@ def data_partition(world: int, rank: int) -> dict:
     """This rank's part of the quick check: its slices of a few steps of a ``MICRO_BATCH × world`` global batch."""
     source = corpus_source(MICRO_BATCH * world)
     steps = partition_steps(source)
-    return {"ids": rank_partition(source, steps, rank, world),
-            "global": {s: source.global_sample_ids(s).tolist() for s in steps} if rank == 0 else None}  # fmt: skip
+    return {
+        "ids": rank_partition(source, steps, rank, world),
+        "global": {s: source.global_sample_ids(s).tolist() for s in steps} if rank == 0 else None,
+    }
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -185,11 +222,24 @@ class Child:
     def __init__(self, device: torch.device, world: int, run_dir: Path, *args: str) -> None:
         self.run_dir, self.out = run_dir, run_dir.with_suffix(".json")
         self.log = run_dir.with_suffix(".log")
-        command = [sys.executable, "-m", "anytrain.doctor.child", "--world", str(world), "--run-dir", str(run_dir),
-                   "--out", str(self.out), "--device", "cpu" if device.type == "cpu" else "auto", *args]  # fmt: skip
+        command = [
+            sys.executable,
+            "-m",
+            "anytrain.doctor.child",
+            "--world",
+            str(world),
+            "--run-dir",
+            str(run_dir),
+            "--out",
+            str(self.out),
+            "--device",
+            "cpu" if device.type == "cpu" else "auto",
+            *args,
+        ]
         with open(self.log, "w") as log:
-            self.proc = subprocess.Popen(command, env=child_env(device), stdin=subprocess.PIPE, stdout=log,
-                                         stderr=subprocess.STDOUT)  # fmt: skip
+            self.proc = subprocess.Popen(
+                command, env=child_env(device), stdin=subprocess.PIPE, stdout=log, stderr=subprocess.STDOUT
+            )
 
     def last_line(self) -> str:
         lines = [line for line in self.log.read_text(errors="replace").splitlines() if line.strip()]
@@ -237,8 +287,10 @@ def one_device_runs(device: torch.device, world: int, work: Path, kill_restart: 
     removed afterwards unless something failed."""
     work.mkdir(parents=True, exist_ok=True)
     alone = Child(device, world, work / "alone")
-    result: dict = {"work_dir": str(work), "kill_restart": _kill_restart(device, world, work, timeout)
-                    if kill_restart else None}  # fmt: skip
+    result: dict = {
+        "work_dir": str(work),
+        "kill_restart": _kill_restart(device, world, work, timeout) if kill_restart else None,
+    }
     result["losses"], result["error"] = alone.finish(timeout)
     if result["error"] is None and not (result["kill_restart"] or {}).get("error"):
         shutil.rmtree(work, ignore_errors=True)
@@ -260,8 +312,10 @@ def loss_mismatch(got: list[float], reference: list[float], rtol: float) -> str 
     worst = max(range(len(got)), key=lambda i: _rel(got[i], reference[i]), default=None)
     if worst is None or _rel(got[worst], reference[worst]) <= rtol:
         return None
-    return (f"step {worst + 1} loss {got[worst]:.6g} vs {reference[worst]:.6g}: relative difference "
-            f"{_rel(got[worst], reference[worst]):.2e} > {rtol:g}")  # fmt: skip
+    return (
+        f"step {worst + 1} loss {got[worst]:.6g} vs {reference[worst]:.6g}: relative difference "
+        f"{_rel(got[worst], reference[worst]):.2e} > {rtol:g}"
+    )
 
 
 def curve_problem(losses: list[float], min_drop: float) -> str | None:
@@ -271,8 +325,10 @@ def curve_problem(losses: list[float], min_drop: float) -> str | None:
         return f"non-finite loss at step {bad + 1}"
     drop = (losses[0] - losses[-1]) / losses[0] if losses else 0.0
     if drop < min_drop:
-        return (f"loss fell {100 * drop:.1f}% in {len(losses)} steps ({losses[0]:.4g} -> {losses[-1]:.4g}), expected "
-                f">= {100 * min_drop:g}% (min_loss_drop)")  # fmt: skip
+        return (
+            f"loss fell {100 * drop:.1f}% in {len(losses)} steps ({losses[0]:.4g} -> {losses[-1]:.4g}), expected "
+            f">= {100 * min_drop:g}% (min_loss_drop)"
+        )
     return None
 
 

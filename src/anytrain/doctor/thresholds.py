@@ -59,8 +59,9 @@ def load_thresholds(path: str | None = None, overrides: list[str] | None = None)
         try:
             data = json.loads(file.read_text()) if file.suffix == ".json" else yaml.safe_load(file.read_text())
         except (json.JSONDecodeError, yaml.YAMLError) as exc:
-            raise ConfigError(f"--thresholds: {file} is not valid {file.suffix[1:] or 'YAML'}: "
-                              f"{str(exc).splitlines()[0]}") from None  # fmt: skip
+            raise ConfigError(
+                f"--thresholds: {file} is not valid {file.suffix[1:] or 'YAML'}: {str(exc).splitlines()[0]}"
+            ) from None
         if not isinstance(data, dict):
             raise ConfigError(f"--thresholds: {file} must hold a mapping of threshold names to numbers")
         for name, value in data.items():

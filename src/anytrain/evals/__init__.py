@@ -19,8 +19,9 @@ from anytrain.models import resolve_args
 
 
 @torch.no_grad()
-def validation_loss(model, dataset: TokenDataset, seq_len: int, batches: int, batch_size: int,
-                    device: torch.device, dtype: torch.dtype) -> tuple[float, int]:  # fmt: skip
+def validation_loss(
+    model, dataset: TokenDataset, seq_len: int, batches: int, batch_size: int, device: torch.device, dtype: torch.dtype
+) -> tuple[float, int]:
     """Mean next-token loss over the first ``batches`` x ``batch_size`` validation sequences (storage order)."""
     source = BatchSource(SampleIndex(dataset.split("val"), seq_len, "val"), batch_size, seed=0, shuffle=False)
     loss_sum, count = 0.0, 0
@@ -41,13 +42,17 @@ def open_eval_data(cfg, run_dir: str | Path, data: str | Path | None) -> TokenDa
     else:
         path, origin = Path(cfg.data.path), f"data.path in {Path(run_dir) / 'config.yaml'}"
     if not (path / INDEX).is_file():
-        raise DataError(f"{origin}: {path} has no {INDEX} (no prepared dataset there); pass --data PATH with the "
-                        "folder `anytrain prepare` wrote")  # fmt: skip
+        raise DataError(
+            f"{origin}: {path} has no {INDEX} (no prepared dataset there); pass --data PATH with the "
+            "folder `anytrain prepare` wrote"
+        )
     dataset = TokenDataset(path)
     vocab = resolve_args(cfg.model).vocab_size
     if dataset.vocab_size > vocab:
-        raise DataError(f"{origin}: {path} has a vocabulary of {dataset.vocab_size}, larger than the model's "
-                        f"{vocab}; pass --data with the dataset the run trained on")  # fmt: skip
+        raise DataError(
+            f"{origin}: {path} has a vocabulary of {dataset.vocab_size}, larger than the model's "
+            f"{vocab}; pass --data with the dataset the run trained on"
+        )
     if data is not None:
         check_same_tokenizer(dataset, Path(cfg.data.path), origin, Path(run_dir) / "config.yaml")
     return dataset
@@ -63,17 +68,29 @@ def check_same_tokenizer(dataset: TokenDataset, recorded: Path, origin: str, con
         eos = read_index(recorded)["eos_id"]
     except DataError:
         return  # the recorded dataset is damaged: nothing to compare with
-    same = eos == dataset.eos_id and (dataset.tokenizer_path.read_bytes() == theirs.read_bytes() or (
-        load_tokenizer(dataset.tokenizer_path).get_vocab(with_added_tokens=True)
-        == load_tokenizer(theirs).get_vocab(with_added_tokens=True)))  # fmt: skip
+    same = eos == dataset.eos_id and (
+        dataset.tokenizer_path.read_bytes() == theirs.read_bytes()
+        or (
+            load_tokenizer(dataset.tokenizer_path).get_vocab(with_added_tokens=True)
+            == load_tokenizer(theirs).get_vocab(with_added_tokens=True)
+        )
+    )
     if not same:
-        raise DataError(f"{origin}: {dataset.path} was prepared with another tokenizer than the run's data "
-                        f"({recorded}, data.path in {config_file}), so its loss would mean nothing; prepare it with "
-                        f"--tokenizer {theirs}")  # fmt: skip
+        raise DataError(
+            f"{origin}: {dataset.path} was prepared with another tokenizer than the run's data "
+            f"({recorded}, data.path in {config_file}), so its loss would mean nothing; prepare it with "
+            f"--tokenizer {theirs}"
+        )
 
 
-def evaluate_run(run_dir: str | Path, prompt: str = "ROMEO.\n", max_new_tokens: int = 60, batches: int = 0,
-                 seed: int = 0, data: str | Path | None = None) -> dict:  # fmt: skip
+def evaluate_run(
+    run_dir: str | Path,
+    prompt: str = "ROMEO.\n",
+    max_new_tokens: int = 60,
+    batches: int = 0,
+    seed: int = 0,
+    data: str | Path | None = None,
+) -> dict:
     """Validation loss of the newest checkpoint on the run's data (or ``data``) and a sample continuing ``prompt``."""
     if batches < 0:
         raise ConfigError(f"--batches: must be >= 0 (0 = the run's train.eval_batches), got {batches}")
@@ -85,14 +102,21 @@ def evaluate_run(run_dir: str | Path, prompt: str = "ROMEO.\n", max_new_tokens: 
     if cfg.data.document_mask:  # attention inside each document, as the run trained and validated
         model.document_eos_id = dataset.eos_id
     dtype = torch.bfloat16 if hardware.supports_bf16(device) else torch.float32
-    loss, tokens = validation_loss(model, dataset, cfg.data.seq_len, batches or cfg.train.eval_batches or 1,
-                                   cfg.train.global_batch, device, dtype)  # fmt: skip
+    loss, tokens = validation_loss(
+        model, dataset, cfg.data.seq_len, batches or cfg.train.eval_batches or 1, cfg.train.global_batch, device, dtype
+    )
     per_source = {}
     if data is None and len(cfg.data.sources) > 1:  # a mixture: each source's loss, and their weighted mean
         for source in cfg.data.sources:
-            per_source[source["name"]], _ = validation_loss(model, open_eval_data(cfg, run_dir, source["path"]),
-                                                            cfg.data.seq_len, batches or cfg.train.eval_batches or 1,
-                                                            cfg.train.global_batch, device, dtype)  # fmt: skip
+            per_source[source["name"]], _ = validation_loss(
+                model,
+                open_eval_data(cfg, run_dir, source["path"]),
+                cfg.data.seq_len,
+                batches or cfg.train.eval_batches or 1,
+                cfg.train.global_batch,
+                device,
+                dtype,
+            )
         weights = [source["weight"] for source in cfg.data.sources]
         loss = sum(w * v for w, v in zip(weights, per_source.values(), strict=True)) / sum(weights)
     tokenizer = load_tokenizer(dataset.tokenizer_path)

@@ -81,13 +81,17 @@ def differences(reference: RunCurves, other: RunCurves) -> dict[str, dict[str, A
         ref, cur = reference.curves.get(metric, {}), other.curves.get(metric, {})
         common = sorted(set(ref) & set(cur))
         gaps = [abs(cur[x] - ref[x]) for x in common]
-        out[metric] = {"points": len(common), "max_abs": max(gaps) if gaps else None,
-                       "mean_abs": sum(gaps) / len(gaps) if gaps else None}  # fmt: skip
+        out[metric] = {
+            "points": len(common),
+            "max_abs": max(gaps) if gaps else None,
+            "mean_abs": sum(gaps) / len(gaps) if gaps else None,
+        }
     return out
 
 
-def compare_runs(run_dirs: list[str | Path], by: str = "step", out: str | Path | None = None,
-                 overwrite: bool = False) -> dict[str, Any]:  # fmt: skip
+def compare_runs(
+    run_dirs: list[str | Path], by: str = "step", out: str | Path | None = None, overwrite: bool = False
+) -> dict[str, Any]:
     """Curves, differences against the first run and throughput of each run; writes the PNG ``out`` if given (an
     existing file only with ``overwrite``)."""
     if len(run_dirs) < 2:
@@ -99,8 +103,12 @@ def compare_runs(run_dirs: list[str | Path], by: str = "step", out: str | Path |
     for run, name in zip(runs, names, strict=True):
         run.name = name
     diffs = {run.name: differences(runs[0], run) for run in runs[1:]}
-    result = {"by": by, "reference": runs[0].name, "differences": diffs,
-              "throughput": {run.name: run.throughput for run in runs}}  # fmt: skip
+    result = {
+        "by": by,
+        "reference": runs[0].name,
+        "differences": diffs,
+        "throughput": {run.name: run.throughput for run in runs},
+    }
     if out is not None:
         result["plot"] = str(plot_curves(runs, by, Path(out)))
     return result
@@ -135,8 +143,10 @@ def check_within(result: dict[str, Any], limit: float) -> None:
                 continue
             compared += 1
             if d["max_abs"] > limit:
-                raise CurvesDiverge(f"{name}: {metric} differs from {reference} by up to {d['max_abs']:.4g} "
-                                    f"(> --assert-within {limit:g}) over {d['points']} points")  # fmt: skip
+                raise CurvesDiverge(
+                    f"{name}: {metric} differs from {reference} by up to {d['max_abs']:.4g} "
+                    f"(> --assert-within {limit:g}) over {d['points']} points"
+                )
     if not compared:
         raise CurvesDiverge(f"--assert-within: no step is logged by both {reference} and the other runs")
 
@@ -175,8 +185,10 @@ def plot_curves(runs: list[RunCurves], by: str, out: Path) -> Path:
 
 def format_report(result: dict[str, Any]) -> str:
     """The differences table (each run against the reference) and the throughput table."""
-    lines = [f"against {result['reference']} (by {result['by']}):",
-             f"{'run':<24} {'metric':<9} {'points':>6} {'max |d|':>10} {'mean |d|':>10}"]  # fmt: skip
+    lines = [
+        f"against {result['reference']} (by {result['by']}):",
+        f"{'run':<24} {'metric':<9} {'points':>6} {'max |d|':>10} {'mean |d|':>10}",
+    ]
     for name, per_metric in result["differences"].items():
         for metric, d in per_metric.items():
             fmt = lambda v: "-" if v is None else f"{v:.4g}"  # noqa: E731

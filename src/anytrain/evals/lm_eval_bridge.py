@@ -97,8 +97,14 @@ def model_class() -> type:
         """An anytrain run's checkpoint as an lm-eval model: ``AnytrainLM(run=RUN_DIR, checkpoint=None,
         batch_size=16)``, or ``AnytrainLM(scorer=Scorer)`` around a model already loaded."""
 
-        def __init__(self, run: str | None = None, checkpoint: str | None = None, batch_size: int | str = 16,
-                     scorer: Any = None, **_: Any) -> None:  # fmt: skip
+        def __init__(
+            self,
+            run: str | None = None,
+            checkpoint: str | None = None,
+            batch_size: int | str = 16,
+            scorer: Any = None,
+            **_: Any,
+        ) -> None:
             super().__init__()
             if scorer is None:
                 from anytrain.evals.tasks import scorer_for_run
@@ -144,8 +150,15 @@ def model_class() -> type:
 _MODEL_CLASS: type | None = None
 
 
-def run_lm_eval(scorer: Any, tasks: list[str], include_path: str | Path | None = None, num_fewshot: int = 0,
-                limit: int = 0, seed: int = 1234, builtin_tasks: bool = True) -> dict[str, dict]:  # fmt: skip
+def run_lm_eval(
+    scorer: Any,
+    tasks: list[str],
+    include_path: str | Path | None = None,
+    num_fewshot: int = 0,
+    limit: int = 0,
+    seed: int = 1234,
+    builtin_tasks: bool = True,
+) -> dict[str, dict]:
     """lm-eval's ``simple_evaluate`` of ``tasks`` on the scorer's model: {task: {metric: value}} (the ``,none``
     filter suffix dropped, standard errors left out). ``builtin_tasks`` False indexes only ``include_path`` (lm-eval
     spends ~30 s indexing its thousands of built-in task YAMLs on a small CPU machine)."""
@@ -157,9 +170,17 @@ def run_lm_eval(scorer: Any, tasks: list[str], include_path: str | Path | None =
     manager = TaskManager(include_path=str(include_path) if include_path else None, include_defaults=builtin_tasks)
     model = model_class()(scorer=scorer)
     try:
-        results = lm_eval.simple_evaluate(model=model, tasks=tasks, num_fewshot=num_fewshot, limit=limit or None,
-                                          task_manager=manager, random_seed=seed, numpy_random_seed=seed,
-                                          torch_random_seed=seed, fewshot_random_seed=seed)  # fmt: skip
+        results = lm_eval.simple_evaluate(
+            model=model,
+            tasks=tasks,
+            num_fewshot=num_fewshot,
+            limit=limit or None,
+            task_manager=manager,
+            random_seed=seed,
+            numpy_random_seed=seed,
+            torch_random_seed=seed,
+            fewshot_random_seed=seed,
+        )
     except (KeyError, ValueError) as exc:  # lm-eval's "task not found" and config errors
         raise AnytrainError(f"--lm-eval: {exc}".splitlines()[0]) from None
     table = {}

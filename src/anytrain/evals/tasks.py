@@ -55,9 +55,17 @@ class Scorer:
     ``max_len`` (the model's positions) keep their last ``max_len`` tokens (the continuation is always kept);
     ``rolling_nll`` scores windows of ``window`` tokens (default ``max_len``; a run's ``data.seq_len``)."""
 
-    def __init__(self, model: Callable[[torch.Tensor], torch.Tensor], tokenizer: Any, eos_id: int, max_len: int,
-                 device: torch.device | str = "cpu", batch_size: int = 16,
-                 dtype: torch.dtype = torch.float32, window: int | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        model: Callable[[torch.Tensor], torch.Tensor],
+        tokenizer: Any,
+        eos_id: int,
+        max_len: int,
+        device: torch.device | str = "cpu",
+        batch_size: int = 16,
+        dtype: torch.dtype = torch.float32,
+        window: int | None = None,
+    ) -> None:
         self.model, self.tokenizer, self.eos_id, self.max_len = model, tokenizer, eos_id, max_len
         self.device, self.batch_size, self.dtype = torch.device(device), batch_size, dtype
         self.window = min(window or max_len, max_len)
@@ -96,8 +104,10 @@ class Scorer:
         rows = []
         for context, continuation in encoded:
             if not 0 < len(continuation) <= self.max_len:
-                raise DataError(f"a continuation of {len(continuation)} tokens cannot be scored (a choice or target "
-                                f"is empty or longer than the model's {self.max_len} positions)")  # fmt: skip
+                raise DataError(
+                    f"a continuation of {len(continuation)} tokens cannot be scored (a choice or target "
+                    f"is empty or longer than the model's {self.max_len} positions)"
+                )
             rows.append((context + continuation)[-(self.max_len + 1) :])
         order = sorted(range(len(rows)), key=lambda i: -len(rows[i]))  # similar lengths share a batch
         out: list[tuple[float, bool]] = [(0.0, False)] * len(rows)
@@ -254,8 +264,10 @@ def detect_format(record: dict, where: str) -> str:
     for name, (keys, _, _) in FORMATS.items():
         if all(k in record for k in keys):
             return name
-    raise DataError(f"{where}: first record has keys {sorted(record)}; expected those of one of "
-                    + "; ".join(f"{n} ({', '.join(k)})" for n, (k, _, _) in FORMATS.items()))  # fmt: skip
+    raise DataError(
+        f"{where}: first record has keys {sorted(record)}; expected those of one of "
+        + "; ".join(f"{n} ({', '.join(k)})" for n, (k, _, _) in FORMATS.items())
+    )
 
 
 def _piqa_labels(path: Path) -> list[int] | None:
@@ -389,16 +401,22 @@ def score_task(scorer: Scorer, task: Task, k: int = 0, seed: int = 1234, limit: 
 def text_metrics(scorer: Scorer, ids: list[int], num_bytes: int) -> dict[str, Any]:
     """Perplexity (per token) and bits per byte (summed NLL / ln 2 / UTF-8 bytes of the text) of token ids."""
     nll, tokens = scorer.rolling_nll(ids)
-    return {"ppl": math.exp(min(nll / tokens, 50.0)), "bits_per_byte": nll / math.log(2) / num_bytes,
-            "nll_per_token": nll / tokens, "tokens": tokens, "bytes": num_bytes}  # fmt: skip
+    return {
+        "ppl": math.exp(min(nll / tokens, 50.0)),
+        "bits_per_byte": nll / math.log(2) / num_bytes,
+        "nll_per_token": nll / tokens,
+        "tokens": tokens,
+        "bytes": num_bytes,
+    }
 
 
 # --------------------------------------------------------------------------------------------------------------------
 # a run
 
 
-def scorer_for_run(run_dir: str | Path, checkpoint: str | Path | None = None, batch_size: int = 16,
-                   data: str | Path | None = None):  # fmt: skip
+def scorer_for_run(
+    run_dir: str | Path, checkpoint: str | Path | None = None, batch_size: int = 16, data: str | Path | None = None
+):
     """(scorer on the best device, run config, checkpoint path, tokenizer file) for a run's newest checkpoint."""
     from anytrain import hardware
     from anytrain.checkpoint.run_model import load_run_model
@@ -455,14 +473,24 @@ def resolve_entry(entry: str, task_dir: str | Path, data_path: str | Path) -> tu
     if not path.exists() and (Path(task_dir) / f"{target}.jsonl").is_file():
         path = Path(task_dir) / f"{target}.jsonl"
     if not path.exists():
-        raise DataError(f"--tasks {entry}: no file {path} (and no {Path(task_dir) / (target + '.jsonl')}); give a "
-                        ".jsonl / .txt path, a prepared dataset folder, val, or NAME with --task-dir")  # fmt: skip
+        raise DataError(
+            f"--tasks {entry}: no file {path} (and no {Path(task_dir) / (target + '.jsonl')}); give a "
+            ".jsonl / .txt path, a prepared dataset folder, val, or NAME with --task-dir"
+        )
     return name or (path.stem if path.is_file() else path.name), path
 
 
-def evaluate_tasks(run_dir: str | Path, tasks: list[str], num_fewshot: int = 0, limit: int = 0, batch_size: int = 16,
-                   task_dir: str | Path = "data/tasks", data: str | Path | None = None, seed: int = 1234,
-                   checkpoint: str | Path | None = None) -> list[dict[str, Any]]:  # fmt: skip
+def evaluate_tasks(
+    run_dir: str | Path,
+    tasks: list[str],
+    num_fewshot: int = 0,
+    limit: int = 0,
+    batch_size: int = 16,
+    task_dir: str | Path = "data/tasks",
+    data: str | Path | None = None,
+    seed: int = 1234,
+    checkpoint: str | Path | None = None,
+) -> list[dict[str, Any]]:
     """Score each task on the run's newest (or the given) checkpoint; each result also goes to
     ``RUN/evals/<task>.json``."""
     from anytrain.errors import ConfigError
@@ -480,12 +508,22 @@ def evaluate_tasks(run_dir: str | Path, tasks: list[str], num_fewshot: int = 0, 
     results = []
     for (name, target), task in zip(resolved, loaded, strict=True):
         if task is not None:
-            metrics = {"format": task.format, "file": str(target), "num_fewshot": num_fewshot, "seed": seed,
-                       **score_task(scorer, task, num_fewshot, seed, limit)}  # fmt: skip
+            metrics = {
+                "format": task.format,
+                "file": str(target),
+                "num_fewshot": num_fewshot,
+                "seed": seed,
+                **score_task(scorer, task, num_fewshot, seed, limit),
+            }
         else:
             metrics = _text_task(scorer, name, target, limit)
-        result = {"task": name, **metrics, "limit": limit, "checkpoint": str(path),
-                  "step": int(path.name.split("_")[-1])}  # fmt: skip
+        result = {
+            "task": name,
+            **metrics,
+            "limit": limit,
+            "checkpoint": str(path),
+            "step": int(path.name.split("_")[-1]),
+        }
         out = Path(run_dir) / "evals" / f"{name}.json"
         out.parent.mkdir(exist_ok=True)
         out.write_text(json.dumps(result, indent=1))

@@ -64,8 +64,10 @@ class ConvConfig:
             if v < (4 if name.startswith("block_t") else 1) or v & (v - 1):
                 raise ValueError(f"ConvConfig: {name} must be a power of 2 (block_t* >= 4), got {v}")
         if self.slots_bwd not in (4, 8) or self.block_t_bwd < self.slots_bwd:
-            raise ValueError(f"ConvConfig: slots_bwd must be 4 or 8 and at most block_t_bwd ({self.block_t_bwd}), "
-                             f"got {self.slots_bwd}")  # fmt: skip
+            raise ValueError(
+                f"ConvConfig: slots_bwd must be 4 or 8 and at most block_t_bwd ({self.block_t_bwd}), "
+                f"got {self.slots_bwd}"
+            )
 
 
 _VENDOR_CONFIGS = {
@@ -179,8 +181,7 @@ def _bias_col(bias_ptr, offs_d, mask_d, HAS_BIAS: tl.constexpr, BLOCK_D: tl.cons
 
 
 @triton.jit
-def _store_dw_db(dw_ptr, db_ptr, row, mask_d, acc0, acc1, acc2, acc3, accb, PADW: tl.constexpr,
-                 HAS_BIAS: tl.constexpr):  # fmt: skip
+def _store_dw_db(dw_ptr, db_ptr, row, mask_d, acc0, acc1, acc2, acc3, accb, PADW: tl.constexpr, HAS_BIAS: tl.constexpr):
     # the backward's per-thread tap / bias sums, reduced over time and written (in the outputs' dtypes) to row ``row``
     # of dw (., width) / db (.,)
     rows = dw_ptr + row * (4 - PADW) - PADW
@@ -198,10 +199,24 @@ def _store_dw_db(dw_ptr, db_ptr, row, mask_d, acc0, acc1, acc2, acc3, accb, PADW
 
 @triton.jit
 def _conv_fwd_kernel(
-    x_ptr, w_ptr, bias_ptr, out_ptr, dim, seqlen, s_xb, s_xd, s_ob, s_od,
-    BLOCK_D: tl.constexpr, BLOCK_T: tl.constexpr, PADW: tl.constexpr, HAS_BIAS: tl.constexpr, SILU: tl.constexpr,
-    ACC: tl.constexpr, EVEN: tl.constexpr,
-):  # fmt: skip
+    x_ptr,
+    w_ptr,
+    bias_ptr,
+    out_ptr,
+    dim,
+    seqlen,
+    s_xb,
+    s_xd,
+    s_ob,
+    s_od,
+    BLOCK_D: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    PADW: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    SILU: tl.constexpr,
+    ACC: tl.constexpr,
+    EVEN: tl.constexpr,
+):
     # Time is tiled as (BLOCK_T // 4 blocks, 4 slots): every load is an aligned vector of 4 (this block and the
     # previous one), and the 3 shifted taps are picked from the slots in registers (no misaligned scalar loads).
     pid_t = tl.program_id(0)
@@ -221,17 +236,42 @@ def _conv_fwd_kernel(
         out = out * _sigmoid(out, SILU == 2)
     tt = 4 * j[:, None] + tl.arange(0, 4)[None, :]
     o_rows = out_ptr + b * s_ob + offs_d * s_od
-    tl.store(o_rows[:, None, None] + tt[None, :, :], out.to(out_ptr.dtype.element_ty),
-             mask=_time_mask(j, mask_d, seqlen, EVEN))  # fmt: skip
+    tl.store(
+        o_rows[:, None, None] + tt[None, :, :],
+        out.to(out_ptr.dtype.element_ty),
+        mask=_time_mask(j, mask_d, seqlen, EVEN),
+    )
 
 
 @triton.jit
 def _conv_bwd_kernel(
-    x_ptr, w_ptr, bias_ptr, dout_ptr, dx_ptr, dw_ptr, db_ptr, dim, seqlen, n_tblocks, n_iters, iters_per_program,
-    s_xb, s_xd, s_gb, s_gd, s_db, s_dd,
-    BLOCK_D: tl.constexpr, BLOCK_T: tl.constexpr, PADW: tl.constexpr, HAS_BIAS: tl.constexpr, SILU: tl.constexpr,
-    ACC: tl.constexpr, EVEN: tl.constexpr, STAGES: tl.constexpr = None,
-):  # fmt: skip
+    x_ptr,
+    w_ptr,
+    bias_ptr,
+    dout_ptr,
+    dx_ptr,
+    dw_ptr,
+    db_ptr,
+    dim,
+    seqlen,
+    n_tblocks,
+    n_iters,
+    iters_per_program,
+    s_xb,
+    s_xd,
+    s_gb,
+    s_gd,
+    s_db,
+    s_dd,
+    BLOCK_D: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    PADW: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    SILU: tl.constexpr,
+    ACC: tl.constexpr,
+    EVEN: tl.constexpr,
+    STAGES: tl.constexpr = None,
+):
     # Program (channel block, split s) walks iterations [s * iters_per_program, (s + 1) * iters_per_program) of the
     # flattened (batch, time block) space; dweight/dbias accumulate elementwise in registers and are reduced and
     # written once: dw (n_splits, dim, width) and db (n_splits, dim), final when there is one split.
@@ -276,8 +316,11 @@ def _conv_bwd_kernel(
         )
         tt = 4 * j[:, None] + tl.arange(0, 4)[None, :]
         dx_rows = dx_ptr + b * s_db + offs_d * s_dd
-        tl.store(dx_rows[:, None, None] + tt[None, :, :], dx.to(dx_ptr.dtype.element_ty),
-                 mask=_time_mask(j, mask_d, seqlen, EVEN))  # fmt: skip
+        tl.store(
+            dx_rows[:, None, None] + tt[None, :, :],
+            dx.to(dx_ptr.dtype.element_ty),
+            mask=_time_mask(j, mask_d, seqlen, EVEN),
+        )
         # e0..e3 are zero outside [0, seqlen), so these sums only see real timesteps
         k0, k1, k2, k3 = _conv4(e0, e1, e2, e3, 0.0, p1, p2, p3, x0, x1, x2, x3)
         acc0 += k0
@@ -306,8 +349,9 @@ def _ld_run(rows, start, t_abs, N: tl.constexpr, mask_d, seqlen, EVEN: tl.conste
         ok = ((t_abs >= 0) & (t_abs < seqlen))[:, None] & (r < N)
     else:
         ok = (t_abs[:, None] + r >= 0) & (t_abs[:, None] + r < seqlen)
-    return tl.load(rows[:, None, None] + (start[:, None] + r)[None, :, :], mask=mask_d[:, None, None] & ok[None, :, :],
-                   other=0)  # fmt: skip
+    return tl.load(
+        rows[:, None, None] + (start[:, None] + r)[None, :, :], mask=mask_d[:, None, None] & ok[None, :, :], other=0
+    )
 
 
 @triton.jit
@@ -324,11 +368,33 @@ def _run8(rows, jl, t0, mask_d, seqlen, ACC: tl.constexpr, EVEN: tl.constexpr):
 
 @triton.jit
 def _conv_bwd8_kernel(
-    x_ptr, w_ptr, bias_ptr, dout_ptr, dx_ptr, dw_ptr, db_ptr, dim, seqlen, n_tblocks, n_iters, iters_per_program,
-    s_xb, s_xd, s_gb, s_gd, s_db, s_dd,
-    BLOCK_D: tl.constexpr, BLOCK_T: tl.constexpr, PADW: tl.constexpr, HAS_BIAS: tl.constexpr, SILU: tl.constexpr,
-    ACC: tl.constexpr, EVEN: tl.constexpr, STAGES: tl.constexpr = None,
-):  # fmt: skip
+    x_ptr,
+    w_ptr,
+    bias_ptr,
+    dout_ptr,
+    dx_ptr,
+    dw_ptr,
+    db_ptr,
+    dim,
+    seqlen,
+    n_tblocks,
+    n_iters,
+    iters_per_program,
+    s_xb,
+    s_xd,
+    s_gb,
+    s_gd,
+    s_db,
+    s_dd,
+    BLOCK_D: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    PADW: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    SILU: tl.constexpr,
+    ACC: tl.constexpr,
+    EVEN: tl.constexpr,
+    STAGES: tl.constexpr = None,
+):
     # _conv_bwd_kernel with runs of 8 timesteps per thread (ConvConfig.slots_bwd = 8): time is tiled as (BLOCK_T // 8
     # runs, 8 slots); the 3 timesteps before a run come from the previous aligned block of 4 and the 3 after it from
     # the next one. EVEN: seqlen % 8 == 0. The (batch, time block) of an iteration and the row pointers are carried
@@ -386,8 +452,11 @@ def _conv_bwd8_kernel(
         )
         dx = tl.reshape(tl.permute(tl.join(dxl, dxh), (0, 1, 3, 2)), (BLOCK_D, BLOCK_T // 8, 8))
         tt = 8 * jl[:, None] + tl.arange(0, 8)[None, :]
-        tl.store(dx_rows[:, None, None] + tt[None, :, :], dx.to(dx_ptr.dtype.element_ty),
-                 mask=_time_mask(jl + t0 // 8, mask_d, seqlen, EVEN, 8))  # fmt: skip
+        tl.store(
+            dx_rows[:, None, None] + tt[None, :, :],
+            dx.to(dx_ptr.dtype.element_ty),
+            mask=_time_mask(jl + t0 // 8, mask_d, seqlen, EVEN, 8),
+        )
         # dweight tap k: sum_t dpre_t x_{t-3+k}, one FMA chain per tap (e0..e7 are zero outside [0, seqlen))
         acc0 = acc0 + e0 * p1 + e1 * p2 + e2 * p3 + e3 * x0 + e4 * x1 + e5 * x2 + e6 * x3 + e7 * x4
         acc1 = acc1 + e0 * p2 + e1 * p3 + e2 * x0 + e3 * x1 + e4 * x2 + e5 * x3 + e6 * x4 + e7 * x5
@@ -442,9 +511,20 @@ class _Plan:
     """Everything a call's launches need that depends only on (shapes, dtypes, device type, activation, config)."""
 
     __slots__ = (
-        "dim", "seqlen", "out_shape", "out_strides", "fwd", "bwd", "bwd_args", "splits", "dw_shape", "dw_dtype",
-        "db_dtype", "partial_dtype", "sum",
-    )  # fmt: skip
+        "dim",
+        "seqlen",
+        "out_shape",
+        "out_strides",
+        "fwd",
+        "bwd",
+        "bwd_args",
+        "splits",
+        "dw_shape",
+        "dw_dtype",
+        "db_dtype",
+        "partial_dtype",
+        "sum",
+    )
 
     def __init__(self, x: Tensor, weight: Tensor, bias: Tensor | None, activation: str | None, cfg: ConvConfig):
         if activation not in (None, "silu"):
@@ -464,16 +544,32 @@ class _Plan:
         self.dim, self.seqlen = dim, seqlen
         self.out_shape, self.out_strides = (batch, dim, seqlen), (dim * seqlen, seqlen)
         fwd_grid = (triton.cdiv(seqlen, cfg.block_t), triton.cdiv(dim, cfg.block_d), batch)
-        fwd_meta = dict(BLOCK_D=cfg.block_d, BLOCK_T=cfg.block_t, PADW=padw, HAS_BIAS=has_bias, SILU=silu, ACC=acc,
-                        EVEN=seqlen % 4 == 0, num_warps=cfg.num_warps)  # fmt: skip
+        fwd_meta = dict(
+            BLOCK_D=cfg.block_d,
+            BLOCK_T=cfg.block_t,
+            PADW=padw,
+            HAS_BIAS=has_bias,
+            SILU=silu,
+            ACC=acc,
+            EVEN=seqlen % 4 == 0,
+            num_warps=cfg.num_warps,
+        )
         self.fwd = Launcher(_conv_fwd_kernel, fwd_grid, fwd_meta)
         eight = cfg.slots_bwd == 8
         n_tblocks = triton.cdiv(seqlen, cfg.block_t_bwd)
         n_iters = batch * n_tblocks
         self.splits, per = _bwd_splits(cfg, dim, n_iters)
-        bwd_meta = dict(BLOCK_D=cfg.block_d_bwd, BLOCK_T=cfg.block_t_bwd, PADW=padw, HAS_BIAS=has_bias, SILU=silu,
-                        ACC=acc, EVEN=seqlen % (8 if eight else 4) == 0, STAGES=cfg.stages_bwd or None,
-                        num_warps=cfg.num_warps_bwd)  # fmt: skip
+        bwd_meta = dict(
+            BLOCK_D=cfg.block_d_bwd,
+            BLOCK_T=cfg.block_t_bwd,
+            PADW=padw,
+            HAS_BIAS=has_bias,
+            SILU=silu,
+            ACC=acc,
+            EVEN=seqlen % (8 if eight else 4) == 0,
+            STAGES=cfg.stages_bwd or None,
+            num_warps=cfg.num_warps_bwd,
+        )
         bwd_grid = (triton.cdiv(dim, cfg.block_d_bwd), self.splits)
         self.bwd = Launcher(_conv_bwd8_kernel if eight else _conv_bwd_kernel, bwd_grid, bwd_meta)
         self.bwd_args = (dim, seqlen, n_tblocks, n_iters, per)
@@ -489,8 +585,16 @@ _PLANS: dict[tuple, _Plan] = {}
 
 def _plan(x: Tensor, weight: Tensor, bias: Tensor | None, activation: str | None, config: ConvConfig | None) -> _Plan:
     """The cached ``_Plan`` of these arguments (made, and the arguments checked, on the first call with them)."""
-    key = (x.shape, weight.shape, x.dtype, weight.dtype, None if bias is None else (bias.shape, bias.dtype),
-           activation, x.is_cuda, config)  # fmt: skip
+    key = (
+        x.shape,
+        weight.shape,
+        x.dtype,
+        weight.dtype,
+        None if bias is None else (bias.shape, bias.dtype),
+        activation,
+        x.is_cuda,
+        config,
+    )
     plan = _PLANS.get(key)
     if plan is None:
         if len(_PLANS) >= 4096:  # many distinct shapes (e.g. variable-length evaluation): start over
@@ -521,8 +625,22 @@ def _launch_bwd(
         dw = torch.empty((p.splits, *p.dw_shape), device=x.device, dtype=p.partial_dtype)
         db = None if bias is None else torch.empty((p.splits, p.dim), device=x.device, dtype=p.partial_dtype)
     sx, sg, sd = x.stride(), dout.stride(), dx.stride()
-    p.bwd(x, weight, dw if bias is None else bias, dout, dx, dw, dw if db is None else db, *p.bwd_args, sx[0], sx[1],
-          sg[0], sg[1], sd[0], sd[1])  # fmt: skip
+    p.bwd(
+        x,
+        weight,
+        dw if bias is None else bias,
+        dout,
+        dx,
+        dw,
+        dw if db is None else db,
+        *p.bwd_args,
+        sx[0],
+        sx[1],
+        sg[0],
+        sg[1],
+        sd[0],
+        sd[1],
+    )
     if p.splits == 1:
         return dx, dw, db
     dweight = torch.empty(p.dw_shape, device=x.device, dtype=p.dw_dtype)

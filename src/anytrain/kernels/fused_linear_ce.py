@@ -38,8 +38,13 @@ LOGITS_CHUNK_BYTES = 256 * 2**20  # one chunk of logits in the compute dtype
 # Row op: loss per row and, in place, the logits gradient
 
 
-def ce_rows_ref(logits: torch.Tensor, targets: torch.Tensor, scale: torch.Tensor, ignore_index: int = IGNORE_INDEX,
-                write_grad: bool = True) -> torch.Tensor:  # fmt: skip
+def ce_rows_ref(
+    logits: torch.Tensor,
+    targets: torch.Tensor,
+    scale: torch.Tensor,
+    ignore_index: int = IGNORE_INDEX,
+    write_grad: bool = True,
+) -> torch.Tensor:
     """Reference twin of the row kernel. logits (n, V), targets (n,), scale (1,) -> loss per row (n,) in fp32
     (float64 for float64 logits). With ``write_grad`` overwrites ``logits`` with ``(softmax - onehot) * scale``,
     zero on ignored rows. Math in fp32 (or float64)."""
@@ -59,8 +64,17 @@ def ce_rows_ref(logits: torch.Tensor, targets: torch.Tensor, scale: torch.Tensor
     return loss
 
 
-def _ce_rows_kernel(logits_ptr, stride_row, targets_ptr, loss_ptr, scale_ptr, V, ignore_index,
-                    BLOCK_V: tl.constexpr, WRITE_GRAD: tl.constexpr):  # fmt: skip
+def _ce_rows_kernel(
+    logits_ptr,
+    stride_row,
+    targets_ptr,
+    loss_ptr,
+    scale_ptr,
+    V,
+    ignore_index,
+    BLOCK_V: tl.constexpr,
+    WRITE_GRAD: tl.constexpr,
+):
     """One program per row: online max / sum-exp over V (first sweep), loss = lse - x[target]; then (second sweep)
     the row is overwritten with (exp(x - lse) - onehot) * scale. Loads in the logits dtype, math in fp32."""
     row = tl.program_id(0).to(tl.int64)
@@ -108,8 +122,14 @@ def _kernel():
     return _JITTED["ce_rows"]
 
 
-def ce_rows_triton(logits: torch.Tensor, targets: torch.Tensor, scale: torch.Tensor, ignore_index: int = IGNORE_INDEX,
-                   write_grad: bool = True, block_v: int | None = None) -> torch.Tensor:  # fmt: skip
+def ce_rows_triton(
+    logits: torch.Tensor,
+    targets: torch.Tensor,
+    scale: torch.Tensor,
+    ignore_index: int = IGNORE_INDEX,
+    write_grad: bool = True,
+    block_v: int | None = None,
+) -> torch.Tensor:
     """Triton row kernel (same contract as ``ce_rows_ref``). logits must have a contiguous last dim."""
     kernel = _kernel()
     n, vocab = logits.shape
@@ -119,8 +139,18 @@ def ce_rows_triton(logits: torch.Tensor, targets: torch.Tensor, scale: torch.Ten
     if n == 0:
         return loss
     block = block_v or min(triton.next_power_of_2(vocab), 4096)
-    kernel[(n,)](logits, logits.stride(0), targets.contiguous(), loss, scale.to(torch.float32).contiguous(), vocab,
-                 ignore_index, BLOCK_V=block, WRITE_GRAD=write_grad, num_warps=8 if block >= 2048 else 4)  # fmt: skip
+    kernel[(n,)](
+        logits,
+        logits.stride(0),
+        targets.contiguous(),
+        loss,
+        scale.to(torch.float32).contiguous(),
+        vocab,
+        ignore_index,
+        BLOCK_V=block,
+        WRITE_GRAD=write_grad,
+        num_warps=8 if block >= 2048 else 4,
+    )
     return loss
 
 
@@ -130,8 +160,13 @@ def _use_triton(t: torch.Tensor) -> bool:
     return t.is_cuda  # CUDA and ROCm tensors; the interpreter is for tests, which call ce_rows_triton directly
 
 
-def ce_rows(logits: torch.Tensor, targets: torch.Tensor, scale: torch.Tensor, ignore_index: int = IGNORE_INDEX,
-            write_grad: bool = True) -> torch.Tensor:  # fmt: skip
+def ce_rows(
+    logits: torch.Tensor,
+    targets: torch.Tensor,
+    scale: torch.Tensor,
+    ignore_index: int = IGNORE_INDEX,
+    write_grad: bool = True,
+) -> torch.Tensor:
     """Dispatch: Triton on GPU tensors, the reference twin otherwise."""
     if _use_triton(logits) and logits.dtype != torch.float64:
         return ce_rows_triton(logits, targets, scale, ignore_index, write_grad)
@@ -149,9 +184,15 @@ def default_chunk_rows(n_rows: int, vocab: int, dtype: torch.dtype) -> int:
     return max(1, math.ceil(n_rows / n_chunks))
 
 
-def _loss_and_grads(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, ignore_index: int,
-                    chunk_rows: int, grad_hidden: bool, grad_weight: bool,
-                    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:  # fmt: skip
+def _loss_and_grads(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    targets: torch.Tensor,
+    ignore_index: int,
+    chunk_rows: int,
+    grad_hidden: bool,
+    grad_weight: bool,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """hidden (N, D), weight (V, D), targets (N,) -> (mean loss fp32 scalar, dHidden (N, D), dWeight (V, D)).
 
     dWeight is accumulated in fp32 when the compute dtype is narrower. No host synchronisation."""
@@ -181,10 +222,12 @@ def _loss_and_grads(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.T
 
 class _LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, ignore_index: int,
-                chunk_rows: int) -> torch.Tensor:  # fmt: skip
-        loss, d_hidden, d_weight = _loss_and_grads(hidden, weight, targets, ignore_index, chunk_rows,
-                                                   ctx.needs_input_grad[0], ctx.needs_input_grad[1])  # fmt: skip
+    def forward(
+        ctx, hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, ignore_index: int, chunk_rows: int
+    ) -> torch.Tensor:
+        loss, d_hidden, d_weight = _loss_and_grads(
+            hidden, weight, targets, ignore_index, chunk_rows, ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        )
         ctx.weight_dtype = weight.dtype
         ctx.save_for_backward(d_hidden, d_weight)
         return loss
@@ -200,8 +243,13 @@ class _LinearCrossEntropy(torch.autograd.Function):
         return gh, gw, None, None, None
 
 
-def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
-                         ignore_index: int = IGNORE_INDEX, chunk_rows: int | None = None) -> torch.Tensor:  # fmt: skip
+def linear_cross_entropy(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    targets: torch.Tensor,
+    ignore_index: int = IGNORE_INDEX,
+    chunk_rows: int | None = None,
+) -> torch.Tensor:
     """Mean cross-entropy of ``hidden @ weight.T`` against ``targets`` over rows whose target != ignore_index.
 
     hidden (..., D), weight (V, D), targets (...) int64, all in one dtype (the caller casts for autocast). Returns

@@ -80,8 +80,9 @@ class Launcher:
             binary = self.binaries.get(key)
             if binary is not None:
                 stream = driver.get_current_stream(device)
-                binary.run(*self.grid, stream, binary.function, binary.packed_metadata, None, None, None, *args,
-                           *self.tail)  # fmt: skip
+                binary.run(
+                    *self.grid, stream, binary.function, binary.packed_metadata, None, None, None, *args, *self.tail
+                )
                 return
             binary = self.kernel[self.grid](*args, **self.meta)
             if all(hasattr(binary, name) for name in _DIRECT_ATTRS):

@@ -171,9 +171,20 @@ def _backward(dout, h, w_in, conv_w, conv_b, w_x, w_dt, dt_bias, A_log, D, w_out
     dy = w_out_c.t() @ dout2.t()  # (E, N)
     dw_out = grad_mm(dout2.t(), y.t(), w_out.dtype)  # (D, E)
     du, ddelta, dz, dB, dC, dA, dD, dbias = scan_mod._bwd(
-        _bct(dy, batch), u, dlt, A, Bg, Cg, at_least_fp32(D), z, at_least_fp32(dt_bias), states, True,
-        scan_mod.default_config(), deterministic,
-    )  # fmt: skip  # du, ddelta, dz: (B, E, T) in the layout of u, delta, z (empty_like); dB, dC (B, 1, S, T) fp32
+        _bct(dy, batch),
+        u,
+        dlt,
+        A,
+        Bg,
+        Cg,
+        at_least_fp32(D),
+        z,
+        at_least_fp32(dt_bias),
+        states,
+        True,
+        scan_mod.default_config(),
+        deterministic,
+    )  # du, ddelta, dz: (B, E, T) in the layout of u, delta, z (empty_like); dB, dC (B, 1, S, T) fp32
     du2, ddelta2, dz2 = _flat(du), _flat(ddelta), _flat(dz)  # (E, N) views
     dx_dbl = torch.empty_like(x_dbl)  # (R + 2S, N): dt, B, C gradients in place, no cat
     torch.mm(w_dt_c.t(), ddelta2, out=dx_dbl[:R])
@@ -191,10 +202,17 @@ def _backward(dout, h, w_in, conv_w, conv_b, w_x, w_dt, dt_bias, A_log, D, w_out
     grad_mm(dz2, h2, w_in.dtype, out=dw_in[E:])
     dh = (dx2.t() @ w_in_c[:E]).addmm_(dz2.t(), w_in_c[E:])  # (N, D)
     return (
-        dh.view(h.shape), dw_in.to(w_in.dtype), dconv_w.view(conv_w.shape), dconv_b,
-        dw_x.to(w_x.dtype), dw_dt.to(w_dt.dtype), dbias.to(dt_bias.dtype), (dA * A).to(A_log.dtype), dD.to(D.dtype),
+        dh.view(h.shape),
+        dw_in.to(w_in.dtype),
+        dconv_w.view(conv_w.shape),
+        dconv_b,
+        dw_x.to(w_x.dtype),
+        dw_dt.to(w_dt.dtype),
+        dbias.to(dt_bias.dtype),
+        (dA * A).to(A_log.dtype),
+        dD.to(D.dtype),
         dw_out.to(w_out.dtype),
-    )  # fmt: skip
+    )
 
 
 def _forward_op(h, w_in, conv_w, conv_b, w_x, w_dt, dt_bias, A_log, D, w_out, deterministic):
@@ -242,9 +260,12 @@ def _register_custom_ops() -> bool:
         nsub = _cdiv(T, _modules()[0].SAVE_EVERY)
         acc = torch.float64 if torch.float64 in (h.dtype, A_log.dtype) else torch.float32
         return (
-            h.new_empty(batch, T, w_out.shape[0]), h.new_empty(2 * E, N), h.new_empty(w_x.shape[0], N),
-            h.new_empty(E, N), h.new_empty(batch, E, S, nsub, dtype=acc),
-        )  # fmt: skip
+            h.new_empty(batch, T, w_out.shape[0]),
+            h.new_empty(2 * E, N),
+            h.new_empty(w_x.shape[0], N),
+            h.new_empty(E, N),
+            h.new_empty(batch, E, S, nsub, dtype=acc),
+        )
 
     @bwd_op.register_fake
     def _(dout, h, *rest):
@@ -297,8 +318,21 @@ def mamba_inner_triton(
     return _MambaInnerFn.apply(*args, out_proj_weight, det)
 
 
-def mixer_composition(h, in_proj_weight, conv1d_weight, conv1d_bias, x_proj_weight, dt_proj_weight, dt_proj_bias,
-                      A_log, D, out_proj_weight, conv_fn, scan_fn, projections=None) -> Tensor:  # fmt: skip
+def mixer_composition(
+    h,
+    in_proj_weight,
+    conv1d_weight,
+    conv1d_bias,
+    x_proj_weight,
+    dt_proj_weight,
+    dt_proj_bias,
+    A_log,
+    D,
+    out_proj_weight,
+    conv_fn,
+    scan_fn,
+    projections=None,
+) -> Tensor:
     """The unfused mixer (``MambaMixer``'s computation) on the given ops, autograd through it: ``conv_fn`` /
     ``scan_fn`` with the ``causal_conv1d`` / ``selective_scan`` signatures (the public dispatching ops, or the
     reference twins). in_proj and dt_proj are computed channel-major as mamba-ssm does, so x, z and delta reach the
@@ -317,15 +351,34 @@ def mixer_composition(h, in_proj_weight, conv1d_weight, conv1d_bias, x_proj_weig
     dt = (dt_proj_weight @ dt.reshape(batch * T, R).t()).view(-1, batch, T).transpose(0, 1)  # (B, E, T)
     A = -torch.exp(at_least_fp32(A_log))  # (E, S), fp32 as the kernels require (fp64 in fp64 tests)
     # out = (scan(u) + D·u) · SiLU(z); dt_proj's bias and the softplus are applied inside the scan
-    y = scan_fn(x, dt, A, b.transpose(1, 2), c.transpose(1, 2), D=at_least_fp32(D), z=z,
-                delta_bias=at_least_fp32(dt_proj_bias), delta_softplus=True)  # (B, E, T)  # fmt: skip
+    y = scan_fn(
+        x,
+        dt,
+        A,
+        b.transpose(1, 2),
+        c.transpose(1, 2),
+        D=at_least_fp32(D),
+        z=z,
+        delta_bias=at_least_fp32(dt_proj_bias),
+        delta_softplus=True,
+    )  # (B, E, T)
     if projections is not None:
         return projections[1](y.transpose(1, 2).contiguous())  # (B, T, D); row-wise FP8 casts need it contiguous
     return F.linear(y.transpose(1, 2), out_proj_weight)  # (B, T, D)
 
 
-def mamba_inner_ref(h, in_proj_weight, conv1d_weight, conv1d_bias, x_proj_weight, dt_proj_weight, dt_proj_bias,
-                    A_log, D, out_proj_weight) -> Tensor:  # fmt: skip
+def mamba_inner_ref(
+    h,
+    in_proj_weight,
+    conv1d_weight,
+    conv1d_bias,
+    x_proj_weight,
+    dt_proj_weight,
+    dt_proj_bias,
+    A_log,
+    D,
+    out_proj_weight,
+) -> Tensor:
     """The unfused composition on the PyTorch reference ops (``MambaMixer``'s computation), autograd through it."""
     weights = (in_proj_weight, conv1d_weight, conv1d_bias, x_proj_weight, dt_proj_weight, dt_proj_bias, A_log, D)
     return mixer_composition(h, *weights, out_proj_weight, causal_conv1d_ref, selective_scan_ref)

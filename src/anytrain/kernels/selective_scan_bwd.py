@@ -93,8 +93,9 @@ def _chan_sum(r0, r1, r2, r3, r4, r5, r6, r7, ii, chan, BLOCK_D: tl.constexpr, S
 
 
 @triton.jit
-def _lane_A(A_flat, lane_f, i_m, first, s_an, DSTATE: tl.constexpr, BLOCK_D: tl.constexpr, SEG: tl.constexpr,
-            ACC: tl.constexpr):  # fmt: skip
+def _lane_A(
+    A_flat, lane_f, i_m, first, s_an, DSTATE: tl.constexpr, BLOCK_D: tl.constexpr, SEG: tl.constexpr, ACC: tl.constexpr
+):
     # A log2(e) of state first + p in lane p of each channel, (BLOCK_D, SEG); 0 where that state does not exist
     A = tl.load(A_flat + (lane_f + first) * s_an, mask=i_m & (lane_f + first < DSTATE), other=0.0)
     return tl.reshape(A, (BLOCK_D, SEG)).to(ACC) * LOG2E
@@ -123,16 +124,67 @@ def _bc_val(x, BLOCK_D: tl.constexpr, SEG: tl.constexpr, BITS: tl.constexpr, ACC
 
 @triton.jit(do_not_specialize=["s_sk", "one"])
 def _ss_bwd_kernel(
-    u_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, D_ptr, z_ptr, bias_ptr, state_ptr, dout_ptr,
-    du_ptr, ddt_ptr, dz_ptr, dB_ptr, dC_ptr, dA_ptr, dD_ptr, dbias_ptr, q_ptr,
-    dpg, seqlen, nsub,
-    s_ub, s_ud, s_tb, s_td, s_ad, s_an, s_bb, s_bg, s_bn, s_cb, s_cg, s_cn, s_zb, s_zd, s_gb, s_gd,
-    s_rb, s_rg, s_rk, s_rn, s_sn, s_sk, one,
-    DSTATE: tl.constexpr, BLOCK_D: tl.constexpr, SEG: tl.constexpr, ACC: tl.constexpr,
-    HAS_D: tl.constexpr, HAS_Z: tl.constexpr, HAS_BIAS: tl.constexpr, SOFTPLUS: tl.constexpr, ATOMIC: tl.constexpr,
-    STAGES: tl.constexpr, LANES: tl.constexpr, FAST: tl.constexpr, EVEN: tl.constexpr, BITS: tl.constexpr,
+    u_ptr,
+    dt_ptr,
+    A_ptr,
+    B_ptr,
+    C_ptr,
+    D_ptr,
+    z_ptr,
+    bias_ptr,
+    state_ptr,
+    dout_ptr,
+    du_ptr,
+    ddt_ptr,
+    dz_ptr,
+    dB_ptr,
+    dC_ptr,
+    dA_ptr,
+    dD_ptr,
+    dbias_ptr,
+    q_ptr,
+    dpg,
+    seqlen,
+    nsub,
+    s_ub,
+    s_ud,
+    s_tb,
+    s_td,
+    s_ad,
+    s_an,
+    s_bb,
+    s_bg,
+    s_bn,
+    s_cb,
+    s_cg,
+    s_cn,
+    s_zb,
+    s_zd,
+    s_gb,
+    s_gd,
+    s_rb,
+    s_rg,
+    s_rk,
+    s_rn,
+    s_sn,
+    s_sk,
+    one,
+    DSTATE: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    SEG: tl.constexpr,
+    ACC: tl.constexpr,
+    HAS_D: tl.constexpr,
+    HAS_Z: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    SOFTPLUS: tl.constexpr,
+    ATOMIC: tl.constexpr,
+    STAGES: tl.constexpr,
+    LANES: tl.constexpr,
+    FAST: tl.constexpr,
+    EVEN: tl.constexpr,
+    BITS: tl.constexpr,
     BSUM: tl.constexpr,
-):  # fmt: skip
+):
     # Inputs as the forward's, plus the saved states (batch, dim, N, nsub) (s_sn, s_sk: strides of N and nsub), dout,
     # and ``one`` (a runtime 1 that keeps the lane-reversed offsets from being folded into a layout that needs a
     # conversion). Outputs: du, ddelta, dz like u; dB, dC (batch, G, K, N, L) with K = 1 (ATOMIC: relaxed fp32 atomic
@@ -165,8 +217,9 @@ def _ss_bwd_kernel(
     u_base, dt_base, z_base, go_base, du_base, ddt_base, dz_base = _row_bases(
         b, rows, u_ptr, dt_ptr, z_ptr, dout_ptr, du_ptr, ddt_ptr, dz_ptr, s_ub, s_ud, s_tb, s_td, s_zb, s_zd, s_gb, s_gd
     )
-    B_base, C_base, r_base, rc_base = _bc_bases(b, g, pid_blk, B_ptr, C_ptr, dB_ptr, dC_ptr, s_bb, s_bg, s_cb, s_cg,
-                                                s_rb, s_rg, s_rk, ATOMIC)  # fmt: skip
+    B_base, C_base, r_base, rc_base = _bc_bases(
+        b, g, pid_blk, B_ptr, C_ptr, dB_ptr, dC_ptr, s_bb, s_bg, s_cb, s_cg, s_rb, s_rg, s_rk, ATOMIC
+    )
     # per-state (channel, segment) tiles through flat pointers (see _flat_rows)
     ii, i_m, i_seg, st_flat, q_flat, A_flat, dA_flat, first_lane, last = _flat_rows(
         pid_blk, b, g, dpg, dim, state_ptr, q_ptr, A_ptr, dA_ptr, s_sn, s_ad, DSTATE, BLOCK_D, SEG
@@ -297,10 +350,12 @@ def _ss_bwd_kernel(
             else:
                 _store_dA_lane0(hm, dt, dA_flat, (b * nchunks + c) * dim * DSTATE + ns, first_lane, BLOCK_D, SEG)
             if RS:
-                dBf = _chan_sum(g0 * u0, g1 * u1, g2 * u2, g3 * u3, g4 * u4, g5 * u5, g6 * u6, g7 * u7,
-                                ii, chan, BLOCK_D, SEG)  # fmt: skip
-                dCf = _chan_sum(h0 * y0, h1 * y1, h2 * y2, h3 * y3, h4 * y4, h5 * y5, h6 * y6, h7 * y7,
-                                ii, chan, BLOCK_D, SEG)  # fmt: skip
+                dBf = _chan_sum(
+                    g0 * u0, g1 * u1, g2 * u2, g3 * u3, g4 * u4, g5 * u5, g6 * u6, g7 * u7, ii, chan, BLOCK_D, SEG
+                )
+                dCf = _chan_sum(
+                    h0 * y0, h1 * y1, h2 * y2, h3 * y3, h4 * y4, h5 * y5, h6 * y6, h7 * y7, ii, chan, BLOCK_D, SEG
+                )
             else:
                 dBf = tl.reshape(tl.sum(gs * dtu, axis=0), (CHUNK,))
                 dCf = tl.reshape(tl.sum(hs * dy, axis=0), (CHUNK,))
@@ -312,9 +367,30 @@ def _ss_bwd_kernel(
         kp = k - SEG
         h_first = tl.load(st_flat + rot * s_sn + kp * s_sk, mask=i_m & (kp >= 0) & (kp < nsub), other=0.0)
         dD_c, dbias_c = _chunk_epilogue(
-            dt, dy, y, sgb, sahm, t2, m2, m3, Dv, u_base, go_base, z_base, du_base, ddt_base, dz_base,
-            BLOCK_D, SEG, SUB, ACC, HAS_D, HAS_Z, SOFTPLUS, FAST
-        )  # fmt: skip
+            dt,
+            dy,
+            y,
+            sgb,
+            sahm,
+            t2,
+            m2,
+            m3,
+            Dv,
+            u_base,
+            go_base,
+            z_base,
+            du_base,
+            ddt_base,
+            dz_base,
+            BLOCK_D,
+            SEG,
+            SUB,
+            ACC,
+            HAS_D,
+            HAS_Z,
+            SOFTPLUS,
+            FAST,
+        )
         if HAS_D:
             dD_acc += dD_c
         dbias_acc += dbias_c
@@ -326,8 +402,9 @@ def _ss_bwd_kernel(
         dA_p = dA_flat + b_off * dim * DSTATE + lane_f
         if BSUM:
             tl.atomic_add(dA_p, tl.reshape(dA_lo, (BLOCK_D * SEG,)), mask=i_m & (lane_f < DSTATE), sem="relaxed")
-            tl.atomic_add(dA_p + SEG, tl.reshape(dA_hi, (BLOCK_D * SEG,)), mask=i_m & (lane_f + SEG < DSTATE),
-                          sem="relaxed")  # fmt: skip
+            tl.atomic_add(
+                dA_p + SEG, tl.reshape(dA_hi, (BLOCK_D * SEG,)), mask=i_m & (lane_f + SEG < DSTATE), sem="relaxed"
+            )
         else:
             tl.store(dA_p, tl.reshape(dA_lo, (BLOCK_D * SEG,)), mask=i_m & (lane_f < DSTATE))
             tl.store(dA_p + SEG, tl.reshape(dA_hi, (BLOCK_D * SEG,)), mask=i_m & (lane_f + SEG < DSTATE))

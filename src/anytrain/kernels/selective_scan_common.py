@@ -108,8 +108,9 @@ def _program_block(dpg, BLOCK_D: tl.constexpr):
 
 
 @triton.jit
-def _bc_bases(b, g, pid_blk, B_ptr, C_ptr, dB_ptr, dC_ptr, s_bb, s_bg, s_cb, s_cg, s_rb, s_rg, s_rk,
-              ATOMIC: tl.constexpr):  # fmt: skip
+def _bc_bases(
+    b, g, pid_blk, B_ptr, C_ptr, dB_ptr, dC_ptr, s_bb, s_bg, s_cb, s_cg, s_rb, s_rg, s_rk, ATOMIC: tl.constexpr
+):
     """This (batch, group)'s B and C (loaded as (1, CHUNK) rows, broadcast over the block's channels) and its dB and
     dC outputs: the shared sums (ATOMIC) or this program's own partial slice (deterministic mode)."""
     B_base = B_ptr + b * s_bb + g * s_bg
@@ -155,7 +156,7 @@ def _dbdc_out(r_base, rc_base, row, t, dB, dC, mask, ATOMIC: tl.constexpr, EVEN:
 @triton.jit
 def _row_bases(
     b, rows, u_ptr, dt_ptr, z_ptr, dout_ptr, du_ptr, ddt_ptr, dz_ptr, s_ub, s_ud, s_tb, s_td, s_zb, s_zd, s_gb, s_gd
-):  # fmt: skip
+):
     """Pointers to this batch's ``rows`` (channel ids, any shape) of u, delta, z, dout and of du, ddelta, dz (which
     share the strides of u, delta and z)."""
     u_base = u_ptr + b * s_ub + rows * s_ud
@@ -187,8 +188,22 @@ def _chan_params(D_ptr, bias_ptr, offs_d, mask_d, ACC: tl.constexpr, HAS_D: tl.c
 
 
 @triton.jit
-def _flat_rows(pid_blk, b, g, dpg, dim, state_ptr, q_ptr, A_ptr, dA_ptr, s_sn, s_ad,
-               DSTATE: tl.constexpr, BLOCK_D: tl.constexpr, SEG: tl.constexpr):  # fmt: skip
+def _flat_rows(
+    pid_blk,
+    b,
+    g,
+    dpg,
+    dim,
+    state_ptr,
+    q_ptr,
+    A_ptr,
+    dA_ptr,
+    s_sn,
+    s_ad,
+    DSTATE: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    SEG: tl.constexpr,
+):
     """The backward loads and store their per-state (channel, segment) tiles through flat
     (BLOCK_D * SEG,) pointers: a 1-D tensor without contiguity has one layout in every Triton version (element i on
     lane i % 32) and its reshape is the compute layout; a 2-D pointer would tie its two dimensions, which Triton
@@ -221,10 +236,30 @@ def _chunk_inputs(dt_base, go_base, z_base, u_base, t2, mask, HAS_Z: tl.constexp
 
 @triton.jit
 def _chunk_epilogue(
-    dt, dy, y, sgb, sahm, t2, m2, m3, Dv, u_base, go_base, z_base, du_base, ddt_base, dz_base,
-    BLOCK_D: tl.constexpr, SEG: tl.constexpr, SUB: tl.constexpr, ACC: tl.constexpr,
-    HAS_D: tl.constexpr, HAS_Z: tl.constexpr, SOFTPLUS: tl.constexpr, FAST: tl.constexpr,
-):  # fmt: skip
+    dt,
+    dy,
+    y,
+    sgb,
+    sahm,
+    t2,
+    m2,
+    m3,
+    Dv,
+    u_base,
+    go_base,
+    z_base,
+    du_base,
+    ddt_base,
+    dz_base,
+    BLOCK_D: tl.constexpr,
+    SEG: tl.constexpr,
+    SUB: tl.constexpr,
+    ACC: tl.constexpr,
+    HAS_D: tl.constexpr,
+    HAS_Z: tl.constexpr,
+    SOFTPLUS: tl.constexpr,
+    FAST: tl.constexpr,
+):
     """The end of a chunk in the backward: du, ddelta and dz from the state loop's sums
     (sgb = sum_n g B, sahm = sum_n A hm in log2 units, y), stored; returns the chunk's dD and ddelta_bias partials
     (BLOCK_D,). u, dout and z are reloaded (L1/L2) instead of kept in registers through the loop, all before the first

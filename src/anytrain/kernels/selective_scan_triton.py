@@ -122,10 +122,12 @@ _TL_DTYPE = {torch.float32: tl.float32, torch.float64: tl.float64}
 def _bf16_pairs(*xs: Tensor) -> bool:
     """bf16 tensors whose every row starts on a 4-byte boundary with an even length: readable as int32 pairs."""
     return all(
-        x.dtype == torch.bfloat16 and x.data_ptr() % 4 == 0 and x.shape[-1] % 2 == 0
+        x.dtype == torch.bfloat16
+        and x.data_ptr() % 4 == 0
+        and x.shape[-1] % 2 == 0
         and all(s % 2 == 0 for s in x.stride()[:-1])
         for x in xs
-    )  # fmt: skip
+    )
 
 
 def _as_groups(x: Tensor) -> Tensor:
@@ -142,9 +144,22 @@ def _states_per_iteration(cfg: ScanConfig, dstate: int) -> int:
 
 @triton.jit
 def _bc_chunk_major_kernel(
-    B_ptr, C_ptr, out_ptr, seqlen, s_bb, s_bg, s_bn, s_bl, s_cb, s_cg, s_cn, s_cl,
-    DSTATE: tl.constexpr, BLOCK_N: tl.constexpr, CHUNK: tl.constexpr,
-):  # fmt: skip
+    B_ptr,
+    C_ptr,
+    out_ptr,
+    seqlen,
+    s_bb,
+    s_bg,
+    s_bn,
+    s_bl,
+    s_cb,
+    s_cg,
+    s_cn,
+    s_cl,
+    DSTATE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    CHUNK: tl.constexpr,
+):
     # one (chunk, batch, group) tile of _chunk_major: the B and C rows of all states, zero past seqlen
     c = tl.program_id(0).to(tl.int64)
     b = tl.program_id(1).to(tl.int64)
@@ -168,10 +183,20 @@ def _chunk_major(Bg: Tensor, Cg: Tensor, chunk: int) -> Tensor:
     nch = triton.cdiv(seqlen, chunk)
     dtype = torch.promote_types(Bg.dtype, Cg.dtype)  # (B and C may differ: neither is rounded to the other's dtype)
     bc = torch.empty((batch, ngroups, nch, dstate, 2, chunk), device=Bg.device, dtype=dtype)
-    launch(_bc_chunk_major_kernel, (nch, batch, ngroups),
-        Bg, Cg, bc, seqlen, *Bg.stride(), *Cg.stride(),
-        DSTATE=dstate, BLOCK_N=triton.next_power_of_2(dstate), CHUNK=chunk, num_warps=4,
-    )  # fmt: skip
+    launch(
+        _bc_chunk_major_kernel,
+        (nch, batch, ngroups),
+        Bg,
+        Cg,
+        bc,
+        seqlen,
+        *Bg.stride(),
+        *Cg.stride(),
+        DSTATE=dstate,
+        BLOCK_N=triton.next_power_of_2(dstate),
+        CHUNK=chunk,
+        num_warps=4,
+    )
     return bc
 
 
@@ -214,17 +239,54 @@ def _fwd(
         pairs = _bf16_pairs(Bg)
     else:
         pairs = even and _bf16_pairs(Bg, Cg)
-    launch(_ss_fwd_kernel, grid,
-        u, delta, A, Bg, Cg, D if D is not None else A, zz, delta_bias if delta_bias is not None else A, out, states,
-        dpg, seqlen, nsub,
-        u.stride(0), u.stride(1), delta.stride(0), delta.stride(1), A.stride(0), A.stride(1), *b_strides,
-        zz.stride(0), zz.stride(1), out.stride(0), out.stride(1), states.stride(2), states.stride(3),
-        DSTATE=dstate, BLOCK_D=cfg.block_d, SUB=sub, SEG=cfg.segments, SAVE=SAVE_EVERY // sub,
-        ACC=_TL_DTYPE[acc], HAS_D=D is not None, HAS_Z=z is not None, HAS_BIAS=delta_bias is not None,
-        SOFTPLUS=softplus, LANES=dstate <= cfg.segments, BC_BITS=pairs and sub % 2 == 0, EVEN=even,
-        FAST=_fast_math(u, acc), STAGES=cfg.pipeline_stages, GROUP=group, num_warps=cfg.num_warps,
+    launch(
+        _ss_fwd_kernel,
+        grid,
+        u,
+        delta,
+        A,
+        Bg,
+        Cg,
+        D if D is not None else A,
+        zz,
+        delta_bias if delta_bias is not None else A,
+        out,
+        states,
+        dpg,
+        seqlen,
+        nsub,
+        u.stride(0),
+        u.stride(1),
+        delta.stride(0),
+        delta.stride(1),
+        A.stride(0),
+        A.stride(1),
+        *b_strides,
+        zz.stride(0),
+        zz.stride(1),
+        out.stride(0),
+        out.stride(1),
+        states.stride(2),
+        states.stride(3),
+        DSTATE=dstate,
+        BLOCK_D=cfg.block_d,
+        SUB=sub,
+        SEG=cfg.segments,
+        SAVE=SAVE_EVERY // sub,
+        ACC=_TL_DTYPE[acc],
+        HAS_D=D is not None,
+        HAS_Z=z is not None,
+        HAS_BIAS=delta_bias is not None,
+        SOFTPLUS=softplus,
+        LANES=dstate <= cfg.segments,
+        BC_BITS=pairs and sub % 2 == 0,
+        EVEN=even,
+        FAST=_fast_math(u, acc),
+        STAGES=cfg.pipeline_stages,
+        GROUP=group,
+        num_warps=cfg.num_warps,
         **_maxnreg(cfg.max_registers if group == cfg.states_per_iteration else 0),
-    )  # fmt: skip
+    )
     return out, states
 
 
@@ -256,19 +318,72 @@ def _bwd(dout, u, delta, A, Bg, Cg, D, z, delta_bias, states, softplus: bool, cf
     q = torch.empty((1,) if lanes else (batch, dim, 2, dstate), device=u.device, dtype=acc)  # the adjoint carry
     even = seqlen % (SAVE_EVERY * seg) == 0  # whole chunks: no time masks
     zz, dzz = (z, dz) if z is not None else (u, du)
-    launch(_ss_bwd_kernel, (nblk, ngroups, batch),
-        u, delta, A, Bg, Cg, D if D is not None else A, zz, delta_bias if delta_bias is not None else A, states,
-        dout, du, ddelta, dzz, dB, dC, dA, dD, dbias, q,
-        dpg, seqlen, nsub,
-        u.stride(0), u.stride(1), delta.stride(0), delta.stride(1), A.stride(0), A.stride(1),
-        Bg.stride(0), Bg.stride(1), Bg.stride(2), Cg.stride(0), Cg.stride(1), Cg.stride(2),
-        zz.stride(0), zz.stride(1), dout.stride(0), dout.stride(1),
-        dB.stride(0), dB.stride(1), dB.stride(2), dB.stride(3), states.stride(2), states.stride(3), 1,
-        DSTATE=dstate, BLOCK_D=cfg.block_d_bwd, SEG=seg, ACC=_TL_DTYPE[acc], HAS_D=D is not None,
-        HAS_Z=z is not None, HAS_BIAS=delta_bias is not None, SOFTPLUS=softplus, ATOMIC=atomic,
-        STAGES=cfg.pipeline_stages_bwd, LANES=lanes, FAST=_fast_math(u, acc), EVEN=even,
-        BITS=even and _bf16_pairs(Bg, Cg), BSUM=bsum, num_warps=cfg.num_warps_bwd, **_maxnreg(cfg.max_registers_bwd),
-    )  # fmt: skip
+    launch(
+        _ss_bwd_kernel,
+        (nblk, ngroups, batch),
+        u,
+        delta,
+        A,
+        Bg,
+        Cg,
+        D if D is not None else A,
+        zz,
+        delta_bias if delta_bias is not None else A,
+        states,
+        dout,
+        du,
+        ddelta,
+        dzz,
+        dB,
+        dC,
+        dA,
+        dD,
+        dbias,
+        q,
+        dpg,
+        seqlen,
+        nsub,
+        u.stride(0),
+        u.stride(1),
+        delta.stride(0),
+        delta.stride(1),
+        A.stride(0),
+        A.stride(1),
+        Bg.stride(0),
+        Bg.stride(1),
+        Bg.stride(2),
+        Cg.stride(0),
+        Cg.stride(1),
+        Cg.stride(2),
+        zz.stride(0),
+        zz.stride(1),
+        dout.stride(0),
+        dout.stride(1),
+        dB.stride(0),
+        dB.stride(1),
+        dB.stride(2),
+        dB.stride(3),
+        states.stride(2),
+        states.stride(3),
+        1,
+        DSTATE=dstate,
+        BLOCK_D=cfg.block_d_bwd,
+        SEG=seg,
+        ACC=_TL_DTYPE[acc],
+        HAS_D=D is not None,
+        HAS_Z=z is not None,
+        HAS_BIAS=delta_bias is not None,
+        SOFTPLUS=softplus,
+        ATOMIC=atomic,
+        STAGES=cfg.pipeline_stages_bwd,
+        LANES=lanes,
+        FAST=_fast_math(u, acc),
+        EVEN=even,
+        BITS=even and _bf16_pairs(Bg, Cg),
+        BSUM=bsum,
+        num_warps=cfg.num_warps_bwd,
+        **_maxnreg(cfg.max_registers_bwd),
+    )
     dA = dA[0, 0] if bsum else dA.sum((0, 1))
     dB = dB.sum(2) if kdim > 1 else dB.squeeze(2)  # (batch, G, N, L)
     dC = dC.sum(2) if kdim > 1 else dC.squeeze(2)
@@ -300,12 +415,19 @@ class _SelectiveScanFn(torch.autograd.Function):
         dB = dB.reshape(B.shape).to(B.dtype)
         dC = dC.reshape(C.shape).to(C.dtype)
         return (
-            du, ddelta, dA.to(A.dtype), dB, dC,
+            du,
+            ddelta,
+            dA.to(A.dtype),
+            dB,
+            dC,
             None if D is None else dD.to(D.dtype),
             dz,
             None if delta_bias is None else dbias.to(delta_bias.dtype),
-            None, None, None, None,
-        )  # fmt: skip
+            None,
+            None,
+            None,
+            None,
+        )
 
 
 def selective_scan_triton(

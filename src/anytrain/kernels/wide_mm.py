@@ -27,8 +27,9 @@ def _wide(op: str, a: Tensor, dtype: torch.dtype) -> bool:
 
 def _give_up(op: str, err: Exception) -> None:
     _ok[op] = False
-    warnings.warn(f"{op} with an fp32 out_dtype failed ({err}); weight gradients fall back to a bf16 product + cast",
-                  stacklevel=3)  # fmt: skip
+    warnings.warn(
+        f"{op} with an fp32 out_dtype failed ({err}); weight gradients fall back to a bf16 product + cast", stacklevel=3
+    )
 
 
 def grad_mm(a: Tensor, b: Tensor, dtype: torch.dtype, out: Tensor | None = None) -> Tensor:
@@ -112,9 +113,15 @@ def weight_grad(a: Tensor, b: Tensor, weight: Tensor) -> Tensor:
     summed with ``weight.grad`` by the GEMM when that is a plain contiguous tensor of the weight's dtype and shape."""
     global accumulated
     acc = weight.grad if _accumulate and not torch.is_grad_enabled() and not weight._backward_hooks else None
-    if (acc is not None and type(acc) is torch.Tensor and acc.dtype == weight.dtype and not acc.requires_grad
-            and acc.shape == (a.shape[0], b.shape[1]) and acc.is_contiguous()
-            and _accumulates_here(weight)):  # fmt: skip
+    if (
+        acc is not None
+        and type(acc) is torch.Tensor
+        and acc.dtype == weight.dtype
+        and not acc.requires_grad
+        and acc.shape == (a.shape[0], b.shape[1])
+        and acc.is_contiguous()
+        and _accumulates_here(weight)
+    ):
         add_mm_(acc, a, b)
         weight.grad = None  # AccumulateGrad (next for this parameter) takes the sum back as .grad
         accumulated += 1
@@ -147,8 +154,9 @@ def _register_weight_grad_op():
     # it reads and clears .grad at run time: a CUDA graph replay (inductor's cudagraphs) must not skip its body
     tags = (torch.Tag.cudagraph_unsafe,) if hasattr(torch.Tag, "cudagraph_unsafe") else ()
     try:
-        op = library.custom_op("anytrain::weight_grad", mutates_args=(), tags=tags,
-                               schema="(Tensor a, Tensor b, Tensor weight) -> Tensor")(weight_grad)  # fmt: skip
+        op = library.custom_op(
+            "anytrain::weight_grad", mutates_args=(), tags=tags, schema="(Tensor a, Tensor b, Tensor weight) -> Tensor"
+        )(weight_grad)
     except (TypeError, RuntimeError, ValueError):
         return None
 

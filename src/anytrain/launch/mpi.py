@@ -45,9 +45,19 @@ def hostfile_hosts(path: str) -> list[str]:
     return hosts
 
 
-def mpirun_command(config: str, run_dir: str, processes: int, hostfile: str = "", gpus_per_node: int = 0,
-                   vendor: str = "auto", master_port: int = 29500, ifname: str = "", mpirun_args: str = "",
-                   overrides: list[str] | None = None, python: str = sys.executable) -> list[str]:  # fmt: skip
+def mpirun_command(
+    config: str,
+    run_dir: str,
+    processes: int,
+    hostfile: str = "",
+    gpus_per_node: int = 0,
+    vendor: str = "auto",
+    master_port: int = 29500,
+    ifname: str = "",
+    mpirun_args: str = "",
+    overrides: list[str] | None = None,
+    python: str = sys.executable,
+) -> list[str]:
     """The mpirun argument list (``processes`` ranks; ``gpus_per_node`` > 0 places that many per host)."""
     if processes < 1:
         raise ConfigError("launch mpi: -n must be >= 1")

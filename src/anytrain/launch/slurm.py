@@ -80,8 +80,10 @@ class SlurmJob:
         if vendor not in VENDORS:
             raise ConfigError(f"--vendor: expected auto, {', '.join(VENDORS)}; got {self.vendor!r}")
         if (vendor == "cpu") != (self.gpus_per_node == 0):
-            raise ConfigError(f"--vendor {vendor} with --gpus-per-node {self.gpus_per_node}: CPU jobs have 0 GPUs "
-                              "per node and GPU jobs at least 1")  # fmt: skip
+            raise ConfigError(
+                f"--vendor {vendor} with --gpus-per-node {self.gpus_per_node}: CPU jobs have 0 GPUs "
+                "per node and GPU jobs at least 1"
+            )
         return vendor
 
     def tasks(self) -> int:
@@ -91,8 +93,17 @@ class SlurmJob:
 
 def train_command(job: SlurmJob) -> list[str]:
     """The command every task runs."""
-    cmd = [job.python, "-m", "anytrain", "train", str(Path(job.config).resolve()), "--run-dir",
-           str(Path(job.workdir, job.run_dir)), "--checkpoint.auto_resume", "true"]  # fmt: skip
+    cmd = [
+        job.python,
+        "-m",
+        "anytrain",
+        "train",
+        str(Path(job.config).resolve()),
+        "--run-dir",
+        str(Path(job.workdir, job.run_dir)),
+        "--checkpoint.auto_resume",
+        "true",
+    ]
     if job.resolved_vendor() == "cpu":
         cmd += ["--device", "cpu"]
     return cmd + list(job.overrides)

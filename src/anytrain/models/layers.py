@@ -109,8 +109,9 @@ def causal_block_mask(seq_len: int, device: torch.device) -> Any:
     return _BLOCK_MASKS[key]
 
 
-def alibi_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slopes: torch.Tensor, mask: Any,
-                    enable_gqa: bool = False) -> torch.Tensor:  # fmt: skip
+def alibi_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slopes: torch.Tensor, mask: Any, enable_gqa: bool = False
+) -> torch.Tensor:
     """Causal attention with ALiBi bias slope_h·(j - i), q (B, H, T, E), k/v (B, K, T, E) -> (B, H, T, E).
 
     ``mask`` picks the kernel: a flex_attention ``BlockMask`` (``causal_block_mask`` or ``document_block_mask``;
@@ -175,8 +176,9 @@ def document_block_mask(documents: torch.Tensor) -> Any:
     return create_block_mask(document_causal, B, None, T, T, device=documents.device)
 
 
-def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Any,
-                     enable_gqa: bool = False) -> torch.Tensor:  # fmt: skip
+def masked_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Any, enable_gqa: bool = False
+) -> torch.Tensor:
     """Attention under an explicit mask, q (B, H, T, E), k/v (B, K, T, E) -> (B, H, T, E). ``mask``: a
     flex_attention ``BlockMask`` (``document_block_mask``; GPUs) runs compiled flex_attention; a bool tensor
     (``document_causal_mask`` (B, 1, T, T); CPU) is SDPA's ``attn_mask``, the reference."""

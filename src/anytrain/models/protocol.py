@@ -59,8 +59,14 @@ class LanguageModel(Protocol):
         """Model training FLOPs per token for MFU (6·N plus the family's attention/scan terms, in its docstring)."""
         ...
 
-    def generate(self, prompt: torch.Tensor, max_new_tokens: int, temperature: float = 0.8, top_k: int = 50,
-                 generator: torch.Generator | None = None) -> torch.Tensor: ...  # fmt: skip
+    def generate(
+        self,
+        prompt: torch.Tensor,
+        max_new_tokens: int,
+        temperature: float = 0.8,
+        top_k: int = 50,
+        generator: torch.Generator | None = None,
+    ) -> torch.Tensor: ...
 
 
 TensorParallelPlan = Callable[[nn.Module, Any], None]

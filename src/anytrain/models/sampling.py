@@ -7,8 +7,15 @@ from torch import nn
 
 
 @torch.no_grad()
-def sample(model: nn.Module, prompt: torch.Tensor, max_new_tokens: int, max_seq_len: int, temperature: float = 0.8,
-           top_k: int = 50, generator: torch.Generator | None = None) -> torch.Tensor:  # fmt: skip
+def sample(
+    model: nn.Module,
+    prompt: torch.Tensor,
+    max_new_tokens: int,
+    max_seq_len: int,
+    temperature: float = 0.8,
+    top_k: int = 50,
+    generator: torch.Generator | None = None,
+) -> torch.Tensor:
     """Continue ``prompt`` (B, T0) token by token with temperature and top-k sampling; returns (B, T0 + new)."""
     tokens = prompt
     for _ in range(max_new_tokens):
@@ -32,8 +39,14 @@ class SamplingMixin:
         return self.args.tie_embeddings
 
     @torch.no_grad()
-    def generate(self, prompt: torch.Tensor, max_new_tokens: int, temperature: float = 0.8, top_k: int = 50,
-                 generator: torch.Generator | None = None) -> torch.Tensor:  # fmt: skip
+    def generate(
+        self,
+        prompt: torch.Tensor,
+        max_new_tokens: int,
+        temperature: float = 0.8,
+        top_k: int = 50,
+        generator: torch.Generator | None = None,
+    ) -> torch.Tensor:
         """Sample continuations of ``prompt`` (B, T0) by re-running the whole window for each token (no KV or
         recurrent cache: for demos and evaluation samples; export to Hugging Face for serving)."""
         return sample(self, prompt, max_new_tokens, self.args.max_seq_len, temperature, top_k, generator)

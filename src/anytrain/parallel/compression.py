@@ -105,8 +105,16 @@ class BucketLayout:
         offsets = tuple(g.storage_offset() - buffer.storage_offset() for g in grads)
         compressed = tuple(compressed_matrices(list(shapes), rank)) if rank else ()
         values = powersgd_values(list(shapes), rank) if rank else buffer.numel()
-        return cls(tuple(map(id, params)), tuple(names[id(p)] for p in params), shapes, offsets, buffer.numel(),
-                   compressed, buffer.element_size(), values * buffer.element_size())  # fmt: skip
+        return cls(
+            tuple(map(id, params)),
+            tuple(names[id(p)] for p in params),
+            shapes,
+            offsets,
+            buffer.numel(),
+            compressed,
+            buffer.element_size(),
+            values * buffer.element_size(),
+        )
 
 
 def fresh_q(name: str, m: int, r: int, seed: int) -> torch.Tensor:
@@ -120,15 +128,19 @@ class CompressionHook:
     it hands to all-reduce: the 16-bit copy of each bucket; for PowerSGD before its start step the fp32 bucket,
     after it the uncompressed tensors + every compressed matrix's P and Q."""
 
-    def __init__(self, kind: str, group, module: nn.Module, rank: int = 0, start_step: int = 2,
-                 seed: int = 0) -> None:  # fmt: skip
+    def __init__(self, kind: str, group, module: nn.Module, rank: int = 0, start_step: int = 2, seed: int = 0) -> None:
         self.kind, self.group, self.rank, self.seed = kind, group, rank, seed
         self.names = parameter_names(module)
         self.params = [p for p in module.parameters() if p.requires_grad]
         self.state = None
         if kind == "powersgd":
-            self.state = PowerSGDState(group, matrix_approximation_rank=rank, start_powerSGD_iter=start_step,
-                                       min_compression_rate=MIN_COMPRESSION_RATE, random_seed=seed)  # fmt: skip
+            self.state = PowerSGDState(
+                group,
+                matrix_approximation_rank=rank,
+                start_powerSGD_iter=start_step,
+                min_compression_rate=MIN_COMPRESSION_RATE,
+                random_seed=seed,
+            )
         self.bytes_sent = 0  # since the last ``take_bytes_per_step``
         self.steps = 0
         self._layouts: dict[int, BucketLayout] = {}  # bucket index -> its layout (as last seen)
@@ -176,8 +188,10 @@ class CompressionHook:
                 self.unbucket()
         held = self._held.get(index)
         if held is not None and held.ids != layout.ids:
-            raise RuntimeError(f"parallel.grad_compression: DDP bucket {index} changed its parameters after the "
-                               "first iteration's rebuild; its PowerSGD state would be misapplied")  # fmt: skip
+            raise RuntimeError(
+                f"parallel.grad_compression: DDP bucket {index} changed its parameters after the "
+                "first iteration's rebuild; its PowerSGD state would be misapplied"
+            )
         active = state.iter >= state.start_powerSGD_iter
         if active:
             if held is None:
@@ -251,8 +265,9 @@ def attach(ddp: nn.Module, parallel: ParallelConfig, train: TrainConfig, group) 
     return hook
 
 
-def reduction_bytes(model: nn.Module, strategy: str, parallel: ParallelConfig, dp_replicate: int = 1,
-                    dp_shard: int = 1) -> int:  # fmt: skip
+def reduction_bytes(
+    model: nn.Module, strategy: str, parallel: ParallelConfig, dp_replicate: int = 1, dp_shard: int = 1
+) -> int:
     """Bytes per step one rank hands to the gradient reduction without a counting hook, from the parameter sizes:
     DDP / ZeRO-1 all-reduce every gradient (fp32) once per step; FSDP2 reduce-scatters each unsharded gradient in its
     reduce dtype (fp32, or bf16 / fp16) and, under HSDP, all-reduces the 1/dp_shard shard across replicas (FSDP2's
@@ -287,11 +302,13 @@ class GradCommMeter:
     sizes; a ring all-reduce puts 2(n-1)/n times that on the wire). Counted by the compression hook where one is
     registered, else ``reduction_bytes``."""
 
-    def __init__(self, model: nn.Module, strategy: str, parallel: ParallelConfig, dp_replicate: int = 1,
-                 dp_shard: int = 1) -> None:  # fmt: skip
+    def __init__(
+        self, model: nn.Module, strategy: str, parallel: ParallelConfig, dp_replicate: int = 1, dp_shard: int = 1
+    ) -> None:
         self.hook: CompressionHook | None = getattr(model, HOOK_ATTR, None)
-        self.fixed = None if self.hook is not None else reduction_bytes(model, strategy, parallel, dp_replicate,
-                                                                        dp_shard)  # fmt: skip
+        self.fixed = (
+            None if self.hook is not None else reduction_bytes(model, strategy, parallel, dp_replicate, dp_shard)
+        )
 
     def bytes_per_step(self) -> float | None:
         return self.hook.take_bytes_per_step() if self.hook is not None else self.fixed
@@ -339,9 +356,11 @@ class PowerSGDCheckpoint(Stateful):
         if mine is None or "step" not in mine:
             hook.state.iter = self.progress["step"]
             if hook.state.iter > hook.state.start_powerSGD_iter:
-                self.log(f"parallel.grad_compression: the checkpoint holds no PowerSGD state for rank "
-                         f"{hook.rank} at this data-parallel size ({self.prefix}); PowerSGD continues from step "
-                         f"{hook.state.iter} with zero error feedback and new Q factors")  # fmt: skip
+                self.log(
+                    f"parallel.grad_compression: the checkpoint holds no PowerSGD state for rank "
+                    f"{hook.rank} at this data-parallel size ({self.prefix}); PowerSGD continues from step "
+                    f"{hook.state.iter} with zero error feedback and new Q factors"
+                )
             return
         hook.state.iter = int(mine["step"])
         if not mine.get("active"):

@@ -49,23 +49,33 @@ def check_pipeline_layout(n_layers: int, pp: int, virtual: int, schedule: str, n
     if pp == 1:
         return
     if virtual > 1 and schedule != "Interleaved1F1B":
-        raise ConfigError(f"parallel.pp_virtual_stages: {schedule} runs one stage per pipeline rank; set "
-                          "--parallel.pp_schedule Interleaved1F1B or pp_virtual_stages 1")  # fmt: skip
+        raise ConfigError(
+            f"parallel.pp_virtual_stages: {schedule} runs one stage per pipeline rank; set "
+            "--parallel.pp_schedule Interleaved1F1B or pp_virtual_stages 1"
+        )
     if schedule == "Interleaved1F1B" and virtual < 2:
-        raise ConfigError("parallel.pp_virtual_stages: Interleaved1F1B needs >= 2 stages per rank; set "
-                          "--parallel.pp_virtual_stages 2 (or use 1F1B)")  # fmt: skip
+        raise ConfigError(
+            "parallel.pp_virtual_stages: Interleaved1F1B needs >= 2 stages per rank; set "
+            "--parallel.pp_virtual_stages 2 (or use 1F1B)"
+        )
     if pp * virtual > n_layers:
-        raise ConfigError(f"parallel.pp: {pp} x {virtual} pipeline stages for {n_layers} layers; use at most "
-                          f"{n_layers} stages in all (pp x pp_virtual_stages)")  # fmt: skip
+        raise ConfigError(
+            f"parallel.pp: {pp} x {virtual} pipeline stages for {n_layers} layers; use at most "
+            f"{n_layers} stages in all (pp x pp_virtual_stages)"
+        )
     if n_microbatches is None:
         return
     if n_microbatches < pp:
-        raise ConfigError(f"train.micro_batch: {n_microbatches} micro-batches per step for {pp} pipeline ranks "
-                          f"(per-rank batch / micro_batch); lower train.micro_batch so there are >= {pp}")  # fmt: skip
+        raise ConfigError(
+            f"train.micro_batch: {n_microbatches} micro-batches per step for {pp} pipeline ranks "
+            f"(per-rank batch / micro_batch); lower train.micro_batch so there are >= {pp}"
+        )
     rounds = max(1, n_microbatches // pp)
     if schedule == "Interleaved1F1B" and n_microbatches % rounds:
-        raise ConfigError(f"train.micro_batch: Interleaved1F1B needs the micro-batch count ({n_microbatches}) to be a "
-                          f"multiple of {rounds} (= count // pp); use a multiple of pp={pp}")  # fmt: skip
+        raise ConfigError(
+            f"train.micro_batch: Interleaved1F1B needs the micro-batch count ({n_microbatches}) to be a "
+            f"multiple of {rounds} (= count // pp); use a multiple of pp={pp}"
+        )
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -79,8 +89,10 @@ def _pipeline_split(model: nn.Module):
     if split is None:
         raise ConfigError(f"parallel.pp: pipeline parallelism is not implemented for {spec.name}; set pp 1")
     if model.tie_embeddings:
-        raise ConfigError("parallel.pp: tied embeddings put the embedding and the head on one stage; "
-                          "set --model.args.tie_embeddings false (or pp 1)")  # fmt: skip
+        raise ConfigError(
+            "parallel.pp: tied embeddings put the embedding and the head on one stage; "
+            "set --model.args.tie_embeddings false (or pp 1)"
+        )
     return split
 
 
@@ -94,8 +106,9 @@ def prune_to_stage(model: nn.Module, stage: int, n_stages: int, copy_model: bool
     return split(model, layers, stage == 0, stage == n_stages - 1)
 
 
-def build_stage_parts(build, stages: list[int], n_stages: int, device: torch.device, seed: int,
-                      init_device: str = "device") -> list[nn.Module]:  # fmt: skip
+def build_stage_parts(
+    build, stages: list[int], n_stages: int, device: torch.device, seed: int, init_device: str = "device"
+) -> list[nn.Module]:
     """Initialised stage modules for ``stages`` on ``device``; weights equal the same stages of an unsplit model
     (drawn on the CPU and copied to ``device`` with ``init_device`` 'cpu': model.init_device).
 
@@ -140,7 +153,8 @@ def _graft(dst: nn.Module, src: nn.Module) -> None:
             dst.add_module(name, child)
         elif have is not child:  # the same path in two parts (e.g. `layers`, `backbone`): merge their children
             if any(True for _ in have.named_parameters(recurse=False)) or any(
-                    True for _ in child.named_parameters(recurse=False)):  # fmt: skip
+                True for _ in child.named_parameters(recurse=False)
+            ):
                 raise RuntimeError(f"pipeline parts both hold parameters of module {name!r}")
             merged = nn.ModuleDict() if isinstance(have, nn.ModuleDict) else nn.Module()
             _graft(merged, have)
@@ -157,8 +171,16 @@ def passthrough_loss(loss: torch.Tensor, target: torch.Tensor) -> torch.Tensor: 
     return loss
 
 
-def build_schedule(parts: list[nn.Module], stages: list[int], n_stages: int, device: torch.device, group,
-                   schedule: str, n_microbatches: int, loss_fn=passthrough_loss):  # fmt: skip
+def build_schedule(
+    parts: list[nn.Module],
+    stages: list[int],
+    n_stages: int,
+    device: torch.device,
+    group,
+    schedule: str,
+    n_microbatches: int,
+    loss_fn=passthrough_loss,
+):
     """PipelineStages for this rank's parts and a schedule running ``n_microbatches`` per step.
 
     Every rank passes the loss function (a schedule without one runs forward only, and the other ranks then wait
@@ -178,8 +200,16 @@ def step_accepts_return_outputs(schedule) -> bool:
 
 
 @torch.no_grad()
-def pipeline_forward(parts: list[nn.Module], stages: list[int], n_stages: int, group, pp_rank: int, pp: int,
-                     tokens: torch.Tensor, act_shape: tuple[int, ...]) -> torch.Tensor | None:  # fmt: skip
+def pipeline_forward(
+    parts: list[nn.Module],
+    stages: list[int],
+    n_stages: int,
+    group,
+    pp_rank: int,
+    pp: int,
+    tokens: torch.Tensor,
+    act_shape: tuple[int, ...],
+) -> torch.Tensor | None:
     """Forward-only pass of one micro-batch through every stage in order (evaluation): each rank runs its stages and
     sends fp32 hidden states (``act_shape``) to the next stage's rank. Returns the logits on the last stage's rank."""
     import torch.distributed as dist

@@ -36,8 +36,9 @@ import torch
 from anytrain import hardware
 
 
-def applicability(device: torch.device, world_size: int, pipeline: bool, fault_hook: bool,
-                  data_parallel: bool = False) -> str | None:  # fmt: skip
+def applicability(
+    device: torch.device, world_size: int, pipeline: bool, fault_hook: bool, data_parallel: bool = False
+) -> str | None:
     """None when the micro-step can be captured, else the reason it runs eagerly. ``world_size`` > 1 without data
     parallelism or a pipeline is a tensor-parallel-only run: captured."""
     if not hardware.is_gpu(device):
@@ -54,8 +55,13 @@ class GraphedMicroStep:
     detached loss) captured on its first call and replayed afterwards. ``inputs``/``targets`` must keep their shape
     and dtype; they are copied into the graph's static buffers before each replay."""
 
-    def __init__(self, micro_step: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
-                 params: list[torch.nn.Parameter], warmup: int = 3, distributed: bool = False) -> None:  # fmt: skip
+    def __init__(
+        self,
+        micro_step: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+        params: list[torch.nn.Parameter],
+        warmup: int = 3,
+        distributed: bool = False,
+    ) -> None:
         self.micro_step = micro_step
         self.capture_error_mode = "thread_local" if distributed else "global"  # NCCL's watchdog queries events
         self.params = [p for p in params if p.requires_grad]
@@ -119,8 +125,10 @@ class GraphedMicroStep:
         if self.graph is None:
             self._capture(inputs, targets)
         elif inputs.shape != self.static[0].shape or targets.shape != self.static[1].shape:
-            raise ValueError(f"train.cuda_graphs: micro-batch shape {tuple(inputs.shape)} differs from the captured "
-                             f"{tuple(self.static[0].shape)}; graphs need a fixed micro-batch and seq_len")  # fmt: skip
+            raise ValueError(
+                f"train.cuda_graphs: micro-batch shape {tuple(inputs.shape)} differs from the captured "
+                f"{tuple(self.static[0].shape)}; graphs need a fixed micro-batch and seq_len"
+            )
         self.static[0].copy_(inputs, non_blocking=True)
         self.static[1].copy_(targets, non_blocking=True)
         self.graph.replay()

@@ -54,8 +54,9 @@ class StepStatus:
 
 
 class StepGuard:
-    def __init__(self, cfg: RunConfig, device: torch.device, is_main: bool, world_size: int,
-                 loss_ranks: int | None = None) -> None:  # fmt: skip
+    def __init__(
+        self, cfg: RunConfig, device: torch.device, is_main: bool, world_size: int, loss_ranks: int | None = None
+    ) -> None:
         self.cfg, self.device, self.is_main, self.world_size = cfg, device, is_main, world_size
         self.loss_ranks = loss_ranks or world_size  # ranks holding a loss (pipeline: the last stage's)
         self.signal: int | None = None
@@ -139,8 +140,14 @@ class StepGuard:
 
     def _status(self, values: list[float], step: int) -> StepStatus:
         nonfinite_count, stop_count, due_count, loss_sum, norm = values
-        return StepStatus(nonfinite_count > 0, stop_count > 0, due_count > 0, loss=loss_sum / self.loss_ranks,
-                          step=step, grad_norm=norm)  # fmt: skip
+        return StepStatus(
+            nonfinite_count > 0,
+            stop_count > 0,
+            due_count > 0,
+            loss=loss_sum / self.loss_ranks,
+            step=step,
+            grad_norm=norm,
+        )
 
     def check(self, step: int, loss: torch.Tensor, grad_norm: torch.Tensor) -> StepStatus:
         """Flags for step ``step`` (0-based), agreed by all ranks. ``loss`` is this rank's step loss (device)."""

@@ -268,15 +268,23 @@ class MetricsLogger:
 
                 self._tb = SummaryWriter(log_dir=str(run_dir / "tensorboard"))
             except ImportError:
-                self.console.print("[yellow]tensorboard not installed: metrics go to metrics.jsonl only "
-                                   "(pip install 'anytrain[tb]')[/]")  # fmt: skip
+                self.console.print(
+                    "[yellow]tensorboard not installed: metrics go to metrics.jsonl only "
+                    "(pip install 'anytrain[tb]')[/]"
+                )
         if run_config is not None and run_config.metrics.wandb.mode != "disabled":
             self._wandb = WandbSink(run_config, run_dir, self.print)
         if sys.stderr.isatty():
             self._progress = Progress(
-                TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[stats]}"),
-                TimeElapsedColumn(), TextColumn("eta"), TimeRemainingColumn(), console=self.console,
-            )  # fmt: skip
+                TextColumn("[bold]train"),
+                BarColumn(),
+                MofNCompleteColumn(),
+                TextColumn("{task.fields[stats]}"),
+                TimeElapsedColumn(),
+                TextColumn("eta"),
+                TimeRemainingColumn(),
+                console=self.console,
+            )
             self._task = self._progress.add_task("train", total=total_steps, completed=start_step, stats="")
             self._progress.start()
 

@@ -21,14 +21,30 @@ from anytrain import hardware
 
 # (substring of the lower-cased kernel name, kind): the first match wins.
 KERNEL_KINDS = (
-    ("nccl", "communication"), ("rccl", "communication"), ("ce_rows", "fused CE row kernel"),
-    ("flash", "attention"), ("fmha", "attention"), ("attention", "attention"), ("sdpa", "attention"),
-    ("_ss_", "selective scan"), ("_conv_", "causal conv1d"), ("adam", "optimizer"),
-    ("multi_tensor", "optimizer/clip"), ("foreach", "optimizer/clip"), ("gemm", "GEMM"), ("nvjet", "GEMM"),
-    ("xmma", "GEMM"), ("cutlass", "GEMM"), ("cijk", "GEMM"), ("triton", "Triton fused elementwise (compile)"),
-    ("elementwise", "eager elementwise"), ("reduce", "eager reductions"), ("copy", "copies"), ("memcpy", "copies"),
+    ("nccl", "communication"),
+    ("rccl", "communication"),
+    ("ce_rows", "fused CE row kernel"),
+    ("flash", "attention"),
+    ("fmha", "attention"),
+    ("attention", "attention"),
+    ("sdpa", "attention"),
+    ("_ss_", "selective scan"),
+    ("_conv_", "causal conv1d"),
+    ("adam", "optimizer"),
+    ("multi_tensor", "optimizer/clip"),
+    ("foreach", "optimizer/clip"),
+    ("gemm", "GEMM"),
+    ("nvjet", "GEMM"),
+    ("xmma", "GEMM"),
+    ("cutlass", "GEMM"),
+    ("cijk", "GEMM"),
+    ("triton", "Triton fused elementwise (compile)"),
+    ("elementwise", "eager elementwise"),
+    ("reduce", "eager reductions"),
+    ("copy", "copies"),
+    ("memcpy", "copies"),
     ("memset", "memset"),
-)  # fmt: skip
+)
 
 
 def kernel_kind(name: str) -> str:
@@ -115,8 +131,14 @@ def summarize(prof, top: int = 15) -> dict:
         if e.device_type == DeviceType.CUDA and not getattr(e, "is_user_annotation", False)
     ]
     # host side: operators by self CPU time (where a host-bound step's time goes: dispatch, hooks, Python)
-    host = sorted(((e.key, e.self_cpu_time_total, e.count) for e in averages
-                   if e.device_type == DeviceType.CPU and e.self_cpu_time_total > 0), key=lambda r: -r[1])  # fmt: skip
+    host = sorted(
+        (
+            (e.key, e.self_cpu_time_total, e.count)
+            for e in averages
+            if e.device_type == DeviceType.CPU and e.self_cpu_time_total > 0
+        ),
+        key=lambda r: -r[1],
+    )
     return {
         "host_ms": sum(t for _, t, _ in host) / 1e3,
         "host_top": [{"op": n[:110], "ms": t / 1e3, "calls": c} for n, t, c in host[:top]],

@@ -43,9 +43,11 @@ def _identity() -> dict:
 
 
 def _adopt_hint(path: Path) -> str:
-    return (f"{path}: holds a run without a {MARKER} marker (written before run markers, or not by anytrain); "
-            f"if it is an anytrain run, adopt it with `echo '{{}}' > {path / MARKER}`, else choose another "
-            "--run-dir")  # fmt: skip
+    return (
+        f"{path}: holds a run without a {MARKER} marker (written before run markers, or not by anytrain); "
+        f"if it is an anytrain run, adopt it with `echo '{{}}' > {path / MARKER}`, else choose another "
+        "--run-dir"
+    )
 
 
 class RunLock:
@@ -83,10 +85,15 @@ class RunLock:
             raise RunDirError(self.busy_message(holder))
 
     def busy_message(self, holder: dict | None) -> str:
-        who = f"pid {holder.get('pid')} on host {holder.get('host')} (since {holder.get('since')})" if holder else (
-            "another process")  # fmt: skip
-        return (f"{self.path.parent}: in use by {who}; wait for that run to end or stop it (it saves on SIGTERM), "
-                f"then try again")  # fmt: skip
+        who = (
+            f"pid {holder.get('pid')} on host {holder.get('host')} (since {holder.get('since')})"
+            if holder
+            else ("another process")
+        )
+        return (
+            f"{self.path.parent}: in use by {who}; wait for that run to end or stop it (it saves on SIGTERM), "
+            f"then try again"
+        )
 
     def release(self) -> None:
         if self._fd is not None:
@@ -163,15 +170,19 @@ def open_run_dir(path: Path, name: str, resume: bool, overwrite: bool) -> RunLoc
         if resume:
             raise RunDirError(f"{path}: --resume given but the directory holds no anytrain run; pass a run's --run-dir")
         if overwrite:
-            raise RunDirError(f"{path}: not an anytrain run dir (no {MARKER}); refusing to delete it even with "
-                              "--overwrite; choose another --run-dir")  # fmt: skip
+            raise RunDirError(
+                f"{path}: not an anytrain run dir (no {MARKER}); refusing to delete it even with "
+                "--overwrite; choose another --run-dir"
+            )
         raise RunDirError(f"{path}: directory is not empty and holds no anytrain run; choose another --run-dir")
     if occupied and not (resume or overwrite):  # refused without touching anything, the lock file included
         holder = lock_held(path)
         if holder is not None:
             raise RunDirError(RunLock(path).busy_message(holder))
-        raise RunDirError(f"{path}: run dir already holds a run; pass --resume to continue it, --overwrite to "
-                          "replace it, or choose another --run-dir")  # fmt: skip
+        raise RunDirError(
+            f"{path}: run dir already holds a run; pass --resume to continue it, --overwrite to "
+            "replace it, or choose another --run-dir"
+        )
     path.mkdir(parents=True, exist_ok=True)
     lock = RunLock(path)
     lock.acquire()
@@ -268,15 +279,19 @@ def check_resume_config(run_dir: Path, new_cfg, allow: tuple[str, ...] = ()) -> 
     try:
         old_cfg = load_config(config_file)
     except ConfigError as exc:
-        raise RunDirError(f"{config_file}: cannot be read to compare with the resumed config ({exc}); fix or remove "
-                          "it to resume without the check") from None  # fmt: skip
+        raise RunDirError(
+            f"{config_file}: cannot be read to compare with the resumed config ({exc}); fix or remove "
+            "it to resume without the check"
+        ) from None
     changes = config_changes(old_cfg, new_cfg)
     unsafe = [c for c in changes if c[0].startswith(UNSAFE_FIELDS) and not _allowed(c[0], allow)]
     if unsafe:
         listed = "; ".join(f"{k}: {old!r} in the run, {new!r} now" for k, old, new in unsafe)
         names = ",".join(k for k, _, _ in unsafe)
-        raise RunDirError(f"{run_dir}: --resume with a different model, data order or dtype ({listed}); use the run's "
-                          f"values, or pass --resume-allow-changes {names} to resume anyway")  # fmt: skip
+        raise RunDirError(
+            f"{run_dir}: --resume with a different model, data order or dtype ({listed}); use the run's "
+            f"values, or pass --resume-allow-changes {names} to resume anyway"
+        )
     return [f"{k}: {old!r} -> {new!r}" for k, old, new in changes]
 
 
@@ -341,8 +356,9 @@ def open_sample_log(run_dir: Path, rank: int, step: int):
     return open(path, "a", buffering=1)  # noqa: SIM115 - the trainer closes it
 
 
-def setup_run_dir(cfg, run_dir: str | None, resume: bool, overwrite: bool, allow: tuple[str, ...],
-                  is_main: bool) -> RunDir:  # fmt: skip
+def setup_run_dir(
+    cfg, run_dir: str | None, resume: bool, overwrite: bool, allow: tuple[str, ...], is_main: bool
+) -> RunDir:
     """Rank 0 validates and locks the run dir, compares a resumed run's config, and writes config.yaml (keeping the
     previous one) and status.json; every rank gets the RunDir or the same one-line error."""
     from anytrain.config import save_config

@@ -33,19 +33,32 @@ def check_run_config(cfg: Any) -> None:
         )
     model.hf_path = str(check_folder(model.hf_path))
     if model.init_from:
-        raise ConfigError("model.init_from: not used with model.arch hf (the weights come from model.hf_path); "
-                          "drop it")  # fmt: skip
-    if cfg.train.cuda_graphs and not (model.args.get("attn_implementation", "sdpa") == "sdpa"
-                                      and plain_causal(read_config(model.hf_path))):  # fmt: skip
-        raise ConfigError("train.cuda_graphs: with model.arch hf only for models whose every layer attends causally "
-                          "over the whole sequence, under attn_implementation sdpa (transformers' attention-mask "
-                          "code reads GPU tensors on the host, which breaks capture); set --train.cuda_graphs "
-                          "false")  # fmt: skip
+        raise ConfigError("model.init_from: not used with model.arch hf (the weights come from model.hf_path); drop it")
+    if cfg.train.cuda_graphs and not (
+        model.args.get("attn_implementation", "sdpa") == "sdpa" and plain_causal(read_config(model.hf_path))
+    ):
+        raise ConfigError(
+            "train.cuda_graphs: with model.arch hf only for models whose every layer attends causally "
+            "over the whole sequence, under attn_implementation sdpa (transformers' attention-mask "
+            "code reads GPU tensors on the host, which breaks capture); set --train.cuda_graphs "
+            "false"
+        )
     for name in ("tp", "pp"):
         if getattr(cfg.parallel, name) > 1:
-            raise ConfigError(f"parallel.{name}: model.arch hf trains with data parallelism only (DDP / FSDP); set "
-                              f"--parallel.{name} 1")  # fmt: skip
+            raise ConfigError(
+                f"parallel.{name}: model.arch hf trains with data parallelism only (DDP / FSDP); set "
+                f"--parallel.{name} 1"
+            )
 
 
-__all__ = ["PLAN", "SPEC", "HFArgs", "HFCausalLM", "check_folder", "check_run_config", "find_blocks",
-           "read_config", "resolve_args"]  # fmt: skip
+__all__ = [
+    "PLAN",
+    "SPEC",
+    "HFArgs",
+    "HFCausalLM",
+    "check_folder",
+    "check_run_config",
+    "find_blocks",
+    "read_config",
+    "resolve_args",
+]

@@ -82,8 +82,10 @@ class HFArgs:
     def validate(self, prefix: str = "model.args.") -> None:
         for name in ("vocab_size", "n_layers", "hidden_size", "num_attention_heads", "max_seq_len"):
             if getattr(self, name) <= 0:
-                raise ConfigError(f"model.hf_path: {self.path}/config.json gives {name} = {getattr(self, name)}; "
-                                  "expected a decoder-only causal LM config")  # fmt: skip
+                raise ConfigError(
+                    f"model.hf_path: {self.path}/config.json gives {name} = {getattr(self, name)}; "
+                    "expected a decoder-only causal LM config"
+                )
 
 
 SETTABLE = ("init", "attn_implementation", "residual_in_fp32")
@@ -101,14 +103,15 @@ def _transformers():
 def check_folder(path: str | Path) -> Path:
     """``model.hf_path`` as an absolute folder holding config.json; one ConfigError naming the field otherwise."""
     if not str(path):
-        raise ConfigError("model.hf_path: model.arch hf needs a local Hugging Face model folder (config.json + "
-                          "safetensors); set --model.hf_path DIR")  # fmt: skip
+        raise ConfigError(
+            "model.hf_path: model.arch hf needs a local Hugging Face model folder (config.json + "
+            "safetensors); set --model.hf_path DIR"
+        )
     folder = Path(path).expanduser().absolute()
     if not folder.is_dir():
         raise ConfigError(f"model.hf_path: {folder} is not a directory; point it at a Hugging Face model folder")
     if not (folder / "config.json").is_file():
-        raise ConfigError(f"model.hf_path: {folder} has no config.json (expected a folder written by "
-                          "save_pretrained)")  # fmt: skip
+        raise ConfigError(f"model.hf_path: {folder} has no config.json (expected a folder written by save_pretrained)")
     return folder
 
 
@@ -123,8 +126,9 @@ def _load_config(folder: str, mtime_ns: int):  # noqa: ARG001 - the key: a rewri
             f"model.hf_path: {folder}/config.json is not a config transformers can read ({first})"
         ) from None
     if type(config) not in transformers.MODEL_FOR_CAUSAL_LM_MAPPING:
-        raise ConfigError(f"model.hf_path: {folder} holds a {config.model_type!r} model, which has no "
-                          "AutoModelForCausalLM class")  # fmt: skip
+        raise ConfigError(
+            f"model.hf_path: {folder} holds a {config.model_type!r} model, which has no AutoModelForCausalLM class"
+        )
     return config
 
 
@@ -152,16 +156,21 @@ def resolve_args(model_cfg: Any) -> HFArgs:
     hidden = int(getattr(text, "hidden_size", 0) or 0)
     mapping = _transformers().MODEL_FOR_CAUSAL_LM_MAPPING
     args = HFArgs(
-        path=str(folder), init=chosen.init, attn_implementation=chosen.attn_implementation,
+        path=str(folder),
+        init=chosen.init,
+        attn_implementation=chosen.attn_implementation,
         residual_in_fp32=chosen.residual_in_fp32,
-        model_type=config.model_type, architecture=mapping[type(config)].__name__,
-        vocab_size=int(text.vocab_size), n_layers=int(getattr(text, "num_hidden_layers", 0) or 0),
-        hidden_size=hidden, num_attention_heads=heads,
+        model_type=config.model_type,
+        architecture=mapping[type(config)].__name__,
+        vocab_size=int(text.vocab_size),
+        n_layers=int(getattr(text, "num_hidden_layers", 0) or 0),
+        hidden_size=hidden,
+        num_attention_heads=heads,
         num_key_value_heads=int(getattr(text, "num_key_value_heads", 0) or heads),
         head_dim=int(getattr(text, "head_dim", 0) or (hidden // heads if heads else 0)),
         max_seq_len=int(getattr(text, "max_position_embeddings", 0) or NO_POSITION_LIMIT),
         tie_embeddings=bool(getattr(text, "tie_word_embeddings", False)),
-    )  # fmt: skip
+    )
     args.validate()
     return args
 
@@ -193,8 +202,10 @@ def find_blocks(root: nn.Module) -> tuple[str, nn.ModuleList]:
             if best is None or len(module) > len(best[1]):
                 best = (name, module)
     if best is None:
-        raise ConfigError(f"model.hf_path: {type(root).__name__} has no nn.ModuleList of repeated layers to shard "
-                          "and checkpoint per block")  # fmt: skip
+        raise ConfigError(
+            f"model.hf_path: {type(root).__name__} has no nn.ModuleList of repeated layers to shard "
+            "and checkpoint per block"
+        )
     return best
 
 
@@ -281,12 +292,15 @@ class HFCausalLM(SamplingMixin, nn.Module):
                     if name not in targets:
                         if any(p.search(key) for p in ignorable):
                             continue
-                        raise ConfigError(f"model.hf_path: {file.name} holds {key}, which "
-                                          f"{type(self.hf).__name__} has no place for")  # fmt: skip
+                        raise ConfigError(
+                            f"model.hf_path: {file.name} holds {key}, which {type(self.hf).__name__} has no place for"
+                        )
                     tensor, target = handle.get_tensor(key), targets[name]
                     if tensor.shape != target.shape:
-                        raise ConfigError(f"model.hf_path: {key} in {file.name} has shape {tuple(tensor.shape)}, "
-                                          f"the model expects {tuple(target.shape)}")  # fmt: skip
+                        raise ConfigError(
+                            f"model.hf_path: {key} in {file.name} has shape {tuple(tensor.shape)}, "
+                            f"the model expects {tuple(target.shape)}"
+                        )
                     target.copy_(tensor)
                     loaded.add(name)
         tied = getattr(self.hf, "all_tied_weights_keys", None) or {}
@@ -436,9 +450,11 @@ def safetensors_index(folder: Path, field: str) -> list[Path] | None:
         names = set(json.loads(index.read_text())["weight_map"].values())
         files = sorted(folder / name for name in names)
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
-        raise ConfigError(f"{field}: {index} is not a safetensors index (a JSON object whose weight_map maps tensor "
-                          f"names to files: {type(exc).__name__} {exc}); restore it from the model's "
-                          "source") from None  # fmt: skip
+        raise ConfigError(
+            f"{field}: {index} is not a safetensors index (a JSON object whose weight_map maps tensor "
+            f"names to files: {type(exc).__name__} {exc}); restore it from the model's "
+            "source"
+        ) from None
     for name in sorted(names):
         normal = os.path.normpath(name)
         if os.path.isabs(name) or normal == os.pardir or normal.startswith(os.pardir + os.sep):
@@ -463,8 +479,10 @@ def open_safetensors(file: Path, field: str):
             yield handle
     except (SafetensorError, OSError) as exc:
         first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
-        raise ConfigError(f"{field}: {file} is not a readable safetensors file ({first}); it may be truncated: "
-                          "download or copy it again") from None  # fmt: skip
+        raise ConfigError(
+            f"{field}: {file} is not a readable safetensors file ({first}); it may be truncated: "
+            "download or copy it again"
+        ) from None
 
 
 _FROM_SCRATCH = "convert the weights, or set --model.args.init random to train from scratch"

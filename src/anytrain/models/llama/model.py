@@ -116,8 +116,11 @@ class TransformerArgs:
             raise ConfigError(f"{prefix}n_heads: {self.n_heads} does not divide dim {self.dim}")
         if self.n_heads % self.n_kv_heads:
             raise ConfigError(f"{prefix}n_kv_heads: {self.n_kv_heads} does not divide n_heads {self.n_heads}")
-        choices = {"pos_encoding": ("rope", "alibi", "learned"), "norm": ("rmsnorm", "layernorm"),
-                   "mlp": ("swiglu", "gelu")}  # fmt: skip
+        choices = {
+            "pos_encoding": ("rope", "alibi", "learned"),
+            "norm": ("rmsnorm", "layernorm"),
+            "mlp": ("swiglu", "gelu"),
+        }
         for name, allowed in choices.items():
             if getattr(self, name) not in allowed:
                 raise ConfigError(f"{prefix}{name}: {getattr(self, name)!r} is not one of {', '.join(allowed)}")
@@ -131,8 +134,9 @@ class TransformerArgs:
         return self.dim // self.n_heads
 
 
-MPT_OPTIONS: dict[str, Any] = dict(pos_encoding="alibi", norm="layernorm", norm_bias=False, mlp="gelu", bias=False,
-                                   tie_embeddings=True)  # fmt: skip
+MPT_OPTIONS: dict[str, Any] = dict(
+    pos_encoding="alibi", norm="layernorm", norm_bias=False, mlp="gelu", bias=False, tie_embeddings=True
+)
 """The ``TransformerArgs`` options that make an MPT block (``MptForCausalLM``'s computation)."""
 
 TRANSFORMER_FLAVOURS: dict[str, dict[str, Any]] = {
@@ -156,7 +160,7 @@ TRANSFORMER_FLAVOURS: dict[str, dict[str, Any]] = {
         max_seq_len=2048,
         rope_theta=500000.0,
         tie_embeddings=True,
-    ),  # fmt: skip
+    ),
     # Llama-3.2-3B's shape (meta-llama/Llama-3.2-3B config.json): 3,212,749,824 parameters, tied embeddings.
     "llama-3b": dict(
         vocab_size=128256,
@@ -265,13 +269,15 @@ class Attention(nn.Module):
             v = v.unsqueeze(3).expand(B, T, kv, repeat, self.head_dim).reshape(B, T, -1, self.head_dim)
         # SDPA wants (B, H, T, E); it picks FlashAttention / memory-efficient kernels on CUDA and ROCm.
         if self.pos_encoding == "alibi":
-            out = alibi_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), self.alibi_slopes, pos_a,
-                                  **gqa)  # fmt: skip
+            out = alibi_attention(
+                q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), self.alibi_slopes, pos_a, **gqa
+            )
         elif mask is not None:  # document masking: flex_attention (GPUs) or SDPA with a boolean mask (CPU)
             out = masked_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), mask, **gqa)
         else:
-            out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                                                 is_causal=True, **gqa)  # fmt: skip
+            out = F.scaled_dot_product_attention(
+                q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True, **gqa
+            )
         return self.wo(out.transpose(1, 2).reshape(B, T, -1))  # (B, T, D)
 
 
@@ -351,11 +357,15 @@ class Transformer(SamplingMixin, nn.Module):
             if seed is not None:
                 generator = torch.Generator(device=param.device)
                 generator.manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
-            param.normal_(0.0, deep_std if name.endswith(("attention.wo.weight", "feed_forward.w2.weight")) else std,
-                          generator=generator)  # fmt: skip
+            param.normal_(
+                0.0,
+                deep_std if name.endswith(("attention.wo.weight", "feed_forward.w2.weight")) else std,
+                generator=generator,
+            )
         if self.args.pos_encoding == "rope":
-            cos, sin = rope_tables(self.args.head_dim, self.args.max_seq_len, self.args.rope_theta,
-                                   self.rope_cos.device)  # fmt: skip
+            cos, sin = rope_tables(
+                self.args.head_dim, self.args.max_seq_len, self.args.rope_theta, self.rope_cos.device
+            )
             self.rope_cos.copy_(cos)
             self.rope_sin.copy_(sin)
         for block in self.layers.values():

@@ -104,9 +104,15 @@ def apply_tensor_parallel(model: Transformer, tp_mesh) -> None:
         if slopes is not None:  # this rank's query heads are the rank-th H/tp of them
             block.attention.alibi_slopes = slopes.chunk(tp)[rank].clone()
     if not split_embeddings:  # full hidden states (a later pipeline stage's input, a tied embedding's output)
-        parallelize_module(blocks[0], tp_mesh, PrepareModuleInput(input_layouts=(Replicate(), None, None),
-                                                                  desired_input_layouts=(Shard(1), None, None),
-                                                                  use_local_output=True))  # fmt: skip
+        parallelize_module(
+            blocks[0],
+            tp_mesh,
+            PrepareModuleInput(
+                input_layouts=(Replicate(), None, None),
+                desired_input_layouts=(Shard(1), None, None),
+                use_local_output=True,
+            ),
+        )
     if model.norm is None:
         parallelize_module(blocks[-1], tp_mesh, _to_full())
 

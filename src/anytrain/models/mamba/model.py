@@ -160,8 +160,17 @@ class MambaMixer(nn.Module):
 
     def _weights(self) -> tuple[torch.Tensor, ...]:
         """The mixer's parameters in the order of ``kernels.mamba_inner`` (weights as held, fetched at call time)."""
-        return (self.in_proj.weight, self.conv1d.weight, self.conv1d.bias, self.x_proj.weight, self.dt_proj.weight,
-                self.dt_proj.bias, self.A_log, self.D, self.out_proj.weight)  # fmt: skip
+        return (
+            self.in_proj.weight,
+            self.conv1d.weight,
+            self.conv1d.bias,
+            self.x_proj.weight,
+            self.dt_proj.weight,
+            self.dt_proj.bias,
+            self.A_log,
+            self.D,
+            self.out_proj.weight,
+        )
 
 
 class MambaBlock(nn.Module):
