@@ -231,7 +231,7 @@ def settle_sdpa_order() -> None:
     """Make PyTorch set its default SDPA priority order now, so that an order set afterwards is the one used.
 
     PyTorch sets that default once per process, at its first SDPA dispatch decision on a GPU, and it replaces any order
-    set before then (torch 2.11 on an H200 with cuDNN 9.19 writes [cudnn, flash, efficient, math] there). One decision
+    set before then (with recent cuDNN versions: [cudnn, flash, efficient, math]). One decision
     on tiny tensors triggers it.
     """
     choice = getattr(torch, "_fused_sdp_choice", None)

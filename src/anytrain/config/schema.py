@@ -105,7 +105,8 @@ class TrainConfig:
     compile_scope: Literal["blocks", "model", "auto"] = "blocks"
     """With ``compile``: blocks = each block on its own (same-shaped blocks share one graph; composes with every
     parallelism); model = the whole body (embedding, all blocks, final norm) as one graph, so that inductor can fuse
-    across block boundaries (one process only; ~4x the compile time; +1.3% for the 1.1B Transformer on an H200);
+    across block boundaries (one process only; compiles several times longer; measured faster on the 1.1B recipe:
+    docs/benchmarks.md);
     auto = model in a one-process run (for model.arch hf only when the model runs no attention-mask code,
     docs/hf-models.md), blocks otherwise. Tested for loss parity on CPU (Transformer, Mamba) and with CUDA graphs
     (mamba-130m and an HF Llama, GPU tests); not tested with activation checkpointing."""
@@ -143,7 +144,7 @@ class TrainConfig:
     """Capture one micro-batch's forward + backward as a CUDA/HIP graph on the first step and replay it for every
     micro-batch (train/cuda_graph.py): removes the host's launch overhead where the host, not the GPU, sets the pace
     (small models such as mamba-130m). One GPU process, or tensor parallelism alone (its collectives captured with the
-    step: the 1.1B's TP4 at micro-batch 4 trains 2x faster), with a fixed micro-batch shape; data-parallel and
+    step: faster where the host sets the pace, docs/scaling.md), with a fixed micro-batch shape; data-parallel and
     pipeline runs, and CPU runs of the same config, train eagerly and say so. Gradients then stay allocated between
     steps. model.arch hf: only for models that run no attention-mask code (plain causal, SDPA; refused otherwise)."""
     gc_interval: int = 50
@@ -216,8 +217,8 @@ class ParallelConfig:
     sync is off). No effect without gradient accumulation, or with pipeline parallelism (its schedule does this)."""
     ddp_bucket_mb: float = 100.0
     """DDP / ZeRO-1 only: size of the gradient buckets all-reduced as one collective while backward runs (PyTorch's
-    ``bucket_cap_mb``). 100, not PyTorch's 25: +4.3% tokens/s and -1.9 GiB for the 1.1B on 4 H100s (250 measured the
-    same as 100; docs/scaling.md). Larger buckets: fewer, larger collectives, started later in backward."""
+    ``bucket_cap_mb``). 100, not PyTorch's 25: measured faster and smaller for the 1.1B under DDP, and 250 no better
+    (docs/scaling.md). Larger buckets: fewer, larger collectives, started later in backward."""
     grad_compression: str = "none"
     """Compression of the data-parallel gradient reduction: none (fp32); bf16 or fp16 (gradients cast to that dtype
     for the reduction: DDP/ZeRO-1 through PyTorch's bf16/fp16_compress_hook, FSDP2 as MixedPrecisionPolicy's

@@ -1,7 +1,7 @@
 """Cost model and planner: predict memory, communication, time and energy of a training run before it starts.
 
 ``shapes`` holds the inputs (model shape, precision preset, layout, workload), ``memory`` the per-device memory
-accounting (validated against H200 allocator peaks and the tensors autograd saves), ``model`` the communication,
+accounting (validated against measured allocator peaks and the tensors autograd saves), ``model`` the communication,
 time and energy arithmetic and ``estimate`` (re-exporting the other two; closed forms in each docstring and in
 docs/cost-model.md), ``devices`` the device and system figures (hardware.DEVICE_CATALOGUE plus efficiency, power,
 host and node data), ``planner`` the layout search and job sizing, ``tables`` their answers as text and ``cli`` the

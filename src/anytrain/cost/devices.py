@@ -11,12 +11,10 @@ MI250/MI250X per *card* (two GCDs as one planning device) come from ``hardware.C
 Host floor: small models are bound by the host launching kernels, not by the GPU's arithmetic. An eager block costs
 the host ``shape.eager_ops_per_block`` × ``host_op_us`` per micro-batch (forward + backward dispatch; 121 ATen ops
 per Llama block, counted on CPU), a compiled block ``host_layer_us_compiled``; ``host_step_us`` is the fixed
-per-step part (optimizer, clipping, step agreement). ``host_op_us`` was fitted on the tiny run on one H200 (eager,
-4 blocks, one micro-batch: 16.3 ms per step, host-bound), when a block had 139 ops (23.5 µs each). A later RoPE
-rewrite (-18 ops) and the projections' autograd function (which costs more host time per call) left
-121 on CPU (114 on GPUs: the fp32-output GEMM is one op there, a product and a copy on CPU); 26.5 µs keeps that
-measured step's prediction and is an assumption until the tiny eager run is re-measured; the compiled
-figure and the per-step part are assumptions that no measured run is bound by (see docs/cost-model.md).
+per-step part (optimizer, clipping, step agreement). ``host_op_us`` was fitted on the tiny eager run, the one
+host-bound run, when a block had more ops than now; it keeps that measured step's prediction at today's op count
+and is an assumption until that run is re-measured; the compiled figure and the per-step part are assumptions that
+no measured run is bound by (fitted values and their provenance: docs/cost-model.md).
 
 Allocator-visible framework memory: ``blas_workspace_mib``, one cuBLAS/hipBLAS workspace per (thread, stream) —
 PyTorch's defaults: 32 MiB on Hopper (sm90) and later, 8.125 MiB (:4096:2:16:8) before, 32 MiB on ROCm (128 MiB on
@@ -51,25 +49,24 @@ class Device:
     power_fraction: float = 0.80  # average board power while training / TDP
     intra_latency_us: float = 5.0
     inter_latency_us: float = 15.0
-    host_op_us: float = 26.5  # host cost of one eager ATen op (dispatch + autocast + autograd); fitted, H200 host
+    host_op_us: float = 26.5  # host cost of one eager ATen op (dispatch + autocast + autograd)
+    # fitted: docs/cost-model.md
     host_layer_us: float = 0.0  # eager host time per block per micro-batch; 0 = eager_ops_per_block × host_op_us
     host_layer_us_compiled: float = 450.0  # host time per compiled block per micro-batch (assumed)
     host_tp_layer_us: float = 6500.0  # host time per tensor-parallel block per micro-batch, compiled (DTensor
-    # hooks, the issue and wait of its sequence-parallel collectives); fitted on 4 H100s: eager TP4 of the 1.1B at
-    # micro-batch 4 (host-bound: CUDA graphs halve its step)
+    # hooks, the issue and wait of its sequence-parallel collectives); fitted: docs/cost-model.md
     tp_link_efficiency: float = 0.35  # achieved fraction of intra_node_gb_per_s by the tensor-parallel collectives
-    # (the doctor: a 32 MiB all-gather at ~160 GB/s bus bandwidth on 4 H100s); fitted with tp_collective_us on the
-    # graphed TP4 1.1B steps at micro-batch 4 and 16
+    # fitted: docs/cost-model.md
     tp_collective_us: float = 50.0  # GPU time per tensor-parallel collective beyond its bytes (the ranks' kernels
-    # waiting for each other: every TP collective sits between two GEMMs, so nothing hides it; the doctor's smallest
-    # all-reduce takes ~60 us)
+    # waiting for each other: every TP collective sits between two GEMMs, so nothing hides it); fitted:
+    # docs/cost-model.md
     host_step_us: float = 2000.0  # per optimizer step: optimizer, clipping, the guard's all-reduce (assumed)
     host_graph_us: float = 60.0  # per micro-batch replayed from a CUDA graph: two input copies + one launch (assumed)
-    scan_ns: float = 0.062  # Mamba scan fwd+bwd per (token, inner channel), S=16: H200 kernel profile (199.3 ms
-    # for 16384 tokens x 48 layers x 4096 channels with an earlier backward kernel; docs/history/ has the profile)
-    hbm_efficiency: float = 0.85  # achieved fraction of HBM bandwidth by fused elementwise kernels (H200 copy: 87%)
-    optimizer_bytes_per_param: float = 80.0  # clipping + fused AdamW, in HBM-equivalent bytes per parameter
-    # (H200 kernel profile: 18.4 ms AdamW + 3.7 ms clipping for 1.1B parameters)
+    scan_ns: float = 0.062  # Mamba scan fwd+bwd per (token, inner channel), S=16; fitted: docs/cost-model.md
+    hbm_efficiency: float = 0.85  # achieved fraction of HBM bandwidth by fused elementwise kernels
+    # (measured copies: docs/cost-model.md)
+    optimizer_bytes_per_param: float = 80.0  # clipping + fused AdamW, in HBM-equivalent bytes per parameter;
+    # fitted: docs/cost-model.md
     blas_workspace_mib: float = 32.0  # one cuBLAS/hipBLAS workspace, held per (thread, stream)
 
     @property
@@ -102,12 +99,10 @@ def _from_hw(key: str, catalogue_key: str, **extra: float | int) -> Device:
 
 
 # Achieved-efficiency defaults (fraction of dense bf16 peak on the GEMM/attention arithmetic; the memory-bound part —
-# elementwise kernels, GEMM operand traffic, casts, the optimizer — is modelled separately at hbm_efficiency): H200
-# 0.70 fitted on anytrain's 1.1B run on one H200 (70k tok/s = 52% MFU overall; bench/cost_model_validation.py,
-# docs/cost-model.md), H100 5% lower as before (same chip, less bandwidth; not measured); Megatron-Core reports 41-49%
-# MFU at scale; A100 ~50% (Megatron); MI250X 0.38 from ORNL Frontier (22B: 38.4% of 191.5 TFLOP/s; 175B: 36.1%, 1T:
-# 32.0% including communication); MI300X conservative. These other devices' figures come from published MFU and have
-# not been refit with the present memory-bound accounting. Refit with bench/cost_model_validation.py on a GPU.
+# elementwise kernels, GEMM operand traffic, casts, the optimizer — is modelled separately at hbm_efficiency). H200
+# fitted (bench/cost_model_validation.py), H100 derived from it (not measured), the others from published MFU, not
+# refit with the present memory-bound accounting: sources and figures in docs/cost-model.md. Refit with
+# bench/cost_model_validation.py on a GPU.
 DEVICES: dict[str, Device] = {
     "h200": _from_hw("h200", "H200", efficiency=0.70),
     "h100": _from_hw("h100", "H100", efficiency=0.66),

@@ -1,10 +1,10 @@
 """Peak memory per device: what each tensor the training step holds costs, and when the allocator peaks.
 
 Every count below was checked against the tensors the code really saves (``torch.autograd.graph.saved_tensors_hooks``
-on CPU, eager and torch.compile, in tests/unit/test_cost_model.py) and against H200 allocator peaks
-(docs/cost-model.md, "Validation against H200 measurements"). Notation: a activation bytes, r residual bytes, d width,
-d_kv K/V width seen by attention, F FFN width, H heads, V vocabulary, N tokens of a micro-batch, t/p/z tensor-,
-pipeline-parallel and ZeRO shard-group sizes. The peak is the largest of three moments of a step:
+on CPU, eager and torch.compile, in tests/unit/test_cost_model.py) and against measured allocator peaks
+(docs/cost-model.md, "Validation against H200 measurements"). Notation: a activation bytes, r residual bytes, d
+width, d_kv K/V width seen by attention, F FFN width, H heads, V vocabulary, N tokens of a micro-batch, t/p/z
+tensor-, pipeline-parallel and ZeRO shard-group sizes. The peak is the largest of three moments of a step:
 
 - ``forward``: the end of a micro-batch's forward, in the loss (every activation saved, the loss's chunk of logits);
 - ``backward``: the start of its backward (the loss's weight-gradient temporaries; FSDP's prefetched block; under

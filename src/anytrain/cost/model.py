@@ -341,8 +341,8 @@ def elementwise_seconds(shape: ModelShape, layout: Layout, wl: Workload, prec: P
 
 def optimizer_seconds(shape: ModelShape | MambaShape, layout: Layout, prec: Precision, device: Device) -> float:
     """Gradient clipping + AdamW over this device's optimizer shard: Ψ_opt × ``device.optimizer_bytes_per_param``
-    (measured: fused AdamW + foreach clipping, 22 ms for 1.1B parameters on an H200, i.e. ~80 B per parameter at
-    85% of HBM bandwidth) — Ψ_opt = Ψ_dev (all of its parameters, embedding included), / z under ZeRO/FSDP."""
+    (fused AdamW + foreach clipping, fitted: docs/cost-model.md) — Ψ_opt = Ψ_dev (all of its parameters, embedding
+    included), / z under ZeRO/FSDP."""
     psi = shape.num_params / (layout.pp * layout.tp)
     if layout.strategy != "ddp":
         psi /= layout.shard_size
@@ -416,8 +416,7 @@ def estimate(
                 (+ under anytrain's TP the LM head's share that every TP rank repeats: 6·V·d and its traffic)
     host_s = host_seconds (the host's launch floor)
     step_s = max(compute_s · (1 + bubble) + exposed communication, host_s) (the GPU's time or the host's launch
-             floor: measured on 4 H100s, eager TP4 at micro-batch 16 and its CUDA-graph replay take the same time,
-             at micro-batch 4 the graphs halve it);  steps = D / (B·s);
+             floor, whichever is longer: docs/cost-model.md, "What still misses");  steps = D / (B·s);
     energy = total_s·world·watts.
     """
     prec = prec or trainer_precision(layout.strategy)

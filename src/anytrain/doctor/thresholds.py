@@ -22,8 +22,8 @@ class Thresholds:
     p2p_bandwidth_min_gb_per_s: float = 0.0
     """Every ordered rank pair's large-message bandwidth must reach this (GB/s); 0 = off."""
     gemm_min_fraction: float = 0.35
-    """Every rank's bf16 matmul rate must reach this fraction of its device's dense peak (hardware's table; an H100
-    SXM measures about 0.7 at 8192³); skipped on CPU and on GPUs without a peak."""
+    """Every rank's bf16 matmul rate must reach this fraction of its device's dense peak (hardware's table; measured
+    fractions: bench/results/doctor_*.json); skipped on CPU and on GPUs without a peak."""
     loss_rtol: float = 0.02
     """Tiny trainings: each rank's one-device losses against rank 0's, and the all-rank run's losses against the
     one-device run's, per step, relative difference at most this."""

@@ -71,8 +71,7 @@ class ConvConfig:
 
 
 _VENDOR_CONFIGS = {
-    # the fastest GPU time of the H200 tile sweep at (2, 5376, 4096) bf16, width 4, SiLU: forward 0.047 ms,
-    # backward 0.075 ms (bench/results/mamba_kernels_nvidia-h200.json)
+    # the fastest tiles of the CUDA tile sweep (bench/mamba_kernels.py --sweep; figures: docs/kernels.md)
     hardware.CUDA: ConvConfig(slots_bwd=8),
     # not measured; 64-wide wavefronts: 8+ elements per lane either way
     hardware.ROCM: ConvConfig(block_d_bwd=2),

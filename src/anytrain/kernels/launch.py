@@ -1,8 +1,8 @@
 """Relaunching a compiled Triton kernel without Triton's per-call argument binding.
 
 ``kernel[grid](*args, **meta)`` binds and specializes every argument on each call (divisibility of each int by 16,
-alignment of each pointer, a cache-key lookup): ~35 us of host time for an 18-argument kernel on an H100 host, which
-is a third of the GPU time of a small op and makes a public op called through ``torch.autograd`` host-bound.
+alignment of each pointer, a cache-key lookup): host time comparable to the GPU time of a small op, which makes a
+public op called through ``torch.autograd`` host-bound (measured: docs/kernels.md, "Launching").
 ``Launcher`` does that work once per *specialization* and then calls the compiled kernel's launcher directly.
 
 The specialization of a call is what Triton would key on: the int arguments (their values, which covers the

@@ -49,7 +49,7 @@ def _pow2(v: int) -> bool:
 
 @dataclass(frozen=True)
 class ScanConfig:
-    """Tiles of the forward and backward kernels. The defaults are the tuned CUDA tiles (H100 / H200), run on every
+    """Tiles of the forward and backward kernels. The defaults are the tuned CUDA tiles (docs/kernels.md), run on every
     device. Layouts are conversion-free when a forward segment is one 16-byte vector (8 bf16 steps) and
     ``segments`` x ``num_warps`` = the lanes of a warp, and when ``block_d_bwd`` x ``segments_bwd`` = the lanes of a
     warp (4 x 8); other powers of two are correct too (the compiler then converts layouts)."""

@@ -1,8 +1,8 @@
 """``train.cuda_graphs``: each micro-batch's forward and backward replayed from one captured CUDA (or HIP) graph.
 
 Small models are host-bound: a mamba-130m micro-batch is ~1,000 kernel launches (autocast weight casts, the fused
-mixer's Triton kernels, gradient accumulation adds), and on an H200 the host needs longer to issue them than the GPU
-needs to run them (bench/results: 358 ms of kernels in a 558 ms step). With this option the whole micro-step --
+mixer's Triton kernels, gradient accumulation adds), and the host needs longer to issue them than the GPU needs to
+run them (measured: docs/history/kernel-and-benchmark-log.md). With this option the whole micro-step --
 autocast forward, the loss, ``backward`` with every gradient accumulated in place into its ``.grad`` -- is captured
 once, on the first micro-batch of the first step, and replayed for every micro-batch after that: the host only copies
 the micro-batch's token ids into the graph's static input buffers and launches the graph.

@@ -45,8 +45,7 @@ def build_optimizer(
     ``by_mesh``: for models whose parameters mix DTensors of different meshes with plain tensors (tensor parallelism
     here), which one fused/foreach call cannot batch together: each weight-decay group is split by device mesh and
     every part is updated with the foreach kernels (one DTensor dispatch per operation and group, not per parameter:
-    at the 1.1B's 201 parameters 4.4-5.2x less host time than per-parameter updates over gloo on the CPU, 6.0x over
-    NCCL on 4 H100s, bench/tp_optimizer.py).
+    several times less host time than per-parameter updates, bench/tp_optimizer.py; figures: docs/scaling.md).
     """
     if by_mesh:
         groups = [part for group in param_groups(model, cfg.weight_decay) for part in split_by_mesh(group)]

@@ -22,9 +22,9 @@ def whole_body_when_auto(model: HFCausalLM) -> bool:
     """``train.compile_scope: auto`` in a one-process run: the whole body as one graph for a model without mask code
     (``HFCausalLM.mask_free``), else per block. Under torch.compile with torch < 2.14 transformers builds the causal
     mask as a (B, 1, T, T) tensor (it skips the mask, for SDPA's ``is_causal``, only in eager code), and a masked SDPA
-    call takes neither the causal kernels nor native GQA: compiled per block, the body's mask code runs eagerly. On an
-    H100 (docs/hf-models.md) the mask-free whole body measured 1.50x per-block compile for a tiny Llama (host-bound)
-    and the same as per block at 1.1B."""
+    call takes neither the causal kernels nor native GQA: compiled per block, the body's mask code runs eagerly. The
+    mask-free whole body measured faster than per-block compile for a tiny Llama (host-bound) and the same at 1.1B
+    (docs/hf-models.md)."""
     return model.mask_free
 
 

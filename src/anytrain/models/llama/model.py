@@ -252,7 +252,7 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor, pos_a: Any, pos_b: Any, mask: Any = None) -> torch.Tensor:
         B, T, _ = x.shape
         # -1 heads: under tensor parallelism each rank holds H/tp query and K/tp key/value heads. (One GEMM against
-        # [wq; wk; wv], and [w1; w3] below, measured 2% slower on an H200: docs/benchmarks.md.)
+        # [wq; wk; wv], and [w1; w3] below, measured slower: docs/history/kernel-and-benchmark-log.md.)
         q = self.wq(x).view(B, T, -1, self.head_dim)  # (B, T, H, E)
         k = self.wk(x).view(B, T, -1, self.head_dim)  # (B, T, K, E)
         v = self.wv(x).view(B, T, -1, self.head_dim)
