@@ -13,12 +13,13 @@ from anytrain.models.mamba.model import Mamba
 from anytrain.models.protocol import ParallelizePlan
 
 
-class MambaStage(nn.Module):
-    """A pipeline stage of the Mamba LM: ``backbone`` (embeddings on the first stage, its layers, norm_f on the last)
-    and ``lm_head`` on the last, under the full model's parameter names. The forward repeats ``MambaBackbone`` and
-    ``Mamba.forward`` for the modules this stage holds (Mamba's own forward needs every piece)."""
+class BackboneStage(nn.Module):
+    """A pipeline stage of a Mamba-layout LM (``backbone.{embeddings, layers, norm_f}`` and ``lm_head``): the
+    backbone (embeddings on the first stage, its layers, norm_f on the last) and ``lm_head`` on the last, under the
+    full model's parameter names. The forward repeats the backbone's and the LM's forward for the modules this stage
+    holds (the model's own forward needs every piece). Each family subclasses it, so a stage names its family."""
 
-    def __init__(self, model: Mamba) -> None:
+    def __init__(self, model: nn.Module) -> None:
         super().__init__()
         self.args = model.args
         self.backbone = model.backbone
@@ -50,8 +51,12 @@ class MambaStage(nn.Module):
         return self.args.tie_embeddings
 
 
-def pipeline_split(model: Mamba, layers: range, first: bool, last: bool) -> MambaStage:
-    """A stage holding only ``layers`` of ``model`` (whose modules it takes over)."""
+class MambaStage(BackboneStage):
+    """A pipeline stage of the Mamba LM."""
+
+
+def split_backbone(model: nn.Module, layers: range, first: bool, last: bool, stage: type[BackboneStage]):
+    """A ``stage`` holding only ``layers`` of ``model`` (whose modules it takes over)."""
     keep = {str(i) for i in layers}
     for name in list(model.backbone.layers.keys()):
         if name not in keep:
@@ -60,7 +65,12 @@ def pipeline_split(model: Mamba, layers: range, first: bool, last: bool) -> Mamb
         model.backbone.embeddings = None
     if not last:
         model.backbone.norm_f = model.lm_head = None
-    return MambaStage(model)
+    return stage(model)
+
+
+def pipeline_split(model: Mamba, layers: range, first: bool, last: bool) -> MambaStage:
+    """A stage holding only ``layers`` of ``model`` (whose modules it takes over)."""
+    return split_backbone(model, layers, first, last, MambaStage)
 
 
 def fp8_linears(model: Mamba | MambaStage) -> list[str]:
