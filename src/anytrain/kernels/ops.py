@@ -4,7 +4,9 @@ Backend ("auto" by default): Triton for GPU tensors (CUDA and ROCm), the PyTorch
 or "reference" force one. Triton on CPU tensors only runs under ``TRITON_INTERPRET=1`` (tests). If Triton is not
 importable, "auto" uses the reference (with one warning on GPU tensors); an explicit "triton" raises. Deterministic
 mode makes the Triton scan backward reduce dB/dC through per-program partials instead of atomics (bitwise
-reproducible gradients). Set them with ``anytrain.kernels.configure`` (from ``RunConfig.kernels``) or the setters.
+reproducible gradients); the SSD backward (``kernels.ssd``, which follows the same backend rule) has no atomics
+and is reproducible in either mode. Set them with ``anytrain.kernels.configure`` (from ``RunConfig.kernels``) or the
+setters.
 
 The Triton modules are imported lazily, at the first Triton call: tests set ``TRITON_INTERPRET=1`` before Triton is
 imported, which decides whether ``@triton.jit`` compiles or interprets.

@@ -2,9 +2,9 @@
 
 ``ssd_chunk_scan`` has the arguments of mamba-ssm's ``mamba_chunk_scan_combined`` (without its dt_limit and
 cu_seqlens); ``kernels.reference.ssd_scan_ref`` is the same function as a one-step-at-a-time recurrence, the ground
-truth of the tests. The implementation here is the chunked algorithm of the Mamba-2 paper in PyTorch (differentiated
-by autograd), on every device: it is the twin that a Triton implementation with the same signature is tested against
-and that ``ssd_chunk_scan`` hands over to for GPU tensors once one exists (``ops``' backend rule).
+truth of the tests. ``ssd_chunk_scan`` runs the Triton kernels (``kernels.ssd_triton``) for GPU tensors and
+``ssd_chunk_scan_torch`` otherwise, by ``ops``' backend rule (``kernels.backend``); the latter is the chunked algorithm
+of the Mamba-2 paper in PyTorch (differentiated by autograd), the twin the Triton kernels are tested against.
 
 Shapes: b batch, L sequence, h heads, p headdim, g groups (h = g·r, head h reads group h // r), n dstate; the
 chunked form cuts L into c chunks of Q = chunk_size positions (l and s index positions inside a chunk).
@@ -12,10 +12,13 @@ chunked form cuts L into c chunks of Q = chunk_size positions (l and s index pos
 
 from __future__ import annotations
 
+import importlib
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from anytrain.kernels import ops
 from anytrain.kernels.ops import causal_conv1d
 from anytrain.kernels.reference import _compute_dtype
 
@@ -47,8 +50,15 @@ def ssd_chunk_scan(
     Returns y (b, L, h, p) in x's dtype [, the state after the last position (b, h, p, n), fp32 (fp64 for fp64
     inputs)]. Computed in fp32 (fp64 when an input is fp64). ``chunk_size`` (Q) trades the intra-chunk quadratic
     work (b·h·L·Q) against the number of sequential chunk steps (L / Q); the result does not depend on it.
+
+    GPU tensors run the Triton kernels (``kernels.ssd_triton``: fp32 accumulation, matmul operands in the inputs'
+    dtype, so bf16 / fp16 inputs use the tensor cores), CPU tensors ``ssd_chunk_scan_torch`` (``kernels.backend``).
     """
     _check_shapes(x, dt, A, B, C, chunk_size, D, z, dt_bias, seq_idx, initial_states)
+    if x.shape[1] > 0 and ops._use_triton(x):
+        return importlib.import_module("anytrain.kernels.ssd_triton").ssd_chunk_scan_triton(
+            x, dt, A, B, C, chunk_size, D, z, dt_bias, dt_softplus, seq_idx, initial_states, return_final_states
+        )
     return ssd_chunk_scan_torch(
         x, dt, A, B, C, chunk_size, D, z, dt_bias, dt_softplus, seq_idx, initial_states, return_final_states
     )

@@ -1,0 +1,238 @@
+"""Benchmark the Triton SSD (Mamba-2) op against mamba-ssm's ``mamba_chunk_scan_combined`` (its Triton kernels).
+
+Shapes: mamba2-1.3b and mamba2-2.7b layers (d_model 2048 / 2560, expand 2 -> 64 / 80 heads of headdim 64, d_state 128,
+one group, chunk 256), seq 4096, batch 2 and 4, bf16 activations with fp32 A, D (per head) and dt_bias, dt_softplus:
+as mamba-ssm's ``Mamba2`` calls the op, once without z (its default, the gate applied by the gated RMSNorm after the
+op) and once with z (``rmsnorm=False``). Times are ``triton.testing.do_bench`` medians in ms: the forward without
+autograd, and forward + backward (every input's gradient through ``torch.autograd.grad``); the ratio column is
+mamba-ssm's time over ours (above 1: ours is faster). Writes bench/results/ssd_<device-slug>.json (or under --out).
+
+    PYTHONPATH=src python3 -m bench.ssd [--out DIR] [--sweep]
+
+``--sweep`` also times tile variants (``SSDConfig`` fields) of our op at the 1.3b shape, batch 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import importlib.util
+import json
+import math
+import sys
+import types
+from dataclasses import asdict, replace
+from pathlib import Path
+
+import torch
+
+from anytrain.kernels.ssd import ssd_chunk_scan
+from anytrain.kernels.ssd_triton import CONFIG, ssd_chunk_scan_triton
+from bench.common import results_path, row_error, versions
+
+SEQLEN, HEADDIM, DSTATE, CHUNK = 4096, 64, 128, 256
+LAYERS = {"mamba2-1.3b": 64, "mamba2-2.7b": 80}  # d_model 2048 / 2560, expand 2, headdim 64 -> heads
+BATCHES = (2, 4)
+SWEEP = [
+    {"block_l": 128},
+    {"block_s": 32},
+    {"num_warps": 8},
+    {"num_stages": 3},
+    {"block_l": 128, "num_warps": 8},
+    {"block_t": 32},
+    {"heads_per_program": 4},
+    {"heads_per_program": 16},
+    {"block_n": 64},
+    {"block_state": 1024},
+]
+
+
+def load_mamba_ssm():
+    """(mamba_chunk_scan_combined, None), or (None, why not). mamba-ssm may be installed without its CUDA build, and
+    its top-level ``mamba_ssm/__init__.py`` imports the CUDA extension ``selective_scan_cuda``: the package is
+    registered as a bare module whose ``__path__`` is the installed folder, so importing
+    ``mamba_ssm.ops.triton.ssd_combined`` loads only the Triton modules it needs and that ``__init__`` never runs."""
+    spec = importlib.util.find_spec("mamba_ssm")  # locates the package without executing it
+    if spec is None or not spec.submodule_search_locations:
+        return None, "mamba_ssm is not installed"
+    if "mamba_ssm" not in sys.modules:
+        package = types.ModuleType("mamba_ssm")
+        package.__path__ = list(spec.submodule_search_locations)
+        package.__spec__ = spec
+        sys.modules["mamba_ssm"] = package
+    try:
+        module = importlib.import_module("mamba_ssm.ops.triton.ssd_combined")
+    except Exception as exc:  # a missing dependency (einops, ...) or an incompatible version
+        return None, f"mamba_ssm.ops.triton.ssd_combined does not import: {type(exc).__name__}: {exc}"
+    return module.mamba_chunk_scan_combined, None
+
+
+def layer_inputs(batch: int, nheads: int, gated: bool) -> dict:
+    """A Mamba-2 layer's SSD arguments: bf16 x, dt, B, C (and z), fp32 A = -exp(log U[1, 16]), D (per head) and
+    dt_bias from mamba-ssm's init (steps 0.001-0.1)."""
+    dev, bf = "cuda", torch.bfloat16
+    step = torch.exp(torch.rand(nheads, device=dev) * (math.log(0.1) - math.log(0.001)) + math.log(0.001))
+    args = {
+        "x": torch.randn(batch, SEQLEN, nheads, HEADDIM, device=dev, dtype=bf),
+        "dt": torch.randn(batch, SEQLEN, nheads, device=dev, dtype=bf),
+        "A": -torch.empty(nheads, device=dev).uniform_(1, 16),
+        "B": torch.randn(batch, SEQLEN, 1, DSTATE, device=dev, dtype=bf),
+        "C": torch.randn(batch, SEQLEN, 1, DSTATE, device=dev, dtype=bf),
+        "D": torch.randn(nheads, device=dev),
+        "dt_bias": step + torch.log(-torch.expm1(-step)),
+    }
+    if gated:
+        args["z"] = torch.randn(batch, SEQLEN, nheads, HEADDIM, device=dev, dtype=bf)
+    return args
+
+
+def median_ms(fn) -> float:
+    from triton.testing import do_bench
+
+    return float(do_bench(fn, warmup=25, rep=200, return_mode="median"))
+
+
+def time_op(fn, args: dict) -> tuple[float, float]:
+    """(forward ms, forward + backward ms) of an op with ``mamba_chunk_scan_combined``'s signature."""
+    xs = [args[k] for k in ("x", "dt", "A", "B", "C")]
+    opt = {k: args.get(k) for k in ("D", "z", "dt_bias")}
+
+    def forward():
+        return fn(*xs, CHUNK, **opt, dt_softplus=True)
+
+    with torch.no_grad():
+        fwd = median_ms(forward)
+    leaves = {k: v.detach().clone().requires_grad_() for k, v in args.items()}
+    lx = [leaves[k] for k in ("x", "dt", "A", "B", "C")]
+    lopt = {k: leaves.get(k) for k in ("D", "z", "dt_bias")}
+    grad = torch.randn(args["x"].shape, device="cuda", dtype=args["x"].dtype)
+    inputs = list(leaves.values())
+
+    def forward_backward():
+        out = fn(*lx, CHUNK, **lopt, dt_softplus=True)
+        return torch.autograd.grad(out, inputs, grad)
+
+    return fwd, median_ms(forward_backward)
+
+
+def max_rel_diff(fn, ref_fn, args: dict) -> float:
+    """Largest relative difference (max |a - b| / max |b|) of the output and every gradient of two ops."""
+    res = []
+    for f in (fn, ref_fn):
+        leaves = {k: v.detach().clone().requires_grad_() for k, v in args.items()}
+        xs = [leaves[k] for k in ("x", "dt", "A", "B", "C")]
+        out = f(*xs, CHUNK, **{k: leaves.get(k) for k in ("D", "z", "dt_bias")}, dt_softplus=True)
+        g = torch.randn(out.shape, device="cuda", generator=torch.Generator("cuda").manual_seed(1)).to(out.dtype)
+        res.append([out.detach(), *torch.autograd.grad(out, list(leaves.values()), g)])
+    return max(
+        float((a.float() - b.float()).abs().max() / b.float().abs().max().clamp_min(1e-30))
+        for a, b in zip(*res, strict=True)
+    )
+
+
+def bench_rows(mamba) -> list[dict]:
+    rows = []
+    for layer, nheads in LAYERS.items():
+        for batch in BATCHES:
+            for gated in (False, True):
+                row = {"layer": layer, "nheads": nheads, "batch": batch, "z": gated}
+                torch.manual_seed(0)
+                args = layer_inputs(batch, nheads, gated)
+                try:
+                    row["ours_fwd_ms"], row["ours_fwdbwd_ms"] = time_op(ssd_chunk_scan, args)
+                except Exception as exc:
+                    row["error"] = row_error(exc)
+                if mamba is not None:
+                    try:
+                        row["mamba_ssm_fwd_ms"], row["mamba_ssm_fwdbwd_ms"] = time_op(mamba, args)
+                        row["max_rel_diff"] = max_rel_diff(ssd_chunk_scan, mamba, args)
+                    except Exception as exc:
+                        row["mamba_ssm_error"] = row_error(exc)
+                for kind in ("fwd", "fwdbwd"):
+                    ours, theirs = row.get(f"ours_{kind}_ms"), row.get(f"mamba_ssm_{kind}_ms")
+                    if ours and theirs:
+                        row[f"speedup_{kind}"] = theirs / ours
+                rows.append(row)
+                del args
+                torch.cuda.empty_cache()
+    return rows
+
+
+def sweep_rows() -> list[dict]:
+    """Our op at the 1.3b shape, batch 2, without z, under the default tiles and each variant of ``SWEEP``."""
+    args = layer_inputs(2, LAYERS["mamba2-1.3b"], False)
+    rows = []
+    for change in [{}, *SWEEP]:
+        cfg = replace(CONFIG, **change)
+
+        def op(*a, cfg=cfg, **kw):
+            return ssd_chunk_scan_triton(*a, **kw, config=cfg)
+
+        row = {"change": change or "default", "config": asdict(cfg)}
+        try:
+            row["fwd_ms"], row["fwdbwd_ms"] = time_op(op, args)
+        except Exception as exc:
+            row["error"] = row_error(exc)
+        rows.append(row)
+        print(f"sweep {change or 'default'}: fwd {fmt(row.get('fwd_ms'))} ms, fwd+bwd {fmt(row.get('fwdbwd_ms'))} ms")
+    return rows
+
+
+def fmt(v) -> str:
+    return f"{v:.3f}" if isinstance(v, float) else "-"
+
+
+def print_table(rows: list[dict], mamba_note: str | None) -> None:
+    head = f"{'layer':<13}{'batch':>6}{'z':>4}{'ours fwd':>10}{'mamba fwd':>11}{'x':>7}"
+    head += f"{'ours f+b':>10}{'mamba f+b':>11}{'x':>7}"
+    print("\n" + head + "   (ms; x = mamba-ssm time / ours)")
+    for r in rows:
+        print(
+            f"{r['layer']:<13}{r['batch']:>6}{'y' if r['z'] else 'n':>4}{fmt(r.get('ours_fwd_ms')):>10}"
+            f"{fmt(r.get('mamba_ssm_fwd_ms')):>11}{fmt(r.get('speedup_fwd')):>7}{fmt(r.get('ours_fwdbwd_ms')):>10}"
+            f"{fmt(r.get('mamba_ssm_fwdbwd_ms')):>11}{fmt(r.get('speedup_fwdbwd')):>7}"
+        )
+        for key in ("error", "mamba_ssm_error"):
+            if key in r:
+                print(f"  {key}: {r[key]}")
+    if mamba_note:
+        print(f"mamba-ssm rows: {mamba_note}")
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", default=str(Path(__file__).resolve().parent / "results"))
+    ap.add_argument("--sweep", action="store_true", help="also time tile variants of our op")
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        print("no GPU visible: nothing to benchmark", file=sys.stderr)
+        return 1
+    mamba, note = load_mamba_ssm()
+    rows = bench_rows(mamba)
+    print_table(rows, note)
+    env = versions(torch.device("cuda"))
+    env["mamba_ssm"] = None
+    if mamba is not None:
+        from importlib.metadata import PackageNotFoundError, version
+
+        try:
+            env["mamba_ssm"] = version("mamba_ssm")
+        except PackageNotFoundError:
+            env["mamba_ssm"] = "unknown"
+    record = {
+        "device": env,
+        "shape": {"seqlen": SEQLEN, "headdim": HEADDIM, "dstate": DSTATE, "ngroups": 1, "chunk": CHUNK},
+        "dtype": "bfloat16",
+        "config": asdict(CONFIG),
+        "mamba_ssm_note": note,
+        "rows": rows,
+        "sweep": sweep_rows() if args.sweep else [],
+    }
+    path = results_path(args.out, "ssd", env)
+    path.write_text(json.dumps(record, indent=1, default=str) + "\n")
+    print(f"\nwrote {path}")
+    return 1 if any("error" in r for r in rows) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,375 @@
+"""Triton forward kernels of Mamba-2's SSD (launched by ``ssd_triton``), the chunked algorithm of the Mamba-2 paper.
+
+Per (batch b, head h) the sequence is cut into chunks of Q positions; inside a chunk l and s index positions, E is the
+chunk's last position inside the sequence. With Δ the step (after dt_bias and softplus), a = Δ·A and cs the cumulative
+sum of a inside the chunk (``_ssd_cumsum_kernel``; the padding past the sequence has Δ = 0, so cs stays flat there):
+
+  CB[l, s] = C_l · B_s                                   per group, ``_ssd_bmm_kernel``
+  S_c = sum_s exp(cs_E - cs_s) Δ_s x_s B_s^T              the chunk's end state from zero, ``_ssd_chunk_state_kernel``
+  H_{c+1} = γ_c H_c + S_c,  γ_c = exp(cs_E)               the states entering the chunks, ``_ssd_state_fwd_kernel``
+  y_l = exp(cs_l) H_c C_l + sum_{s<=l} CB[l, s] exp(cs_l - cs_s) Δ_s x_s + D x_l,  out = y · silu(z)
+                                                          ``_ssd_chunk_scan_fwd_kernel``
+
+Document boundaries come as ``seq``, a per-position document counter (it increases by one where ``seq_idx`` changes):
+a pair (l, s) contributes only inside one document, the end state only takes positions of E's document, the entering
+state reaches only positions of the document of the position before the chunk, and γ_c is 0 when a document starts
+inside chunk c. Per-position buffers (Δ, cs) are (b, h, chunks, Q), per-chunk states (b, chunks, h, p, n), CB
+(b, chunks, g, Q, Q); all accumulation in ``ACC`` (fp32, fp64 for fp64 inputs), matmul operands in ``DOT`` (the inputs'
+dtype: bf16/fp16 on the tensor cores, fp32/fp64 at full precision).
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from anytrain.kernels.selective_scan_common import _softplus
+
+
+@triton.jit
+def _dot(a, b, IEEE: tl.constexpr):
+    # fp32 / fp64 operands at full precision (no TF32): the results match the PyTorch twin's fp32 einsums
+    if IEEE:
+        return tl.dot(a, b, input_precision="ieee")
+    return tl.dot(a, b)
+
+
+@triton.jit
+def _chunk_program(nchunks):
+    """(b, c) of a program whose first grid axis runs over batch x chunks; b as int64 for the large offsets."""
+    pid = tl.program_id(0)
+    return (pid // nchunks).to(tl.int64), pid % nchunks
+
+
+@triton.jit
+def _last_in_chunk(c, chunk, seqlen):
+    """The chunk's last position inside the sequence, relative to the chunk start."""
+    return tl.minimum(chunk, seqlen - c * chunk) - 1
+
+
+@triton.jit
+def _decay(cs_row, cs_col, keep):
+    # exp(cs_row - cs_col) where keep, else exactly 0 (exp(-inf)); masked pairs never overflow
+    return tl.exp(tl.where(keep, cs_row - cs_col, float("-inf")))
+
+
+@triton.jit
+def _ssd_cumsum_kernel(
+    dt_ptr,
+    bias_ptr,
+    A_ptr,
+    seq_ptr,
+    delta_ptr,
+    cs_ptr,
+    gamma_ptr,
+    seqlen,
+    nheads,
+    chunk,
+    nchunks,
+    s_dt_b,
+    s_dt_l,
+    s_dt_h,
+    s_seq_b,
+    BQ: tl.constexpr,
+    BH: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    SOFTPLUS: tl.constexpr,
+    HAS_SEQ: tl.constexpr,
+    ACC: tl.constexpr,
+):
+    # one (b, chunk, block of BH heads): Δ, cs = cumsum(Δ A) over the chunk, and γ = exp(cs_E) (0 across a document
+    # start). Grid (b, chunks, cdiv(h, BH)).
+    b = tl.program_id(0).to(tl.int64)
+    c = tl.program_id(1)
+    offs_q = tl.arange(0, BQ)
+    pos = c * chunk + offs_q
+    in_chunk = offs_q < chunk
+    valid = in_chunk & (pos < seqlen)
+    offs_h = tl.program_id(2) * BH + tl.arange(0, BH)
+    mh = offs_h < nheads
+    m = valid[:, None] & mh[None, :]
+    dt = tl.load(dt_ptr + b * s_dt_b + pos[:, None] * s_dt_l + offs_h[None, :] * s_dt_h, mask=m, other=0.0).to(ACC)
+    if HAS_BIAS:
+        dt += tl.load(bias_ptr + offs_h, mask=mh, other=0.0).to(ACC)[None, :]
+    if SOFTPLUS:
+        dt = _softplus(dt)
+    dt = tl.where(m, dt, 0.0)  # (BQ, BH): 0 past the sequence (a = 0: the state passes unchanged)
+    A = tl.load(A_ptr + offs_h, mask=mh, other=0.0).to(ACC)
+    cs = tl.cumsum(dt * A[None, :], axis=0)
+    row = (b * nheads + offs_h) * nchunks + c  # (BH,): the row of the (b, h, chunks) buffers
+    ptrs = row[None, :] * chunk + offs_q[:, None]
+    keep = in_chunk[:, None] & mh[None, :]
+    tl.store(delta_ptr + ptrs, dt, mask=keep)
+    tl.store(cs_ptr + ptrs, cs, mask=keep)
+    last = _last_in_chunk(c, chunk, seqlen)
+    gamma = tl.exp(tl.sum(tl.where(offs_q[:, None] == last, cs, 0.0), axis=0))  # (BH,)
+    if HAS_SEQ:
+        seq_last = tl.load(seq_ptr + b * s_seq_b + c * chunk + last)
+        seq_prev = tl.load(seq_ptr + b * s_seq_b + tl.maximum(c * chunk - 1, 0))
+        gamma = tl.where(seq_last == seq_prev, gamma, 0.0)
+    tl.store(gamma_ptr + row, gamma, mask=mh)
+
+
+@triton.jit
+def _ssd_bmm_kernel(
+    C_ptr,
+    B_ptr,
+    cb_ptr,
+    seqlen,
+    chunk,
+    nchunks,
+    dstate,
+    s_c_b,
+    s_c_l,
+    s_c_g,
+    s_b_b,
+    s_b_l,
+    s_b_g,
+    BL: tl.constexpr,
+    BS: tl.constexpr,
+    BN: tl.constexpr,
+    DOT: tl.constexpr,
+    IEEE: tl.constexpr,
+    ACC: tl.constexpr,
+):
+    # one (BL, BS) tile of CB[l, s] = C_l · B_s for a (b, chunk, group); zero past the sequence.
+    # Grid (b * chunks, groups, cdiv(Q, BL) * cdiv(Q, BS)).
+    b, c = _chunk_program(nchunks)
+    g = tl.program_id(1)
+    nsb = tl.cdiv(chunk, BS)
+    offs_l = (tl.program_id(2) // nsb) * BL + tl.arange(0, BL)
+    offs_s = (tl.program_id(2) % nsb) * BS + tl.arange(0, BS)
+    ml = (offs_l < chunk) & (c * chunk + offs_l < seqlen)
+    ms = (offs_s < chunk) & (c * chunk + offs_s < seqlen)
+    C_base = C_ptr + b * s_c_b + g * s_c_g + (c * chunk + offs_l)[:, None] * s_c_l
+    B_base = B_ptr + b * s_b_b + g * s_b_g + (c * chunk + offs_s)[None, :] * s_b_l
+    acc = tl.zeros((BL, BS), dtype=ACC)
+    for n0 in range(0, dstate, BN):
+        offs_n = n0 + tl.arange(0, BN)
+        mn = offs_n < dstate
+        ct = tl.load(C_base + offs_n[None, :], mask=ml[:, None] & mn[None, :], other=0.0).to(DOT)  # (BL, BN)
+        bt = tl.load(B_base + offs_n[:, None], mask=ms[None, :] & mn[:, None], other=0.0).to(DOT)  # (BN, BS)
+        acc += _dot(ct, bt, IEEE)
+    out = cb_ptr + ((b * nchunks + c) * tl.num_programs(1) + g) * chunk * chunk
+    tl.store(
+        out + offs_l[:, None] * chunk + offs_s[None, :], acc, mask=(offs_l < chunk)[:, None] & (offs_s < chunk)[None, :]
+    )
+
+
+@triton.jit
+def _ssd_chunk_state_kernel(
+    x_ptr,
+    B_ptr,
+    delta_ptr,
+    cs_ptr,
+    seq_ptr,
+    S_ptr,
+    seqlen,
+    nheads,
+    heads_per_group,
+    headdim,
+    dstate,
+    chunk,
+    nchunks,
+    s_x_b,
+    s_x_l,
+    s_x_h,
+    s_x_p,
+    s_b_b,
+    s_b_l,
+    s_b_g,
+    s_seq_b,
+    BP: tl.constexpr,
+    BN: tl.constexpr,
+    BK: tl.constexpr,
+    HAS_SEQ: tl.constexpr,
+    DOT: tl.constexpr,
+    IEEE: tl.constexpr,
+    ACC: tl.constexpr,
+):
+    # one (BP, BN) tile of S_c = sum_s exp(cs_E - cs_s) Δ_s x_s B_s^T (positions of E's document only) for a
+    # (b, chunk, head). Grid (b * chunks, h, cdiv(p, BP) * cdiv(n, BN)).
+    b, c = _chunk_program(nchunks)
+    hh = tl.program_id(1)
+    g = hh // heads_per_group
+    nnb = tl.cdiv(dstate, BN)
+    offs_p = (tl.program_id(2) // nnb) * BP + tl.arange(0, BP)
+    offs_n = (tl.program_id(2) % nnb) * BN + tl.arange(0, BN)
+    mp, mn = offs_p < headdim, offs_n < dstate
+    row = ((b * nheads + hh) * nchunks + c) * chunk
+    last = _last_in_chunk(c, chunk, seqlen)
+    cs_last = tl.load(cs_ptr + row + last)
+    if HAS_SEQ:
+        seq_last = tl.load(seq_ptr + b * s_seq_b + c * chunk + last)
+    acc = tl.zeros((BP, BN), dtype=ACC)
+    for k0 in range(0, chunk, BK):
+        offs_k = k0 + tl.arange(0, BK)
+        pos = c * chunk + offs_k
+        mk = (offs_k < chunk) & (pos < seqlen)
+        xt = tl.load(
+            x_ptr + b * s_x_b + hh * s_x_h + pos[:, None] * s_x_l + offs_p[None, :] * s_x_p,
+            mask=mk[:, None] & mp[None, :],
+            other=0.0,
+        )  # (BK, BP)
+        bt = tl.load(
+            B_ptr + b * s_b_b + g * s_b_g + pos[:, None] * s_b_l + offs_n[None, :],
+            mask=mk[:, None] & mn[None, :],
+            other=0.0,
+        )  # (BK, BN)
+        keep = mk
+        if HAS_SEQ:
+            keep &= tl.load(seq_ptr + b * s_seq_b + pos, mask=mk, other=-1) == seq_last
+        cs = tl.load(cs_ptr + row + offs_k, mask=mk, other=0.0)
+        w = tl.load(delta_ptr + row + offs_k, mask=mk, other=0.0) * _decay(cs_last, cs, keep)  # (BK,)
+        acc += _dot(tl.trans((xt * w[:, None]).to(DOT)), bt.to(DOT), IEEE)
+    out = S_ptr + ((b * nchunks + c) * nheads + hh) * headdim * dstate
+    tl.store(out + offs_p[:, None] * dstate + offs_n[None, :], acc, mask=mp[:, None] & mn[None, :])
+
+
+@triton.jit
+def _ssd_state_fwd_kernel(
+    S_ptr,
+    gamma_ptr,
+    init_ptr,
+    H_ptr,
+    final_ptr,
+    nheads,
+    nchunks,
+    state_size,
+    BLOCK: tl.constexpr,
+    HAS_INIT: tl.constexpr,
+    ACC: tl.constexpr,
+):
+    # the states entering the chunks, H_0 = initial state (or 0), H_{c+1} = γ_c H_c + S_c, for BLOCK of the p·n state
+    # entries of a (b, head); H_c stored in H's dtype (a matmul operand), the state after the last chunk in ACC.
+    # Grid (b, h, cdiv(p·n, BLOCK)).
+    b = tl.program_id(0).to(tl.int64)
+    hh = tl.program_id(1)
+    offs = tl.program_id(2) * BLOCK + tl.arange(0, BLOCK)
+    m = offs < state_size
+    if HAS_INIT:
+        state = tl.load(init_ptr + (b * nheads + hh) * state_size + offs, mask=m, other=0.0).to(ACC)
+    else:
+        state = tl.zeros((BLOCK,), dtype=ACC)
+    for c in range(nchunks):
+        base = ((b * nchunks + c) * nheads + hh) * state_size
+        tl.store(H_ptr + base + offs, state.to(H_ptr.dtype.element_ty), mask=m)
+        gamma = tl.load(gamma_ptr + (b * nheads + hh) * nchunks + c)
+        state = gamma * state + tl.load(S_ptr + base + offs, mask=m, other=0.0)
+    tl.store(final_ptr + (b * nheads + hh) * state_size + offs, state, mask=m)
+
+
+@triton.jit
+def _ssd_chunk_scan_fwd_kernel(
+    x_ptr,
+    z_ptr,
+    C_ptr,
+    D_ptr,
+    cb_ptr,
+    H_ptr,
+    delta_ptr,
+    cs_ptr,
+    seq_ptr,
+    out_ptr,
+    ypre_ptr,
+    seqlen,
+    nheads,
+    heads_per_group,
+    headdim,
+    dstate,
+    chunk,
+    nchunks,
+    s_x_b,
+    s_x_l,
+    s_x_h,
+    s_x_p,
+    s_z_b,
+    s_z_l,
+    s_z_h,
+    s_z_p,
+    s_c_b,
+    s_c_l,
+    s_c_g,
+    s_seq_b,
+    BL: tl.constexpr,
+    BS: tl.constexpr,
+    BP: tl.constexpr,
+    BN: tl.constexpr,
+    HAS_D: tl.constexpr,
+    D_PER_P: tl.constexpr,
+    HAS_Z: tl.constexpr,
+    STORE_Y: tl.constexpr,
+    HAS_SEQ: tl.constexpr,
+    DOT: tl.constexpr,
+    IEEE: tl.constexpr,
+    ACC: tl.constexpr,
+):
+    # one (BL, BP) tile of the output of a (b, chunk, head): the entering state's part exp(cs_l) H_c C_l, the
+    # chunk's own inputs sum_{s<=l} CB[l, s] exp(cs_l - cs_s) Δ_s x_s, + D x, then · silu(z). ``out`` and ``ypre``
+    # (y before the gate, kept for the backward when STORE_Y) are contiguous (b, L, h, p).
+    # Grid (b * chunks, h, cdiv(Q, BL) * cdiv(p, BP)).
+    b, c = _chunk_program(nchunks)
+    hh = tl.program_id(1)
+    g = hh // heads_per_group
+    npb = tl.cdiv(headdim, BP)
+    l0 = (tl.program_id(2) // npb) * BL
+    offs_l = l0 + tl.arange(0, BL)
+    offs_p = (tl.program_id(2) % npb) * BP + tl.arange(0, BP)
+    pos_l = c * chunk + offs_l
+    ml = (offs_l < chunk) & (pos_l < seqlen)
+    mp = offs_p < headdim
+    row = ((b * nheads + hh) * nchunks + c) * chunk
+    cs_l = tl.load(cs_ptr + row + offs_l, mask=offs_l < chunk, other=0.0)
+    keep_l = ml
+    if HAS_SEQ:
+        seq_l = tl.load(seq_ptr + b * s_seq_b + pos_l, mask=ml, other=-1)
+        keep_l &= seq_l == tl.load(seq_ptr + b * s_seq_b + tl.maximum(c * chunk - 1, 0))
+    # the entering state: (BL, n) @ (n, BP)
+    C_base = C_ptr + b * s_c_b + g * s_c_g + pos_l[:, None] * s_c_l
+    H_base = H_ptr + ((b * nchunks + c) * nheads + hh) * headdim * dstate + offs_p[None, :] * dstate
+    acc = tl.zeros((BL, BP), dtype=ACC)
+    for n0 in range(0, dstate, BN):
+        offs_n = n0 + tl.arange(0, BN)
+        mn = offs_n < dstate
+        ct = tl.load(C_base + offs_n[None, :], mask=ml[:, None] & mn[None, :], other=0.0).to(DOT)
+        ht = tl.load(H_base + offs_n[:, None], mask=mn[:, None] & mp[None, :], other=0.0).to(DOT)
+        acc += _dot(ct, ht, IEEE)
+    acc = acc * tl.where(keep_l, tl.exp(cs_l), 0.0)[:, None]
+    # the chunk's own inputs: (BL, BS) @ (BS, BP) for s up to the tile's last row
+    cb_base = cb_ptr + ((b * nchunks + c) * (nheads // heads_per_group) + g) * chunk * chunk
+    x_base = x_ptr + b * s_x_b + hh * s_x_h
+    for s0 in range(0, tl.minimum(chunk, l0 + BL), BS):
+        offs_s = s0 + tl.arange(0, BS)
+        pos_s = c * chunk + offs_s
+        ms = (offs_s < chunk) & (pos_s < seqlen)
+        keep = (offs_s[None, :] <= offs_l[:, None]) & ms[None, :] & ml[:, None]
+        if HAS_SEQ:
+            keep &= tl.load(seq_ptr + b * s_seq_b + pos_s, mask=ms, other=-1)[None, :] == seq_l[:, None]
+        cb = tl.load(
+            cb_base + offs_l[:, None] * chunk + offs_s[None, :],
+            mask=(offs_l < chunk)[:, None] & (offs_s < chunk)[None, :],
+            other=0.0,
+        )
+        cs_s = tl.load(cs_ptr + row + offs_s, mask=offs_s < chunk, other=0.0)
+        dl_s = tl.load(delta_ptr + row + offs_s, mask=offs_s < chunk, other=0.0)
+        w = cb * _decay(cs_l[:, None], cs_s[None, :], keep) * dl_s[None, :]
+        xs = tl.load(
+            x_base + pos_s[:, None] * s_x_l + offs_p[None, :] * s_x_p, mask=ms[:, None] & mp[None, :], other=0.0
+        )
+        acc += _dot(w.to(DOT), xs.to(DOT), IEEE)
+    m = ml[:, None] & mp[None, :]
+    if HAS_D:
+        xl = tl.load(x_base + pos_l[:, None] * s_x_l + offs_p[None, :] * s_x_p, mask=m, other=0.0).to(ACC)
+        if D_PER_P:
+            acc += xl * tl.load(D_ptr + hh * headdim + offs_p, mask=mp, other=0.0).to(ACC)[None, :]
+        else:
+            acc += xl * tl.load(D_ptr + hh).to(ACC)
+    out_offs = ((b * seqlen + pos_l[:, None]) * nheads + hh) * headdim + offs_p[None, :]
+    if HAS_Z:
+        if STORE_Y:
+            tl.store(ypre_ptr + out_offs, acc.to(ypre_ptr.dtype.element_ty), mask=m)
+        zt = tl.load(
+            z_ptr + b * s_z_b + hh * s_z_h + pos_l[:, None] * s_z_l + offs_p[None, :] * s_z_p, mask=m, other=0.0
+        ).to(ACC)
+        acc = acc * zt / (1.0 + tl.exp(-zt))
+    tl.store(out_ptr + out_offs, acc.to(out_ptr.dtype.element_ty), mask=m)
