@@ -41,6 +41,12 @@ def _child(argv: list[str], env: dict[str, str], cwd: str, out_path: str, err_pa
     os.environ.clear()
     os.environ.update(env)
     os.chdir(cwd)
+    if env.get("OMP_NUM_THREADS", "").isdigit():
+        # torch sized its thread pool when the server imported it, from the server's environment: take the command's
+        # OMP_NUM_THREADS as a new interpreter would (cli_env's 1; else every rank runs the cores' count of threads)
+        import torch
+
+        torch.set_num_threads(int(env["OMP_NUM_THREADS"]))
     for fd, path in ((1, out_path), (2, err_path)):
         target = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
         os.dup2(target, fd)
