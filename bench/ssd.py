@@ -153,6 +153,7 @@ def bench_rows(mamba) -> list[dict]:
                     if ours and theirs:
                         row[f"speedup_{kind}"] = theirs / ours
                 rows.append(row)
+                print(json.dumps(row, default=str), flush=True)  # a row survives a cut-off call
                 del args
                 torch.cuda.empty_cache()
     return rows

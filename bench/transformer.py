@@ -220,8 +220,19 @@ def side_by_side_cases() -> list[Case]:
             theirs_label = f"torchtitan {precision}, compile, no AC"
             cases.append(Case(**row, micro=ours_mb, stack="anytrain", options=ours, label=ours_label))
             cases.append(Case(**row, micro=theirs_mb, stack="torchtitan", options=theirs, label=theirs_label))
-        hf = dict(micro=hf_mb, stack="hf-compile", precision="fp8-rowwise")
-        hf_cases.append(Case(**shape, **hf, label="HF + torchao fp8-rowwise + compile"))
+        for precision in ("fp8-tensorwise", "fp8-rowwise"):
+            hf = dict(micro=hf_mb, stack="hf-compile", precision=precision)
+            hf_cases.append(Case(**shape, **hf, label=f"HF + torchao {precision} + compile"))
+    # the 1.1B recipe's shape (configs/1.1b.yaml, micro-batch 16) in FP8, beside its bf16 row ("anytrain recipe"), and
+    # HF + torchao float8 + compile at micro-batch 8 (the largest that leaves headroom with its fp32 logits)
+    mb16 = dict(group="1.1b-2048-mb16", flavour="1.1b", seq=2048, micro=16, global_batch=32)
+    mb8 = dict(group="1.1b-2048-mb8", flavour="1.1b", seq=2048, micro=8, global_batch=32)
+    for precision in ("fp8-tensorwise", "fp8-rowwise"):
+        label = f"anytrain {precision}, compile auto, no AC"
+        cases.append(Case(**mb16, stack="anytrain", precision=precision, options=ours, label=label))
+        hf_cases.append(
+            Case(**mb8, stack="hf-compile", precision=precision, label=f"HF + torchao {precision} + compile")
+        )
     return cases + hf_cases
 
 
