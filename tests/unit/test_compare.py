@@ -98,3 +98,21 @@ def test_bad_input_is_one_line(tmp_path, capsys):
     )
     code, _, err = cli(capsys, "compare", str(a), str(a), "--by", "time")
     assert code == 2 and err.strip() == "error: --by: expected step or tokens, got 'time'"
+
+
+def test_final_smoothed_loss_gates_assert_within(tmp_path, capsys):
+    """--final N: the mean of the last N losses and the last val_loss are compared; a run noisy step by step but
+    ending at the same loss passes, one ending higher fails; --final 0 is one line."""
+    a = write_run(tmp_path / "a", LOSSES)
+    noisy = write_run(tmp_path / "noisy", LOSSES, bump={16: 0.3, 17: -0.3})  # mean of the last 5 unchanged
+    high = write_run(tmp_path / "high", LOSSES, bump={s: 0.05 for s in range(16, 21)})
+    code, out, err = cli(capsys, "compare", str(a), str(noisy), "--final", "5", "--assert-within", "0.01")
+    assert code == 0, err
+    assert "noisy                              4.3000   0.0000         4.2000   0.0000" in out
+    code, out, err = cli(capsys, "compare", str(a), str(noisy), "--assert-within", "0.01")  # every point: fails
+    assert code == 1
+    code, out, err = cli(capsys, "compare", str(a), str(high), "--final", "5", "--assert-within", "0.04")
+    assert code == 1
+    assert err.strip() == "error: high: final smoothed loss (last 5) differs from a's by 0.05 (> --assert-within 0.04)"
+    code, out, err = cli(capsys, "compare", str(a), str(high), "--final", "0")
+    assert code != 0 and err.strip().startswith("error: --final:") and len(err.strip().splitlines()) == 1

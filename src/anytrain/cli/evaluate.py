@@ -97,7 +97,13 @@ def compare(
     assert_within: float = typer.Option(
         None,
         "--assert-within",
-        help="Fail (exit 1) when a loss differs from the reference's by more than this at a common step.",
+        help="Fail (exit 1) when a loss differs from the reference's by more than this at a common step "
+        "(with --final: in the final smoothed loss or the last val_loss).",
+    ),
+    final: int = typer.Option(
+        None,
+        "--final",
+        help="Also compare the final smoothed loss (mean of the last N logged losses) and the last val_loss.",
     ),
     json_out: bool = typer.Option(False, "--json", help="Print the result as JSON."),
     overwrite: bool = typer.Option(False, "--overwrite", help="Replace an existing --out PNG."),
@@ -107,7 +113,7 @@ def compare(
 
     if assert_within is not None and assert_within < 0:
         check_within({}, assert_within)  # the one-line error, before any work
-    result = compare_runs(runs, by=by, out=out, overwrite=overwrite)
+    result = compare_runs(runs, by=by, out=out, overwrite=overwrite, final=final)
     typer.echo(json.dumps(result, indent=1) if json_out else format_report(result))
     if assert_within is not None:
         check_within(result, assert_within)

@@ -4,7 +4,10 @@ Curves come from each run's ``metrics.jsonl`` (``train`` records: ``loss``; ``ev
 logged twice, as after a resume, keeps its last value; records a resumed run replaced are dropped:
 ``train.rundir.read_metrics``), aligned on the optimizer step or on tokens seen. Every run is
 compared with the first: the largest and the mean absolute difference over the x values both logged. With
-``assert_within`` a larger difference makes the command fail (exit 1), for regression checks in CI.
+``final`` = N the runs are also compared on their final smoothed loss (the mean of the last N logged training
+losses) and their last validation loss, and ``assert_within`` then applies to those two figures only (the check of a
+convergence run against a reference: step-by-step noise of two numerics is larger than their end-of-run gap);
+without it, ``assert_within`` applies to every common point. A larger difference makes the command fail (exit 1).
 """
 
 from __future__ import annotations
@@ -89,13 +92,27 @@ def differences(reference: RunCurves, other: RunCurves) -> dict[str, dict[str, A
     return out
 
 
+def final_values(run: RunCurves, window: int) -> dict[str, float | None]:
+    """The final smoothed training loss (mean of the last ``window`` logged losses) and the last validation loss."""
+    losses = list(run.curves.get("loss", {}).values())[-window:]
+    vals = list(run.curves.get("val_loss", {}).values())
+    return {"loss": sum(losses) / len(losses) if losses else None, "val_loss": vals[-1] if vals else None}
+
+
 def compare_runs(
-    run_dirs: list[str | Path], by: str = "step", out: str | Path | None = None, overwrite: bool = False
+    run_dirs: list[str | Path],
+    by: str = "step",
+    out: str | Path | None = None,
+    overwrite: bool = False,
+    final: int | None = None,
 ) -> dict[str, Any]:
-    """Curves, differences against the first run and throughput of each run; writes the PNG ``out`` if given (an
-    existing file only with ``overwrite``)."""
+    """Curves, differences against the first run and throughput of each run; with ``final`` = N, each run's final
+    smoothed loss and last validation loss and their differences from the reference's (key ``final``); writes the PNG
+    ``out`` if given (an existing file only with ``overwrite``)."""
     if len(run_dirs) < 2:
         raise RunDirError("compare: give at least two run directories")
+    if final is not None and final < 1:
+        raise RunDirError(f"--final: the number of last logged losses to average must be >= 1, got {final}")
     if out is not None:
         check_plot_path(Path(out), overwrite)
     runs = [load_curves(r, by) for r in run_dirs]
@@ -109,6 +126,20 @@ def compare_runs(
         "differences": diffs,
         "throughput": {run.name: run.throughput for run in runs},
     }
+    if final is not None:
+        values = {run.name: final_values(run, final) for run in runs}
+        ref = values[runs[0].name]
+        result["final"] = {
+            "window": final,
+            "values": values,
+            "differences": {
+                run.name: {
+                    m: None if ref[m] is None or values[run.name][m] is None else abs(values[run.name][m] - ref[m])
+                    for m in METRICS
+                }
+                for run in runs[1:]
+            },
+        }
     if out is not None:
         result["plot"] = str(plot_curves(runs, by, Path(out)))
     return result
@@ -133,10 +164,26 @@ def _unique_names(run_dirs: list[str | Path]) -> list[str]:
 
 def check_within(result: dict[str, Any], limit: float) -> None:
     """Raise ``CurvesDiverge`` (exit 1) when a run's loss differs from the reference's by more than ``limit`` at a
-    common point, or when no point is common."""
+    common point (with ``final``: in the final smoothed loss or the last validation loss), or when nothing is
+    compared."""
     if limit < 0:
         raise RunDirError(f"--assert-within: must be >= 0, got {limit}")
     compared, reference = 0, result["reference"]
+    if "final" in result:
+        window = result["final"]["window"]
+        for name, per_metric in result["final"]["differences"].items():
+            for metric, gap in per_metric.items():
+                if gap is None:
+                    continue
+                compared += 1
+                if gap > limit:
+                    what = f"final smoothed loss (last {window})" if metric == "loss" else "last val_loss"
+                    raise CurvesDiverge(
+                        f"{name}: {what} differs from {reference}'s by {gap:.4g} (> --assert-within {limit:g})"
+                    )
+        if not compared:
+            raise CurvesDiverge(f"--assert-within: {reference} and the other runs log no loss to compare")
+        return
     for name, per_metric in result["differences"].items():
         for metric, d in per_metric.items():
             if d["max_abs"] is None:
@@ -199,6 +246,15 @@ def format_report(result: dict[str, Any]) -> str:
         mfu = "-" if t["mfu"] is None else f"{100 * t['mfu']:.1f}%"
         mem = "-" if t["peak_mem_gib"] is None else f"{t['peak_mem_gib']:.2f}"
         lines.append(f"{name:<24} {t['steps']:>6} {tps:>12} {mfu:>7} {mem:>9}")
+    if "final" in result:
+        fmt = lambda v: "-" if v is None else f"{v:.4f}"  # noqa: E731
+        window, values = result["final"]["window"], result["final"]["values"]
+        lines += ["", f"{'run':<24} {f'loss (last {window})':>16} {'|d|':>8} {'last val_loss':>14} {'|d|':>8}"]
+        for name, v in values.items():
+            d = result["final"]["differences"].get(name, {"loss": None, "val_loss": None})
+            lines.append(
+                f"{name:<24} {fmt(v['loss']):>16} {fmt(d['loss']):>8} {fmt(v['val_loss']):>14} {fmt(d['val_loss']):>8}"
+            )
     if "plot" in result:
         lines.append(f"\nplot: {result['plot']}")
     return "\n".join(lines)
