@@ -5,17 +5,22 @@ state from the trainer's summary), or reuses the rows of one or more results fil
 measured anytrain row; a later file's row replaces an earlier one of the same name), then predicts each run with
 ``anytrain.cost.estimate`` for the same model, layout, micro-batch, sequence and global batch.
 
-Calibration — two constants, each fitted on ONE run, every other row is a prediction:
+Calibration — up to three constants, each fitted on ONE run, every other row is a prediction:
   - ``efficiency`` (achieved fraction of peak on the GEMM/attention arithmetic) on the 1.1B Transformer on one GPU
     (``--calibrate``, default t-1-g32);
   - ``host_op_us`` (the host's cost of one eager op, the launch floor of small eager models) on the tiny model
-    (``--calibrate-host``, default v-tiny-1: the only host-bound run).
+    (``--calibrate-host``, default v-tiny-1: the only host-bound run);
+  - ``fp8_efficiency`` (achieved fraction of the dense FP8 peak on the FP8 GEMMs) on the 1.1B Transformer with
+    ``train.fp8`` tensorwise on one GPU (``--calibrate-fp8``, default t-1-g32-fp8tw), when that row is measured.
+``--add fp8`` adds the FP8 rows (the 1.1B recipe in each torchao recipe, on one GPU and FSDP on two), ``--add mamba2``
+the Mamba-2 rows (configs/mamba2-1.3b.yaml: its full activation checkpointing, and none; FSDP on two GPUs).
 Memory has no fitted constant. Pass criteria (issue #7): peak memory (allocator peak,
 ``torch.cuda.max_memory_allocated`` of rank 0) within ±10%, step time within ±20%. The fitted table is written as
 an efficiency file that ``anytrain plan --efficiency-table`` reads.
 
     R=bench/results; PYTHONPATH=src python -m bench.cost_model_validation --reuse-only --reuse \\
         $R/scaling_nvidia-h200.json --doctor $R/doctor_2gpu_nvidia-h200.json $R/doctor_4gpu_nvidia-h200.json --markdown
+    PYTHONPATH=src python -m bench.cost_model_validation --add fp8 mamba2 --tag fp8_mamba2 --markdown   # on GPUs
     python -m bench.cost_model_validation --plot bench/results/cost_model_validation_nvidia-h200.json
 """
 
@@ -87,6 +92,33 @@ def default_cases() -> list[Case]:
     ]
 
 
+FP8_RECIPES = {"tw": "tensorwise", "rw": "rowwise", "gw": "rowwise_with_gw_hp"}
+
+
+def fp8_cases() -> list[Case]:
+    """The 1.1B recipe with ``train.fp8``: each recipe on one GPU (tensorwise: the fp8_efficiency fit), tensorwise
+    (FP8 all-gather) and rowwise (bf16 all-gather) under FSDP on two GPUs."""
+    t = "transformer"
+    one = [Case(f"t-1-g32-fp8{k}", t, 1, "single", 32, extra=["--train.fp8", v]) for k, v in FP8_RECIPES.items()]
+    two = [Case(f"t-fsdp-2-g32-fp8{k}", t, 2, "fsdp", 32, extra=["--train.fp8", FP8_RECIPES[k]]) for k in ("tw", "rw")]
+    return one + two
+
+
+def mamba2_cases() -> list[Case]:
+    """configs/mamba2-1.3b.yaml at global batch 16: as the recipe reads (full activation checkpointing), without
+    checkpointing at micro-batch 2, and FSDP on two GPUs."""
+    recipe, m2 = "configs/mamba2-1.3b.yaml", "mamba2"
+    no_ac = ["--train.activation_checkpointing", "none"]
+    return [
+        Case("m2-1-g16-ac", m2, 1, "single", 16, micro=4, recipe=recipe),
+        Case("m2-1-g16", m2, 1, "single", 16, micro=2, recipe=recipe, extra=no_ac),
+        Case("m2-fsdp-2-g16-ac", m2, 2, "fsdp", 16, micro=4, recipe=recipe),
+    ]
+
+
+EXTRA_CASES = {"fp8": fp8_cases, "mamba2": mamba2_cases}
+
+
 # ---------------------------------------------------------------------------------------------------------------------
 # Rows -> cost-model inputs (the same mapping as bench/scaling.py's launcher)
 
@@ -123,12 +155,14 @@ def predict(
     use_as_run: bool = True,
     extra: dict[str, list[str]] | None = None,
     measured: dict[str, float] | None = None,
+    calibrate_fp8: str | None = None,
 ) -> dict:
-    """Adds ``predicted`` to every measured row; returns the fitted table {device: {efficiency, host_op_us}}.
-    ``calibrate``: the run the GEMM efficiency is fitted on; ``calibrate_host`` (optional): a host-bound run the host
-    cost per eager op is fitted on (else the device table's value)."""
+    """Adds ``predicted`` to every measured row; returns the fitted table {device: {efficiency, host_op_us[,
+    fp8_efficiency]}}. ``calibrate``: the run the GEMM efficiency is fitted on; ``calibrate_host`` (optional): a
+    host-bound run the host cost per eager op is fitted on (else the device table's value); ``calibrate_fp8``
+    (optional): a compute-bound FP8 run the FP8 GEMMs' efficiency is fitted on (else the bf16 efficiency)."""
     from anytrain.cost import get_device
-    from anytrain.cost.model import fit_efficiency, fit_host_op_us
+    from anytrain.cost.model import fit_efficiency, fit_fp8_efficiency, fit_host_op_us
 
     device = get_device(device_key).replace(gpus_per_node=gpus_per_node, **(measured or {}))
     by_name = {r["name"]: r for r in rows if "tokens_per_s" in r}
@@ -144,6 +178,10 @@ def predict(
         host_est = predict_row(by_name[calibrate_host], fitted, use_as_run, extra)[0]
         if host_est.host_s >= host_est.compute_s:
             fitted = fitted.replace(host_op_us=fit_host_op_us(host_est, measured_step(by_name[calibrate_host])))
+    if calibrate_fp8 in by_name:
+        fp8_est = predict_row(by_name[calibrate_fp8], fitted, use_as_run, extra)[0]
+        if fp8_est.fp8_gemm_s:
+            fitted = fitted.replace(fp8_efficiency=fit_fp8_efficiency(fp8_est, measured_step(by_name[calibrate_fp8])))
     for row in rows:
         if "tokens_per_s" not in row or row.get("layout") == "hf-ddp":
             continue
@@ -165,7 +203,8 @@ def predict(
             "measured_peak_gib": m_mem,
             "step_error": e.step_s / m_step - 1,
             "memory_error": e.allocated_gib / m_mem - 1,
-            "calibration_run": row["name"] == calibrate,
+            "fp8_gemm_s": e.fp8_gemm_s,
+            "calibration_run": row["name"] in (calibrate, calibrate_fp8),
             "host_calibration_run": row["name"] == calibrate_host,
             "notes": e.notes,
         }
@@ -175,6 +214,7 @@ def predict(
         device.key: {
             "efficiency": round(fitted.efficiency, 4),
             "host_op_us": round(fitted.host_op_us, 2),
+            **({"fp8_efficiency": round(fitted.fp8_efficiency, 4)} if fitted.fp8_efficiency else {}),
             **{k: round(v, 3) for k, v in (measured or {}).items()},
         }
     }
@@ -194,13 +234,14 @@ def print_table(rows: list[dict], markdown: bool = False) -> None:
         print("|---|---|---|---|---|---|---|---|---|")
     else:
         head = (
-            f"{'run':<16}{'layout':<24}{'meas GiB':>9}{'pred GiB':>9}{'err':>9} {'peak at':<10}{'meas ms':>9}"
+            f"{'run':<22}{'layout':<24}{'meas GiB':>9}{'pred GiB':>9}{'err':>9} {'peak at':<10}{'meas ms':>9}"
             f"{'pred ms':>9}  {'err'}"
         )
         print("\n" + head + "\n" + "-" * len(head))
     for r in done:
         p = r["predicted"]
-        mark = " (efficiency fit)" if p["calibration_run"] else " (host fit)" if p["host_calibration_run"] else ""
+        fit = "fp8 efficiency fit" if r.get("extra") and "--train.fp8" in r["extra"] else "efficiency fit"
+        mark = f" ({fit})" if p["calibration_run"] else " (host fit)" if p["host_calibration_run"] else ""
         mem_flag = "" if p["memory_ok"] else " ✗"
         step_flag = "" if p["step_ok"] or mark else " ✗"
         cells = (
@@ -218,12 +259,12 @@ def print_table(rows: list[dict], markdown: bool = False) -> None:
             print("| " + " | ".join(cells) + " |")
         else:
             print(
-                f"{cells[0]:<16}{cells[1]:<24}{cells[2]:>9}{cells[3]:>9}{cells[4]:>9} {cells[5]:<10}{cells[6]:>9}"
+                f"{cells[0]:<22}{cells[1]:<24}{cells[2]:>9}{cells[3]:>9}{cells[4]:>9} {cells[5]:<10}{cells[6]:>9}"
                 f"{cells[7]:>9}  {cells[8]}"
             )
     for r in rows:
         if not r.get("predicted") and r.get("layout") != "hf-ddp":
-            print(f"{r['name']:<16} not predicted: {r.get('error', 'not run')[:100]!r}")
+            print(f"{r['name']:<22} not predicted: {r.get('error', 'not run')[:100]!r}")
     mem = [abs(r["predicted"]["memory_error"]) for r in done]
     step = [
         abs(r["predicted"]["step_error"])
@@ -335,6 +376,10 @@ def main() -> None:
     parser.add_argument("--reuse-only", action="store_true", help="run nothing: predict every reused row")
     parser.add_argument("--calibrate", default="t-1-g32", help="the run the efficiency is fitted on")
     parser.add_argument("--calibrate-host", default="v-tiny-1", help="the host-bound run host_op_us is fitted on")
+    parser.add_argument("--calibrate-fp8", default="t-1-g32-fp8tw", help="the FP8 run fp8_efficiency is fitted on")
+    parser.add_argument(
+        "--add", nargs="*", default=[], choices=sorted(EXTRA_CASES), help="more rows: fp8 (train.fp8), mamba2"
+    )
     parser.add_argument(
         "--no-as-run",
         action="store_true",
@@ -375,7 +420,7 @@ def main() -> None:
     if args.reuse_only:
         rows = list(reused.values())
     else:
-        cases = [c for c in default_cases() if c.gpus <= n_gpus]
+        cases = [c for c in [*default_cases(), *(c for k in args.add for c in EXTRA_CASES[k]())] if c.gpus <= n_gpus]
         to_run = [c for c in cases if c.name not in reused]
         ran = {r["name"]: r for r in scaling.run_cases(to_run, args, n_gpus)} if to_run else {}
         rows = [reused.get(c.name) or ran.get(c.name) or {**asdict(c), "error": "not run"} for c in cases]
@@ -397,6 +442,7 @@ def main() -> None:
         not args.no_as_run,
         parse_overrides(args.as_run),
         doctor_overrides(args.doctor),
+        args.calibrate_fp8,
     )
     print(f"fitted: {table}")
     print_table(rows, args.markdown)
@@ -409,7 +455,11 @@ def main() -> None:
         "date": time.strftime("%Y-%m-%d"),
         "device": device_name,
         "versions": env,
-        "calibration": {"efficiency": args.calibrate, "host_op_us": args.calibrate_host},
+        "calibration": {
+            "efficiency": args.calibrate,
+            "host_op_us": args.calibrate_host,
+            "fp8_efficiency": args.calibrate_fp8,
+        },
         "efficiency_table": table,
         "reused_from": args.reuse,
         "as_run": not args.no_as_run,

@@ -14,9 +14,15 @@ import typer
 
 from anytrain.cost.devices import get_device, load_efficiency_table
 from anytrain.cost.model import PRECISIONS, STRATEGIES
-from anytrain.cost.planner import OBJECTIVES, RUNNABLE_STRATEGIES, plan, size_job
+from anytrain.cost.planner import OBJECTIVES, RUNNABLE_STRATEGIES, fp8_variants, plan, size_job
 from anytrain.cost.shapes import plan_workload, resolve_model
-from anytrain.cost.tables import format_plan_header, format_sizing, format_table, parse_duration
+from anytrain.cost.tables import (
+    format_fp8_variants,
+    format_plan_header,
+    format_sizing,
+    format_table,
+    parse_duration,
+)
 from anytrain.errors import ConfigError
 
 
@@ -59,6 +65,9 @@ def plan_command(
     max_gpus: int = typer.Option(None, "--max-gpus", help="Job sizing: most devices to consider (default 64 nodes)."),
     budget: float = typer.Option(None, "--budget-gpu-hours", help="Job sizing: most device-hours to spend."),
     objective: str = typer.Option("fewest", "--objective", help=f"Job sizing: {' or '.join(OBJECTIVES)} devices."),
+    fp8: str = typer.Option(
+        None, "--fp8", help="FP8 recipe to plan: none, tensorwise, rowwise, rowwise_with_gw_hp (default: config's)."
+    ),
 ) -> None:
     """Rank parallel layouts by predicted memory, step time and energy before a run."""
     shape, cfg = resolve_model(model, layers, hidden, heads, kv_heads, ffn, vocab)
@@ -67,7 +76,7 @@ def plan_command(
     if watts:
         device = device.replace(power_fraction=watts / device.tdp_watts)
     _check_choices(precision, strategy)
-    wl = plan_workload(cfg, gpus, seq, global_batch, tokens, compiled, grad_compression)
+    wl = plan_workload(cfg, gpus, seq, global_batch, tokens, compiled, grad_compression, fp8)
     prec = PRECISIONS.get(precision) if precision else None
     strategies = tuple(strategy) if strategy else RUNNABLE_STRATEGIES
     if gpus is None:
@@ -91,15 +100,23 @@ def plan_command(
         text = format_sizing(sized, model if cfg else None, wl)
         typer.echo(json.dumps(sized.as_dict(), indent=1, default=str) if as_json else text)
         return
-    result = plan(shape, device, gpus, wl, prec, strategies=strategies, tp=tp, pp=pp, micro_batch=micro_batch)
+    try:
+        result = plan(shape, device, gpus, wl, prec, strategies=strategies, tp=tp, pp=pp, micro_batch=micro_batch)
+    except ConfigError as exc:
+        raise ConfigError(str(exc).replace("train.fp8:", "--fp8:", 1) if fp8 else str(exc)) from None
+    kw = dict(precision=prec, strategies=strategies, tp=tp, pp=pp, micro_batch=micro_batch)
+    variants = fp8_variants(shape, device, gpus, wl, result.recommended, **kw)
     if as_json:
         out = result.as_dict(top)
+        out["fp8_variants"] = variants
         out["model"] = {"name": shape.name, "params": shape.num_params, "layers": shape.n_layers, "dim": shape.dim}
         out["device"] = device.__dict__
         typer.echo(json.dumps(out, indent=1, default=str))
         return
     typer.echo(format_plan_header(shape, device, gpus, wl))
     typer.echo(format_table(result, top, price))
+    if variants:
+        typer.echo(format_fp8_variants(variants, wl))
 
 
 def _check_choices(precision: str | None, strategy: list[str] | None) -> None:

@@ -68,10 +68,18 @@ class Device:
     optimizer_bytes_per_param: float = 80.0  # clipping + fused AdamW, in HBM-equivalent bytes per parameter;
     # fitted: docs/cost-model.md
     blas_workspace_mib: float = 32.0  # one cuBLAS/hipBLAS workspace, held per (thread, stream)
+    peak_fp8_tflops: float = 0.0  # dense FP8 matmul peak (0: no FP8 matmuls; train.fp8 refused); docs/cost-model.md
+    fp8_efficiency: float = 0.0  # achieved fraction of peak_fp8_tflops on FP8 GEMMs; 0 = ``efficiency`` (assumed)
 
     @property
     def peak_flops(self) -> float:
         return self.peak_bf16_tflops * 1e12
+
+    @property
+    def fp8_gemm_efficiency(self) -> float:
+        """``fp8_efficiency``, or the bf16 ``efficiency`` when unset (torchao's float8 roofline assumes one achievable
+        fraction of peak for both)."""
+        return self.fp8_efficiency or self.efficiency
 
     @property
     def avg_watts(self) -> float:
@@ -102,15 +110,16 @@ def _from_hw(key: str, catalogue_key: str, **extra: float | int) -> Device:
 # elementwise kernels, GEMM operand traffic, casts, the optimizer — is modelled separately at hbm_efficiency). H200
 # fitted (bench/cost_model_validation.py), H100 derived from it (not measured), the others from published MFU, not
 # refit with the present memory-bound accounting: sources and figures in docs/cost-model.md. Refit with
-# bench/cost_model_validation.py on a GPU.
+# bench/cost_model_validation.py on a GPU. Dense FP8 peaks (peak_fp8_tflops) only where the device has FP8 matmuls
+# (Hopper, MI300X); A100, V100 and MI250/MI250X have none (docs/cost-model.md, "FP8").
 DEVICES: dict[str, Device] = {
-    "h200": _from_hw("h200", "H200", efficiency=0.70),
-    "h100": _from_hw("h100", "H100", efficiency=0.66),
-    "h100-pcie": _from_hw("h100-pcie", "H100 PCIe", efficiency=0.40, gpus_per_node=4),
+    "h200": _from_hw("h200", "H200", efficiency=0.70, peak_fp8_tflops=1979.0),
+    "h100": _from_hw("h100", "H100", efficiency=0.66, peak_fp8_tflops=1979.0),
+    "h100-pcie": _from_hw("h100-pcie", "H100 PCIe", efficiency=0.40, gpus_per_node=4, peak_fp8_tflops=1513.0),
     "a100-40": _from_hw("a100-40", "A100-SXM4-40GB", efficiency=0.50, blas_workspace_mib=8.125),
     "a100-80": _from_hw("a100-80", "A100", efficiency=0.50, blas_workspace_mib=8.125),
     "v100": _from_hw("v100", "V100", efficiency=0.40, blas_workspace_mib=8.125),  # fp16 peak: V100 has no bf16
-    "mi300x": _from_hw("mi300x", "MI300X", efficiency=0.35, blas_workspace_mib=128.0),
+    "mi300x": _from_hw("mi300x", "MI300X", efficiency=0.35, blas_workspace_mib=128.0, peak_fp8_tflops=2614.9),
     "mi250x": _from_hw("mi250x", "MI250X", efficiency=0.38),
     "mi250": _from_hw("mi250", "MI250", efficiency=0.38),
     "mi250x-card": _from_hw("mi250x-card", "MI250X card", gpus_per_node=4, efficiency=0.38),

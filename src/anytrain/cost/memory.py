@@ -19,7 +19,8 @@ from __future__ import annotations
 
 import math
 
-from anytrain.cost.shapes import MIB, Layout, MambaShape, ModelShape, Precision, Workload
+from anytrain.cost import fp8
+from anytrain.cost.shapes import MIB, Layout, Mamba2Shape, MambaShape, ModelShape, Precision, Workload
 
 LOGITS_CHUNK_BYTES = 256 * MIB  # anytrain.kernels.fused_linear_ce.LOGITS_CHUNK_BYTES
 BLAS_WORKSPACES = 2  # cuBLAS/hipBLAS workspaces: one per (thread, stream): the forward thread and autograd's thread
@@ -35,8 +36,8 @@ def residual_bytes(shape: ModelShape | MambaShape, prec: Precision) -> int:
     """Bytes of the residual stream. Transformer: 4 when ``residual_fp32`` meets autocast, else the activation dtype
     (anytrain casts the embedding output to the autocast dtype). Mamba: 4 when ``residual_fp32`` (its blocks upcast
     the residual, also under FSDP's bf16 parameters), else the activation dtype (the embedding output is cast to the
-    autocast dtype, as for the Transformer)."""
-    if isinstance(shape, MambaShape):
+    autocast dtype, as for the Transformer). Mamba-2 as Mamba."""
+    if isinstance(shape, (MambaShape, Mamba2Shape)):
         return 4 if shape.residual_fp32 else prec.act
     return 4 if shape.residual_fp32 and prec.autocast else prec.residual
 
@@ -47,9 +48,17 @@ def kv_width(shape: ModelShape) -> int:
 
 
 def activation_bytes_per_token(
-    shape: ModelShape | MambaShape, prec: Precision, compiled: bool, tp: int = 1, ddp_split: bool = False
+    shape: ModelShape | MambaShape | Mamba2Shape,
+    prec: Precision,
+    compiled: bool,
+    tp: int = 1,
+    ddp_split: bool = False,
+    seq_len: int = 0,
+    ssd_kernel: str = "triton",
 ) -> float:
-    """Bytes one block saves for backward per token of its micro-batch, on one of ``tp`` tensor-parallel ranks.
+    """Bytes one block saves for backward per token of its micro-batch, on one of ``tp`` tensor-parallel ranks
+    (Mamba: ``mamba_activation_bytes_per_token``; Mamba-2, at ``seq_len`` with ``ssd_kernel``:
+    ``mamba2_activation_bytes_per_token``).
 
     Transformer, compiled block (the AOT partitioner recomputes norms, RoPE and residual adds from what it saves):
         r·d (block input) + 5·a·d (the two norm outputs, q, the attention output, the o-projection output from
@@ -71,6 +80,8 @@ def activation_bytes_per_token(
     """
     if isinstance(shape, MambaShape):
         return mamba_activation_bytes_per_token(shape, prec, compiled)
+    if isinstance(shape, Mamba2Shape):
+        return mamba2_activation_bytes_per_token(shape, prec, seq_len, ssd_kernel)
     d, f, a, r = shape.dim, shape.ffn_dim, prec.act, residual_bytes(shape, prec)
     kv, swiglu = kv_width(shape), shape.mlp == "swiglu"
     small = 4 * shape.n_heads + shape.norm_stat_bytes  # log-sum-exp, the norms' fp32 1/rms (LayerNorm: mean, 1/std)
@@ -98,6 +109,48 @@ def mamba_activation_bytes_per_token(shape: MambaShape, prec: Precision, compile
     mixer = a * d + a * (2 * e + shape.dt_rank + 2 * shape.d_state + e) + 4 * e * shape.d_state / shape.state_every
     around = residual_bytes(shape, prec) * d + 4 if compiled else 8 * d + 4
     return around + mixer
+
+
+def mamba2_activation_bytes_per_token(
+    shape: Mamba2Shape, prec: Precision, seq_len: int, ssd_kernel: str = "triton"
+) -> float:
+    """Bytes one Mamba-2 block saves per token, eager, at sequence length s (counted byte-exact against the tensors
+    autograd saves, tests/unit/test_cost_mamba2.py; G = 1 groups, H > G).
+
+    Around the SSD (a activation bytes): the RMSNorm's fp32 input and output and 1/rms 8·D + 4; in_proj's input
+    a·D; the gated RMSNorm's fp32 y, z, silu(z), their product and the normalised product 20·E and its 1/rms 4·G;
+    out_proj's input a·E. ``ssd_kernel`` 'triton' (the GPU's kernels): the Triton conv's input a·C (C = E + 2GN
+    channels) and the Triton SSD's (``kernels.ssd_triton``) inputs, which keep two storages alive: in_proj's whole
+    output a·(2E + 2GN + H) (through Δ, a view of it) and the conv's output a·C (through x), plus B and C copies
+    2·a·G·N. 'torch' (CPU tensors: the PyTorch twins, e = 2 under autocast, else 4): the conv's zero-padded input
+    e·C·(s + K − 1)/s and its pre-activation e·C, and ``ssd_activation_bytes_per_token`` with einsum operands of e
+    bytes."""
+    d, e, a, c = shape.dim, shape.d_inner, prec.act, shape.conv_dim
+    around = 8 * d + 4 + a * d + 20 * e + 4 * shape.ngroups + a * e
+    if ssd_kernel == "triton":
+        return around + a * c + a * (shape.in_proj_dim + c + 2 * shape.ngroups * shape.d_state)
+    p, s = 2 if prec.autocast else 4, max(seq_len, 1)  # the PyTorch conv: padded input and pre-activation
+    conv = p * c * (s + shape.d_conv - 1) / s + p * c
+    return around + conv + ssd_activation_bytes_per_token(shape, p, seq_len)
+
+
+def ssd_activation_bytes_per_token(shape: Mamba2Shape, operand_bytes: int, seq_len: int) -> float:
+    """Bytes the chunked SSD (``kernels.ssd.ssd_chunk_scan_torch``, autograd through its PyTorch ops) saves per
+    token, at sequence length s padded to c·Q positions (c = ⌈s/Q⌉ chunks, Q = min(chunk_size, s)), e the einsum
+    operands' bytes (2 under autocast, which runs the einsums' batched matmuls in bf16; 4 without):
+    per padded position 4·H·Q (the decays exp(segment sums), fp32) + e·H·Q (the masked scores as the matmul's
+    operand) + e·H·N (B times the last row of decays, the end-state einsum's intermediate) + 3·e·E (Δx and its two
+    matmul layouts) + e·G·Q (C·Bᵀ) + (4 + 3·e)·G·N (B and C in fp32 and their operand copies) + 4·H (the decay's
+    per-position factor from the chunk start); per real position 4·E (x in fp32) + 8·H (Δ before and after the
+    softplus); per chunk (4 + e)·E·N (the state entering it, as the state-passing loop's product saves it and as
+    the stacked operand of the output einsum)."""
+    q = shape.chunk(seq_len)
+    s = max(seq_len, 1)
+    chunks = -(-s // q)
+    h, e, n, g, p = shape.nheads, shape.d_inner, shape.d_state, shape.ngroups, operand_bytes
+    padded = 4 * h * q + p * h * q + p * h * n + 3 * p * e + p * g * q + (4 + 3 * p) * g * n + 4 * h
+    per_chunk = (4 + p) * e * n
+    return (padded * chunks * q + (4 * e + 8 * h) * s + per_chunk * chunks) / s
 
 
 def loss_bytes_per_token(shape: ModelShape | MambaShape) -> float:
@@ -135,7 +188,7 @@ def pp_in_flight(layout: Layout, micro_batches: int) -> float:
 def ddp_splits_blocks(shape: ModelShape | MambaShape, layout: Layout, wl: Workload, prec: Precision) -> bool:
     """torch.compile'd blocks inside DDP are split at DDP's buckets; the SwiGLU saves one more tensor when the down
     projection's fp32 weight (4·d·F/t bytes) fills a bucket alone (checked on CPU with gloo DDP)."""
-    if isinstance(shape, MambaShape) or shape.mlp != "swiglu" or not wl.compiled or prec.framework != "anytrain":
+    if not isinstance(shape, ModelShape) or shape.mlp != "swiglu" or not wl.compiled or prec.framework != "anytrain":
         return False
     wrapped = layout.strategy in ("ddp", "zero1") and layout.dp > 1
     return wrapped and prec.ddp_bucket > 0 and 4 * shape.dim * shape.ffn_dim / layout.tp >= wl.ddp_bucket_mib * MIB
@@ -189,7 +242,8 @@ def _stage_phases(
     # activations: blocks (× micro-batches in flight on the first stage), then the head and the loss
     f = ac_fraction(layout.ac)
     in_flight = pp_in_flight(layout, m) if first else 1.0
-    per_token = activation_bytes_per_token(shape, prec, wl.compiled, t, ddp_splits_blocks(shape, layout, wl, prec))
+    split = ddp_splits_blocks(shape, layout, wl, prec)
+    per_token = activation_bytes_per_token(shape, prec, wl.compiled, t, split, wl.seq_len, wl.ssd_kernel)
     checkpointed = residual_bytes(shape, prec) * d / t
     acts = {"activations": (f * checkpointed + (1 - f) * per_token) * tokens * layers * in_flight}
     loss_fwd = loss_bwd = 0.0
@@ -205,7 +259,9 @@ def _stage_phases(
     copies: dict[str, float] = {}
     copies_bwd: dict[str, float] = {}
     if sharded_params:
-        unit = shape.layer_params / t * prec.gather
+        converted = fp8.converted_params_per_layer(shape, wl.fp8, wl.fp8_filter) / t  # FP8 all-gather: 1 byte each
+        gather_fp8 = fp8.gather_bytes_per_param(prec.gather, wl.fp8, layout.strategy)
+        unit = (shape.layer_params / t - converted) * prec.gather + converted * gather_fp8
         root_gathered = root * prec.gather  # the root module is never resharded after forward
         all_kept = not layout.reshard_after_forward or layout.keeps_gathered(m)  # ZeRO-2, or gathered all step
         kept = layers * unit if all_kept else unit  # else the last block stays gathered
@@ -213,7 +269,9 @@ def _stage_phases(
         copies_bwd["gathered_params"] = (kept if all_kept else 2 * unit) + root_gathered
     elif prec.compute_copy and not isinstance(shape, MambaShape):  # the fused mixer casts inside, saves fp32 weights
         per_mb = in_flight if (wl.compiled or p == 1) else 1.0  # eager PP: one autocast cache for the whole step
-        copies["compute_copy"] = blocks * prec.compute_copy * (1 - f) * per_mb
+        # FP8 layers cast their fp32 weights straight to FP8 inside: no bf16 copy of those (cost/fp8.py)
+        copied = blocks - layers * fp8.converted_params_per_layer(shape, wl.fp8, wl.fp8_filter) / t
+        copies["compute_copy"] = copied * prec.compute_copy * (1 - f) * per_mb
         copies_bwd["compute_copy"] = copies["compute_copy"]
     recompute = 0.0
     if f:  # backward recomputes one checkpointed block: its activations and its weight copy
@@ -271,7 +329,9 @@ def run_memory_estimate(
 
         shape = dataclasses.replace(shape, expand_kv=hardware.vendor() == hardware.ROCM)
     layout = Layout.from_config(cfg, dims, strategy, micro_batch)
-    wl = Workload.from_config(cfg)
+    from anytrain import hardware as hw  # Mamba-2's SSD: Triton on GPU tensors, the PyTorch twin on the CPU
+
+    wl = Workload.from_config(cfg, ssd_kernel="triton" if hw.vendor() != hw.CPU else "torch")
     prec = FP32 if fp32 else trainer_precision(layout.strategy)
     phases = memory_phases(shape, layout, wl, prec, workspace_mib)
     phase = max(phases, key=lambda key: sum(phases[key].values()))

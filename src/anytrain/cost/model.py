@@ -15,6 +15,7 @@ import dataclasses
 import math
 from dataclasses import dataclass, field
 
+from anytrain.cost import fp8
 from anytrain.cost.devices import Device
 from anytrain.cost.memory import (  # noqa: F401  (re-exported)
     AC_POLICIES,
@@ -40,6 +41,7 @@ from anytrain.cost.shapes import (  # noqa: F401  (re-exported)
     SCHEDULES,
     STRATEGIES,
     Layout,
+    Mamba2Shape,
     MambaShape,
     ModelShape,
     Precision,
@@ -82,6 +84,7 @@ class Estimate:
     elementwise_s: float = 0.0  # memory-bound part of compute_s (the rest is GEMM/attention at ``efficiency``)
     memory_phase: str = ""  # when the memory peak happens: 'forward', 'backward' or 'optimizer' (cost/memory.py)
     optimizer_s: float = 0.0  # clipping + AdamW (part of elementwise_s)
+    fp8_gemm_s: float = 0.0  # the FP8 GEMMs' share of compute_s (``Workload.fp8``)
 
     @property
     def allocated_gib(self) -> float:
@@ -141,6 +144,7 @@ class Estimate:
             "host_s": self.host_s,
             "elementwise_s": self.elementwise_s,
             "optimizer_s": self.optimizer_s,
+            "fp8_gemm_s": self.fp8_gemm_s,
             "exposed_comm_s": self.exposed_comm_s,
             "grad_reduce_bytes": self.grad_reduce_bytes,
             "step_s": self.step_s,
@@ -197,7 +201,9 @@ def communication(
     dp (zero1/2): reduce_scatter of gradients + all_gather of bf16 params, once per step.
     dp (fsdp): per micro-batch all_gather in forward and again in backward (once if not resharding; once per step
     with ``reshard_during_accumulation`` off), plus one reduce_scatter per step: ≈ 1.5 × DDP's volume at equal
-    dtypes. hsdp: that within the shard group plus an all_reduce of the Ψ_dev/z shard across replicas.
+    dtypes. hsdp: that within the shard group plus an all_reduce of the Ψ_dev/z shard across replicas. With
+    ``wl.fp8`` tensorwise the converted weights are gathered in FP8 (1 byte) and their scales take one fp32
+    all-reduce of their amaxes per step, exposed (cost/fp8.py).
     tp (sequence parallel): per layer and micro-batch 4 all_gather + 4 reduce_scatter of a·b·s·d (6 + 6 with
     full AC, which replays the forward); under anytrain's TP (DTensor) these run at ``tp_link_efficiency`` of the
     link and cost ``tp_collective_us`` each on top, plus one fp32 all-reduce per step of the norm weights' gradients
@@ -211,6 +217,9 @@ def communication(
     psi = (shape.n_layers / p * shape.layer_params + max(shape.embedding_params, shape.head_params)) / t
     act_msg = prec.act * layout.micro_batch * wl.seq_len * shape.dim
     reduce = gradient_reduce_bytes(shape, prec, wl.grad_compression, layout.strategy)
+    converted = shape.n_layers / p * fp8.converted_params_per_layer(shape, wl.fp8, wl.fp8_filter) / t
+    gather_fp8 = fp8.gather_bytes_per_param(prec.gather, wl.fp8, layout.strategy)
+    gathered = (psi - converted) * prec.gather + converted * gather_fp8  # FSDP's all-gather message
     out: list[Comm] = []
 
     def add_on(dev: Device, axis: str, kind: str, count: int, msg: float, n: int, stride: int = 1) -> Comm:
@@ -232,7 +241,7 @@ def communication(
             dp_comms.append(add("dp", "all_gather", 1, psi * prec.gather, dp, t))
         elif z > 1:
             gathers = layout.gathers_per_step(m)
-            dp_comms.append(add("dp_shard", "all_gather", gathers, psi * prec.gather, z, t))
+            dp_comms.append(add("dp_shard", "all_gather", gathers, gathered, z, t))
             dp_comms.append(add("dp_shard", "reduce_scatter", 1, psi * reduce, z, t))
             if dp // z > 1:
                 dp_comms.append(add("dp_replicate", "all_reduce", 1, psi / z * reduce, dp // z, t * z))
@@ -243,6 +252,10 @@ def communication(
     for comm in dp_comms:
         comm.exposed_seconds = max(0.0, comm.seconds - hidden)
         hidden = max(0.0, hidden - comm.seconds)
+    if converted and gather_fp8 < prec.gather and z > 1 and dp > 1:  # the FP8 weights' scales: one all-reduce of
+        # their amaxes per step, after the optimizer and before the next forward (on the critical path)
+        scales = 4.0 * shape.n_layers / p * len(fp8.converted_linears(shape, wl.fp8, wl.fp8_filter))
+        add("dp_shard", "all_reduce", 1, scales, z, t).exposed_seconds = out[-1].seconds
     if t > 1:
         per_layer = 4 + 2 * ac_fraction(layout.ac)  # recomputed blocks replay their forward collectives
         layers = math.ceil(shape.n_layers / p)
@@ -300,6 +313,10 @@ def elementwise_bytes_per_token(shape: ModelShape | MambaShape, prec: Precision,
     if isinstance(shape, MambaShape):  # norm (r+2)·d, residual add (2r+2)·d, conv in/out + SiLU and gate 8·E
         forward = (3 * r + 4) * shape.dim + 8 * shape.d_inner
         return shape.n_layers * 3.0 * forward * (1.0 if compiled else 2.5) + loss
+    if isinstance(shape, Mamba2Shape):  # norm, residual add, conv in/out a·C each, gated norm y, z in and out 3·a·E
+        a = prec.act
+        forward = (3 * r + 4) * shape.dim + 2 * a * shape.conv_dim + 3 * a * shape.d_inner
+        return shape.n_layers * 3.0 * forward * (1.0 if compiled else 2.5) + loss
     d, f = shape.dim, shape.ffn_dim
     forward = (r + 2) * d + 4 * d + 4 * shape.kv_dim + (2 * r + 2) * d + (r + 2) * d + 6 * f + (2 * r + 2) * d
     per_block = 3.0 * forward * (1.0 if compiled else 2.5)
@@ -311,14 +328,23 @@ def parameter_traffic_bytes(shape: ModelShape | MambaShape, layout: Layout, wl: 
     per micro-batch the dtype casts (``prec.cast``: autocast's weight casts and the fp32 gradient accumulation, 16 B
     per parameter; FSDP2: the bf16 → fp32 gradient upcast and accumulation, 10 B) and, for FSDP2, each all-gather's
     copy-in (6/z), NCCL's output (2) and copy-out (4) B per parameter; per step DDP's bucket copies (gradient →
-    bucket → gradient, 16 B) and ZeRO-1's all-gather packing (8 + 8/z B)."""
+    bucket → gradient, 16 B) and ZeRO-1's all-gather packing (8 + 8/z B). FP8 (``wl.fp8``): under autocast the
+    converted weights skip autocast's cast (−6 B each per micro-batch); FSDP's FP8 all-gather moves 1 byte per
+    converted parameter where bf16 moves 2, after one amax read of each fp32 shard (4/z B) per step."""
     m = max(1, wl.global_batch // (layout.dp * layout.micro_batch))
     z = layout.shard_size
     psi = (shape.n_layers / layout.pp * shape.layer_params + shape.head_params / layout.pp) / layout.tp
     total = m * prec.cast * psi
     anytrain = prec.framework == "anytrain"
+    converted = shape.n_layers / layout.pp * fp8.converted_params_per_layer(shape, wl.fp8, wl.fp8_filter) / layout.tp
+    if prec.autocast:  # FP8 layers cast their fp32 weights themselves (cast_weight_bytes): no autocast cast, 6 B
+        total -= m * 6.0 * converted
     if layout.strategy in ("fsdp", "hsdp") and z > 1 and anytrain:
-        total += layout.gathers_per_step(m) * (6.0 + 8.0 / z) * prec.gather / 2 * psi
+        gather_fp8 = fp8.gather_bytes_per_param(prec.gather, wl.fp8, layout.strategy)
+        gathered = (psi - converted) * prec.gather + converted * gather_fp8
+        total += layout.gathers_per_step(m) * (6.0 + 8.0 / z) * gathered / 2
+        if gather_fp8 < prec.gather:  # the scales' amax over each fp32 shard, once per step
+            total += 4.0 / z * converted
     if layout.strategy in ("ddp", "zero1") and layout.dp > 1 and prec.ddp_bucket:
         total += 4 * prec.ddp_bucket * psi
     if layout.strategy == "zero1" and anytrain and z > 1:
@@ -326,15 +352,38 @@ def parameter_traffic_bytes(shape: ModelShape | MambaShape, layout: Layout, wl: 
     return total
 
 
+def ssd_bytes_per_token(shape: Mamba2Shape, prec: Precision, seq_len: int, ssd_kernel: str) -> float:
+    """HBM traffic of one Mamba-2 SSD per token, forward + backward (its matmuls' arithmetic is in the FLOPs).
+    'triton': each pass reads x, Δ, B, C and writes y, a·(2E + H + 2GN), three passes (the forward, the
+    backward's recomputation and its gradients). 'torch' (the PyTorch twin): its fp32 (H, Q, Q) tensors dominate;
+    counting the kernels of ``ssd_chunk_scan_torch`` that read or write one such tensor, 11 passes forward
+    (segment sums: four; the decays' exp; the scores' product; the matmul operand copy) and 17 backward, 4·H·Q
+    bytes each."""
+    a = prec.act
+    if ssd_kernel == "triton":
+        return 3.0 * a * (2 * shape.d_inner + shape.nheads + 2 * shape.ngroups * shape.d_state)
+    return 28.0 * 4 * shape.nheads * shape.chunk(seq_len)
+
+
 def elementwise_seconds(shape: ModelShape, layout: Layout, wl: Workload, prec: Precision, device: Device) -> float:
     """Memory-bound time of one step on one device, at ``hbm_efficiency`` × the HBM bandwidth: the elementwise
     kernels' and the GEMM operands' traffic of its tokens, the weight operands per micro-batch, and the parameter
     traffic (casts, FSDP copies, DDP buckets: ``parameter_traffic_bytes``). Tensor parallelism splits all of it;
-    pipeline stages hold L/p blocks."""
+    pipeline stages hold L/p blocks. With ``wl.fp8``: the converted linears' cast traffic and their FP8 operands
+    (cost/fp8.py); Mamba-2: its SSD's traffic (``ssd_bytes_per_token``)."""
     m = max(1, wl.global_batch // (layout.dp * layout.micro_batch))
     tokens = layout.micro_batch * wl.seq_len * m
     per_token = elementwise_bytes_per_token(shape, prec, wl.compiled) + gemm_bytes_per_token(shape, prec)
-    weights = m * gemm_weight_bytes(shape, prec)
+    recipe, rule, a = wl.fp8, wl.fp8_filter, prec.act
+    per_token += fp8.cast_bytes_per_token(shape, recipe, rule, a) + fp8.operand_bytes_per_token(shape, recipe, rule, a)
+    if isinstance(shape, Mamba2Shape):
+        per_token += shape.n_layers * ssd_bytes_per_token(shape, prec, wl.seq_len, wl.ssd_kernel)
+    gathered_fp8 = fp8.gather_bytes_per_param(prec.gather, recipe, layout.strategy) < prec.gather
+    gathered_fp8 = gathered_fp8 and layout.shard_size > 1 and layout.strategy in ("fsdp", "hsdp")
+    # the converted weights' cast reads their fp32 master (autocast, fp32) or FSDP's bf16 gathered parameters
+    weight_source = 2 if layout.strategy in ("fsdp", "hsdp") and prec.gather == 2 else int(prec.weight)
+    cast_weights = fp8.cast_weight_bytes(shape, recipe, rule, weight_source, gathered_fp8)
+    weights = m * (gemm_weight_bytes(shape, prec) + fp8.operand_weight_bytes(shape, recipe, rule, a) + cast_weights)
     total = (tokens * per_token + weights) / (layout.pp * layout.tp) + parameter_traffic_bytes(shape, layout, wl, prec)
     return total / (device.hbm_tb_per_s * 1e12 * device.hbm_efficiency)
 
@@ -370,7 +419,7 @@ def host_seconds(
     elif wl.compiled:
         block_us = device.host_layer_us_compiled
     else:
-        block_us = device.host_layer_us or shape.eager_ops_per_block * device.host_op_us
+        block_us = device.host_layer_us or shape.eager_ops(wl.seq_len) * device.host_op_us
     per_micro_batch = math.ceil(shape.n_layers / layout.pp) * block_us + HEAD_EAGER_OPS * device.host_op_us
     return (m * per_micro_batch + device.host_step_us) * 1e-6
 
@@ -380,6 +429,14 @@ def fit_efficiency(est: Estimate, measured_step_s: float) -> float:
     ``measured_step_s``: only the GEMM/attention arithmetic scales with efficiency, the memory-bound part stays."""
     gemm_s = est.compute_s - est.elementwise_s
     return est.device.efficiency * gemm_s / max(measured_step_s - est.elementwise_s, 1e-12)
+
+
+def fit_fp8_efficiency(est: Estimate, measured_step_s: float) -> float:
+    """The ``fp8_efficiency`` that makes a compute-bound FP8 ``est`` (one GPU) take ``measured_step_s``: only its FP8
+    GEMMs (``est.fp8_gemm_s``) scale with it; the bf16 GEMMs (at the fitted ``efficiency``), the casts and the rest
+    stay."""
+    other = est.step_s - est.fp8_gemm_s
+    return est.device.fp8_gemm_efficiency * est.fp8_gemm_s / max(measured_step_s - other, 1e-12)
 
 
 def fit_host_op_us(est: Estimate, measured_step_s: float) -> float:
@@ -410,7 +467,8 @@ def estimate(
 ) -> Estimate:
     """Memory, step time and totals of one layout.
 
-    compute_s = flops_per_token(s)·B·s·(4/3 with full AC) / (world · peak · efficiency)
+    compute_s = flops_per_token(s)·B·s·(4/3 with full AC) / (world · peak · efficiency), the converted linears'
+                FLOPs (``wl.fp8``) at the FP8 peak · fp8 efficiency instead (cost/fp8.py)
                 + memory-bound time (elementwise_seconds, × the same recompute factor; Mamba's scan at ``scan_ns``)
                 + optimizer_seconds
                 (+ under anytrain's TP the LM head's share that every TP rank repeats: 6·V·d and its traffic)
@@ -418,14 +476,23 @@ def estimate(
     step_s = max(compute_s · (1 + bubble) + exposed communication, host_s) (the GPU's time or the host's launch
              floor, whichever is longer: docs/cost-model.md, "What still misses");  steps = D / (B·s);
     energy = total_s·world·watts.
+    A ``wl.fp8`` recipe the trainer would refuse (a device without FP8, a family without FP8 layers, no layer left by
+    the filter) is a ConfigError naming ``train.fp8``. MFU (``Estimate.mfu``) stays against the dense bf16 peak.
     """
     prec = prec or trainer_precision(layout.strategy)
     shape = resolve_shape(shape, device)
+    fp8.check_fp8(shape, device, wl.fp8, wl.fp8_filter)
     m = wl.global_batch // (layout.dp * layout.micro_batch)
     tokens_per_step = wl.global_batch * wl.seq_len
     flops = shape.flops_per_token(wl.seq_len) * tokens_per_step
     recompute = 1.0 + ac_fraction(layout.ac) / 3.0  # a recomputed forward is a third of forward + backward
-    gemm_s = flops * recompute / (layout.world * device.peak_flops * device.efficiency)
+    fp8_flops = fp8.gemm_split_per_token(shape, wl.fp8, wl.fp8_filter) * tokens_per_step
+    gemm_s = (flops - fp8_flops) * recompute / (layout.world * device.peak_flops * device.efficiency)
+    fp8_gemm_s = 0.0
+    if fp8_flops:  # the converted linears' GEMMs at the FP8 rate
+        fp8_rate = device.peak_fp8_tflops * 1e12 * device.fp8_gemm_efficiency
+        fp8_gemm_s = fp8_flops * recompute / (layout.world * fp8_rate)
+    gemm_s += fp8_gemm_s
     elementwise_s = elementwise_seconds(shape, layout, wl, prec, device) * recompute
     if layout.tp > 1 and prec.framework == "anytrain":  # every TP rank runs the whole (unsplit) LM head and loss
         head_tokens = tokens_per_step / (layout.dp * layout.pp) * (1 - 1 / layout.tp)
@@ -469,6 +536,7 @@ def estimate(
         elementwise_s,
         phase,
         optimizer_s,
+        fp8_gemm_s,
     )
 
 

@@ -9,6 +9,7 @@ micro-batches, then less memory).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
 
@@ -277,12 +278,50 @@ def plan(
     return PlanResult(feasible, feasible[0], _reason(feasible[0], feasible, device.gpus_per_node), len(infeasible))
 
 
+def fp8_variants(
+    shape: ModelShape, device: Device, gpus: int, wl: Workload, baseline: Estimate, **plan_kw: object
+) -> list[dict]:
+    """For each FP8 recipe (``cost.fp8.RECIPES``) other than ``wl.fp8``: ``plan``'s best layout with that recipe
+    and its predicted speed-up over ``baseline`` (the plan's best), or why the trainer would refuse it (a device
+    without FP8, no layer left by the filter). Empty on a device without FP8 and for a family without FP8 layers."""
+    from anytrain.cost.fp8 import RECIPES, converted_linears
+
+    if not device.peak_fp8_tflops or shape.fp8_candidates() is None:
+        return []
+    out = []
+    for recipe in RECIPES:
+        if recipe == wl.fp8:
+            continue
+        trial = dataclasses.replace(wl, fp8=recipe)
+        try:
+            best = plan(shape, device, gpus, trial, **plan_kw).recommended
+        except ConfigError as exc:
+            out.append({"fp8": recipe, "refused": str(exc)})
+            continue
+        layers = len(converted_linears(shape, recipe, wl.fp8_filter))
+        out.append(
+            {
+                "fp8": recipe,
+                "layout": best.layout.label,
+                "micro_batch": best.layout.micro_batch,
+                "ac": best.layout.ac,
+                "step_s": best.step_s,
+                "required_gib": best.required_gib,
+                "speedup": baseline.step_s / best.step_s,
+                "converted_per_block": layers,
+                "candidates_per_block": len(shape.fp8_candidates() or []),
+            }
+        )
+    return out
+
+
 def choose_layout(cfg: object, world_size: int, device_spec: object, gpus_per_node: int | None = None) -> dict:
     """For ``anytrain train --parallel.auto``: pick strategy, micro-batch and activation checkpointing for ``cfg``.
 
     Restricted to what the trainer runs (DDP or FSDP2, no TP/PP) and to its precision (autocast over fp32 params;
-    FSDP2 bf16 params with fp32 reduction). ``device_spec``: hardware.DeviceSpec, cost Device, key, or None (CPU:
-    keep the config's choices). Returns config overrides plus the predictions.
+    FSDP2 bf16 params with fp32 reduction) with the run's ``train.fp8`` (FP8 GEMMs, casts and all-gathers; a device
+    without FP8 is a ConfigError naming train.fp8). ``device_spec``: hardware.DeviceSpec, cost Device, key, or None
+    (CPU: keep the config's choices). Returns config overrides plus the predictions.
     """
     import os
 
@@ -324,6 +363,7 @@ def choose_layout(cfg: object, world_size: int, device_spec: object, gpus_per_no
             "required_gib": best.required_gib,
             "step_s": best.step_s,
             "mfu": best.mfu,
+            "fp8": wl.fp8,
         },
         "reason": result.reason,
     }

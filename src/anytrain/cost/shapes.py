@@ -116,11 +116,19 @@ class ModelShape(_LanguageModelParams):
         mlp = [(d, f), (d, f), (f, d)] if self.mlp == "swiglu" else [(d, f), (f, d)]
         return [(d, d), (d, kv), (d, kv), (d, d), *mlp]
 
+    def fp8_candidates(self) -> list[tuple[int, int]]:
+        """The linears ``train.fp8`` may convert (``models/llama/parallelize.fp8_linears``): every block projection."""
+        return self.linears()
+
     @property
     def eager_ops_per_block(self) -> int:
         """Non-view ATen ops one eager block dispatches, forward + backward under autocast (counted with a
         TorchDispatchMode on CPU, tests/unit/test_cost_model.py): the host's work per block and micro-batch."""
         return 121
+
+    def eager_ops(self, seq_len: int) -> int:
+        """``eager_ops_per_block`` (independent of the sequence length)."""
+        return self.eager_ops_per_block
 
     def flops_per_token(self, seq_len: int) -> float:
         """6·N + 12·L·d·s with N = parameters without the input embeddings (token and learned-position tables), LM
@@ -184,11 +192,19 @@ class MambaShape(_LanguageModelParams):
         d, e = self.dim, self.d_inner
         return [(d, 2 * e), (e, self.dt_rank + 2 * self.d_state), (self.dt_rank, e), (e, d)]
 
+    def fp8_candidates(self) -> list[tuple[int, int]]:
+        """The linears ``train.fp8`` may convert (``models/mamba/parallelize.fp8_linears``): in_proj and out_proj."""
+        return [(self.dim, 2 * self.d_inner), (self.d_inner, self.dim)]
+
     @property
     def eager_ops_per_block(self) -> int:
         """Host-side ops of one eager block, forward + backward: the eager RMSNorm and residual (~30 ATen ops) and
         the fused mixer op (~40 launches: weight casts, 4 + 10 GEMMs, conv and scan kernels, buffers)."""
         return 70
+
+    def eager_ops(self, seq_len: int) -> int:
+        """``eager_ops_per_block`` (independent of the sequence length)."""
+        return self.eager_ops_per_block
 
     def flops_per_token(self, seq_len: int) -> float:
         """6·N (N without the input embedding, the LM head's V·D counted even when tied) + 3·L·E·(8·S + 10)."""
@@ -204,6 +220,106 @@ class MambaShape(_LanguageModelParams):
             args.d_state,
             args.dt_rank,
             args.d_conv,
+            args.vocab_size,
+            bool(args.tie_embeddings),
+            bool(args.residual_in_fp32),
+            name=name,
+        )
+
+
+@dataclass(frozen=True)
+class Mamba2Shape(_LanguageModelParams):
+    """Mamba-2 LM shape for the cost model (anytrain's models/mamba2/model.py). E = expand·d inner width, N state
+    size, P head dim (H = E / P heads), G groups of B and C, K conv width, Q chunk size of the chunked SSD. No
+    attention and no tensor-parallel plan (``n_heads`` = 1 keeps tp = 1); no FP8 candidates (its parallelize plan has
+    no ``fp8_linears``)."""
+
+    n_layers: int
+    dim: int
+    d_inner: int
+    d_state: int
+    headdim: int
+    ngroups: int
+    d_conv: int
+    chunk_size: int
+    vocab_size: int
+    tie_embeddings: bool = True
+    residual_fp32: bool = True
+    name: str = ""
+    n_heads: int = 1
+    n_kv_heads: int = 1
+    expand_kv: bool = True
+    kind: str = "mamba2"
+
+    @property
+    def nheads(self) -> int:
+        """H = E / P."""
+        return self.d_inner // self.headdim
+
+    @property
+    def conv_dim(self) -> int:
+        """Channels of the causal conv (x, B, C): E + 2·G·N."""
+        return self.d_inner + 2 * self.ngroups * self.d_state
+
+    @property
+    def in_proj_dim(self) -> int:
+        """Rows of in_proj (z, xBC, dt): 2E + 2·G·N + H."""
+        return self.d_inner + self.conv_dim + self.nheads
+
+    @property
+    def layer_params(self) -> int:
+        """D·(2E + 2GN + H) + (E + 2GN)·(K + 1) + 3H + E + E·D + D (as ``Mamba2.num_params``)."""
+        d, e, h = self.dim, self.d_inner, self.nheads
+        return d * self.in_proj_dim + self.conv_dim * (self.d_conv + 1) + 3 * h + e + e * d + d
+
+    def linears(self) -> list[tuple[int, int]]:
+        """(in, out) widths of a block's matmuls: in_proj and out_proj."""
+        return [(self.dim, self.in_proj_dim), (self.d_inner, self.dim)]
+
+    def fp8_candidates(self) -> None:
+        """None: ``train.fp8`` is not implemented for Mamba-2 (its ``ParallelizePlan`` has no ``fp8_linears``)."""
+        return None
+
+    def chunk(self, seq_len: int) -> int:
+        """Q as the SSD runs it: min(chunk_size, seq_len)."""
+        return min(self.chunk_size, max(seq_len, 1))
+
+    @property
+    def eager_ops_per_block(self) -> int:
+        """``eager_ops`` of a one-chunk sequence."""
+        return self.eager_ops(0)
+
+    def eager_ops(self, seq_len: int) -> int:
+        """Host-side ATen ops of one eager block at sequence length s, forward + backward: 199 + 11 per SSD chunk
+        (its state-passing loop), counted with a TorchDispatchMode on CPU with the PyTorch SSD
+        (tests/unit/test_cost_mamba2.py); the GPU's Triton SSD dispatches fewer."""
+        return 199 + 11 * -(-max(seq_len, 1) // self.chunk(seq_len))
+
+    def ssd_flops_per_token(self, seq_len: int) -> float:
+        """6·L·(Q·(G·N + E) + 2·E·N): the chunked SSD's matmuls, forward + backward (``Mamba2.ssd_flops_per_token``:
+        C·Bᵀ in its chunk, the masked scores times Δx, each chunk's end state and the entering state read by C)."""
+        q = self.chunk(seq_len)
+        return (
+            6.0 * self.n_layers * (q * (self.ngroups * self.d_state + self.d_inner) + 2 * self.d_inner * self.d_state)
+        )
+
+    def flops_per_token(self, seq_len: int) -> float:
+        """6·N (N without the input embedding, the LM head's V·D counted even when tied) + the SSD's matmuls
+        (``ssd_flops_per_token``), as ``Mamba2.flops_per_token``."""
+        return 6.0 * self.dense_params() + self.ssd_flops_per_token(seq_len)
+
+    @classmethod
+    def from_args(cls, args: Any, name: str = "") -> Mamba2Shape:
+        """From anytrain's Mamba2Args."""
+        return cls(
+            args.n_layers,
+            args.d_model,
+            args.expand * args.d_model,
+            args.d_state,
+            args.headdim,
+            args.ngroups,
+            args.d_conv,
+            args.chunk_size,
             args.vocab_size,
             bool(args.tie_embeddings),
             bool(args.residual_in_fp32),
@@ -348,21 +464,26 @@ class Workload:
     overhead_gib: float = 1.0  # CUDA/HIP context, NCCL buffers: outside the allocator (not in its peak)
     ddp_bucket_mib: float = 100.0  # parallel.ddp_bucket_mb (DDP's bucket cap); torch.compile splits blocks at buckets
     grad_compression: str = "none"  # parallel.grad_compression: none | bf16 | fp16 | powersgd:rank=R
+    fp8: str = "none"  # train.fp8: none | tensorwise | rowwise | rowwise_with_gw_hp (cost/fp8.py)
+    fp8_filter: str = "auto"  # train.fp8_filter: auto | aligned
+    ssd_kernel: str = "triton"  # Mamba-2's SSD: 'triton' (GPU tensors) or 'torch' (the PyTorch twin, CPU tensors)
 
     @classmethod
     def from_config(cls, cfg: Any, **fields: Any) -> Workload:
-        """A run config's sequence length, global batch, compile and CUDA-graph switches, DDP bucket size and gradient
-        compression, plus ``fields``."""
+        """A run config's sequence length, global batch, compile and CUDA-graph switches, DDP bucket size, gradient
+        compression and FP8 recipe and filter, plus ``fields``."""
         base = dict(
             compiled=cfg.train.compile,
             cuda_graphs=cfg.train.cuda_graphs,
             ddp_bucket_mib=cfg.parallel.ddp_bucket_mb,
             grad_compression=cfg.parallel.grad_compression,
+            fp8=cfg.train.fp8,
+            fp8_filter=cfg.train.fp8_filter,
         )
         return cls(cfg.data.seq_len, cfg.train.global_batch, **{**base, **fields})
 
 
-def gradient_matrices(shape: ModelShape | MambaShape) -> list[tuple[int, int]]:
+def gradient_matrices(shape: ModelShape | MambaShape | Mamba2Shape) -> list[tuple[int, int]]:
     """(rows, columns) of every weight matrix: each block's linears (out x in) L times, the token embedding and the
     LM head (V x d; one matrix when tied). The other parameters (norms, biases, Mamba's conv, A_log, D) are vectors
     or thin matrices that PowerSGD sends whole."""
@@ -370,7 +491,7 @@ def gradient_matrices(shape: ModelShape | MambaShape) -> list[tuple[int, int]]:
     return blocks + [(shape.vocab_size, shape.dim)] * (1 if shape.tie_embeddings else 2)
 
 
-def powersgd_fraction(shape: ModelShape | MambaShape, rank: int) -> float:
+def powersgd_fraction(shape: ModelShape | MambaShape | Mamba2Shape, rank: int) -> float:
     """Values PowerSGD all-reduces per step / parameters: a matrix n x m goes as its rank-r factors P (n x r) and
     Q (m x r), (n + m)·r values with r = min(n, m, rank), where that is less than half of n·m (PyTorch's
     min_compression_rate 2), else whole; everything else whole (``gradient_matrices``)."""
@@ -383,7 +504,7 @@ def powersgd_fraction(shape: ModelShape | MambaShape, rank: int) -> float:
 
 
 def gradient_reduce_bytes(
-    shape: ModelShape | MambaShape, prec: Precision, grad_compression: str, strategy: str
+    shape: ModelShape | MambaShape | Mamba2Shape, prec: Precision, grad_compression: str, strategy: str
 ) -> float:
     """Bytes per gradient value in the data-parallel reduction: ``prec.reduce`` uncompressed, 2 for bf16 / fp16,
     4 × ``powersgd_fraction`` for PowerSGD (fp32 factors; DDP and ZeRO-1 only, as in the trainer)."""
@@ -402,16 +523,20 @@ def gradient_reduce_bytes(
     return prec.reduce
 
 
-def shape_from_config(cfg: object) -> ModelShape | MambaShape:
+def shape_from_config(cfg: object) -> ModelShape | MambaShape | Mamba2Shape:
     """Shape of the model a RunConfig builds, read from its resolved args (exact parameter count as built)."""
     from anytrain.models import resolve_args
 
-    args = resolve_args(cfg.model)
     name = f"{cfg.model.arch}/{cfg.model.flavour}"
-    if hasattr(args, "dt_rank"):  # Mamba-1 (Mamba-2's args have no dt_rank: not covered, refused below)
+    if cfg.model.arch not in ("transformer", "mamba", "mamba2"):
+        raise ConfigError(
+            f"model.arch: the cost model covers transformer, mamba and mamba2 models, not {cfg.model.arch!r}"
+        )
+    args = resolve_args(cfg.model)
+    if cfg.model.arch == "mamba":
         return MambaShape.from_args(args, name=name)
-    if not hasattr(args, "n_heads"):
-        raise ConfigError(f"model.arch: the cost model covers transformer and mamba models, not {cfg.model.arch!r}")
+    if cfg.model.arch == "mamba2":
+        return Mamba2Shape.from_args(args, name=name)
     return ModelShape.from_args(args, name=name)
 
 
@@ -507,9 +632,11 @@ def plan_workload(
     tokens: float | None,
     compiled: bool,
     grad_compression: str | None,
+    fp8: str | None = None,
 ) -> Workload:
     """``anytrain plan``'s workload: its options over the config's values (a bare model: seq 2048, a global batch of
-    max(--gpus, 8) sequences, or about 4 Mi tokens per step when sizing the job)."""
+    max(--gpus, 8) sequences, or about 4 Mi tokens per step when sizing the job; ``fp8``: --fp8, else the config's
+    train.fp8 and train.fp8_filter)."""
     from anytrain.config import parse_grad_compression
 
     seq_len = seq or (cfg.data.seq_len if cfg else 2048)
@@ -521,6 +648,8 @@ def plan_workload(
     except ConfigError as exc:
         raise ConfigError(str(exc).replace("parallel.grad_compression", "--grad-compression")) from None
     bucket = {"ddp_bucket_mib": cfg.parallel.ddp_bucket_mb} if cfg else {}
+    recipe = fp8 or (cfg.train.fp8 if cfg else "none")
+    fp8_filter = cfg.train.fp8_filter if cfg else "auto"
     return Workload(
         seq_len,
         batch,
@@ -528,5 +657,7 @@ def plan_workload(
         compiled=compiled,
         cuda_graphs=graphs,
         grad_compression=compression,
+        fp8=recipe,
+        fp8_filter=fp8_filter,
         **bucket,
     )

@@ -9,7 +9,7 @@ import shlex
 
 from anytrain.cost.devices import Device
 from anytrain.cost.planner import PlanResult, SizingResult, trainer_overrides
-from anytrain.cost.shapes import MambaShape, ModelShape, Workload
+from anytrain.cost.shapes import Mamba2Shape, MambaShape, ModelShape, Workload
 from anytrain.errors import ConfigError
 
 
@@ -73,6 +73,23 @@ def format_table(result: PlanResult, top: int, price: float | None) -> str:
     return "\n".join(lines)
 
 
+def format_fp8_variants(variants: list[dict], wl: Workload) -> str:
+    """One line per FP8 recipe (``planner.fp8_variants``): its best layout, step time and predicted speed-up over the
+    table's best, or why the trainer would refuse it; empty when there is none."""
+    lines = []
+    for v in variants:
+        if "refused" in v:
+            lines.append(f"--fp8 {v['fp8']}: refused: {v['refused']}")
+            continue
+        lines.append(
+            f"--fp8 {v['fp8']}: {v['layout']}, micro-batch {v['micro_batch']}, AC {v['ac']}: {v['step_s']:.3f} s per "
+            f"step, {v['speedup']:.2f}x the {wl.fp8 if wl.fp8 != 'none' else 'bf16'} plan "
+            f"({v['converted_per_block']} of {v['candidates_per_block']} linears per block in FP8, "
+            f"train.fp8_filter {wl.fp8_filter}; MFU stays against the bf16 peak)"
+        )
+    return "\n".join(lines)
+
+
 def format_sizing(sized: SizingResult, config: str | None, wl: Workload) -> str:
     """The counts tried, the choice and why, the train overrides and the sbatch line."""
     lines = [
@@ -99,11 +116,12 @@ def format_sizing(sized: SizingResult, config: str | None, wl: Workload) -> str:
     return "\n".join(lines)
 
 
-def format_plan_header(shape: ModelShape | MambaShape, device: Device, gpus: int, wl: Workload) -> str:
+def format_plan_header(shape: ModelShape | MambaShape | Mamba2Shape, device: Device, gpus: int, wl: Workload) -> str:
     """One line above the table: the model, the devices and the workload."""
     return (
         f"{shape.name or 'model'}: {shape.num_params / 1e9:.3f}B parameters, L={shape.n_layers} d={shape.dim}"
         f" | {gpus} x {device.name} ({device.gpus_per_node}/node, efficiency {device.efficiency:.2f}, "
         f"{device.avg_watts:.0f} W) | seq {wl.seq_len}, global batch {wl.global_batch}, grad compression "
         f"{wl.grad_compression}, {(wl.tokens or 20 * shape.num_params) / 1e9:,.1f}B tokens"
+        + (f", FP8 {wl.fp8} (filter {wl.fp8_filter})" if wl.fp8 != "none" else "")
     )

@@ -59,7 +59,12 @@ def small_gemm(recipe: str, out_features: int, in_features: int) -> bool:
 
 def keep_reason(linear: nn.Linear, recipe: str, fp8_filter: str) -> str | None:
     """Why this candidate layer stays high precision ('misaligned' / 'small'), or None to convert it."""
-    n, k = linear.out_features, linear.in_features
+    return gemm_keep_reason(linear.out_features, linear.in_features, recipe, fp8_filter)
+
+
+def gemm_keep_reason(out_features: int, in_features: int, recipe: str, fp8_filter: str) -> str | None:
+    """``keep_reason`` for a weight of shape (out_features, in_features) (the cost model asks with widths)."""
+    n, k = out_features, in_features
     if n % ALIGNMENT or k % ALIGNMENT:
         return "misaligned"
     if fp8_filter == "auto" and small_gemm(recipe, n, k):
