@@ -19,6 +19,11 @@ if not torch.cuda.is_available():
     # so it must be set before any test module is collected; GPU sessions leave it unset (compiled kernels).
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+if os.environ.get("PYTEST_XDIST_WORKER_COUNT", "").isdigit():
+    # each pytest-xdist worker computes on its share of the cores: two workers of two threads each on the two-core CI
+    # machine oversubscribe it, and OpenMP's waiting threads then slow both (tests/unit's trainings ~1.5x)
+    torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"])))
+
 
 def cli_env(gpu: bool = False, **extra: str) -> dict[str, str]:
     """Environment for subprocesses that run anytrain from this checkout (GPUs hidden unless ``gpu``)."""
