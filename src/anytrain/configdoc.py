@@ -25,7 +25,8 @@ written to `RUN_DIR/config.yaml`, so a run directory records everything that cha
 
 This page is generated from `src/anytrain/config/schema.py` (`python -m anytrain.configdoc > docs/configuration.md`);
 a test fails when it is out of date. `model.args` takes the fields of the model family's own args class
-(`TransformerArgs`, `MambaArgs` in `src/anytrain/models/`), on top of the chosen `model.flavour`.
+(`TransformerArgs`, `MambaArgs`, `Mamba2Args`, `HybridArgs` in `src/anytrain/models/`), on top of the chosen
+`model.flavour`.
 
 No environment variable changes what a run computes or how fast. The only ones anytrain reads are test fault
 injections: `ANYTRAIN_TEST_KILL_AT_STEP` / `ANYTRAIN_TEST_KILL_RANK` (the process kills itself with SIGKILL at that

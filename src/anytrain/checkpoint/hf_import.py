@@ -12,7 +12,7 @@ from torch import nn
 
 from anytrain.errors import ConfigError
 from anytrain.models import build_model, resolve_args
-from anytrain.models.conversion import MAMBA_FAMILIES, from_hf_tensor, hf_family, hf_name, hf_shapes
+from anytrain.models.conversion import BACKBONE_ARCHS, from_hf_tensor, hf_family, hf_name, hf_shapes
 from anytrain.models.hf.adapter import open_safetensors, safetensors_files
 
 
@@ -25,8 +25,8 @@ def read_hf_weights(
     tensor the model has no place for, one it lacks or one of another shape is one ConfigError, the same on every rank
     whatever it reads. Then only the tensors behind ``names`` are read, one at a time, from the files holding them."""
     directory, family = Path(directory), hf_family(arch, args)
-    head = "lm_head.weight" if arch in MAMBA_FAMILIES else "output.weight"
-    embedding = "backbone.embeddings.weight" if arch in MAMBA_FAMILIES else "tok_embeddings.weight"
+    head = "lm_head.weight" if arch in BACKBONE_ARCHS else "output.weight"
+    embedding = "backbone.embeddings.weight" if arch in BACKBONE_ARCHS else "tok_embeddings.weight"
     expected = hf_shapes(family, shapes)
     where: dict[str, Path] = {}  # HF tensor name -> the file holding it
     for file in safetensors_files(directory, "model.init_from", "save the model with save_pretrained (safetensors)"):

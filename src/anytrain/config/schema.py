@@ -16,15 +16,17 @@ from anytrain.errors import ConfigError
 @dataclass
 class ModelConfig:
     arch: str = "transformer"
-    """Model family in the registry: 'transformer' (Llama-style), 'mamba', or 'hf' (any transformers causal LM in
-    ``hf_path``)."""
+    """Model family in the registry: 'transformer' (Llama-style), 'mamba', 'mamba2', 'hybrid' (Mamba-2, attention and
+    MLP blocks in the order of ``model.args.layers_pattern``, e.g. ``M-M-A-``: docs/models.md), or 'hf' (any
+    transformers causal LM in ``hf_path``)."""
     flavour: str = "tiny"
     """Named size of the family (see ``anytrain.models.list_flavours()``), e.g. debug, tiny, 125m, 1.1b."""
     args: dict[str, Any] = field(default_factory=dict)
     """Overrides of the flavour's architecture fields (validated by the family's own args class)."""
     init_from: str = ""
-    """A local Hugging Face model folder (config.json + safetensors; LlamaForCausalLM for 'transformer',
-    MambaForCausalLM for 'mamba') to start training from: its weights replace the initial ones before step 0, and its
+    """A local Hugging Face model folder (config.json + safetensors; LlamaForCausalLM or MptForCausalLM for
+    'transformer', MambaForCausalLM for 'mamba', Mamba2ForCausalLM for 'mamba2', BambaForCausalLM for 'hybrid') to
+    start training from: its weights replace the initial ones before step 0, and its
     config.json sets ``model.args`` (an explicit field that disagrees is an error; max_seq_len may be changed). The
     data must be prepared with the same tokenizer (``anytrain prepare --tokenizer DIR/tokenizer.json``). Empty = random
     init. See docs/evaluation.md."""

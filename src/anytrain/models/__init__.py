@@ -15,17 +15,21 @@ from torch import nn
 from anytrain import kernels
 from anytrain.config import KernelsConfig, ModelConfig, from_dict
 from anytrain.errors import ConfigError
-from anytrain.models import hf, llama, mamba, mamba2
+from anytrain.models import hf, hybrid, llama, mamba, mamba2
+from anytrain.models.hybrid import HYBRID_FLAVOURS, Hybrid, HybridArgs
 from anytrain.models.llama import TRANSFORMER_FLAVOURS, Transformer, TransformerArgs
 from anytrain.models.mamba import MAMBA_FLAVOURS, Mamba, MambaArgs, MambaBlock, MambaMixer
 from anytrain.models.mamba2 import MAMBA2_FLAVOURS, Mamba2, Mamba2Args
 from anytrain.models.protocol import LanguageModel, ModelSpec, ParallelizePlan
 
 __all__ = [
+    "HYBRID_FLAVOURS",
     "MAMBA2_FLAVOURS",
     "MAMBA_FLAVOURS",
     "REGISTRY",
     "TRANSFORMER_FLAVOURS",
+    "Hybrid",
+    "HybridArgs",
     "LanguageModel",
     "Mamba",
     "Mamba2",
@@ -47,7 +51,9 @@ __all__ = [
     "spec_of",
 ]
 
-REGISTRY: dict[str, ModelSpec] = {spec.name: spec for spec in (llama.SPEC, mamba.SPEC, mamba2.SPEC, hf.SPEC)}
+REGISTRY: dict[str, ModelSpec] = {
+    spec.name: spec for spec in (llama.SPEC, mamba.SPEC, mamba2.SPEC, hybrid.SPEC, hf.SPEC)
+}
 
 
 def register(spec: ModelSpec) -> None:

@@ -1,11 +1,12 @@
 """Hugging Face conversion of anytrain's model families, one interface over the per-family adapters
-(``models/llama/hf.py`` for Llama and MPT, ``models/mamba/hf.py``, ``models/mamba2/hf.py``): the HF class a model
+(``models/llama/hf.py`` for Llama and MPT, ``models/mamba/hf.py``, ``models/mamba2/hf.py``, ``models/hybrid/hf.py``):
+the HF class a model
 maps to, tensor names, config.json in both directions, and ``model.init_from``'s config.json -> ``model.args``.
 
 The config JSON is written without ``transformers`` (needed only to load the result), with the keys of both
 transformers 4.x and 5.x (``rope_theta`` and ``rope_parameters``). The HF class follows the model args
 (:func:`hf_family`): a Transformer -> ``LlamaForCausalLM`` or ``MptForCausalLM``; Mamba -> ``MambaForCausalLM``,
-Mamba-2 -> ``Mamba2ForCausalLM`` (their state-dict names are HF's).
+Mamba-2 -> ``Mamba2ForCausalLM`` (their state-dict names are HF's), a hybrid of Bamba layers -> ``BambaForCausalLM``.
 """
 
 from __future__ import annotations
@@ -20,21 +21,28 @@ import torch
 from anytrain.errors import ConfigError
 from anytrain.models.hf.adapter import INDEX_FILE as INDEX_FILE  # the file names of a Hugging Face folder
 from anytrain.models.hf.adapter import SINGLE_FILE as SINGLE_FILE
+from anytrain.models.hybrid import hf as hybrid_hf
 from anytrain.models.llama import hf as llama_hf
 from anytrain.models.mamba import hf as mamba_hf
 from anytrain.models.mamba2 import hf as mamba2_hf
 
 MAMBA_FAMILIES = ("mamba", "mamba2")  # anytrain's names are HF's (backbone.*, lm_head.weight)
+BACKBONE_ARCHS = ("mamba", "mamba2", "hybrid")  # embedding backbone.embeddings.weight, head lm_head.weight
 
 
 def hf_family(arch: str, args: Any) -> str:
-    """'llama', 'mpt', 'mamba' or 'mamba2': the transformers class that computes what ``arch`` with ``args``
-    computes; one ConfigError for a Transformer no HF class here represents."""
+    """'llama', 'mpt', 'mamba', 'mamba2' or 'bamba': the transformers class that computes what ``arch`` with ``args``
+    computes; one ConfigError for a Transformer or hybrid no HF class here represents."""
+    if arch == "hybrid":
+        hybrid_hf.check_bamba(args)
+        return "bamba"
     return llama_hf.hf_family(args) if arch == "transformer" else arch
 
 
 def hf_name(family: str, name: str) -> str:
     """The HF tensor name of an anytrain parameter name (q, k and v share MPT's ``Wqkv``)."""
+    if family == "bamba":
+        return hybrid_hf.hf_name(name)
     return name if family in MAMBA_FAMILIES else llama_hf.hf_name(family, name)
 
 
@@ -42,6 +50,8 @@ def hf_shapes(family: str, shapes: dict[str, torch.Size]) -> dict[str, tuple[int
     """{HF tensor name: its shape} for anytrain parameters of ``shapes``."""
     if family in MAMBA_FAMILIES:
         return {name: tuple(shape) for name, shape in shapes.items()}
+    if family == "bamba":
+        return {hybrid_hf.hf_name(name): tuple(shape) for name, shape in shapes.items()}
     return llama_hf.hf_shapes(family, shapes)
 
 
@@ -49,6 +59,9 @@ def to_hf_tensors(family: str, args: Any, state: Mapping[str, torch.Tensor]) -> 
     """(HF name, tensor) for each anytrain parameter, in ``state``'s order; the LM head is left out when tied (HF
     re-ties it). Each entry of ``state`` is looked up only when its HF tensor is made (and a tied head never), so a
     mapping that reads on lookup (``CheckpointTensors``) is read one tensor (MPT: one q, k, v triple) at a time."""
+    if family == "bamba":
+        yield from hybrid_hf.to_hf_tensors(args, state)
+        return
     if family not in MAMBA_FAMILIES:
         yield from llama_hf.to_hf_tensors(family, args, state)
         return
@@ -61,6 +74,8 @@ def from_hf_tensor(family: str, key: str, tensor: torch.Tensor, names: list[str]
     """The anytrain tensors ``names`` that the HF tensor ``key`` fills."""
     if family in MAMBA_FAMILIES:
         return dict.fromkeys(names, tensor)
+    if family == "bamba":
+        return hybrid_hf.from_hf_tensor(tensor, names, args)
     return llama_hf.from_hf_tensor(family, key, tensor, names, args)
 
 
@@ -79,6 +94,8 @@ def hf_config(family: str, args: Any, eos_id: int, pad_id: int | None, dtype: st
     }
     if family == "mamba2":
         return mamba2_hf.hf_config(args, common)
+    if family == "bamba":
+        return hybrid_hf.hf_config(args, common)
     if family == "mamba":
         return mamba_hf.hf_config(args, common)
     return llama_hf.hf_config(family, args, common)
@@ -96,8 +113,11 @@ def args_from_hf_config(config: dict, where: str) -> tuple[str, dict[str, Any]]:
         return "mamba", mamba_hf.args_from_hf_config(config, where)
     if kind == "mamba2":
         return "mamba2", mamba2_hf.args_from_hf_config(config, where)
+    if kind == "bamba":
+        return "hybrid", hybrid_hf.args_from_hf_config(config, where)
     raise ConfigError(
-        f"model.init_from: {where} has model_type {kind!r}; anytrain imports 'llama', 'mpt', 'mamba' and 'mamba2'"
+        f"model.init_from: {where} has model_type {kind!r}; anytrain imports 'llama', 'mpt', 'mamba', 'mamba2' and "
+        "'bamba'"
     )
 
 

@@ -163,6 +163,20 @@ MAMBA2_FLAVOURS: dict[str, dict[str, Any]] = {
 }
 
 
+def ssd_layer_flops(args: Mamba2Args, seq_len: int) -> float:
+    """Training FLOPs per token of one mixer's chunked SSD matmuls: 6·(Q·(G·N + E) + 2·E·N), Q = min(chunk_size,
+    seq_len).
+
+    Forward, per token: C·Bᵀ inside its chunk, 2·Q·G·N (the full Q x Q block, no causal discount); the masked scores
+    times Δx, 2·Q·H·P = 2·Q·E; its contribution to the chunk's end state, 2·E·N; the entering state read through C,
+    2·E·N. ×3 for forward + backward (the matmuls' 6 = 2·3). The state passing between chunks (2·E·N per chunk, not
+    per token), the decays' exp and segment sums, the softplus, the D skip and the gate are elementwise and not
+    counted.
+    """
+    Q = min(args.chunk_size, max(seq_len, 1))
+    return 6.0 * (Q * (args.ngroups * args.d_state + args.d_inner) + 2 * args.d_inner * args.d_state)
+
+
 class GatedRMSNorm(nn.Module):
     """norm(y · silu(z)) · weight, the RMS taken over each of G groups of E / G channels (HF ``MambaRMSNormGated``,
     mamba-ssm's ``RMSNormGated`` with norm_before_gate false); fp32 inside, returned in y's dtype."""
@@ -352,18 +366,8 @@ class Mamba2(SamplingMixin, nn.Module):
         return total
 
     def ssd_flops_per_token(self, seq_len: int) -> float:
-        """Training FLOPs per token of the chunked SSD's matmuls: 6·L·(Q·(G·N + E) + 2·E·N), Q = min(chunk_size,
-        seq_len).
-
-        Forward, per token and layer: C·Bᵀ inside its chunk, 2·Q·G·N (the full Q x Q block, no causal discount);
-        the masked scores times Δx, 2·Q·H·P = 2·Q·E; its contribution to the chunk's end state, 2·E·N; the entering
-        state read through C, 2·E·N. ×3 for forward + backward (the matmuls' 6 = 2·3). The state passing between
-        chunks (2·E·N per chunk, not per token), the decays' exp and segment sums, the softplus, the D skip and the
-        gate are elementwise and not counted.
-        """
-        a = self.args
-        Q = min(a.chunk_size, max(seq_len, 1))
-        return 6.0 * a.n_layers * (Q * (a.ngroups * a.d_state + a.d_inner) + 2 * a.d_inner * a.d_state)
+        """Training FLOPs per token of the chunked SSD's matmuls over the L layers: L · ``ssd_layer_flops``."""
+        return self.args.n_layers * ssd_layer_flops(self.args, seq_len)
 
     def flops_per_token(self, seq_len: int) -> float:
         """Training FLOPs per token: 6·N + 6·L·(Q·(G·N + E) + 2·E·N), Q = min(chunk_size, seq_len).
