@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # FP8 and torchtitan side by side on one GPU, in one call (wheels carried in .whl/: torchao, torchtitan 0.2.2 and its
-# needs). Parts, run in the order given, each into $OUT/<part>/transformer_<device>.json:
+# needs). Parts, run in the order given, each into $OUT/<part>/transformer_<device>.json (kept in bench/results/
+# one_gpu_check_<device>.json, key fp8_side):
 #   1.1b  the 1.1B recipe's shape (configs/1.1b.yaml): anytrain bf16, fp8-tensorwise, fp8-rowwise
 #   1b    Llama-3.2-1B: anytrain vs torchtitan 0.2.2, bf16 / fp8-tensorwise / fp8-rowwise
 #   3b    Llama-3.2-3B: the same six rows
