@@ -1,6 +1,7 @@
 """Planner: ranking, clear errors for impossible requests, the CLI command, and a monotonicity property."""
 
 import json
+import math
 import random
 
 import pytest
@@ -274,10 +275,36 @@ def test_job_sizing_1b_on_h200s_fewest_cheapest_and_budget():
         ("600s", 600),
         ("2-00:00:00", 172800),
         ("04:30:00", 16200),
+        ("90", 5400),  # SLURM's forms, as sbatch reads them: a bare number is minutes
+        ("90:30", 5430),
+        ("1-12", 129600),
+        ("1-12:30", 131400),
     ],
 )
 def test_deadline_formats(text, seconds):
     assert parse_duration(text) == seconds
+
+
+@pytest.mark.parametrize("text", ["1:2:3:4", "1-", "-5", "36 hours", "1.5:00", "unlimited"])
+def test_a_duration_that_is_none_of_the_forms_or_does_not_end_is_one_line(text):
+    with pytest.raises(ConfigError, match=r"^--deadline: "):
+        parse_duration(text)
+
+
+def test_slurm_time_forms_agree_with_the_launcher():
+    """One parser: every form `anytrain launch slurm --time` accepts is a duration `--nodes auto` can size for."""
+    from anytrain.cost.tables import slurm_time_seconds
+
+    assert [slurm_time_seconds(t) for t in ("60", "60:30", "2:00:00", "1-2", "1-2:30", "1-2:30:15")] == [
+        3600.0,
+        3630.0,
+        7200.0,
+        93600.0,
+        95400.0,
+        95415.0,
+    ]
+    assert slurm_time_seconds("INFINITE") == math.inf
+    assert slurm_time_seconds(" 60") is None and slurm_time_seconds("60\n") is None  # the text goes into #SBATCH
 
 
 def test_plan_cli_sizes_the_job_and_prints_the_sbatch_line():

@@ -22,17 +22,41 @@ def format_duration(seconds: float) -> str:
     return f"{seconds / 60:.1f} min"
 
 
+SLURM_TIME_FORMS = "minutes, MM:SS, HH:MM:SS, D-HH, D-HH:MM or D-HH:MM:SS (e.g. 04:00:00)"
+
+
+def slurm_time_seconds(text: str) -> float | None:
+    """Seconds of a SLURM time limit in any of sbatch's forms (minutes, MM:SS, HH:MM:SS, D-HH, D-HH:MM, D-HH:MM:SS;
+    infinite / unlimited = math.inf), None when ``text`` is none of them (surrounding whitespace included: the text
+    goes into an #SBATCH line as it is)."""
+    value = text.lower()
+    if value in ("infinite", "unlimited"):
+        return math.inf
+    match = re.fullmatch(r"([0-9]+)-([0-9]+)(?::([0-9]+))?(?::([0-9]+))?", value)
+    if match:
+        days, hours, minutes, seconds = (int(g or 0) for g in match.groups())
+        return float(((days * 24 + hours) * 60 + minutes) * 60 + seconds)
+    match = re.fullmatch(r"([0-9]+)(?::([0-9]+))?(?::([0-9]+))?", value)
+    if match:
+        parts = [int(g) for g in match.groups() if g is not None]
+        hours, minutes, seconds = {1: (0, parts[0], 0), 2: (0, *parts), 3: tuple(parts)}[len(parts)]
+        return float((hours * 60 + minutes) * 60 + seconds)
+    return None
+
+
 def parse_duration(text: str, flag: str = "--deadline") -> float:
-    """Seconds from '36h', '30d', '90min', '45m', '600s' or SLURM's 'D-HH:MM:SS' / 'HH:MM:SS'."""
+    """Seconds from '36h', '30d', '90min', '45m', '600s' or any of SLURM's time forms (``slurm_time_seconds``: a
+    bare number is minutes, as sbatch reads it); a duration that does not end is refused."""
     value = text.strip().lower()
     match = re.fullmatch(r"([0-9]*\.?[0-9]+)\s*(s|m|min|h|d)", value)
     if match:
         return float(match.group(1)) * {"s": 1, "m": 60, "min": 60, "h": 3600, "d": 86400}[match.group(2)]
-    match = re.fullmatch(r"(?:([0-9]+)-)?([0-9]+):([0-9]{2}):([0-9]{2})", value)
-    if match:
-        days, hours, minutes, seconds = (int(g or 0) for g in match.groups())
-        return float(((days * 24 + hours) * 60 + minutes) * 60 + seconds)
-    raise ConfigError(f"{flag}: {text!r} is not a duration; write e.g. 36h, 30d, 90min or 2-00:00:00")
+    seconds = slurm_time_seconds(value)
+    if seconds == math.inf:
+        raise ConfigError(f"{flag}: {text!r} does not end; the job is sized to finish by a time: give e.g. 36h")
+    if seconds is None:
+        raise ConfigError(f"{flag}: {text!r} is not a duration; write e.g. 36h, 30d, 90min or 2-00:00:00")
+    return seconds
 
 
 def slurm_time(seconds: float) -> str:

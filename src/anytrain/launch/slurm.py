@@ -22,13 +22,13 @@ would turn off SLURM's ``%j``) is a :class:`ConfigError` naming the flag.
 from __future__ import annotations
 
 import os
-import re
 import shlex
 import subprocess
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from anytrain.cost.tables import SLURM_TIME_FORMS, slurm_time_seconds
 from anytrain.errors import AnytrainError, ConfigError
 from anytrain.launch.recipe import load_recipe, shown
 from anytrain.launch.vendor import SHELL_EXPANDED, VENDORS, check_ifname, collective_env
@@ -38,7 +38,6 @@ MARKER = "# Written by `anytrain launch slurm`"
 # SLURM's time formats (sbatch --time): minutes, MM:SS, HH:MM:SS, D-HH, D-HH:MM, D-HH:MM:SS, or no limit
 PREFLIGHT_WAIT_S = 60
 """srun --wait of the preflight: how long the other ranks may take to finish after the first one exits."""
-TIME_FORMAT = re.compile(r"\d+(:\d+){0,2}|\d+-\d+(:\d+){0,2}|(?i:infinite|unlimited)")
 
 
 @dataclass
@@ -145,10 +144,8 @@ def _output_pattern(log_dir: Path) -> str:
 
 
 def _sbatch_lines(job: SlurmJob, log_dir: Path) -> list[str]:
-    if job.time and not TIME_FORMAT.fullmatch(job.time):
-        raise ConfigError(
-            f"--time: expected minutes, MM:SS, HH:MM:SS, D-HH, D-HH:MM or D-HH:MM:SS (e.g. 04:00:00), got {job.time!r}"
-        )
+    if job.time and slurm_time_seconds(job.time) is None:
+        raise ConfigError(f"--time: expected {SLURM_TIME_FORMS}, got {job.time!r}")
     job_name = sbatch_value("--job-name", job.job_name or default_job_name(job.config))
     options = [f"--job-name={job_name}", f"--nodes={job.nodes}", f"--ntasks-per-node={job.tasks()}"]
     if job.gpus_per_node > 0:
