@@ -13,10 +13,15 @@ def default_run_dir(config: str) -> str:
     return f"runs/{Path(config).stem}"
 
 
+def control_char(text: str) -> str | None:
+    """The first control character of ``text`` (C0 or DEL: what ends or rewrites a script or log line), or None."""
+    return next((ch for ch in text if ord(ch) < 32 or ord(ch) == 127), None)
+
+
 def shown(path: str | Path) -> str:
     """A path for a one-line message: as it is, or as a Python literal when it holds a control character."""
     text = str(path)
-    return repr(text) if any(ord(ch) < 32 or ord(ch) == 127 for ch in text) else text
+    return repr(text) if control_char(text) is not None else text
 
 
 def load_recipe(config: str, overrides: list[str]):

@@ -30,7 +30,7 @@ from pathlib import Path
 
 from anytrain.cost.tables import SLURM_TIME_FORMS, slurm_time_seconds
 from anytrain.errors import AnytrainError, ConfigError
-from anytrain.launch.recipe import load_recipe, shown
+from anytrain.launch.recipe import control_char, load_recipe, shown
 from anytrain.launch.vendor import SHELL_EXPANDED, VENDORS, check_ifname, collective_env
 
 MARKER = "# Written by `anytrain launch slurm`"
@@ -108,15 +108,11 @@ def train_command(job: SlurmJob) -> list[str]:
     return cmd + list(job.overrides)
 
 
-def _control_char(value: str) -> str | None:
-    return next((ch for ch in value if ord(ch) < 32 or ord(ch) == 127), None)
-
-
 def sbatch_value(flag: str, value: str) -> str:
     """``value`` quoted for an ``#SBATCH`` line as sbatch parses it: inside double quotes, with a backslash before
     ``\\`` and ``"``; spaces, ``#``, ``'`` and ``$`` then stay literal. A control character (a newline would end the
     comment and start a shell line) is refused, naming ``flag``."""
-    bad = _control_char(value)
+    bad = control_char(value)
     if bad is not None:
         raise ConfigError(
             f"{flag}: {value!r} holds a control character ({bad!r}), which an #SBATCH line cannot hold; "
@@ -127,15 +123,15 @@ def sbatch_value(flag: str, value: str) -> str:
 
 def default_job_name(config: str) -> str:
     """``anytrain-<config file name without .yaml>``, control characters as ``_`` (a default is not refused)."""
-    return "anytrain-" + "".join("_" if _control_char(ch) else ch for ch in Path(config).stem)
+    return "anytrain-" + "".join("_" if control_char(ch) else ch for ch in Path(config).stem)
 
 
 def _output_pattern(log_dir: Path) -> str:
     """``<log dir>/slurm-%j.out`` as an ``--output`` value: a ``%`` of the path doubled (``%%`` is SLURM's literal
     ``%``); a backslash is refused, since SLURM then replaces no ``%j`` at all."""
     text = str(log_dir)
-    if "\\" in text or _control_char(text) is not None:
-        what = "a backslash" if "\\" in text else f"a control character ({_control_char(text)!r})"
+    if "\\" in text or control_char(text) is not None:
+        what = "a backslash" if "\\" in text else f"a control character ({control_char(text)!r})"
         raise ConfigError(
             f"--run-dir: the job log folder {text!r} (the run directory's parent) holds {what}, which "
             "SLURM's #SBATCH --output cannot take; choose a run directory whose path has none"

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from anytrain.errors import ConfigError
 from anytrain.hardware import CPU, CUDA, ROCM
+from anytrain.launch.recipe import control_char
 
 VENDORS = (CUDA, ROCM, CPU)
 SHELL_EXPANDED = frozenset({"MIOPEN_USER_DB_PATH"})
@@ -44,7 +45,7 @@ def collective_env(
 def check_ifname(ifname: str) -> None:
     """``--ifname`` as the libraries read it (names or NCCL's prefix list, ``^`` / ``=`` included): no whitespace or
     control characters, which no interface name holds."""
-    if any(ch.isspace() or ord(ch) < 32 or ord(ch) == 127 for ch in ifname):
+    if control_char(ifname) is not None or any(ch.isspace() for ch in ifname):
         raise ConfigError(
             f"--ifname: {ifname!r} holds a space or a control character; give interface names (or NCCL's prefix "
             "list, e.g. ib0 or ^docker,lo) without them"
