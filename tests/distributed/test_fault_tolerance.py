@@ -354,13 +354,18 @@ def train_records(run_dir: Path) -> dict[int, dict]:
 
 @pytest.fixture(scope="module")
 def windowed(tmp_path_factory, small_data):
-    """Uninterrupted 12-step runs (1 and 2 processes) logging every 3 steps and saving every 4: every checkpoint
-    falls inside a log window."""
+    """(tmp, config, reference(nproc) -> run dir): an uninterrupted 12-step run of ``nproc`` processes logging every 3
+    steps and saving every 4 (every checkpoint falls inside a log window), trained when a test first asks for it."""
     tmp = tmp_path_factory.mktemp("window")
     config = write_config(tmp, small_data, steps=12, interval=4, log_sample_ids=False, log_interval=3)
-    for nproc in (1, 2):
-        train(config, tmp / f"reference{nproc}", nproc)
-    return tmp, config
+
+    def reference(nproc: int) -> Path:
+        run = tmp / f"reference{nproc}"
+        if not run.exists():
+            train(config, run, nproc)
+        return run
+
+    return tmp, config, reference
 
 
 @pytest.mark.parametrize(
@@ -370,7 +375,7 @@ def test_every_logged_record_after_a_kill_and_resume_equals_the_uninterrupted_ru
     """kill -9 at a random step, resume from the checkpoint inside the log window: the first record after the resume
     averages the same steps (the window's per-rank loss sums are in the checkpoint), and every record equals the
     uninterrupted run's, field by field and bitwise (CPU fp32)."""
-    tmp, config = windowed
+    tmp, config, reference = windowed
     kill = random.Random(seed).randint(6, 12)  # after the step-4 checkpoint
     run = tmp / f"killed{nproc}-{seed}"
     proc = train(
@@ -385,4 +390,4 @@ def test_every_logged_record_after_a_kill_and_resume_equals_the_uninterrupted_ru
     proc = train(config, run, nproc, "--resume")
     saved = 4 * ((kill - 1) // 4)
     assert f"step_{saved:08d} (step {saved})" in proc.stderr and saved % 3 != 0  # inside a window
-    assert train_records(run) == train_records(tmp / f"reference{nproc}")
+    assert train_records(run) == train_records(reference(nproc))
