@@ -48,15 +48,15 @@ def of_kind(records: list[dict], kind: str) -> list[dict]:
 
 @pytest.fixture(scope="module")
 def stopped(tmp_path_factory, small_data):
-    """For 1 process and 2 FSDP ranks: an uninterrupted 20-step run (checkpoint every 5, a record every 10), and the
-    same run stopped at step 15 by train.stop_at_step, then resumed."""
+    """For 1 process and 2 FSDP ranks: an uninterrupted 10-step run (checkpoint every 4, a record every 5), and the
+    same run stopped at step 8 (inside the second log window) by train.stop_at_step, then resumed."""
     tmp = tmp_path_factory.mktemp("stop")
-    config = write_config(tmp, small_data, steps=20, interval=5, log_interval=10, log_sample_ids=False)
+    config = write_config(tmp, small_data, steps=10, interval=4, log_interval=5, log_sample_ids=False)
     runs = {}
     for nproc, strategy in STRATEGY.items():
         flags = ("--parallel.strategy", strategy, "--train.eval_batches", "1", "--train.micro_batch", "4")
         reference = train(config, tmp / f"reference{nproc}", nproc, *flags)
-        train(config, tmp / f"stopped{nproc}", nproc, *flags, "--train.stop_at_step", "15")
+        train(config, tmp / f"stopped{nproc}", nproc, *flags, "--train.stop_at_step", "8")
         train(config, tmp / f"stopped{nproc}", nproc, *flags, "--resume")
         runs[nproc] = (tmp / f"reference{nproc}", tmp / f"stopped{nproc}", reference)
     return tmp, config, runs
@@ -67,18 +67,18 @@ def test_a_planned_stop_and_resume_log_the_uninterrupted_records(stopped, nproc)
     _, _, runs = stopped
     reference, run, _ = runs[nproc]
     expected, got = logged(reference), logged(run)
-    assert [r["step"] for r in of_kind(expected, "train")] == [10, 20]
-    assert of_kind(got, "train") == of_kind(expected, "train")  # no record at step 15, and step 20's is the same
+    assert [r["step"] for r in of_kind(expected, "train")] == [5, 10]
+    assert of_kind(got, "train") == of_kind(expected, "train")  # no record at step 8, and step 10's is the same
     assert of_kind(got, "eval") == of_kind(expected, "eval")  # no evaluation at the planned stop either
-    assert of_kind(got, "resume") == [{"kind": "resume", "step": 15}]
+    assert of_kind(got, "resume") == [{"kind": "resume", "step": 8}]
     status = json.loads((run / "status.json").read_text())
-    assert status["state"] == "finished" and status["step"] == 20
+    assert status["state"] == "finished" and status["step"] == 10
 
 
 def test_the_log_line_shows_progress_eta_and_resident_memory(stopped):
     _, _, runs = stopped
     reference, _, proc = runs[1]
-    line = next(x for x in proc.stderr.splitlines() if x.startswith("step 10/20 |"))
+    line = next(x for x in proc.stderr.splitlines() if x.startswith("step  5/10 |"))  # padded to 10's width
     assert re.search(r"\| eta \d+:\d\d$", line), line
     rss = float(re.search(r"\| rss (\d+\.\d+) GiB", line).group(1))
     assert rss > 0
@@ -97,11 +97,11 @@ def test_resuming_a_finished_run_changes_nothing(stopped):
     files = ("summary.json", "status.json", "config.yaml", "metrics.jsonl")
     before = {name: (run / name).read_bytes() for name in files}
     listing = sorted(p.name for p in run.iterdir())
-    for extra in ((), ("--train.steps", "10")):
+    for extra in ((), ("--train.steps", "5")):
         proc = train(config, run, 1, "--resume", "--train.eval_batches", "1", "--train.micro_batch", "4", *extra)
-        steps = extra[1] if extra else "20"
+        steps = extra[1] if extra else "10"
         last = proc.stderr.strip().splitlines()[-1]
-        assert last == f"{run}: the run is already complete at step 20 (train.steps {steps}); nothing to train"
+        assert last == f"{run}: the run is already complete at step 10 (train.steps {steps}); nothing to train"
         assert proc.stdout == ""
         assert {name: (run / name).read_bytes() for name in files} == before
         assert sorted(p.name for p in run.iterdir()) == listing
