@@ -18,7 +18,7 @@ from anytrain.launch.mpi import hostfile_hosts, mpirun_command
 from anytrain.launch.slurm import SlurmJob, render_sbatch
 from anytrain.parallel.env import discover, expand_hostlist, tasks_on_node
 from tests.cluster.conftest import missing_tools
-from tests.conftest import ROOT, cli_env, cli_in_process
+from tests.conftest import ROOT, cli_env, cli_in_process, run_cli
 
 
 def write_config(tmp_path: Path, data: Path, steps: int) -> Path:
@@ -257,29 +257,12 @@ def test_mpirun_two_ranks_match_torchrun(small_data, tmp_path):
         timeout=300,
     )
     assert mpi.returncode == 0, mpi.stdout[-2000:] + mpi.stderr[-3000:]
-    torchrun = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            "--nproc_per_node=2",
-            "-m",
-            "anytrain",
-            "train",
-            str(config),
-            "--run-dir",
-            str(tmp_path / "torchrun"),
-        ],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert torchrun.returncode == 0, torchrun.stderr[-3000:]
+    # the reference: two ranks with torchrun's launch variables (forks of the pre-imported CLI: tests/forklaunch.py;
+    # torchrun's own agent is exercised by tests/distributed/test_preemption.py and the kill tests)
+    reference = run_cli("train", str(config), "--run-dir", str(tmp_path / "reference"), nproc=2, timeout=300)
+    assert reference.returncode == 0, reference.stderr[-3000:]
     assert json.loads((tmp_path / "mpi" / "summary.json").read_text())["world_size"] == 2
-    assert losses(tmp_path / "mpi") == losses(tmp_path / "torchrun") and len(losses(tmp_path / "mpi")) == 5
+    assert losses(tmp_path / "mpi") == losses(tmp_path / "reference") and len(losses(tmp_path / "mpi")) == 5
 
 
 def _free_port() -> int:
@@ -290,7 +273,7 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-def test_launch_slurm_submit_runs_sbatch_and_reports_its_failure(tmp_path, small_data):
+def test_launch_slurm_submit_runs_sbatch_and_reports_its_failure(tmp_path, small_data, capsys, monkeypatch):
     """--submit hands the written script to sbatch (a stand-in here; the real one is in test_slurm.py)."""
     config = write_config(tmp_path, small_data, 3)
     bin_dir = tmp_path / "bin"
@@ -316,8 +299,9 @@ def test_launch_slurm_submit_runs_sbatch_and_reports_its_failure(tmp_path, small
     ok = subprocess.run(args, cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
     assert ok.returncode == 0 and "Submitted batch job 42" in ok.stdout, ok.stderr
     assert (tmp_path / "run.sbatch").is_file() and (tmp_path / "slurm-logs").is_dir()
-    bad = subprocess.run([*args, "--no-requeue"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
-    assert bad.returncode == 2 and "error: sbatch failed (1): sbatch: error: Batch job submission failed" in bad.stderr
+    monkeypatch.setenv("PATH", env["PATH"])  # the failing submission in this process (the verb's own process above)
+    code, _, err = cli_in_process(capsys, *args[3:], "--no-requeue")
+    assert code == 2 and "error: sbatch failed (1): sbatch: error: Batch job submission failed" in err
 
 
 def test_launch_slurm_nodes_auto_sizes_the_job_with_the_cost_model(tmp_path, capsys):
