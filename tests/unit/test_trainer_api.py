@@ -110,3 +110,44 @@ def test_the_family_step_context_wraps_the_micro_batches(monkeypatch):
     finally:
         trainer.close()
     assert events == [("enter", True, "single", False), "micro", "micro", "exit", "update"]
+
+
+def test_a_failed_set_up_releases_the_run_lock_and_closes_the_log(tmp_path, monkeypatch):
+    """A library caller whose Trainer fails after the run directory is set up (here: in the model build) goes on in
+    the same process: the failure is recorded, the run directory's lock released and the log's files closed, so the
+    next Trainer on that directory is not refused as a second writer."""
+    import json
+
+    import pytest
+
+    import anytrain.train.trainer as trainer_module
+    from anytrain.train.rundir import RunLock
+
+    loggers = []
+
+    class Logger(trainer_module.MetricsLogger):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            loggers.append(self)
+
+    def broken_build(*args, **kwargs):
+        raise RuntimeError("no model today")
+
+    monkeypatch.setattr(trainer_module, "MetricsLogger", Logger)
+    monkeypatch.setattr(trainer_module, "build_model", broken_build)
+    run = tmp_path / "run"
+    with pytest.raises(RuntimeError, match="no model today"):
+        Trainer(_config(steps=2), batches=FixedBatches(512, 4, 32), run_dir=str(run))
+    assert json.loads((run / "status.json").read_text())["state"] == "failed"
+    assert loggers[0]._jsonl.closed
+    lock = RunLock(run)
+    lock.acquire()  # RunDirError ("... is in use by ...") while the failed Trainer still holds it
+    lock.release()
+    monkeypatch.undo()
+    trainer = Trainer(_config(steps=2), batches=FixedBatches(512, 4, 32), run_dir=str(run), resume=True)
+    try:
+        trainer.train()
+    finally:
+        trainer.close()
+    status = json.loads((run / "status.json").read_text())
+    assert (status["state"], status["step"]) == ("finished", 2)

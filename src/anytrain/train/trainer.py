@@ -84,7 +84,17 @@ class Trainer:
             if self.guard is not None:
                 self.guard.uninstall()
             self._record_failure(exc)
+            self._release_after_failed_setup()
             raise
+
+    def _release_after_failed_setup(self) -> None:
+        """What a set-up that raised had opened: the log's files and the run directory's lock (released last, after
+        status.json recorded the failure). A library caller's process goes on and may start the run again."""
+        log = getattr(self, "log", None)
+        if log is not None:
+            log.close()
+        if self._run is not None and self._run.lock is not None:
+            self._run.lock.release()
 
     def _setup(
         self,
