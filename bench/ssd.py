@@ -15,12 +15,9 @@ mamba-ssm's time over ours (above 1: ours is faster). Writes bench/results/ssd_<
 from __future__ import annotations
 
 import argparse
-import importlib
-import importlib.util
 import json
 import math
 import sys
-import types
 from dataclasses import asdict, replace
 from pathlib import Path
 
@@ -29,6 +26,7 @@ import torch
 from anytrain.kernels.ssd import ssd_chunk_scan
 from anytrain.kernels.ssd_triton import CONFIG, ssd_chunk_scan_triton
 from bench.common import results_path, row_error, versions
+from bench.mamba_ssm_loader import load_chunk_scan_combined, mamba_ssm_version
 
 SEQLEN, HEADDIM, DSTATE, CHUNK = 4096, 64, 128, 256
 LAYERS = {"mamba2-1.3b": 64, "mamba2-2.7b": 80}  # d_model 2048 / 2560, expand 2, headdim 64 -> heads
@@ -45,26 +43,6 @@ SWEEP = [
     {"block_n": 64},
     {"block_state": 1024},
 ]
-
-
-def load_mamba_ssm():
-    """(mamba_chunk_scan_combined, None), or (None, why not). mamba-ssm may be installed without its CUDA build, and
-    its top-level ``mamba_ssm/__init__.py`` imports the CUDA extension ``selective_scan_cuda``: the package is
-    registered as a bare module whose ``__path__`` is the installed folder, so importing
-    ``mamba_ssm.ops.triton.ssd_combined`` loads only the Triton modules it needs and that ``__init__`` never runs."""
-    spec = importlib.util.find_spec("mamba_ssm")  # locates the package without executing it
-    if spec is None or not spec.submodule_search_locations:
-        return None, "mamba_ssm is not installed"
-    if "mamba_ssm" not in sys.modules:
-        package = types.ModuleType("mamba_ssm")
-        package.__path__ = list(spec.submodule_search_locations)
-        package.__spec__ = spec
-        sys.modules["mamba_ssm"] = package
-    try:
-        module = importlib.import_module("mamba_ssm.ops.triton.ssd_combined")
-    except Exception as exc:  # a missing dependency (einops, ...) or an incompatible version
-        return None, f"mamba_ssm.ops.triton.ssd_combined does not import: {type(exc).__name__}: {exc}"
-    return module.mamba_chunk_scan_combined, None
 
 
 def layer_inputs(batch: int, nheads: int, gated: bool) -> dict:
@@ -208,18 +186,11 @@ def main() -> int:
     if not torch.cuda.is_available():
         print("no GPU visible: nothing to benchmark", file=sys.stderr)
         return 1
-    mamba, note = load_mamba_ssm()
+    mamba, note = load_chunk_scan_combined()
     rows = bench_rows(mamba)
     print_table(rows, note)
     env = versions(torch.device("cuda"))
-    env["mamba_ssm"] = None
-    if mamba is not None:
-        from importlib.metadata import PackageNotFoundError, version
-
-        try:
-            env["mamba_ssm"] = version("mamba_ssm")
-        except PackageNotFoundError:
-            env["mamba_ssm"] = "unknown"
+    env["mamba_ssm"] = mamba_ssm_version() if mamba is not None else None
     record = {
         "device": env,
         "shape": {"seqlen": SEQLEN, "headdim": HEADDIM, "dstate": DSTATE, "ngroups": 1, "chunk": CHUNK},
