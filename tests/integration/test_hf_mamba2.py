@@ -184,7 +184,7 @@ def test_import_refuses_what_anytrain_does_not_compute(tmp_path, small_data):
         resolve_run_config(load_config(RECIPE, [*base, "--model.args.headdim", "16"]))
 
 
-def test_document_mask_trains_and_tensor_parallelism_is_refused(tmp_path, small_data):
+def test_document_mask_trains_and_a_tensor_parallel_degree_not_dividing_the_heads_is_refused(tmp_path, small_data):
     records = cli_train(tmp_path / "docs", small_data, 3, "--data.document_mask", "true")
     assert len([r for r in records if r["kind"] == "train"]) == 3
     proc = run_cli(
@@ -193,14 +193,15 @@ def test_document_mask_trains_and_tensor_parallelism_is_refused(tmp_path, small_
         "--run-dir",
         str(tmp_path / "tp"),
         *recipe_args(small_data, 1),
+        "--model.args.headdim",
+        "512",  # one head of the inner width 512
         "--parallel.tp",
         "2",
-        "--parallel.strategy",
-        "fsdp",
         nproc=2,
         timeout=300,
     )
     assert proc.returncode != 0
     assert set(proc.stderr.strip().splitlines()) == {
-        "error: parallel.tp: tensor parallelism is implemented for the transformer only; set tp 1"
+        "error: parallel.tp: 2 does not divide the Mamba-2 head count 1 (expand·d_model / model.args.headdim); "
+        "choose a divisor"
     }  # one line per rank, before anything is built

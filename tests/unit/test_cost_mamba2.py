@@ -54,7 +54,7 @@ def test_ssd_flops_are_what_the_flop_counter_counts_on_the_mixer(ngroups, seq):
         mixer(h).sum().backward()
     shape = Mamba2Shape.from_args(args)
     tokens = 2 * seq
-    projections = 6 * (mixer.in_proj.weight.numel() + mixer.out_proj.weight.numel())
+    projections = 6 * (sum(w.numel() for w in mixer.in_proj_weights()) + mixer.out_proj.weight.numel())
     counts = {op.__name__: flops for op, flops in counter.get_flop_counts()["Global"].items()}
     assert counts["mm"] == projections * tokens  # in_proj and out_proj
     assert counts["bmm"] == shape.ssd_flops_per_token(seq) * tokens  # the SSD's einsums
@@ -88,6 +88,8 @@ def _expected(shape: Mamba2Shape, mode: str, ssd_kernel: str) -> float:
     if ssd_kernel == "torch":  # the twin's two (Q, Q) masks, the per-chunk decays, dt_bias, its cast conv weight
         per_call += 2 * q * q + 4 * 2 * h * 3 + (4 * h if mode == "bf16" else 0)
         per_call += 2 * shape.conv_dim * shape.d_conv if mode == "amp" else 4 * shape.conv_dim * shape.d_conv
+    else:  # the Triton conv saves the conv_{x,B,C} weights and biases stacked (in the parameters' dtype)
+        per_call += (4 if mode == "amp" else 2) * shape.conv_dim * (shape.d_conv + 1)
     return per_token * 48 + per_call
 
 

@@ -14,6 +14,7 @@ from anytrain.config import ModelConfig, RunConfig
 from anytrain.config.checks import check_document_mask
 from anytrain.errors import ConfigError
 from anytrain.models.mamba2 import MAMBA2_FLAVOURS, Mamba2, Mamba2Args
+from anytrain.models.mamba2 import hf as mamba2_hf
 
 transformers = pytest.importorskip("transformers")
 
@@ -113,9 +114,9 @@ def test_flavours_build_on_meta_with_the_published_counts(name):
 def test_state_dict_keys_and_shapes_match_hf():
     for tie in (True, False):
         a = small_args(n_layers=1, tie_embeddings=tie)
-        ours = {k: tuple(v.shape) for k, v in Mamba2(a).state_dict().items()}
+        shapes = {k: v.shape for k, v in Mamba2(a).state_dict().items()}  # HF's in_proj / conv1d stacked from pieces
         theirs = {k: tuple(v.shape) for k, v in transformers.Mamba2ForCausalLM(hf_config(a)).state_dict().items()}
-        assert ours == theirs
+        assert mamba2_hf.hf_shapes(shapes) == theirs and list(mamba2_hf.hf_shapes(shapes)) == list(theirs)
         sd = Mamba2(a).state_dict()
         assert (sd["lm_head.weight"].data_ptr() == sd["backbone.embeddings.weight"].data_ptr()) == tie
 
@@ -132,7 +133,14 @@ def test_mixer_matches_transformers(groups):
             if name.startswith(("norm", "D", "dt_bias", "conv1d.bias")):
                 param.add_(0.3 * torch.randn_like(param))
     ours = Mamba2(a).blocks()[0].mixer
-    ours.load_state_dict(theirs.state_dict())
+    wanted: dict[str, list[str]] = {}
+    for name in ours.state_dict():  # HF's in_proj / conv1d cut into our pieces
+        wanted.setdefault(mamba2_hf.hf_name(name), []).append(name)
+    pieces = {}
+    for key, tensor in theirs.state_dict().items():
+        pieces.update(mamba2_hf.from_hf_tensor(tensor, wanted[key], a))
+    ours.load_state_dict(pieces)
+    assert dict(mamba2_hf.to_hf_tensors(a, ours.state_dict())).keys() == theirs.state_dict().keys()
     h = torch.randn(2, 11, 16, requires_grad=True)
     y_ours, y_theirs = ours(h), theirs(h)
     torch.testing.assert_close(y_ours, y_theirs, rtol=1e-5, atol=1e-6)
@@ -259,3 +267,22 @@ def test_registry_builds_flavours_and_rejects_unknown_fields():
     assert "1.3b" in models.list_flavours()["mamba2"]
     with pytest.raises(ConfigError, match=r"model\.args\.dt_rank: unknown field"):
         models.resolve_args(ModelConfig(arch="mamba2", flavour="debug", args={"dt_rank": 4}))
+
+
+def test_tensor_parallel_degrees_the_mixer_cannot_split_are_one_line_naming_the_field():
+    from anytrain.models.mamba2.parallelize import check_tensor_parallel
+
+    a = small_args()  # 4 heads in 2 groups
+    check_tensor_parallel(a, 2)
+    check_tensor_parallel(small_args(ngroups=1), 4)  # one group: B and C replicated
+    with pytest.raises(ConfigError) as err:
+        check_tensor_parallel(a, 3)
+    assert str(err.value) == (
+        "parallel.tp: 3 does not divide the Mamba-2 head count 4 (expand·d_model / model.args.headdim); "
+        "choose a divisor"
+    )
+    with pytest.raises(ConfigError) as err:
+        check_tensor_parallel(a, 4)
+    assert str(err.value) == (
+        "parallel.tp: 4 does not divide model.args.ngroups 2 (B and C are split by groups); choose a divisor"
+    )

@@ -290,10 +290,10 @@ class Mamba2Shape(_LanguageModelParams):
         return self.eager_ops(0)
 
     def eager_ops(self, seq_len: int) -> int:
-        """Host-side ATen ops of one eager block at sequence length s, forward + backward: 199 + 11 per SSD chunk
+        """Host-side ATen ops of one eager block at sequence length s, forward + backward: 211 + 11 per SSD chunk
         (its state-passing loop), counted with a TorchDispatchMode on CPU with the PyTorch SSD
         (tests/unit/test_cost_mamba2.py); the GPU's Triton SSD dispatches fewer."""
-        return 199 + 11 * -(-max(seq_len, 1) // self.chunk(seq_len))
+        return 211 + 11 * -(-max(seq_len, 1) // self.chunk(seq_len))
 
     def ssd_flops_per_token(self, seq_len: int) -> float:
         """6·L·(Q·(G·N + E) + 2·E·N): the chunked SSD's matmuls, forward + backward (``Mamba2.ssd_flops_per_token``:

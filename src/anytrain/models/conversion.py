@@ -6,7 +6,8 @@ maps to, tensor names, config.json in both directions, and ``model.init_from``'s
 The config JSON is written without ``transformers`` (needed only to load the result), with the keys of both
 transformers 4.x and 5.x (``rope_theta`` and ``rope_parameters``). The HF class follows the model args
 (:func:`hf_family`): a Transformer -> ``LlamaForCausalLM`` or ``MptForCausalLM``; Mamba -> ``MambaForCausalLM``,
-Mamba-2 -> ``Mamba2ForCausalLM`` (their state-dict names are HF's), a hybrid of Bamba layers -> ``BambaForCausalLM``.
+Mamba-2 -> ``Mamba2ForCausalLM`` (their state-dict names are HF's, Mamba-2's in_proj / conv1d held in pieces), a
+hybrid of Bamba layers -> ``BambaForCausalLM``.
 """
 
 from __future__ import annotations
@@ -43,15 +44,19 @@ def hf_name(family: str, name: str) -> str:
     """The HF tensor name of an anytrain parameter name (q, k and v share MPT's ``Wqkv``)."""
     if family == "bamba":
         return hybrid_hf.hf_name(name)
+    if family == "mamba2":
+        return mamba2_hf.hf_name(name)
     return name if family in MAMBA_FAMILIES else llama_hf.hf_name(family, name)
 
 
 def hf_shapes(family: str, shapes: dict[str, torch.Size]) -> dict[str, tuple[int, ...]]:
     """{HF tensor name: its shape} for anytrain parameters of ``shapes``."""
+    if family == "mamba2":
+        return mamba2_hf.hf_shapes(shapes)
     if family in MAMBA_FAMILIES:
         return {name: tuple(shape) for name, shape in shapes.items()}
     if family == "bamba":
-        return {hybrid_hf.hf_name(name): tuple(shape) for name, shape in shapes.items()}
+        return mamba2_hf.hf_shapes(shapes, hybrid_hf.hf_name)
     return llama_hf.hf_shapes(family, shapes)
 
 
@@ -61,6 +66,9 @@ def to_hf_tensors(family: str, args: Any, state: Mapping[str, torch.Tensor]) -> 
     mapping that reads on lookup (``CheckpointTensors``) is read one tensor (MPT: one q, k, v triple) at a time."""
     if family == "bamba":
         yield from hybrid_hf.to_hf_tensors(args, state)
+        return
+    if family == "mamba2":
+        yield from mamba2_hf.to_hf_tensors(args, state)
         return
     if family not in MAMBA_FAMILIES:
         yield from llama_hf.to_hf_tensors(family, args, state)
@@ -72,6 +80,8 @@ def to_hf_tensors(family: str, args: Any, state: Mapping[str, torch.Tensor]) -> 
 
 def from_hf_tensor(family: str, key: str, tensor: torch.Tensor, names: list[str], args: Any) -> dict[str, torch.Tensor]:
     """The anytrain tensors ``names`` that the HF tensor ``key`` fills."""
+    if family == "mamba2":
+        return mamba2_hf.from_hf_tensor(tensor, names, args)
     if family in MAMBA_FAMILIES:
         return dict.fromkeys(names, tensor)
     if family == "bamba":

@@ -91,6 +91,9 @@ class ParallelizePlan:
 
     tensor_parallel: TensorParallelPlan | None = None
     """Tensor (+ sequence) parallelism of the model or of one of its pipeline stages."""
+    check_tensor_parallel: Callable[[Any, int], None] | None = None
+    """(the family's args, parallel.tp > 1) -> None: one ConfigError naming the field for a degree the model cannot be
+    split over, before any process group exists. None: the Transformer's head checks (n_heads, n_kv_heads)."""
     pipeline_split: PipelineSplit | None = None
     """Cut the model into a pipeline stage."""
     compile_model: Callable[[nn.Module], None] | None = None

@@ -11,6 +11,7 @@ batch. ``-1`` infers a degree from the world size.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
 from functools import cached_property
@@ -132,15 +133,21 @@ def validate_for_model(
     cfg: ParallelConfig | None = None,
     n_microbatches: int | None = None,
     tied_embeddings: bool = False,
+    tp_check: Callable[[int], None] | None = None,
 ) -> None:
-    """Layouts the model cannot take: TP not dividing the heads, more pipeline stages than layers, fewer
+    """Layouts the model cannot take: TP not dividing the heads (``tp_check``: the family's own check of a TP degree,
+    ``ParallelizePlan.check_tensor_parallel``), more pipeline stages than layers, fewer
     micro-batches than pipeline ranks, a schedule that does not fit the virtual stages, a pipeline over tied
     embeddings, ZeRO-1 with model parallelism. Checked before any process group or run-dir work."""
     from anytrain.parallel.pipeline import check_pipeline_layout
 
-    if dims.tp > 1:
+    if dims.tp > 1 and tp_check is not None:
+        tp_check(dims.tp)
+    elif dims.tp > 1:
         if n_heads is None:
-            raise ConfigError("parallel.tp: tensor parallelism is implemented for the transformer only; set tp 1")
+            raise ConfigError(
+                "parallel.tp: tensor parallelism is implemented for the transformer, mamba2 and hybrid only; set tp 1"
+            )
         if n_heads % dims.tp or (n_kv_heads or n_heads) % dims.tp:
             raise ConfigError(
                 f"parallel.tp: {dims.tp} does not divide the model's {n_heads} query / "

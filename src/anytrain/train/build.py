@@ -10,6 +10,7 @@ that is sound.
 from __future__ import annotations
 
 import contextlib
+import functools
 import inspect
 import os
 from collections.abc import Callable
@@ -209,6 +210,7 @@ def setup_layout(cfg: RunConfig) -> Layout:
     dims = ParallelDims.from_config(cfg.parallel, info.world_size)
     plan = plan_batches(cfg.train, dims.dp)
     model_args = resolve_args(cfg.model)
+    tp_check = get_spec(cfg.model.arch).parallelize_plan.check_tensor_parallel
     validate_for_model(
         dims,
         model_args.n_layers,
@@ -217,6 +219,7 @@ def setup_layout(cfg: RunConfig) -> Layout:
         cfg.parallel,
         plan.grad_accum,
         getattr(model_args, "tie_embeddings", False),
+        None if tp_check is None else functools.partial(tp_check, model_args),
     )
     check_model_fits(cfg, dims, plan.micro_batch, device)
     return Layout(info, device, dims, dims.dp_rank(info.rank), dims.dp, plan, model_args, auto_reason, affinity)

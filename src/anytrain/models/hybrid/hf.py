@@ -11,7 +11,8 @@ Names, Bamba layer i = hybrid blocks 2i (mixer) and 2i + 1 (MLP)::
 
     backbone.embeddings.weight                     model.embed_tokens.weight
     backbone.layers.{2i}.norm.weight               model.layers.{i}.input_layernorm.weight
-    backbone.layers.{2i}.mixer.<name>              model.layers.{i}.mamba.<name>  (dt_bias, A_log, D, conv1d.*, ...)
+    backbone.layers.{2i}.mixer.<name>              model.layers.{i}.mamba.<name>  (dt_bias, A_log, D, ...; the in_proj /
+                                                   conv1d pieces stacked as for Mamba2ForCausalLM)
     backbone.layers.{2i}.attention.w{q,k,v,o}      model.layers.{i}.self_attn.{q,k,v,o}_proj.weight
     backbone.layers.{2i+1}.norm.weight             model.layers.{i}.pre_ff_layernorm.weight
     backbone.layers.{2i+1}.feed_forward.w1/w3/w2   model.layers.{i}.feed_forward.gate_proj/up_proj/down_proj.weight
@@ -33,6 +34,7 @@ import torch
 
 from anytrain.errors import ConfigError
 from anytrain.models.llama.hf import halves_to_interleaved, interleaved_to_halves, require
+from anytrain.models.mamba2 import hf as mamba2_hf
 from anytrain.models.mamba2.hf import _json_float
 
 HF_CLASS = "BambaForCausalLM"
@@ -80,7 +82,7 @@ def hf_name(name: str) -> str:
         return f"{prefix}.{_MIXER_NAMES[rest]}"
     if rest in _ATTENTION_NAMES:
         return f"{prefix}.{_ATTENTION_NAMES[rest]}"
-    return f"{prefix}.mamba.{rest.removeprefix('mixer.')}"
+    return f"{prefix}.mamba.{mamba2_hf.hf_name(rest).removeprefix('mixer.')}"
 
 
 def _heads(name: str, args: Any) -> int | None:
@@ -100,28 +102,25 @@ def _permute_rotary(weight: torch.Tensor, heads: int, rotary: int, convert) -> t
     return torch.cat([rotated, per_head[:, rotary:]], dim=1).reshape(rows, cols)
 
 
+def _rotary(name: str, tensor: torch.Tensor, args: Any, convert) -> torch.Tensor:
+    heads = _heads(name, args)
+    return _permute_rotary(tensor, heads, args.rotary_dim, convert) if heads else tensor
+
+
 def to_hf_tensors(args: Any, state: Mapping[str, torch.Tensor]) -> Iterator[tuple[str, torch.Tensor]]:
-    """(Bamba name, tensor) for each hybrid parameter in ``state``'s order, each looked up only when it is made; the
-    LM head is left out when tied."""
+    """(Bamba name, tensor) for each hybrid parameter in ``state``'s order, each looked up only when it is made (a
+    Mamba-2 mixer's in_proj / conv1d pieces stacked, ``mamba2.hf.to_hf_tensors``); the LM head is left out when
+    tied."""
     check_bamba(args)
-    for name in state:
-        if name == "lm_head.weight" and args.tie_embeddings:
-            continue
-        heads = _heads(name, args)
-        tensor = state[name]
-        yield (
-            hf_name(name),
-            (_permute_rotary(tensor, heads, args.rotary_dim, interleaved_to_halves) if heads else tensor),
-        )
+    for key, tensor in mamba2_hf.to_hf_tensors(args, state, rename=lambda name: name):
+        yield hf_name(key), _rotary(key, tensor, args, interleaved_to_halves)
 
 
 def from_hf_tensor(tensor: torch.Tensor, names: list[str], args: Any) -> dict[str, torch.Tensor]:
-    """The hybrid tensors ``names`` that one Bamba tensor fills (q/k rotated rows back to pair order)."""
-    out = {}
-    for name in names:
-        heads = _heads(name, args)
-        out[name] = _permute_rotary(tensor, heads, args.rotary_dim, halves_to_interleaved) if heads else tensor
-    return out
+    """The hybrid tensors ``names`` that one Bamba tensor fills (q/k rotated rows back to pair order; a Mamba-2
+    in_proj / conv1d cut into its pieces)."""
+    pieces = mamba2_hf.from_hf_tensor(tensor, names, args.mamba_args())
+    return {name: _rotary(name, piece, args, halves_to_interleaved) for name, piece in pieces.items()}
 
 
 def hf_config(args: Any, common: dict[str, Any]) -> dict[str, Any]:

@@ -1,7 +1,9 @@
 """Hugging Face ``Mamba2ForCausalLM`` <-> anytrain's Mamba-2: tensor names and the config.json mapping.
 
-The state-dict keys are HF's (``model.py``'s docstring lists them), so the tensors move unrenamed and only the LM
-head is left out of an export when tied (HF re-ties it). ``anytrain.models.conversion`` calls these two functions for
+The state-dict keys are HF's (``model.py``'s docstring lists them) but for HF's ``in_proj`` and ``conv1d``, which
+anytrain holds one parameter per piece (``in_proj_{z,x,B,C,dt}``, ``conv_{x,B,C}``): an export stacks the pieces in
+HF's row order, an import splits them; every other tensor moves unrenamed, and the LM head is left out of an export
+when tied (HF re-ties it). ``anytrain.models.conversion`` calls these two functions for
 ``anytrain export --format hf`` and ``model.init_from``.
 
 What HF computes from a config.json, and what is refused on import: transformers' ``Mamba2Mixer`` always applies
@@ -12,11 +14,79 @@ unbounded default (0, inf) is accepted here) and has no optional MLP (d_ssm = E,
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
+import torch
+
 from anytrain.errors import ConfigError
+from anytrain.models.mamba2.model import CONV_SEGMENTS, IN_PROJ_SEGMENTS, conv_channels, in_proj_rows
 
 HF_CLASS = "Mamba2ForCausalLM"
+
+STACKED = {
+    "in_proj.weight": tuple(f"in_proj_{name}.weight" for name in IN_PROJ_SEGMENTS),
+    "conv1d.weight": tuple(f"conv_{name}.weight" for name in CONV_SEGMENTS),
+    "conv1d.bias": tuple(f"conv_{name}.bias" for name in CONV_SEGMENTS),
+}
+"""HF mixer tensor -> anytrain's pieces of it, in HF's row order."""
+_PIECES = {piece: stacked for stacked, pieces in STACKED.items() for piece in pieces}
+
+
+def _split_piece(name: str) -> tuple[str, str, str] | None:
+    """(prefix up to the mixer, HF tensor in the mixer, the piece) of a piece's name, else None."""
+    prefix, sep, rest = name.rpartition("mixer.")  # a mixer's own names have no prefix
+    if rest not in _PIECES:
+        return None
+    return prefix + sep, _PIECES[rest], rest
+
+
+def hf_name(name: str) -> str:
+    """The HF tensor name of an anytrain Mamba-2 parameter name (a piece -> the mixer's stacked in_proj / conv1d)."""
+    piece = _split_piece(name)
+    return name if piece is None else piece[0] + piece[1]
+
+
+def to_hf_tensors(
+    args: Any, state: Mapping[str, torch.Tensor], rename: Callable[[str], str] = hf_name
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """(HF name, tensor) for each parameter in ``state``'s order, a mixer's pieces stacked into one tensor (yielded
+    at its first piece; each piece looked up only then); ``rename``: anytrain name -> HF name (the hybrid's Bamba
+    names). The tied LM head is left out."""
+    for name in state:
+        if name == "lm_head.weight" and args.tie_embeddings:
+            continue
+        piece = _split_piece(name)
+        if piece is None:
+            yield rename(name), state[name]
+        elif piece[2] == STACKED[piece[1]][0]:
+            yield rename(name), torch.cat([state[piece[0] + part] for part in STACKED[piece[1]]])
+
+
+def from_hf_tensor(tensor: torch.Tensor, names: list[str], mamba_args: Any) -> dict[str, torch.Tensor]:
+    """The anytrain tensors ``names`` that one HF tensor fills: a stacked in_proj / conv1d cut into its pieces (rows E,
+    E, G·N, G·N, H / channels E, G·N, G·N of ``mamba_args``), anything else as it is."""
+    out = {}
+    for name in names:
+        piece = _split_piece(name)
+        if piece is None:
+            out[name] = tensor
+            continue
+        sizes = in_proj_rows(mamba_args) if piece[1] == "in_proj.weight" else conv_channels(mamba_args)
+        out[name] = tensor.split(sizes)[STACKED[piece[1]].index(piece[2])]
+    return out
+
+
+def hf_shapes(shapes: dict[str, torch.Size], rename: Callable[[str], str] = hf_name) -> dict[str, tuple[int, ...]]:
+    """{HF tensor name: its shape} for anytrain parameters of ``shapes`` (a mixer's pieces stacked by rows)."""
+    out: dict[str, tuple[int, ...]] = {}
+    for name, shape in shapes.items():
+        key = rename(name)
+        if key in out and _split_piece(name) is not None:
+            out[key] = (out[key][0] + shape[0], *shape[1:])
+        else:
+            out[key] = tuple(shape)
+    return out
 
 
 def hf_config(args: Any, common: dict[str, Any]) -> dict[str, Any]:

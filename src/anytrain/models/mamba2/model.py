@@ -1,4 +1,4 @@
-"""Mamba-2 language model (Dao & Gu 2024), numerically and by state-dict names the same as HF ``Mamba2ForCausalLM``.
+"""Mamba-2 language model (Dao & Gu 2024), numerically the same as HF ``Mamba2ForCausalLM`` (its names, but pieces).
 
 Single-device ``nn.Module`` only: parallelism is applied from outside (``anytrain.parallel`` with this family's
 ``parallelize.py``). The causal depthwise conv comes from ``anytrain.kernels`` (Triton on GPU tensors, its PyTorch
@@ -11,15 +11,16 @@ The mixer (mamba-ssm's ``Mamba2`` without its optional MLP part, d_ssm = E)::
     y = SSD(x, dt, A = -exp(A_log), B, C; D skip, Δ = softplus(dt + dt_bias))         (B, T, H, P)
     out_proj(gated RMSNorm(y · silu(z)))  (the norm over each group's E / G channels: norm_before_gate false)
 
-State-dict keys equal HF's (export is a rename-free copy)::
+State-dict keys are HF's but for in_proj and conv1d, held one piece per parameter (``hf.py`` stacks them)::
 
     backbone.embeddings.weight                      (V, D)
     backbone.layers.{i}.norm.weight                 (D,)
     backbone.layers.{i}.mixer.dt_bias               (H,)
     backbone.layers.{i}.mixer.A_log                 (H,)   A = -exp(A_log), one scalar decay per head
     backbone.layers.{i}.mixer.D                     (H,)
-    backbone.layers.{i}.mixer.conv1d.{weight,bias}  (E + 2GN, 1, K), (E + 2GN,)
-    backbone.layers.{i}.mixer.in_proj.weight        (2E + 2GN + H, D)
+    backbone.layers.{i}.mixer.conv_{x,B,C}.weight   (E | GN | GN, 1, K)   HF: conv1d.weight, the three stacked
+    backbone.layers.{i}.mixer.conv_{x,B,C}.bias     (E | GN | GN,)
+    backbone.layers.{i}.mixer.in_proj_{z,x,B,C,dt}.weight  (E | E | GN | GN | H, D)  HF: in_proj.weight, stacked
     backbone.layers.{i}.mixer.norm.weight           (E,)
     backbone.layers.{i}.mixer.out_proj.weight       (D, E)
     backbone.norm_f.weight                          (D,)
@@ -32,6 +33,7 @@ G groups of B and C, N state size (d_state), K conv width, V vocab, L layers, Q 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -177,52 +179,143 @@ def ssd_layer_flops(args: Mamba2Args, seq_len: int) -> float:
     return 6.0 * (Q * (args.ngroups * args.d_state + args.d_inner) + 2 * args.d_inner * args.d_state)
 
 
+def _whole(param: torch.Tensor) -> torch.Tensor:
+    """A parameter as the forward uses it: itself on one device (``Mamba2Mixer.local`` under tensor parallelism)."""
+    return param
+
+
 class GatedRMSNorm(nn.Module):
     """norm(y · silu(z)) · weight, the RMS taken over each of G groups of E / G channels (HF ``MambaRMSNormGated``,
-    mamba-ssm's ``RMSNormGated`` with norm_before_gate false); fp32 inside, returned in y's dtype."""
+    mamba-ssm's ``RMSNormGated`` with norm_before_gate false); fp32 inside, returned in y's dtype.
+
+    Under tensor parallelism (set from outside) ``local`` gives this rank's channels of the weight and, when one group
+    spans the ranks (G = 1), ``sum_over_ranks`` sums each token's squares over them."""
 
     def __init__(self, dim: int, groups: int, eps: float) -> None:
         super().__init__()
-        self.groups, self.eps = groups, eps
+        self.group_size, self.eps = dim // groups, eps
         self.weight = nn.Parameter(torch.ones(dim))
+        self.local: Callable[[torch.Tensor], torch.Tensor] = _whole
+        self.sum_over_ranks: Callable[[torch.Tensor], torch.Tensor] | None = None
 
     def forward(self, y: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
-        """y, z (B, T, E) -> (B, T, E)."""
+        """y, z (B, T, E) -> (B, T, E) (E / tp channels of each under tensor parallelism)."""
         gated = y.float() * F.silu(z.float())
-        grouped = gated.unflatten(-1, (self.groups, -1))  # (B, T, G, E / G)
-        normed = grouped * torch.rsqrt(grouped.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (normed.flatten(-2) * self.weight.float()).to(y.dtype)
+        if self.sum_over_ranks is None:
+            grouped = gated.unflatten(-1, (-1, self.group_size))  # (B, T, G, E / G)
+            normed = (grouped * torch.rsqrt(grouped.pow(2).mean(-1, keepdim=True) + self.eps)).flatten(-2)
+        else:  # the one group's squares summed over the TP ranks' channels
+            square_sum = self.sum_over_ranks(gated.pow(2).sum(-1, keepdim=True))  # (B, T, 1)
+            normed = gated * torch.rsqrt(square_sum / self.group_size + self.eps)
+        return (normed * self.local(self.weight).float()).to(y.dtype)
 
     def reset_parameters(self) -> None:
         nn.init.ones_(self.weight)
 
 
+class _StackedLinear(torch.autograd.Function):
+    """F.linear(h, cat(weights)) as one GEMM that saves the pieces, not their concatenation: the stacked weight is made
+    again in backward, so a step keeps no extra weight-sized copy (under autocast it saves the bf16 casts of h and
+    of the pieces, as F.linear on one weight saves autocast's casts)."""
+
+    @staticmethod
+    def forward(ctx, h: torch.Tensor, *weights: torch.Tensor) -> torch.Tensor:
+        device = h.device.type
+        if torch.is_autocast_enabled(device):
+            dtype = torch.get_autocast_dtype(device)
+            h, weights = h.to(dtype), tuple(w.to(dtype) for w in weights)
+        ctx.save_for_backward(h, *weights)
+        with torch.autocast(device, enabled=False):
+            return F.linear(h, torch.cat(weights))
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        h, *weights = ctx.saved_tensors
+        grad = grad.to(h.dtype)
+        grad_2d = grad.reshape(-1, grad.shape[-1])  # (B·T, rows)
+        grad_h = grad_2d.mm(torch.cat(weights)).view(*grad.shape[:-1], h.shape[-1])  # (B, T, D)
+        grad_w = grad_2d.t().mm(h.reshape(-1, h.shape[-1]))  # (rows, D)
+        grads_w = grad_w.split([w.shape[0] for w in weights])
+        return grad_h, *grads_w
+
+
+def stacked_linear(h: torch.Tensor, weights: list[torch.Tensor]) -> torch.Tensor:
+    """h (..., D) @ cat(weights)ᵀ: one GEMM over weights held apart (``_StackedLinear``)."""
+    return _StackedLinear.apply(h, *weights)
+
+
+IN_PROJ_SEGMENTS = ("z", "x", "B", "C", "dt")
+"""The pieces of HF's ``in_proj`` rows, in its order: ``in_proj_{z,x,B,C,dt}`` (E, E, G·N, G·N, H rows)."""
+CONV_SEGMENTS = ("x", "B", "C")
+"""The pieces of HF's ``conv1d`` channels, in its order: ``conv_{x,B,C}`` (E, G·N, G·N channels)."""
+
+
+def in_proj_rows(args: Mamba2Args) -> list[int]:
+    """Rows of in_proj_z, _x, _B, _C, _dt: E, E, G·N, G·N, H."""
+    gn = args.ngroups * args.d_state
+    return [args.d_inner, args.d_inner, gn, gn, args.nheads]
+
+
+def conv_channels(args: Mamba2Args) -> list[int]:
+    """Channels of conv_x, _B, _C: E, G·N, G·N."""
+    gn = args.ngroups * args.d_state
+    return [args.d_inner, gn, gn]
+
+
 class Mamba2Mixer(nn.Module):
     """The Mamba-2 SSM layer: in_proj -> conv + SiLU over x, B, C -> SSD (per-head A, D, Δ bias + softplus) -> gated
-    RMSNorm -> out_proj. Same computation as mamba-ssm's ``Mamba2.forward`` and HF ``Mamba2Mixer`` without caches."""
+    RMSNorm -> out_proj. Same computation as mamba-ssm's ``Mamba2.forward`` and HF ``Mamba2Mixer`` without caches.
+
+    HF's ``in_proj`` (rows z, x, B, C, dt) and ``conv1d`` (channels x, B, C) are held as one parameter per piece
+    (``in_proj_z`` ... ``in_proj_dt``, ``conv_x`` ... ``conv_C``; Megatron-Core's split), so that tensor parallelism
+    can shard each piece over heads (or groups) as one DTensor dimension and a checkpoint loads at any TP degree;
+    the forward concatenates the weights back into one GEMM and one conv (``models/mamba2/hf.py`` stacks them for
+    HF). ``local`` (identity on one device) is how the forward reads every parameter but out_proj's: the tensor-
+    parallel plan sets it to this rank's shard."""
 
     def __init__(self, args: Mamba2Args) -> None:
         super().__init__()
         self.args = args
         D, E, H, K = args.d_model, args.d_inner, args.nheads, args.d_conv
+        self.local: Callable[[torch.Tensor], torch.Tensor] = _whole
         # state_dict lists a module's own parameters before its submodules', as for HF's Mamba2Mixer.
         self.dt_bias = nn.Parameter(torch.empty(H))  # (H,) Δ bias, added before the softplus
         self.A_log = nn.Parameter(torch.empty(H))  # (H,) A = -exp(A_log) < 0
         self.D = nn.Parameter(torch.empty(H))  # (H,) skip connection
-        self.conv1d = nn.Conv1d(
-            args.conv_dim, args.conv_dim, kernel_size=K, groups=args.conv_dim, padding=K - 1, bias=True
-        )
-        self.in_proj = nn.Linear(D, args.in_proj_dim, bias=False)
+        for name, channels in zip(CONV_SEGMENTS, conv_channels(args), strict=True):  # depthwise: (C, 1, K), (C,)
+            self.add_module(f"conv_{name}", nn.Conv1d(channels, channels, K, groups=channels, bias=True))
+        for name, rows in zip(IN_PROJ_SEGMENTS, in_proj_rows(args), strict=True):  # (rows, D) each
+            self.add_module(f"in_proj_{name}", nn.Linear(D, rows, bias=False))
         self.norm = GatedRMSNorm(E, args.ngroups, args.norm_eps)
         self.out_proj = nn.Linear(E, D, bias=False)
 
+    def in_proj_weights(self) -> list[torch.Tensor]:
+        return [getattr(self, f"in_proj_{name}").weight for name in IN_PROJ_SEGMENTS]
+
+    def convs(self) -> list[nn.Conv1d]:
+        return [getattr(self, f"conv_{name}") for name in CONV_SEGMENTS]
+
     @torch.no_grad()
     def reset_parameters(self) -> None:
-        """mamba-ssm's init (everything but the 1/sqrt(L) rescale of out_proj, which ``Mamba2.init_weights`` does)."""
-        args, H = self.args, self.args.nheads
-        for module in (self.conv1d, self.in_proj, self.out_proj):  # PyTorch defaults, as mamba-ssm leaves them
-            module.reset_parameters()
-        device = self.dt_bias.device
+        """mamba-ssm's init (everything but the 1/sqrt(L) rescale of out_proj, which ``Mamba2.init_weights`` does):
+        in_proj and conv1d PyTorch's defaults drawn for the whole stacked tensors (as one module each) and cut into
+        the pieces, so the weights of a seed are those of the unsplit layer."""
+        args, H, device, dtype = self.args, self.args.nheads, self.dt_bias.device, self.dt_bias.dtype
+        conv = torch.empty(args.conv_dim, 1, args.d_conv, device=device, dtype=dtype)
+        nn.init.kaiming_uniform_(conv, a=math.sqrt(5))  # nn.Conv1d.reset_parameters: fan_in = K
+        conv_bias = torch.empty(args.conv_dim, device=device, dtype=dtype).uniform_(
+            -1 / math.sqrt(args.d_conv), 1 / math.sqrt(args.d_conv)
+        )
+        for module, w, b in zip(
+            self.convs(), conv.split(conv_channels(args)), conv_bias.split(conv_channels(args)), strict=True
+        ):
+            module.weight.copy_(w)
+            module.bias.copy_(b)
+        in_proj = torch.empty(args.in_proj_dim, args.d_model, device=device, dtype=dtype)
+        nn.init.kaiming_uniform_(in_proj, a=math.sqrt(5))  # nn.Linear.reset_parameters
+        for weight, rows in zip(self.in_proj_weights(), in_proj.split(in_proj_rows(args)), strict=True):
+            weight.copy_(rows)
+        self.out_proj.reset_parameters()
         log_min, log_max = math.log(args.dt_min), math.log(args.dt_max)
         dt = torch.exp(torch.rand(H, device=device) * (log_max - log_min) + log_min).clamp(min=args.dt_init_floor)
         self.dt_bias.copy_(dt + torch.log(-torch.expm1(-dt)))  # inverse of softplus
@@ -232,23 +325,28 @@ class Mamba2Mixer(nn.Module):
 
     def forward(self, h: torch.Tensor, seq_idx: torch.Tensor | None = None) -> torch.Tensor:
         """h (B, T, D) -> (B, T, D); ``seq_idx`` (B, T) document ids keep each document's conv window and state to
-        itself (None: one document per row)."""
-        a = self.args
+        itself (None: one document per row). Under tensor parallelism E, H and G below are this rank's share."""
+        a, local = self.args, self.local
         Bsz, T, _ = h.shape
-        E, H, G, N = a.d_inner, a.nheads, a.ngroups, a.d_state
-        z, xBC, dt = self.in_proj(h).split([E, a.conv_dim, H], dim=-1)  # (B, T, E), (B, T, E + 2GN), (B, T, H)
-        conv_weight = self.conv1d.weight.squeeze(1)  # (E + 2GN, K)
-        xBC = causal_conv1d_documents(xBC.transpose(1, 2), conv_weight, self.conv1d.bias, seq_idx, "silu")
-        x, B, C = xBC.transpose(1, 2).split([E, G * N, G * N], dim=-1)  # (B, T, E), (B, T, GN), (B, T, GN)
+        weights = [local(w) for w in self.in_proj_weights()]
+        rows = [w.shape[0] for w in weights]  # E, E, GN, GN, H
+        E, GN, H, N = rows[0], rows[2], rows[4], a.d_state
+        # one GEMM for the five pieces (their weights are what HF's in_proj stacks)
+        z, xBC, dt = stacked_linear(h, weights).split([E, E + 2 * GN, H], dim=-1)  # (B, T, E|E + 2GN|H)
+        convs = self.convs()
+        conv_weight = torch.cat([local(c.weight) for c in convs]).squeeze(1)  # (E + 2GN, K)
+        conv_bias = torch.cat([local(c.bias) for c in convs])
+        xBC = causal_conv1d_documents(xBC.transpose(1, 2), conv_weight, conv_bias, seq_idx, "silu")
+        x, B, C = xBC.transpose(1, 2).split([E, GN, GN], dim=-1)  # (B, T, E), (B, T, GN), (B, T, GN)
         y = ssd_chunk_scan(
             x.unflatten(-1, (H, a.headdim)),
             dt,
-            -torch.exp(self.A_log.float()),
-            B.unflatten(-1, (G, N)),
-            C.unflatten(-1, (G, N)),
+            -torch.exp(local(self.A_log).float()),
+            B.unflatten(-1, (GN // N, N)),
+            C.unflatten(-1, (GN // N, N)),
             a.chunk_size,
-            D=self.D,
-            dt_bias=self.dt_bias,
+            D=local(self.D),
+            dt_bias=local(self.dt_bias),
             dt_softplus=True,
             seq_idx=seq_idx,
         )
