@@ -9,6 +9,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from anytrain.models.losses import lm_cross_entropy
+
 
 class RMSNorm(nn.Module):
     """x / rms(x) * weight, computed in fp32 and cast back to the input dtype."""
@@ -185,3 +187,66 @@ def masked_attention(
     if isinstance(mask, torch.Tensor):
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=enable_gqa)
     return _compiled_flex()(q, k, v, block_mask=mask, enable_gqa=enable_gqa)
+
+
+class BackboneLM(nn.Module):
+    """The LM around a ``backbone.{embeddings, layers, norm_f}`` + ``lm_head`` layout (Mamba, Mamba-2, the hybrid):
+    the head tied to the embedding with ``args.tie_embeddings``, the length check, the head or the fused loss, the
+    parameter count, ``blocks()`` and ``hidden_size``. A family sets ``args``, ``backbone`` and ``lm_head`` and
+    writes its own ``init_weights`` and ``forward``."""
+
+    args: Any
+    backbone: nn.Module
+    lm_head: nn.Linear
+
+    def _tie(self) -> None:
+        if self.args.tie_embeddings:
+            self.lm_head.weight = self.backbone.embeddings.weight
+
+    @torch.no_grad()
+    def _init_mamba(self) -> None:
+        """mamba-ssm's init of the layout (the LM head re-tied first: ``to_empty`` from the meta device gives the two
+        names separate tensors): embedding N(0, init_std); each block's norm and mixer reset
+        (``mixer.reset_parameters``), out_proj divided by sqrt(L) (``rescale_prenorm_residual``, one residual per
+        layer); norm_f to 1; an untied LM head PyTorch's default."""
+        self._tie()
+        nn.init.normal_(self.backbone.embeddings.weight, std=self.args.init_std)
+        for block in self.backbone.layers.values():
+            block.norm.reset_parameters()
+            block.mixer.reset_parameters()
+            block.mixer.out_proj.weight.div_(math.sqrt(self.args.n_layers))
+        self.backbone.norm_f.reset_parameters()
+        if not self.args.tie_embeddings:
+            self.lm_head.reset_parameters()
+
+    def check_length(self, tokens: torch.Tensor) -> None:
+        """A ValueError for token ids (B, T) longer than ``args.max_seq_len``."""
+        if tokens.shape[1] > self.args.max_seq_len:
+            raise ValueError(
+                f"sequence length {tokens.shape[1]} exceeds model.args.max_seq_len {self.args.max_seq_len}"
+            )
+
+    def head(self, h: torch.Tensor, targets: torch.Tensor | None) -> torch.Tensor:
+        """The final hidden states (B, T, D) -> logits (B, T, V), or with ``targets`` (B, T) the mean next-token loss
+        (a scalar) through the fused linear + cross-entropy, which forms no full-precision logits."""
+        if targets is not None:
+            return lm_cross_entropy(h, self.lm_head.weight, targets)
+        return self.lm_head(h)  # (B, T, V)
+
+    def num_params(self, exclude_embedding: bool = False) -> int:
+        """Parameter count (shared tensors once). exclude_embedding drops the input table, keeps the LM head (the
+        family's docstring gives its per-layer count)."""
+        total = sum(p.numel() for p in {id(p): p for p in self.parameters()}.values())
+        if exclude_embedding:
+            total -= self.backbone.embeddings.weight.numel()
+            if self.args.tie_embeddings:  # the head still does a full V x D matmul
+                total += self.lm_head.weight.numel()
+        return total
+
+    def blocks(self) -> list[nn.Module]:
+        """The repeated units that parallelism wraps (FSDP units, checkpointing, compile)."""
+        return list(self.backbone.layers.values())
+
+    @property
+    def hidden_size(self) -> int:
+        return self.args.d_model

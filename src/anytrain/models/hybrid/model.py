@@ -38,9 +38,8 @@ import torch
 from torch import nn
 
 from anytrain.errors import ConfigError
-from anytrain.models.layers import RMSNorm, residual_stream
+from anytrain.models.layers import BackboneLM, RMSNorm, residual_stream
 from anytrain.models.llama.model import Attention, FeedForward, TransformerArgs, rope_tables
-from anytrain.models.losses import lm_cross_entropy
 from anytrain.models.mamba2.model import Mamba2Args, Mamba2Block, ssd_layer_flops
 from anytrain.models.sampling import SamplingMixin
 
@@ -347,8 +346,12 @@ class HybridBackbone(nn.Module):
         return self.norm_f(h.to(self.norm_f.weight.dtype) if self.residual_in_fp32 else h)  # (B, T, D)
 
 
-class Hybrid(SamplingMixin, nn.Module):
-    """Token ids (B, T) -> logits (B, T, V) through the blocks of ``args.layers_pattern``."""
+class Hybrid(SamplingMixin, BackboneLM):
+    """Token ids (B, T) -> logits (B, T, V) through the blocks of ``args.layers_pattern`` (one block per pattern
+    symbol: ``blocks()``).
+
+    Parameters (``num_params``) per block, with D·(…) the norm's D extra: M as ``Mamba2``'s layer; A D·H·E + 2·D·K·E
+    + H·E·D; - 3·D·F (SwiGLU) or 2·D·F (GELU). Model: V·D + the blocks + D (norm_f) + V·D when the head is untied."""
 
     def __init__(self, args: HybridArgs) -> None:
         super().__init__()
@@ -357,10 +360,6 @@ class Hybrid(SamplingMixin, nn.Module):
         self.lm_head = nn.Linear(args.d_model, args.vocab_size, bias=False)
         self._tie()
         self.init_weights()
-
-    def _tie(self) -> None:
-        if self.args.tie_embeddings:
-            self.lm_head.weight = self.backbone.embeddings.weight
 
     @torch.no_grad()
     def init_weights(self, seed: int | None = None) -> None:
@@ -394,27 +393,8 @@ class Hybrid(SamplingMixin, nn.Module):
 
     def forward(self, tokens: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
         """Logits (B, T, V), or with ``targets`` (B, T) the mean next-token loss (a scalar)."""
-        if tokens.shape[1] > self.args.max_seq_len:
-            raise ValueError(
-                f"sequence length {tokens.shape[1]} exceeds model.args.max_seq_len {self.args.max_seq_len}"
-            )
-        h = self.backbone(tokens)  # (B, T, D)
-        if targets is not None:
-            return lm_cross_entropy(h, self.lm_head.weight, targets)
-        return self.lm_head(h)  # (B, T, V)
-
-    def num_params(self, exclude_embedding: bool = False) -> int:
-        """Parameter count (shared tensors once). exclude_embedding drops the input table, keeps the LM head.
-
-        Per block, with D·(…) the norm's D extra: M as ``Mamba2.num_params``'s layer; A D·H·E + 2·D·K·E + H·E·D;
-        - 3·D·F (SwiGLU) or 2·D·F (GELU). Model: V·D + the blocks + D (norm_f) + V·D when the head is untied.
-        """
-        total = sum(p.numel() for p in {id(p): p for p in self.parameters()}.values())
-        if exclude_embedding:
-            total -= self.backbone.embeddings.weight.numel()
-            if self.args.tie_embeddings:  # the head still does a full V x D matmul
-                total += self.lm_head.weight.numel()
-        return total
+        self.check_length(tokens)
+        return self.head(self.backbone(tokens), targets)  # backbone: (B, T, D)
 
     def flops_per_token(self, seq_len: int) -> float:
         """Training FLOPs per token: 6·N + 12·L_A·D·T + L_M · 6·(Q·(G·N_s + E_m) + 2·E_m·N_s).
@@ -428,14 +408,6 @@ class Hybrid(SamplingMixin, nn.Module):
         attention = 12.0 * kinds.count(ATTENTION) * a.d_model * seq_len
         ssd = kinds.count(MAMBA) * ssd_layer_flops(a.mamba_args(), seq_len)
         return 6.0 * self.num_params(exclude_embedding=True) + attention + ssd
-
-    def blocks(self) -> list[nn.Module]:
-        """The repeated units that parallelism wraps (FSDP units, checkpointing, compile): one per pattern symbol."""
-        return list(self.backbone.layers.values())
-
-    @property
-    def hidden_size(self) -> int:
-        return self.args.d_model
 
 
 def bamba_pattern(n_layers: int, attention: tuple[int, ...]) -> str:

@@ -34,8 +34,7 @@ from torch import nn
 from anytrain.errors import ConfigError
 from anytrain.kernels import causal_conv1d, selective_scan
 from anytrain.kernels.mamba_inner import mamba_inner_triton, mixer_composition, use_mamba_inner
-from anytrain.models.layers import RMSNorm, residual_stream
-from anytrain.models.losses import lm_cross_entropy
+from anytrain.models.layers import BackboneLM, RMSNorm, residual_stream
 from anytrain.models.sampling import SamplingMixin
 
 
@@ -216,8 +215,12 @@ class MambaBackbone(nn.Module):
         return self.norm_f(h.to(self.norm_f.weight.dtype) if self.residual_in_fp32 else h)  # (B, T, D)
 
 
-class Mamba(SamplingMixin, nn.Module):
-    """Token ids (B, T) -> logits (B, T, V). The Mamba-1 LM of mamba-ssm's ``MambaLMHeadModel``."""
+class Mamba(SamplingMixin, BackboneLM):
+    """Token ids (B, T) -> logits (B, T, V). The Mamba-1 LM of mamba-ssm's ``MambaLMHeadModel``.
+
+    Parameters (``num_params``) per layer: 3·D·E (in_proj 2·D·E, out_proj E·D) + E·(K + 1) (conv) + E·(R + 2S)
+    (x_proj) + E·(R + 1) (dt_proj) + E·S (A_log) + E (D) + D (norm) = 3·D·E + E·(K + 2R + 3S + 3) + D. Model: V·D +
+    L·layer + D (norm_f) + V·D when the head is untied."""
 
     def __init__(self, args: MambaArgs) -> None:
         super().__init__()
@@ -226,10 +229,6 @@ class Mamba(SamplingMixin, nn.Module):
         self.lm_head = nn.Linear(args.d_model, args.vocab_size, bias=False)
         self._tie()
         self.init_weights()
-
-    def _tie(self) -> None:
-        if self.args.tie_embeddings:
-            self.lm_head.weight = self.backbone.embeddings.weight
 
     @torch.no_grad()
     def init_weights(self, seed: int | None = None) -> None:
@@ -243,40 +242,14 @@ class Mamba(SamplingMixin, nn.Module):
         """
         if seed is not None:
             torch.manual_seed(seed)
-        self._tie()
-        nn.init.normal_(self.backbone.embeddings.weight, std=self.args.init_std)
-        for block in self.backbone.layers.values():
-            block.norm.reset_parameters()
-            block.mixer.reset_parameters()
-            block.mixer.out_proj.weight.div_(math.sqrt(self.args.n_layers))
-        self.backbone.norm_f.reset_parameters()
-        if not self.args.tie_embeddings:
-            self.lm_head.reset_parameters()
+        self._init_mamba()
 
     def forward(self, tokens: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
         """Logits (B, T, V), or with ``targets`` (B, T) the mean next-token loss (a scalar) — the training path,
         which lets the loss avoid materialising full-precision logits."""
-        T = tokens.shape[1]
-        if T > self.args.max_seq_len:
-            raise ValueError(f"sequence length {T} exceeds model.args.max_seq_len {self.args.max_seq_len}")
+        self.check_length(tokens)
         h = self.backbone(tokens)  # (B, T, D): the parameters' dtype, or the stream's (residual_in_fp32 false)
-        if targets is not None:
-            return lm_cross_entropy(h, self.lm_head.weight, targets)
-        return self.lm_head(h)  # (B, T, V)
-
-    def num_params(self, exclude_embedding: bool = False) -> int:
-        """Parameter count (shared tensors once). exclude_embedding drops the input table, keeps the LM head.
-
-        Per layer: 3·D·E (in_proj 2·D·E, out_proj E·D) + E·(K + 1) (conv) + E·(R + 2S) (x_proj) + E·(R + 1) (dt_proj)
-        + E·S (A_log) + E (D) + D (norm) = 3·D·E + E·(K + 2R + 3S + 3) + D. Model: V·D + L·layer + D (norm_f)
-        + V·D when the head is untied.
-        """
-        total = sum(p.numel() for p in {id(p): p for p in self.parameters()}.values())
-        if exclude_embedding:
-            total -= self.backbone.embeddings.weight.numel()
-            if self.args.tie_embeddings:  # the head still does a full V x D matmul
-                total += self.lm_head.weight.numel()
-        return total
+        return self.head(h, targets)
 
     def scan_flops_per_token(self) -> float:
         """Training FLOPs per token of the selective scans' elementwise work: 3·L·E·(8·S + 10).
@@ -302,11 +275,3 @@ class Mamba(SamplingMixin, nn.Module):
         """
         del seq_len  # no sequence-length dependent term
         return 6.0 * self.num_params(exclude_embedding=True) + self.scan_flops_per_token()
-
-    def blocks(self) -> list[nn.Module]:
-        """The repeated units that parallelism wraps (FSDP units, checkpointing, compile)."""
-        return list(self.backbone.layers.values())
-
-    @property
-    def hidden_size(self) -> int:
-        return self.args.d_model

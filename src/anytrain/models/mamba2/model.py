@@ -43,8 +43,7 @@ from torch import nn
 
 from anytrain.errors import ConfigError
 from anytrain.kernels.ssd import causal_conv1d_documents, ssd_chunk_scan
-from anytrain.models.layers import RMSNorm, document_ids, residual_stream
-from anytrain.models.losses import lm_cross_entropy
+from anytrain.models.layers import BackboneLM, RMSNorm, document_ids, residual_stream
 from anytrain.models.sampling import SamplingMixin
 
 
@@ -395,9 +394,13 @@ class Mamba2Backbone(nn.Module):
         return self.norm_f(h.to(self.norm_f.weight.dtype) if self.residual_in_fp32 else h)  # (B, T, D)
 
 
-class Mamba2(SamplingMixin, nn.Module):
+class Mamba2(SamplingMixin, BackboneLM):
     """Token ids (B, T) -> logits (B, T, V). The Mamba-2 LM of mamba-ssm's ``MambaLMHeadModel`` (ssm_cfg layer
-    Mamba2, no attention layers, no MLP)."""
+    Mamba2, no attention layers, no MLP).
+
+    Parameters (``num_params``) per layer: D·(2E + 2GN + H) (in_proj) + (E + 2GN)·(K + 1) (conv) + 3H (dt_bias,
+    A_log, D) + E (gated norm) + E·D (out_proj) + D (norm). Model: V·D + L·layer + D (norm_f) + V·D when the head is
+    untied."""
 
     document_eos_id: int | None = None
     """Document masking (``data.document_mask``; the trainer sets it to the data's EOS id): each row is split into
@@ -412,10 +415,6 @@ class Mamba2(SamplingMixin, nn.Module):
         self._tie()
         self.init_weights()
 
-    def _tie(self) -> None:
-        if self.args.tie_embeddings:
-            self.lm_head.weight = self.backbone.embeddings.weight
-
     @torch.no_grad()
     def init_weights(self, seed: int | None = None) -> None:
         """(Re)initialise every parameter as mamba-ssm does, drawing in module order from the global generator
@@ -428,40 +427,14 @@ class Mamba2(SamplingMixin, nn.Module):
         """
         if seed is not None:
             torch.manual_seed(seed)
-        self._tie()
-        nn.init.normal_(self.backbone.embeddings.weight, std=self.args.init_std)
-        for block in self.backbone.layers.values():
-            block.norm.reset_parameters()
-            block.mixer.reset_parameters()
-            block.mixer.out_proj.weight.div_(math.sqrt(self.args.n_layers))
-        self.backbone.norm_f.reset_parameters()
-        if not self.args.tie_embeddings:
-            self.lm_head.reset_parameters()
+        self._init_mamba()
 
     def forward(self, tokens: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
         """Logits (B, T, V), or with ``targets`` (B, T) the mean next-token loss (a scalar) — the training path,
         which lets the loss avoid materialising full-precision logits."""
-        T = tokens.shape[1]
-        if T > self.args.max_seq_len:
-            raise ValueError(f"sequence length {T} exceeds model.args.max_seq_len {self.args.max_seq_len}")
+        self.check_length(tokens)
         seq_idx = None if self.document_eos_id is None else document_ids(tokens, self.document_eos_id)[0]  # (B, T)
-        h = self.backbone(tokens, seq_idx)  # (B, T, D)
-        if targets is not None:
-            return lm_cross_entropy(h, self.lm_head.weight, targets)
-        return self.lm_head(h)  # (B, T, V)
-
-    def num_params(self, exclude_embedding: bool = False) -> int:
-        """Parameter count (shared tensors once). exclude_embedding drops the input table, keeps the LM head.
-
-        Per layer: D·(2E + 2GN + H) (in_proj) + (E + 2GN)·(K + 1) (conv) + 3H (dt_bias, A_log, D) + E (gated norm)
-        + E·D (out_proj) + D (norm). Model: V·D + L·layer + D (norm_f) + V·D when the head is untied.
-        """
-        total = sum(p.numel() for p in {id(p): p for p in self.parameters()}.values())
-        if exclude_embedding:
-            total -= self.backbone.embeddings.weight.numel()
-            if self.args.tie_embeddings:  # the head still does a full V x D matmul
-                total += self.lm_head.weight.numel()
-        return total
+        return self.head(self.backbone(tokens, seq_idx), targets)  # backbone: (B, T, D)
 
     def ssd_flops_per_token(self, seq_len: int) -> float:
         """Training FLOPs per token of the chunked SSD's matmuls over the L layers: L · ``ssd_layer_flops``."""
@@ -478,11 +451,3 @@ class Mamba2(SamplingMixin, nn.Module):
         to chunk_size. Norms, SiLU and recomputation (activation checkpointing) are not counted.
         """
         return 6.0 * self.num_params(exclude_embedding=True) + self.ssd_flops_per_token(seq_len)
-
-    def blocks(self) -> list[nn.Module]:
-        """The repeated units that parallelism wraps (FSDP units, checkpointing, compile)."""
-        return list(self.backbone.layers.values())
-
-    @property
-    def hidden_size(self) -> int:
-        return self.args.d_model
