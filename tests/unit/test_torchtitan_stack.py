@@ -69,13 +69,24 @@ def test_side_by_side_groups_share_seq_and_batch_and_cover_every_precision():
     from bench import transformer as transformer_bench
 
     cases = transformer_bench.side_by_side_cases()
-    assert {c.flavour for c in cases} == {"llama-1b", "llama-3b"} <= set(torchtitan_stack.TORCHTITAN_FLAVOURS)
-    wanted = {(stack, p) for stack in ("anytrain", "torchtitan") for p in ("bf16", "fp8-tensorwise", "fp8-rowwise")}
-    for group in {c.group for c in cases}:
-        rows = [c for c in cases if c.group == group]
+    titan = [c for c in cases if c.flavour in ("llama-1b", "llama-3b")]
+    assert {c.flavour for c in titan} == {"llama-1b", "llama-3b"} <= set(torchtitan_stack.TORCHTITAN_FLAVOURS)
+    precisions = ("bf16", "fp8-tensorwise", "fp8-rowwise")
+    wanted = {(stack, p) for stack in ("anytrain", "torchtitan") for p in precisions}
+    wanted |= {("hf-compile", p) for p in precisions[1:]}
+    for group in {c.group for c in titan}:
+        rows = [c for c in titan if c.group == group]
         assert len({(c.flavour, c.seq, c.global_batch) for c in rows}) == 1  # same tokens per step
         assert all(c.global_batch % c.micro == 0 for c in rows)
-        assert wanted | {("hf-compile", "fp8-rowwise")} == {(c.stack, c.precision) for c in rows}
+        assert wanted == {(c.stack, c.precision) for c in rows}
+    # the 1.1B recipe's shape: anytrain FP8 beside its bf16 recipe row (default_cases) and HF + torchao, no torchtitan
+    small = [c for c in cases if c.flavour == "1.1b"]
+    assert {(c.stack, c.precision) for c in small} == {
+        (s, p) for s in ("anytrain", "hf-compile") for p in precisions[1:]
+    }
+    assert {(c.seq, c.global_batch) for c in small} == {(2048, 32)}
+    recipe = [c for c in transformer_bench.default_cases() if c.label == "anytrain recipe (configs/1.1b.yaml)"]
+    assert [(c.group, c.micro) for c in recipe] == [(c.group, c.micro) for c in small if c.stack == "anytrain"][:1]
 
 
 def test_ratios_compare_rows_of_the_same_precision():
