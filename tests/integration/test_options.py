@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import numpy as np
@@ -186,9 +187,10 @@ def test_attention_backend_is_applied_before_the_model_is_built(small_data, tmp_
     calls = []
     built = build_module.get_spec
 
-    def spy_spec(arch):
-        calls.append("build")
-        return built(arch)
+    def spy_spec(arch):  # the spec whose build() makes the model records when it runs
+        spec = built(arch)
+        make = spec.build
+        return dataclasses.replace(spec, build=lambda args: calls.append("build") or make(args))
 
     monkeypatch.setattr(hardware, "set_attention_backend", lambda name: calls.append(name) or [])
     monkeypatch.setattr(build_module, "get_spec", spy_spec)
