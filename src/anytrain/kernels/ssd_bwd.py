@@ -28,7 +28,27 @@ import triton
 import triton.language as tl
 
 from anytrain.kernels.selective_scan_common import _softplus_grad
-from anytrain.kernels.ssd_fwd import _chunk_program, _decay, _dot, _last_in_chunk
+from anytrain.kernels.ssd_fwd import (
+    _cb_base,
+    _chunk_program,
+    _decay,
+    _doc_before,
+    _doc_last,
+    _doc_of,
+    _dot,
+    _dot_over_n,
+    _head_block,
+    _head_program,
+    _last_in_chunk,
+    _positions,
+    _row_load,
+    _row_start,
+    _split_pid,
+    _square_tile,
+    _state_base,
+    _store_state_tile,
+    _tile,
+)
 
 
 @triton.jit
@@ -83,30 +103,22 @@ def _ssd_bwd_dstate_kernel(
     # programs of the first n tile into contiguous (b, L, h, p) buffers); the (BP, BN) tile of
     # dH_c = sum_l exp(cs_l) dy_l^T C_l (positions of the entering state's document). Grid (b * chunks, h,
     # cdiv(p, BP) * cdiv(n, BN)).
-    b, c = _chunk_program(nchunks)
-    hh = tl.program_id(1)
-    g = hh // heads_per_group
-    nnb = tl.cdiv(dstate, BN)
-    nb = tl.program_id(2) % nnb
-    offs_p = (tl.program_id(2) // nnb) * BP + tl.arange(0, BP)
+    b, c, hh, g = _head_program(nchunks, heads_per_group)
+    pb, nb, _ = _split_pid(dstate, BN)
+    offs_p = pb * BP + tl.arange(0, BP)
     offs_n = nb * BN + tl.arange(0, BN)
     mp, mn = offs_p < headdim, offs_n < dstate
-    row = ((b * nheads + hh) * nchunks + c) * chunk
+    row = _row_start(b, hh, nheads, nchunks, c, chunk)
     if HAS_SEQ:
-        seq_prev = tl.load(seq_ptr + b * s_seq_b + tl.maximum(c * chunk - 1, 0))
+        seq_prev = _doc_before(seq_ptr, b, s_seq_b, c, chunk)
     acc = tl.zeros((BP, BN), dtype=ACC)
     for l0 in range(0, chunk, BL):
         offs_l = l0 + tl.arange(0, BL)
-        pos_l = c * chunk + offs_l
-        ml = (offs_l < chunk) & (pos_l < seqlen)
+        pos_l, ml = _positions(c, chunk, offs_l, seqlen)
         m = ml[:, None] & mp[None, :]
-        dy = tl.load(
-            dout_ptr + b * s_o_b + hh * s_o_h + pos_l[:, None] * s_o_l + offs_p[None, :] * s_o_p, mask=m, other=0.0
-        ).to(ACC)
+        dy = _tile(dout_ptr + b * s_o_b + hh * s_o_h, pos_l, s_o_l, offs_p, s_o_p, ml, mp).to(ACC)
         if HAS_Z:
-            zt = tl.load(
-                z_ptr + b * s_z_b + hh * s_z_h + pos_l[:, None] * s_z_l + offs_p[None, :] * s_z_p, mask=m, other=0.0
-            ).to(ACC)
+            zt = _tile(z_ptr + b * s_z_b + hh * s_z_h, pos_l, s_z_l, offs_p, s_z_p, ml, mp).to(ACC)
             offs = ((b * seqlen + pos_l[:, None]) * nheads + hh) * headdim + offs_p[None, :]
             sig = 1.0 / (1.0 + tl.exp(-zt))
             yt = tl.load(ypre_ptr + offs, mask=m, other=0.0).to(ACC)
@@ -116,16 +128,12 @@ def _ssd_bwd_dstate_kernel(
             tl.store(dy_ptr + offs, dy.to(dy_ptr.dtype.element_ty), mask=first)
         keep = ml
         if HAS_SEQ:
-            keep &= tl.load(seq_ptr + b * s_seq_b + pos_l, mask=ml, other=-1) == seq_prev
-        scale = tl.where(keep, tl.exp(tl.load(cs_ptr + row + offs_l, mask=offs_l < chunk, other=0.0)), 0.0)
-        ct = tl.load(
-            C_ptr + b * s_c_b + g * s_c_g + pos_l[:, None] * s_c_l + offs_n[None, :],
-            mask=ml[:, None] & mn[None, :],
-            other=0.0,
-        ).to(ACC)
+            keep &= _doc_of(seq_ptr, b, s_seq_b, pos_l, ml) == seq_prev
+        scale = tl.where(keep, tl.exp(_row_load(cs_ptr + row, offs_l, chunk)), 0.0)
+        ct = _tile(C_ptr + b * s_c_b + g * s_c_g, pos_l, s_c_l, offs_n, 1, ml, mn).to(ACC)
         acc += _dot(tl.trans(dy.to(DOT)), (ct * scale[:, None]).to(DOT), IEEE)
-    out = dH_ptr + ((b * nchunks + c) * nheads + hh) * headdim * dstate
-    tl.store(out + offs_p[:, None] * dstate + offs_n[None, :], acc, mask=mp[:, None] & mn[None, :])
+    out = _state_base(dH_ptr, b, c, nchunks, nheads, hh, headdim, dstate)
+    _store_state_tile(out, acc, offs_p, offs_n, mp, mn, dstate)
 
 
 @triton.jit
@@ -217,38 +225,33 @@ def _ssd_bwd_dcb_kernel(
         return
     offs_l = i * BT + tl.arange(0, BT)
     offs_s = j * BT + tl.arange(0, BT)
-    pos_l, pos_s = c * chunk + offs_l, c * chunk + offs_s
-    ml = (offs_l < chunk) & (pos_l < seqlen)
-    ms = (offs_s < chunk) & (pos_s < seqlen)
+    pos_l, ml = _positions(c, chunk, offs_l, seqlen)
+    pos_s, ms = _positions(c, chunk, offs_s, seqlen)
     keep = (offs_s[None, :] <= offs_l[:, None]) & ml[:, None] & ms[None, :]
     if HAS_SEQ:
-        seq_l = tl.load(seq_ptr + b * s_seq_b + pos_l, mask=ml, other=-1)
-        keep &= tl.load(seq_ptr + b * s_seq_b + pos_s, mask=ms, other=-1)[None, :] == seq_l[:, None]
+        seq_l = _doc_of(seq_ptr, b, s_seq_b, pos_l, ml)
+        keep &= _doc_of(seq_ptr, b, s_seq_b, pos_s, ms)[None, :] == seq_l[:, None]
     ngroups = nheads // heads_per_group
     tile = offs_l[:, None] * chunk + offs_s[None, :]
     in_tile = (offs_l < chunk)[:, None] & (offs_s < chunk)[None, :]
-    cb = tl.load(cb_ptr + ((b * nchunks + c) * ngroups + g) * chunk * chunk + tile, mask=in_tile, other=0.0)
+    cb = _square_tile(_cb_base(cb_ptr, b, c, nchunks, ngroups, g, chunk), offs_l, offs_s, chunk, False)
     acc = tl.zeros((BT, BT), dtype=ACC)
     for hh in range(h0, h1):
         d1 = tl.zeros((BT, BT), dtype=ACC)
         for p0 in range(0, headdim, BP):
             offs_p = p0 + tl.arange(0, BP)
             mp = offs_p < headdim
-            dyt = tl.load(
-                dy_ptr + b * s_y_b + hh * s_y_h + pos_l[:, None] * s_y_l + offs_p[None, :] * s_y_p,
-                mask=ml[:, None] & mp[None, :],
-                other=0.0,
-            ).to(DOT)
+            dyt = _tile(dy_ptr + b * s_y_b + hh * s_y_h, pos_l, s_y_l, offs_p, s_y_p, ml, mp).to(DOT)
             xt = tl.load(
                 x_ptr + b * s_x_b + hh * s_x_h + pos_s[None, :] * s_x_l + offs_p[:, None] * s_x_p,
                 mask=ms[None, :] & mp[:, None],
                 other=0.0,
             ).to(DOT)  # (BP, BT): x_s transposed
             d1 += _dot(dyt, xt, IEEE)
-        row = ((b * nheads + hh) * nchunks + c) * chunk
-        cs_l = tl.load(cs_ptr + row + offs_l, mask=offs_l < chunk, other=0.0)
-        cs_s = tl.load(cs_ptr + row + offs_s, mask=offs_s < chunk, other=0.0)
-        dl_s = tl.load(delta_ptr + row + offs_s, mask=offs_s < chunk, other=0.0)
+        row = _row_start(b, hh, nheads, nchunks, c, chunk)
+        cs_l = _row_load(cs_ptr + row, offs_l, chunk)
+        cs_s = _row_load(cs_ptr + row, offs_s, chunk)
+        dl_s = _row_load(delta_ptr + row, offs_s, chunk)
         dcb = d1 * _decay(cs_l[:, None], cs_s[None, :], keep) * dl_s[None, :]
         acc += dcb
         grad = dcb * cb
@@ -311,64 +314,47 @@ def _ssd_bwd_dx_kernel(
     # positions s of tile j of a (b, chunk, head), all of p (BP >= p): dx̃ from the later positions of the chunk and
     # from the end state's gradient; dx (contiguous (b, L, h, p)), x · dx̃ and q into (b, h, chunks, Q), the tile's
     # sum of dy · x into dD's partials (b, chunks, tiles, h, p). Grid (b * chunks, h, tiles).
-    b, c = _chunk_program(nchunks)
-    hh = tl.program_id(1)
-    g = hh // heads_per_group
+    b, c, hh, g = _head_program(nchunks, heads_per_group)
     j = tl.program_id(2)
     nt = tl.num_programs(2)
     offs_s = j * BT + tl.arange(0, BT)
     offs_p = tl.arange(0, BP)
-    pos_s = c * chunk + offs_s
-    ms = (offs_s < chunk) & (pos_s < seqlen)
+    pos_s, ms = _positions(c, chunk, offs_s, seqlen)
     mp = offs_p < headdim
-    row = ((b * nheads + hh) * nchunks + c) * chunk
-    cs_s = tl.load(cs_ptr + row + offs_s, mask=offs_s < chunk, other=0.0)
-    dl_s = tl.load(delta_ptr + row + offs_s, mask=offs_s < chunk, other=0.0)
+    row = _row_start(b, hh, nheads, nchunks, c, chunk)
+    cs_s = _row_load(cs_ptr + row, offs_s, chunk)
+    dl_s = _row_load(delta_ptr + row, offs_s, chunk)
     last = _last_in_chunk(c, chunk, seqlen)
     keep_end = ms
     if HAS_SEQ:
-        seq_s = tl.load(seq_ptr + b * s_seq_b + pos_s, mask=ms, other=-1)
-        keep_end &= seq_s == tl.load(seq_ptr + b * s_seq_b + c * chunk + last)
+        seq_s = _doc_of(seq_ptr, b, s_seq_b, pos_s, ms)
+        keep_end &= seq_s == _doc_last(seq_ptr, b, s_seq_b, c, chunk, last)
     # the end state's part: (BT, n) @ (n, BP)
     B_base = B_ptr + b * s_b_b + g * s_b_g + pos_s[:, None] * s_b_l
-    dS_base = dS_ptr + ((b * nchunks + c) * nheads + hh) * headdim * dstate + offs_p[None, :] * dstate
-    from_end = tl.zeros((BT, BP), dtype=ACC)
-    for n0 in range(0, dstate, BN):
-        offs_n = n0 + tl.arange(0, BN)
-        mn = offs_n < dstate
-        bt = tl.load(B_base + offs_n[None, :], mask=ms[:, None] & mn[None, :], other=0.0).to(DOT)
-        dst = tl.load(dS_base + offs_n[:, None], mask=mn[:, None] & mp[None, :], other=0.0).to(DOT)
-        from_end += _dot(bt, dst, IEEE)
+    dS_base = _state_base(dS_ptr, b, c, nchunks, nheads, hh, headdim, dstate) + offs_p[None, :] * dstate
+    from_end = _dot_over_n(B_base, ms, dS_base, mp, dstate, BT, BP, BN, DOT, IEEE, ACC)
     from_end = from_end * _decay(tl.load(cs_ptr + row + last), cs_s, keep_end)[:, None]
     # the later positions of the chunk: (BT_s, BT_l) @ (BT_l, BP)
     ngroups = nheads // heads_per_group
-    cb_base = cb_ptr + ((b * nchunks + c) * ngroups + g) * chunk * chunk
+    cb_base = _cb_base(cb_ptr, b, c, nchunks, ngroups, g, chunk)
     dy_base = dy_ptr + b * s_y_b + hh * s_y_h
     acc = from_end
     for l0 in range(j * BT, chunk, BT):
         offs_l = l0 + tl.arange(0, BT)
-        pos_l = c * chunk + offs_l
-        ml = (offs_l < chunk) & (pos_l < seqlen)
+        pos_l, ml = _positions(c, chunk, offs_l, seqlen)
         keep = (offs_l[None, :] >= offs_s[:, None]) & ml[None, :] & ms[:, None]
         if HAS_SEQ:
-            keep &= tl.load(seq_ptr + b * s_seq_b + pos_l, mask=ml, other=-1)[None, :] == seq_s[:, None]
-        cbt = tl.load(
-            cb_base + offs_l[None, :] * chunk + offs_s[:, None],
-            mask=(offs_l < chunk)[None, :] & (offs_s < chunk)[:, None],
-            other=0.0,
-        )  # (BT_s, BT_l): CB[l, s]
-        cs_l = tl.load(cs_ptr + row + offs_l, mask=offs_l < chunk, other=0.0)
+            keep &= _doc_of(seq_ptr, b, s_seq_b, pos_l, ml)[None, :] == seq_s[:, None]
+        cbt = _square_tile(cb_base, offs_l, offs_s, chunk, True)  # (BT_s, BT_l): CB[l, s]
+        cs_l = _row_load(cs_ptr + row, offs_l, chunk)
         mt = cbt * _decay(cs_l[None, :], cs_s[:, None], keep)
-        dyt = tl.load(
-            dy_base + pos_l[:, None] * s_y_l + offs_p[None, :] * s_y_p, mask=ml[:, None] & mp[None, :], other=0.0
-        )
+        dyt = _tile(dy_base, pos_l, s_y_l, offs_p, s_y_p, ml, mp)
         acc += _dot(mt.to(DOT), dyt.to(DOT), IEEE)
     m = ms[:, None] & mp[None, :]
-    xs = tl.load(x_ptr + b * s_x_b + hh * s_x_h + pos_s[:, None] * s_x_l + offs_p[None, :] * s_x_p, mask=m, other=0.0)
-    xs = xs.to(ACC)
+    xs = _tile(x_ptr + b * s_x_b + hh * s_x_h, pos_s, s_x_l, offs_p, s_x_p, ms, mp).to(ACC)
     dx = acc * dl_s[:, None]
     if HAS_D:
-        dys = tl.load(dy_base + pos_s[:, None] * s_y_l + offs_p[None, :] * s_y_p, mask=m, other=0.0).to(ACC)
+        dys = _tile(dy_base, pos_s, s_y_l, offs_p, s_y_p, ms, mp).to(ACC)
         if D_PER_P:
             dx += dys * tl.load(D_ptr + hh * headdim + offs_p, mask=mp, other=0.0).to(ACC)[None, :]
         else:
@@ -421,52 +407,37 @@ def _ssd_bwd_db_kernel(
     # Grid (b * chunks, g * splits, tiles * cdiv(n, BN)).
     b, c = _chunk_program(nchunks)
     g, sp, h0, h1 = _head_run(nheads, heads_per_group, nsplit, HPS)
-    nnb = tl.cdiv(dstate, BN)
-    j = tl.program_id(2) // nnb
-    offs_n = (tl.program_id(2) % nnb) * BN + tl.arange(0, BN)
+    j, nb, _ = _split_pid(dstate, BN)
+    offs_n = nb * BN + tl.arange(0, BN)
     offs_s = j * BT + tl.arange(0, BT)
-    pos_s = c * chunk + offs_s
-    ms = (offs_s < chunk) & (pos_s < seqlen)
+    pos_s, ms = _positions(c, chunk, offs_s, seqlen)
     mn = offs_n < dstate
     last = _last_in_chunk(c, chunk, seqlen)
     keep_end = ms
     if HAS_SEQ:
-        seq_s = tl.load(seq_ptr + b * s_seq_b + pos_s, mask=ms, other=-1)
-        keep_end &= seq_s == tl.load(seq_ptr + b * s_seq_b + c * chunk + last)
+        seq_s = _doc_of(seq_ptr, b, s_seq_b, pos_s, ms)
+        keep_end &= seq_s == _doc_last(seq_ptr, b, s_seq_b, c, chunk, last)
     acc = tl.zeros((BT, BN), dtype=ACC)
     for hh in range(h0, h1):
-        row = ((b * nheads + hh) * nchunks + c) * chunk
-        cs_s = tl.load(cs_ptr + row + offs_s, mask=offs_s < chunk, other=0.0)
-        w = tl.load(delta_ptr + row + offs_s, mask=offs_s < chunk, other=0.0)
+        row = _row_start(b, hh, nheads, nchunks, c, chunk)
+        cs_s = _row_load(cs_ptr + row, offs_s, chunk)
+        w = _row_load(delta_ptr + row, offs_s, chunk)
         w = w * _decay(tl.load(cs_ptr + row + last), cs_s, keep_end)
-        dS_base = dS_ptr + ((b * nchunks + c) * nheads + hh) * headdim * dstate + offs_n[None, :]
+        dS_base = _state_base(dS_ptr, b, c, nchunks, nheads, hh, headdim, dstate) + offs_n[None, :]
         for p0 in range(0, headdim, BP):
             offs_p = p0 + tl.arange(0, BP)
             mp = offs_p < headdim
-            xt = tl.load(
-                x_ptr + b * s_x_b + hh * s_x_h + pos_s[:, None] * s_x_l + offs_p[None, :] * s_x_p,
-                mask=ms[:, None] & mp[None, :],
-                other=0.0,
-            )
+            xt = _tile(x_ptr + b * s_x_b + hh * s_x_h, pos_s, s_x_l, offs_p, s_x_p, ms, mp)
             dst = tl.load(dS_base + offs_p[:, None] * dstate, mask=mp[:, None] & mn[None, :], other=0.0).to(DOT)
             acc += _dot((xt * w[:, None]).to(DOT), dst, IEEE)
     ngroups = nheads // heads_per_group
     if sp == 0:
-        dcb_base = dcb_ptr + ((b * nchunks + c) * ngroups + g) * chunk * chunk
+        dcb_base = _cb_base(dcb_ptr, b, c, nchunks, ngroups, g, chunk)
         for l0 in range(j * BT, chunk, BT):
             offs_l = l0 + tl.arange(0, BT)
-            pos_l = c * chunk + offs_l
-            ml = (offs_l < chunk) & (pos_l < seqlen)
-            dcbt = tl.load(
-                dcb_base + offs_l[None, :] * chunk + offs_s[:, None],
-                mask=(offs_l < chunk)[None, :] & (offs_s < chunk)[:, None],
-                other=0.0,
-            ).to(DOT)  # (BT_s, BT_l): dCB[l, s]
-            ct = tl.load(
-                C_ptr + b * s_c_b + g * s_c_g + pos_l[:, None] * s_c_l + offs_n[None, :],
-                mask=ml[:, None] & mn[None, :],
-                other=0.0,
-            ).to(DOT)
+            pos_l, ml = _positions(c, chunk, offs_l, seqlen)
+            dcbt = _square_tile(dcb_base, offs_l, offs_s, chunk, True).to(DOT)  # (BT_s, BT_l): dCB[l, s]
+            ct = _tile(C_ptr + b * s_c_b + g * s_c_g, pos_l, s_c_l, offs_n, 1, ml, mn).to(DOT)
             acc += _dot(dcbt, ct, IEEE)
     out = dB_ptr + ((sp * batch + b) * seqlen + pos_s[:, None]) * ngroups * dstate + g * dstate + offs_n[None, :]
     tl.store(out, acc.to(dB_ptr.dtype.element_ty), mask=ms[:, None] & mn[None, :])
@@ -518,57 +489,38 @@ def _ssd_bwd_dc_kernel(
     # Grid (b * chunks, g * splits, tiles * cdiv(n, BN)).
     b, c = _chunk_program(nchunks)
     g, sp, h0, h1 = _head_run(nheads, heads_per_group, nsplit, HPS)
-    nnb = tl.cdiv(dstate, BN)
-    i = tl.program_id(2) // nnb
-    nb = tl.program_id(2) % nnb
+    i, nb, nnb = _split_pid(dstate, BN)
     offs_n = nb * BN + tl.arange(0, BN)
     offs_l = i * BT + tl.arange(0, BT)
-    pos_l = c * chunk + offs_l
-    ml = (offs_l < chunk) & (pos_l < seqlen)
+    pos_l, ml = _positions(c, chunk, offs_l, seqlen)
     mn = offs_n < dstate
     keep_l = ml
     if HAS_SEQ:
-        keep_l &= tl.load(seq_ptr + b * s_seq_b + pos_l, mask=ml, other=-1) == tl.load(
-            seq_ptr + b * s_seq_b + tl.maximum(c * chunk - 1, 0)
-        )
-    C_tile = C_ptr + b * s_c_b + g * s_c_g + pos_l[:, None] * s_c_l + offs_n[None, :]
-    ct = tl.load(C_tile, mask=ml[:, None] & mn[None, :], other=0.0).to(ACC)
+        keep_l &= _doc_of(seq_ptr, b, s_seq_b, pos_l, ml) == _doc_before(seq_ptr, b, s_seq_b, c, chunk)
+    ct = _tile(C_ptr + b * s_c_b + g * s_c_g, pos_l, s_c_l, offs_n, 1, ml, mn).to(ACC)
     acc = tl.zeros((BT, BN), dtype=ACC)
     for hh in range(h0, h1):
-        row = ((b * nheads + hh) * nchunks + c) * chunk
-        H_base = H_ptr + ((b * nchunks + c) * nheads + hh) * headdim * dstate + offs_n[None, :]
+        row = _row_start(b, hh, nheads, nchunks, c, chunk)
+        H_base = _state_base(H_ptr, b, c, nchunks, nheads, hh, headdim, dstate) + offs_n[None, :]
         part = tl.zeros((BT, BN), dtype=ACC)
         for p0 in range(0, headdim, BP):
             offs_p = p0 + tl.arange(0, BP)
             mp = offs_p < headdim
-            dyt = tl.load(
-                dy_ptr + b * s_y_b + hh * s_y_h + pos_l[:, None] * s_y_l + offs_p[None, :] * s_y_p,
-                mask=ml[:, None] & mp[None, :],
-                other=0.0,
-            ).to(DOT)
+            dyt = _tile(dy_ptr + b * s_y_b + hh * s_y_h, pos_l, s_y_l, offs_p, s_y_p, ml, mp).to(DOT)
             ht = tl.load(H_base + offs_p[:, None] * dstate, mask=mp[:, None] & mn[None, :], other=0.0).to(DOT)
             part += _dot(dyt, ht, IEEE)
-        cs_l = tl.load(cs_ptr + row + offs_l, mask=offs_l < chunk, other=0.0)
+        cs_l = _row_load(cs_ptr + row, offs_l, chunk)
         part = part * tl.where(keep_l, tl.exp(cs_l), 0.0)[:, None]
         tl.store(v_ptr + (row // chunk * nnb + nb) * chunk + offs_l, tl.sum(part * ct, axis=1), mask=offs_l < chunk)
         acc += part
     ngroups = nheads // heads_per_group
     if sp == 0:
-        dcb_base = dcb_ptr + ((b * nchunks + c) * ngroups + g) * chunk * chunk
+        dcb_base = _cb_base(dcb_ptr, b, c, nchunks, ngroups, g, chunk)
         for s0 in range(0, tl.minimum(chunk, i * BT + BT), BT):
             offs_s = s0 + tl.arange(0, BT)
-            pos_s = c * chunk + offs_s
-            ms = (offs_s < chunk) & (pos_s < seqlen)
-            dcbt = tl.load(
-                dcb_base + offs_l[:, None] * chunk + offs_s[None, :],
-                mask=(offs_l < chunk)[:, None] & (offs_s < chunk)[None, :],
-                other=0.0,
-            ).to(DOT)
-            bt = tl.load(
-                B_ptr + b * s_b_b + g * s_b_g + pos_s[:, None] * s_b_l + offs_n[None, :],
-                mask=ms[:, None] & mn[None, :],
-                other=0.0,
-            ).to(DOT)
+            pos_s, ms = _positions(c, chunk, offs_s, seqlen)
+            dcbt = _square_tile(dcb_base, offs_l, offs_s, chunk, False).to(DOT)
+            bt = _tile(B_ptr + b * s_b_b + g * s_b_g, pos_s, s_b_l, offs_n, 1, ms, mn).to(DOT)
             acc += _dot(dcbt, bt, IEEE)
     out = dC_ptr + ((sp * batch + b) * seqlen + pos_l[:, None]) * ngroups * dstate + g * dstate + offs_n[None, :]
     tl.store(out, acc.to(dC_ptr.dtype.element_ty), mask=ml[:, None] & mn[None, :])
@@ -601,14 +553,7 @@ def _ssd_bwd_finish_kernel(
     # one (b, chunk, block of BH heads): da_k = sum_{l>=k} (the cs gradients of G and v at l) + sum_{s<k} q_s + u_c,
     # dΔ = x · dx̃ + A da, ddt (contiguous (b, L, h), dt's dtype), and the chunk's sums of Δ da (for dA) and of ddt
     # (for d dt_bias) into (b, chunks, h). Grid (b, chunks, cdiv(h, BH)).
-    b = tl.program_id(0).to(tl.int64)
-    c = tl.program_id(1)
-    offs_q = tl.arange(0, BQ)
-    pos = c * chunk + offs_q
-    in_chunk = offs_q < chunk
-    valid = in_chunk & (pos < seqlen)
-    offs_h = tl.program_id(2) * BH + tl.arange(0, BH)
-    mh = offs_h < nheads
+    b, c, offs_q, pos, in_chunk, valid, offs_h, mh = _head_block(seqlen, nheads, chunk, BQ, BH)
     keep = in_chunk[:, None] & mh[None, :]
     row = (b * nheads + offs_h) * nchunks + c  # (BH,)
     dcs = tl.zeros((BQ, BH), dtype=ACC)

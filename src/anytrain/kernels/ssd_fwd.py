@@ -42,6 +42,14 @@ def _chunk_program(nchunks):
 
 
 @triton.jit
+def _head_program(nchunks, heads_per_group):
+    """(b, c, head, group) of a program whose grid axes run over batch x chunks and heads."""
+    b, c = _chunk_program(nchunks)
+    hh = tl.program_id(1)
+    return b, c, hh, hh // heads_per_group
+
+
+@triton.jit
 def _last_in_chunk(c, chunk, seqlen):
     """The chunk's last position inside the sequence, relative to the chunk start."""
     return tl.minimum(chunk, seqlen - c * chunk) - 1
@@ -51,6 +59,131 @@ def _last_in_chunk(c, chunk, seqlen):
 def _decay(cs_row, cs_col, keep):
     # exp(cs_row - cs_col) where keep, else exactly 0 (exp(-inf)); masked pairs never overflow
     return tl.exp(tl.where(keep, cs_row - cs_col, float("-inf")))
+
+
+@triton.jit
+def _split_pid(size, BLOCK: tl.constexpr):
+    """(outer, inner) of a third grid axis that runs over (outer tiles) x cdiv(size, BLOCK), and cdiv(size, BLOCK)."""
+    nb = tl.cdiv(size, BLOCK)
+    return tl.program_id(2) // nb, tl.program_id(2) % nb, nb
+
+
+@triton.jit
+def _positions(c, chunk, offs, seqlen):
+    """Sequence positions of the offsets offs of chunk c, and where they lie inside both the chunk and the sequence."""
+    pos = c * chunk + offs
+    return pos, (offs < chunk) & (pos < seqlen)
+
+
+@triton.jit
+def _head_block(seqlen, nheads, chunk, BQ: tl.constexpr, BH: tl.constexpr):
+    """The positions and heads of a (b, chunk, block of BH heads) program (grid (b, chunks, cdiv(h, BH))): b, c, the
+    chunk offsets, positions, inside the chunk, inside the sequence, heads and valid heads."""
+    b = tl.program_id(0).to(tl.int64)
+    c = tl.program_id(1)
+    offs_q = tl.arange(0, BQ)
+    pos = c * chunk + offs_q
+    in_chunk = offs_q < chunk
+    valid = in_chunk & (pos < seqlen)
+    offs_h = tl.program_id(2) * BH + tl.arange(0, BH)
+    mh = offs_h < nheads
+    return b, c, offs_q, pos, in_chunk, valid, offs_h, mh
+
+
+@triton.jit
+def _row_start(b, hh, nheads, nchunks, c, chunk):
+    """Offset of the (b, head, chunk) row of a per-position (b, h, chunks, Q) buffer."""
+    return ((b * nheads + hh) * nchunks + c) * chunk
+
+
+@triton.jit
+def _row_load(ptr, offs, chunk):
+    """Offsets offs of a per-position row that starts at ptr; 0 past the chunk."""
+    return tl.load(ptr + offs, mask=offs < chunk, other=0.0)
+
+
+@triton.jit
+def _state_base(ptr, b, c, nchunks, nheads, hh, headdim, dstate):
+    """The (p, n) state of a (b, chunk, head) in a (b, chunks, h, p, n) buffer."""
+    return ptr + ((b * nchunks + c) * nheads + hh) * headdim * dstate
+
+
+@triton.jit
+def _cb_base(ptr, b, c, nchunks, ngroups, g, chunk):
+    """The (Q, Q) matrix of a (b, chunk, group) in a (b, chunks, g, Q, Q) buffer."""
+    return ptr + ((b * nchunks + c) * ngroups + g) * chunk * chunk
+
+
+@triton.jit
+def _tile(ptr, offs_r, s_r, offs_c, s_c, m_r, m_c):
+    """The (rows, columns) tile at ptr + offs_r * s_r + offs_c * s_c; 0 outside m_r x m_c."""
+    return tl.load(ptr + offs_r[:, None] * s_r + offs_c[None, :] * s_c, mask=m_r[:, None] & m_c[None, :], other=0.0)
+
+
+@triton.jit
+def _square_tile(base, offs_l, offs_s, chunk, TRANS: tl.constexpr):
+    """The (l, s) tile of a (Q, Q) matrix at base, or with TRANS its (s, l) transpose; 0 past the chunk."""
+    if TRANS:
+        return tl.load(
+            base + offs_l[None, :] * chunk + offs_s[:, None],
+            mask=(offs_l < chunk)[None, :] & (offs_s < chunk)[:, None],
+            other=0.0,
+        )
+    return tl.load(
+        base + offs_l[:, None] * chunk + offs_s[None, :],
+        mask=(offs_l < chunk)[:, None] & (offs_s < chunk)[None, :],
+        other=0.0,
+    )
+
+
+@triton.jit
+def _doc_of(seq_ptr, b, s_seq_b, pos, m):
+    """The documents of positions pos of sequence b (-1 outside m)."""
+    return tl.load(seq_ptr + b * s_seq_b + pos, mask=m, other=-1)
+
+
+@triton.jit
+def _doc_before(seq_ptr, b, s_seq_b, c, chunk):
+    """The document of the position before chunk c (of position 0 for the first chunk): the entering state's."""
+    return tl.load(seq_ptr + b * s_seq_b + tl.maximum(c * chunk - 1, 0))
+
+
+@triton.jit
+def _doc_last(seq_ptr, b, s_seq_b, c, chunk, last):
+    """The document of the chunk's last position inside the sequence: the end state's."""
+    return tl.load(seq_ptr + b * s_seq_b + c * chunk + last)
+
+
+@triton.jit
+def _dot_over_n(
+    a_base,
+    m_a,
+    b_base,
+    m_b,
+    dstate,
+    BA: tl.constexpr,
+    BB: tl.constexpr,
+    BN: tl.constexpr,
+    DOT: tl.constexpr,
+    IEEE: tl.constexpr,
+    ACC: tl.constexpr,
+):
+    """sum over the dstate columns n of (a_base + n)[a, n] (b_base + n)[n, b]: a (BA, BB) product in ACC whose
+    operands are masked by m_a (rows of a) and m_b (columns of b)."""
+    acc = tl.zeros((BA, BB), dtype=ACC)
+    for n0 in range(0, dstate, BN):
+        offs_n = n0 + tl.arange(0, BN)
+        mn = offs_n < dstate
+        at = tl.load(a_base + offs_n[None, :], mask=m_a[:, None] & mn[None, :], other=0.0).to(DOT)
+        bt = tl.load(b_base + offs_n[:, None], mask=mn[:, None] & m_b[None, :], other=0.0).to(DOT)
+        acc += _dot(at, bt, IEEE)
+    return acc
+
+
+@triton.jit
+def _store_state_tile(out, acc, offs_p, offs_n, mp, mn, dstate):
+    """Store a (BP, BN) tile of a (p, n) state at out."""
+    tl.store(out + offs_p[:, None] * dstate + offs_n[None, :], acc, mask=mp[:, None] & mn[None, :])
 
 
 @triton.jit
@@ -79,14 +212,7 @@ def _ssd_cumsum_kernel(
 ):
     # one (b, chunk, block of BH heads): Δ, cs = cumsum(Δ A) over the chunk, and γ = exp(cs_E) (0 across a document
     # start). Grid (b, chunks, cdiv(h, BH)).
-    b = tl.program_id(0).to(tl.int64)
-    c = tl.program_id(1)
-    offs_q = tl.arange(0, BQ)
-    pos = c * chunk + offs_q
-    in_chunk = offs_q < chunk
-    valid = in_chunk & (pos < seqlen)
-    offs_h = tl.program_id(2) * BH + tl.arange(0, BH)
-    mh = offs_h < nheads
+    b, c, offs_q, pos, in_chunk, valid, offs_h, mh = _head_block(seqlen, nheads, chunk, BQ, BH)
     m = valid[:, None] & mh[None, :]
     dt = tl.load(dt_ptr + b * s_dt_b + pos[:, None] * s_dt_l + offs_h[None, :] * s_dt_h, mask=m, other=0.0).to(ACC)
     if HAS_BIAS:
@@ -104,9 +230,8 @@ def _ssd_cumsum_kernel(
     last = _last_in_chunk(c, chunk, seqlen)
     gamma = tl.exp(tl.sum(tl.where(offs_q[:, None] == last, cs, 0.0), axis=0))  # (BH,)
     if HAS_SEQ:
-        seq_last = tl.load(seq_ptr + b * s_seq_b + c * chunk + last)
-        seq_prev = tl.load(seq_ptr + b * s_seq_b + tl.maximum(c * chunk - 1, 0))
-        gamma = tl.where(seq_last == seq_prev, gamma, 0.0)
+        seq_last = _doc_last(seq_ptr, b, s_seq_b, c, chunk, last)
+        gamma = tl.where(seq_last == _doc_before(seq_ptr, b, s_seq_b, c, chunk), gamma, 0.0)
     tl.store(gamma_ptr + row, gamma, mask=mh)
 
 
@@ -136,21 +261,15 @@ def _ssd_bmm_kernel(
     # Grid (b * chunks, groups, cdiv(Q, BL) * cdiv(Q, BS)).
     b, c = _chunk_program(nchunks)
     g = tl.program_id(1)
-    nsb = tl.cdiv(chunk, BS)
-    offs_l = (tl.program_id(2) // nsb) * BL + tl.arange(0, BL)
-    offs_s = (tl.program_id(2) % nsb) * BS + tl.arange(0, BS)
-    ml = (offs_l < chunk) & (c * chunk + offs_l < seqlen)
-    ms = (offs_s < chunk) & (c * chunk + offs_s < seqlen)
-    C_base = C_ptr + b * s_c_b + g * s_c_g + (c * chunk + offs_l)[:, None] * s_c_l
-    B_base = B_ptr + b * s_b_b + g * s_b_g + (c * chunk + offs_s)[None, :] * s_b_l
-    acc = tl.zeros((BL, BS), dtype=ACC)
-    for n0 in range(0, dstate, BN):
-        offs_n = n0 + tl.arange(0, BN)
-        mn = offs_n < dstate
-        ct = tl.load(C_base + offs_n[None, :], mask=ml[:, None] & mn[None, :], other=0.0).to(DOT)  # (BL, BN)
-        bt = tl.load(B_base + offs_n[:, None], mask=ms[None, :] & mn[:, None], other=0.0).to(DOT)  # (BN, BS)
-        acc += _dot(ct, bt, IEEE)
-    out = cb_ptr + ((b * nchunks + c) * tl.num_programs(1) + g) * chunk * chunk
+    lb, sb, _ = _split_pid(chunk, BS)
+    offs_l = lb * BL + tl.arange(0, BL)
+    offs_s = sb * BS + tl.arange(0, BS)
+    pos_l, ml = _positions(c, chunk, offs_l, seqlen)
+    pos_s, ms = _positions(c, chunk, offs_s, seqlen)
+    C_base = C_ptr + b * s_c_b + g * s_c_g + pos_l[:, None] * s_c_l  # (BL, n)
+    B_base = B_ptr + b * s_b_b + g * s_b_g + pos_s[None, :] * s_b_l  # (n, BS)
+    acc = _dot_over_n(C_base, ml, B_base, ms, dstate, BL, BS, BN, DOT, IEEE, ACC)
+    out = _cb_base(cb_ptr, b, c, nchunks, tl.num_programs(1), g, chunk)
     tl.store(
         out + offs_l[:, None] * chunk + offs_s[None, :], acc, mask=(offs_l < chunk)[:, None] & (offs_s < chunk)[None, :]
     )
@@ -189,41 +308,30 @@ def _ssd_chunk_state_kernel(
 ):
     # one (BP, BN) tile of S_c = sum_s exp(cs_E - cs_s) Δ_s x_s B_s^T (positions of E's document only) for a
     # (b, chunk, head). Grid (b * chunks, h, cdiv(p, BP) * cdiv(n, BN)).
-    b, c = _chunk_program(nchunks)
-    hh = tl.program_id(1)
-    g = hh // heads_per_group
-    nnb = tl.cdiv(dstate, BN)
-    offs_p = (tl.program_id(2) // nnb) * BP + tl.arange(0, BP)
-    offs_n = (tl.program_id(2) % nnb) * BN + tl.arange(0, BN)
+    b, c, hh, g = _head_program(nchunks, heads_per_group)
+    pb, nb, _ = _split_pid(dstate, BN)
+    offs_p = pb * BP + tl.arange(0, BP)
+    offs_n = nb * BN + tl.arange(0, BN)
     mp, mn = offs_p < headdim, offs_n < dstate
-    row = ((b * nheads + hh) * nchunks + c) * chunk
+    row = _row_start(b, hh, nheads, nchunks, c, chunk)
     last = _last_in_chunk(c, chunk, seqlen)
     cs_last = tl.load(cs_ptr + row + last)
     if HAS_SEQ:
-        seq_last = tl.load(seq_ptr + b * s_seq_b + c * chunk + last)
+        seq_last = _doc_last(seq_ptr, b, s_seq_b, c, chunk, last)
     acc = tl.zeros((BP, BN), dtype=ACC)
     for k0 in range(0, chunk, BK):
         offs_k = k0 + tl.arange(0, BK)
-        pos = c * chunk + offs_k
-        mk = (offs_k < chunk) & (pos < seqlen)
-        xt = tl.load(
-            x_ptr + b * s_x_b + hh * s_x_h + pos[:, None] * s_x_l + offs_p[None, :] * s_x_p,
-            mask=mk[:, None] & mp[None, :],
-            other=0.0,
-        )  # (BK, BP)
-        bt = tl.load(
-            B_ptr + b * s_b_b + g * s_b_g + pos[:, None] * s_b_l + offs_n[None, :],
-            mask=mk[:, None] & mn[None, :],
-            other=0.0,
-        )  # (BK, BN)
+        pos, mk = _positions(c, chunk, offs_k, seqlen)
+        xt = _tile(x_ptr + b * s_x_b + hh * s_x_h, pos, s_x_l, offs_p, s_x_p, mk, mp)  # (BK, BP)
+        bt = _tile(B_ptr + b * s_b_b + g * s_b_g, pos, s_b_l, offs_n, 1, mk, mn)  # (BK, BN)
         keep = mk
         if HAS_SEQ:
-            keep &= tl.load(seq_ptr + b * s_seq_b + pos, mask=mk, other=-1) == seq_last
+            keep &= _doc_of(seq_ptr, b, s_seq_b, pos, mk) == seq_last
         cs = tl.load(cs_ptr + row + offs_k, mask=mk, other=0.0)
         w = tl.load(delta_ptr + row + offs_k, mask=mk, other=0.0) * _decay(cs_last, cs, keep)  # (BK,)
         acc += _dot(tl.trans((xt * w[:, None]).to(DOT)), bt.to(DOT), IEEE)
-    out = S_ptr + ((b * nchunks + c) * nheads + hh) * headdim * dstate
-    tl.store(out + offs_p[:, None] * dstate + offs_n[None, :], acc, mask=mp[:, None] & mn[None, :])
+    out = _state_base(S_ptr, b, c, nchunks, nheads, hh, headdim, dstate)
+    _store_state_tile(out, acc, offs_p, offs_n, mp, mn, dstate)
 
 
 @triton.jit
@@ -308,58 +416,42 @@ def _ssd_chunk_scan_fwd_kernel(
     # chunk's own inputs sum_{s<=l} CB[l, s] exp(cs_l - cs_s) Δ_s x_s, + D x, then · silu(z). ``out`` and ``ypre``
     # (y before the gate, kept for the backward when STORE_Y) are contiguous (b, L, h, p).
     # Grid (b * chunks, h, cdiv(Q, BL) * cdiv(p, BP)).
-    b, c = _chunk_program(nchunks)
-    hh = tl.program_id(1)
-    g = hh // heads_per_group
-    npb = tl.cdiv(headdim, BP)
-    l0 = (tl.program_id(2) // npb) * BL
+    b, c, hh, g = _head_program(nchunks, heads_per_group)
+    lb, pb, _ = _split_pid(headdim, BP)
+    l0 = lb * BL
     offs_l = l0 + tl.arange(0, BL)
-    offs_p = (tl.program_id(2) % npb) * BP + tl.arange(0, BP)
-    pos_l = c * chunk + offs_l
-    ml = (offs_l < chunk) & (pos_l < seqlen)
+    offs_p = pb * BP + tl.arange(0, BP)
+    pos_l, ml = _positions(c, chunk, offs_l, seqlen)
     mp = offs_p < headdim
-    row = ((b * nheads + hh) * nchunks + c) * chunk
-    cs_l = tl.load(cs_ptr + row + offs_l, mask=offs_l < chunk, other=0.0)
+    row = _row_start(b, hh, nheads, nchunks, c, chunk)
+    cs_l = _row_load(cs_ptr + row, offs_l, chunk)
     keep_l = ml
     if HAS_SEQ:
-        seq_l = tl.load(seq_ptr + b * s_seq_b + pos_l, mask=ml, other=-1)
-        keep_l &= seq_l == tl.load(seq_ptr + b * s_seq_b + tl.maximum(c * chunk - 1, 0))
+        seq_l = _doc_of(seq_ptr, b, s_seq_b, pos_l, ml)
+        keep_l &= seq_l == _doc_before(seq_ptr, b, s_seq_b, c, chunk)
     # the entering state: (BL, n) @ (n, BP)
     C_base = C_ptr + b * s_c_b + g * s_c_g + pos_l[:, None] * s_c_l
-    H_base = H_ptr + ((b * nchunks + c) * nheads + hh) * headdim * dstate + offs_p[None, :] * dstate
-    acc = tl.zeros((BL, BP), dtype=ACC)
-    for n0 in range(0, dstate, BN):
-        offs_n = n0 + tl.arange(0, BN)
-        mn = offs_n < dstate
-        ct = tl.load(C_base + offs_n[None, :], mask=ml[:, None] & mn[None, :], other=0.0).to(DOT)
-        ht = tl.load(H_base + offs_n[:, None], mask=mn[:, None] & mp[None, :], other=0.0).to(DOT)
-        acc += _dot(ct, ht, IEEE)
+    H_base = _state_base(H_ptr, b, c, nchunks, nheads, hh, headdim, dstate) + offs_p[None, :] * dstate
+    acc = _dot_over_n(C_base, ml, H_base, mp, dstate, BL, BP, BN, DOT, IEEE, ACC)
     acc = acc * tl.where(keep_l, tl.exp(cs_l), 0.0)[:, None]
     # the chunk's own inputs: (BL, BS) @ (BS, BP) for s up to the tile's last row
-    cb_base = cb_ptr + ((b * nchunks + c) * (nheads // heads_per_group) + g) * chunk * chunk
+    cb_base = _cb_base(cb_ptr, b, c, nchunks, nheads // heads_per_group, g, chunk)
     x_base = x_ptr + b * s_x_b + hh * s_x_h
     for s0 in range(0, tl.minimum(chunk, l0 + BL), BS):
         offs_s = s0 + tl.arange(0, BS)
-        pos_s = c * chunk + offs_s
-        ms = (offs_s < chunk) & (pos_s < seqlen)
+        pos_s, ms = _positions(c, chunk, offs_s, seqlen)
         keep = (offs_s[None, :] <= offs_l[:, None]) & ms[None, :] & ml[:, None]
         if HAS_SEQ:
-            keep &= tl.load(seq_ptr + b * s_seq_b + pos_s, mask=ms, other=-1)[None, :] == seq_l[:, None]
-        cb = tl.load(
-            cb_base + offs_l[:, None] * chunk + offs_s[None, :],
-            mask=(offs_l < chunk)[:, None] & (offs_s < chunk)[None, :],
-            other=0.0,
-        )
-        cs_s = tl.load(cs_ptr + row + offs_s, mask=offs_s < chunk, other=0.0)
-        dl_s = tl.load(delta_ptr + row + offs_s, mask=offs_s < chunk, other=0.0)
+            keep &= _doc_of(seq_ptr, b, s_seq_b, pos_s, ms)[None, :] == seq_l[:, None]
+        cb = _square_tile(cb_base, offs_l, offs_s, chunk, False)
+        cs_s = _row_load(cs_ptr + row, offs_s, chunk)
+        dl_s = _row_load(delta_ptr + row, offs_s, chunk)
         w = cb * _decay(cs_l[:, None], cs_s[None, :], keep) * dl_s[None, :]
-        xs = tl.load(
-            x_base + pos_s[:, None] * s_x_l + offs_p[None, :] * s_x_p, mask=ms[:, None] & mp[None, :], other=0.0
-        )
+        xs = _tile(x_base, pos_s, s_x_l, offs_p, s_x_p, ms, mp)
         acc += _dot(w.to(DOT), xs.to(DOT), IEEE)
     m = ml[:, None] & mp[None, :]
     if HAS_D:
-        xl = tl.load(x_base + pos_l[:, None] * s_x_l + offs_p[None, :] * s_x_p, mask=m, other=0.0).to(ACC)
+        xl = _tile(x_base, pos_l, s_x_l, offs_p, s_x_p, ml, mp).to(ACC)
         if D_PER_P:
             acc += xl * tl.load(D_ptr + hh * headdim + offs_p, mask=mp, other=0.0).to(ACC)[None, :]
         else:
@@ -368,8 +460,6 @@ def _ssd_chunk_scan_fwd_kernel(
     if HAS_Z:
         if STORE_Y:
             tl.store(ypre_ptr + out_offs, acc.to(ypre_ptr.dtype.element_ty), mask=m)
-        zt = tl.load(
-            z_ptr + b * s_z_b + hh * s_z_h + pos_l[:, None] * s_z_l + offs_p[None, :] * s_z_p, mask=m, other=0.0
-        ).to(ACC)
+        zt = _tile(z_ptr + b * s_z_b + hh * s_z_h, pos_l, s_z_l, offs_p, s_z_p, ml, mp).to(ACC)
         acc = acc * zt / (1.0 + tl.exp(-zt))
     tl.store(out_ptr + out_offs, acc.to(out_ptr.dtype.element_ty), mask=m)

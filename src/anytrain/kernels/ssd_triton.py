@@ -155,6 +155,12 @@ def _seq_args(seq: Tensor | None, like: Tensor) -> tuple[Tensor, int]:
     return (seq, seq.stride(0)) if seq is not None else (like, 0)
 
 
+def _head_blocks(chunk: int, nheads: int) -> tuple[int, int]:
+    """(BQ, BH) of the per-(b, chunk, block of heads) kernels: the whole chunk and up to 4096 // BQ heads."""
+    BQ = triton.next_power_of_2(chunk)
+    return BQ, max(1, min(triton.next_power_of_2(nheads), 4096 // BQ))
+
+
 def _decays(sh: _Shape, dt: Tensor, A: Tensor, dt_bias: Tensor | None, softplus: bool, seq: Tensor | None):
     """Δ and cs (b, h, chunks, Q) and γ (b, h, chunks), in the accumulation dtype."""
     b, h, nc, Q = sh.batch, sh.nheads, sh.nchunks, sh.chunk
@@ -162,8 +168,7 @@ def _decays(sh: _Shape, dt: Tensor, A: Tensor, dt_bias: Tensor | None, softplus:
     cs = torch.empty_like(delta)
     gamma = torch.empty((b, h, nc), device=dt.device, dtype=sh.acc)
     seq_t, s_seq = _seq_args(seq, dt)
-    BQ = triton.next_power_of_2(Q)
-    BH = max(1, min(triton.next_power_of_2(h), 4096 // BQ))
+    BQ, BH = _head_blocks(Q, h)
     launch(
         _ssd_cumsum_kernel,
         (b, nc, triton.cdiv(h, BH)),
@@ -417,34 +422,33 @@ def _backward(dout, dfinal, x, dt, A, B, C, chunk, D, z, dt_bias, softplus, seq,
     dcb = torch.empty((nsplit, b, nc, g, Q, Q), device=dev, dtype=acc)
     dcs = torch.empty((b, h, nc, nt, Q), device=dev, dtype=acc)
     BPf = max(16, triton.next_power_of_2(p))
-    launch(
-        _ssd_bwd_dcb_kernel,
-        (b * nc, g * nsplit, nt * nt),
-        dy,
-        x,
-        cb,
-        delta,
-        cs,
-        seq_t,
-        dcb,
-        dcs,
-        b,
-        L,
-        h,
-        r,
-        p,
-        Q,
-        nc,
-        nsplit,
-        *dy.stride(),
-        *x.stride(),
-        s_seq,
-        BT=BT,
-        BP=_fit(64, p),
-        HPS=hps,
-        HAS_SEQ=seq is not None,
-        **meta,
-    )
+
+    def launch_runs(kernel, tiles, tensors, sizes, strides, **blocks):
+        # the kernels that sum over runs of hps heads of a group: grid (b * chunks, g * splits, tiles)
+        launch(
+            kernel,
+            (b * nc, g * nsplit, tiles),
+            *tensors,
+            b,
+            L,
+            h,
+            r,
+            p,
+            *sizes,
+            Q,
+            nc,
+            nsplit,
+            *strides,
+            s_seq,
+            BT=BT,
+            BP=_fit(64, p),
+            HPS=hps,
+            HAS_SEQ=seq is not None,
+            **blocks,
+            **meta,
+        )
+
+    launch_runs(_ssd_bwd_dcb_kernel, nt * nt, (dy, x, cb, delta, cs, seq_t, dcb, dcs), (), (*dy.stride(), *x.stride()))
     dcb = dcb[0] if nsplit == 1 else dcb.sum(0)
     # dx, x · dx̃, q and dD's partials
     dx = torch.empty((b, L, h, p), device=dev, dtype=x.dtype)
@@ -492,82 +496,29 @@ def _backward(dout, dfinal, x, dt, A, B, C, chunk, D, z, dt_bias, softplus, seq,
     nnb = triton.cdiv(n, BN)
     part_dtype = B.dtype if nsplit == 1 else acc
     dB = torch.empty((nsplit, b, L, g, n), device=dev, dtype=part_dtype)
-    launch(
+    launch_runs(
         _ssd_bwd_db_kernel,
-        (b * nc, g * nsplit, nt * nnb),
-        x,
-        C,
-        dcb,
-        dS,
-        delta,
-        cs,
-        seq_t,
-        dB,
-        b,
-        L,
-        h,
-        r,
-        p,
-        n,
-        Q,
-        nc,
-        nsplit,
-        *x.stride(),
-        C.stride(0),
-        C.stride(1),
-        C.stride(2),
-        s_seq,
-        BT=BT,
-        BP=_fit(64, p),
+        nt * nnb,
+        (x, C, dcb, dS, delta, cs, seq_t, dB),
+        (n,),
+        (*x.stride(), *C.stride()[:3]),
         BN=BN,
-        HPS=hps,
-        HAS_SEQ=seq is not None,
-        **meta,
     )
     dC = torch.empty((nsplit, b, L, g, n), device=dev, dtype=C.dtype if nsplit == 1 else acc)
     v = torch.empty((b, h, nc, nnb, Q), device=dev, dtype=acc)
-    launch(
+    launch_runs(
         _ssd_bwd_dc_kernel,
-        (b * nc, g * nsplit, nt * nnb),
-        dy,
-        B,
-        C,
-        dcb,
-        H,
-        cs,
-        seq_t,
-        dC,
-        v,
-        b,
-        L,
-        h,
-        r,
-        p,
-        n,
-        Q,
-        nc,
-        nsplit,
-        *dy.stride(),
-        B.stride(0),
-        B.stride(1),
-        B.stride(2),
-        C.stride(0),
-        C.stride(1),
-        C.stride(2),
-        s_seq,
-        BT=BT,
-        BP=_fit(64, p),
+        nt * nnb,
+        (dy, B, C, dcb, H, cs, seq_t, dC, v),
+        (n,),
+        (*dy.stride(), *B.stride()[:3], *C.stride()[:3]),
         BN=BN,
-        HPS=hps,
-        HAS_SEQ=seq is not None,
-        **meta,
     )
     # ddt, dA, d dt_bias
     ddt = torch.empty((b, L, h), device=dev, dtype=dt.dtype)
     dA = torch.empty((b, nc, h), device=dev, dtype=acc)
     dbias = torch.empty_like(dA)
-    BQ = triton.next_power_of_2(Q)
-    BH = max(1, min(triton.next_power_of_2(h), 4096 // BQ))
+    BQ, BH = _head_blocks(Q, h)
     launch(
         _ssd_bwd_finish_kernel,
         (b, nc, triton.cdiv(h, BH)),
