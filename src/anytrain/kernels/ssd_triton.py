@@ -592,12 +592,10 @@ def ssd_chunk_scan_triton(
     initial_states: Tensor | None = None,
     return_final_states: bool = False,
     config: SSDConfig | None = None,
-    deterministic: bool = False,
 ) -> Tensor | tuple[Tensor, Tensor]:
     """Triton SSD; see ``anytrain.kernels.ssd.ssd_chunk_scan`` for the semantics and shapes. ``config`` overrides
-    the tiles (benchmarks); ``deterministic`` changes nothing (the backward has no atomics). Runs eagerly inside
-    compiled code (a graph break around it), as the PyTorch twin does."""
-    del deterministic
+    the tiles (benchmarks). The backward has no atomics, so it is deterministic whatever ``kernels.deterministic``
+    says. Runs eagerly inside compiled code (a graph break around it), as the PyTorch twin does."""
     B, C = _unit_last(B), _unit_last(C)
     D = None if D is None else D.contiguous()
     dt_bias = None if dt_bias is None else dt_bias.contiguous()
