@@ -52,6 +52,7 @@ import torch.nn.functional as F
 from anytrain import hardware
 from anytrain.config import RunConfig, load_config
 from anytrain.models import build_model, resolve_args
+from anytrain.train.profiling import profile_call
 from bench.common import (
     ROOT,
     RandomBatches,
@@ -241,6 +242,8 @@ def run_row(name: str, args: argparse.Namespace) -> dict:
         out["tokens_per_s"] = args.steps * out["tokens_per_step"] / out["seconds"]
         peak = hardware.peak_flops(device)
         out["mfu"] = out["flops_per_token"] * out["tokens_per_s"] / peak if peak else None
+        if name in (args.profile or []):  # one more step under torch.profiler: kernels on a GPU, operators on CPU
+            out["kernel_profile"] = profile_call(lambda: step(args.warmup + args.steps), device)
     except Exception as exc:  # noqa: BLE001 - one failing row must not lose the others
         out["error"] = row_error(exc)
     finally:
@@ -250,6 +253,8 @@ def run_row(name: str, args: argparse.Namespace) -> dict:
 
 def run_child(name: str, args: argparse.Namespace) -> dict:
     argv = ["--steps", str(args.steps), "--warmup", str(args.warmup), *(["--smoke"] * args.smoke)]
+    if name in (args.profile or []):
+        argv += ["--profile", name]
     row = run_row_in_child("bench.mamba2_train", argv, name)
     return {"stack": BY_NAME[name].stack, "label": BY_NAME[name].label, **row}
 
@@ -303,6 +308,7 @@ def main() -> int:
     parser.add_argument("--warmup", type=int, default=1, help="untimed steps first (compile, autotuning)")
     parser.add_argument("--budget-s", type=float, default=0.0, help="skip rows that would end past this (0 = none)")
     parser.add_argument("--smoke", action="store_true", help="CPU check: debug flavours, anytrain rows, 1 + 1 steps")
+    parser.add_argument("--profile", nargs="*", default=None, help="rows to profile one extra step of")
     parser.add_argument("--in-process", action="store_true", help="run every row in this process (no subprocess)")
     parser.add_argument("--one-row", default=None, help=argparse.SUPPRESS)  # a child: run this row, print it
     args = parser.parse_args()
@@ -326,10 +332,18 @@ def main() -> int:
             t0 = time.perf_counter()
             rows.append(run_row(name, args) if args.in_process else run_child(name, args))
             rows[-1]["row_wall_s"] = time.perf_counter() - t0
-        print(json.dumps({k: v for k, v in rows[-1].items() if k != "step_s"}, default=str), flush=True)
+        shown = {k: v for k, v in rows[-1].items() if k not in ("step_s", "kernel_profile")}
+        print(json.dumps(shown, default=str), flush=True)
         finish_rows(rows)
         write_rows(out_path, env, args, rows)  # after every row: a cut-off call keeps the rows that ended
     print_table(rows)
+    for r in rows:
+        if "kernel_profile" in r:
+            p = r["kernel_profile"]
+            wall_ms = 1e3 * r["seconds"] / args.steps
+            print(f"\nprofile of one step of {r['row']}: wall {wall_ms:.0f} ms, kernels {p['kernel_ms']:.0f} ms")
+            for k in p["top"]:
+                print(f"  {k['ms']:>9.1f} ms {100 * k['share']:>5.1f}% x{k['calls']:<5} {k['kernel'][:90]}")
     print(f"\nwrote {out_path}")
     return 1 if any("error" in r for r in rows) else 0
 

@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
-# One single-GPU call for Mamba-2 (issue "Mamba-2 (SSD) and hybrids"): the SSD GPU tests, the SSD op against
-# mamba-ssm's Triton kernels (bench/ssd.py), then Mamba-2 / hybrid training against mamba-ssm's MambaLMHeadModel
-# (bench/mamba2_train.py) in the time left. Carry .whl/ with einops, the other wheels and mamba-ssm's sdist
+# One single-GPU call for Mamba-2 (issue "Mamba-2 (SSD) and hybrids"): the GPU tests, then Mamba-2 / hybrid training
+# against mamba-ssm's MambaLMHeadModel (bench/mamba2_train.py), then the SSD op against mamba-ssm's Triton kernels
+# (bench/ssd.py) in the time left. Carry .whl/ with einops, the other wheels and mamba-ssm's sdist
 # (`pip download --no-deps --no-binary :all: mamba-ssm` with MAMBA_SKIP_CUDA_BUILD=TRUE): it is unpacked, not built
 # (its CUDA extensions are not used by the Mamba-2 path).
-#   bash bench/device/mamba2_check.sh [seconds]          (default 570; TESTS: GPU test files run first, ROWS: bench.mamba2_train rows)
+#   bash bench/device/mamba2_check.sh [seconds]   (default 570)
+# TESTS: GPU test files run first; ROWS: bench.mamba2_train rows; PROFILE: rows to profile one step of
 set -uo pipefail
 budget=${1:-570}
 OUT=${OUT:-bench/results}
@@ -24,7 +25,7 @@ python3 -m pip install -q --no-index --no-deps --no-build-isolation --target /tm
 tail -4 "$OUT/mamba2_gpu_tests.log" 2>/dev/null
 # the side by side first (mamba-ssm's row spends minutes in Triton autotuning), then the other rows, then the op
 PYTHONPATH=/tmp/site:src:$mss timeout $(($(left) - 5)) python3 -m bench.mamba2_train --out "$OUT" \
-  ${ROWS:+--rows $ROWS} --budget-s $(($(left) - 15)) \
+  ${ROWS:+--rows $ROWS} ${PROFILE:+--profile $PROFILE} --budget-s $(($(left) - 15)) \
   >"$OUT/mamba2_train.log" 2>&1
 tail -12 "$OUT/mamba2_train.log"
 [ "$(left)" -gt 60 ] && PYTHONPATH=/tmp/site:src:$mss timeout $(($(left) - 5)) python3 -m bench.ssd --out "$OUT" \

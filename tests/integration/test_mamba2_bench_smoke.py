@@ -1,5 +1,6 @@
 """bench/mamba2_train.py's CPU smoke run: the Mamba-2 and hybrid recipe rows train through the product's own
-Trainer.train_step at the debug flavours, with the recipe's activation checkpointing."""
+Trainer.train_step at the debug flavours, with the recipe's activation checkpointing; ``--profile`` adds one profiled
+step to the row it names."""
 
 from __future__ import annotations
 
@@ -21,6 +22,8 @@ def test_mamba2_train_bench_smoke_rows_drive_the_trainer(tmp_path):
             "--in-process",
             "--rows",
             *rows,
+            "--profile",
+            "mamba2-1.3b",
             "--out",
             str(tmp_path),
         ],
@@ -41,3 +44,7 @@ def test_mamba2_train_bench_smoke_rows_drive_the_trainer(tmp_path):
             f"configs/{r['row']}.yaml",
         )
     assert [r["arch"] for r in got] == ["mamba2", "hybrid"]
+    # --profile: one more step of the named row under torch.profiler (operators on CPU), the others untouched
+    profile = got[0]["kernel_profile"]
+    assert profile["kernel_ms"] > 0 and profile["top"] and "kernel_profile" not in got[1]
+    assert "profile of one step of mamba2-1.3b" in proc.stdout
