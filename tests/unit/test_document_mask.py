@@ -99,11 +99,12 @@ def test_document_mask_refused_where_it_cannot_apply(tmp_path):
         load_config(config, ["--parallel.pp", "2"])
 
 
-def test_cli_training_records_document_mask_and_eval_masks_too(many_documents, tmp_path):
+@pytest.mark.parametrize("recipe", ["configs/tiny.yaml", "configs/tiny-hybrid.yaml"])
+def test_cli_training_records_document_mask_and_eval_masks_too(many_documents, tmp_path, recipe):
     run_dir = tmp_path / "run"
     proc = run_cli(
         "train",
-        "configs/tiny.yaml",
+        recipe,
         "--model.flavour",
         "debug",
         "--data.path",

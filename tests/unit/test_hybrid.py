@@ -226,6 +226,70 @@ def test_causal_and_no_rope_variant():
     assert debug_model(attn_pos_encoding="none").backbone.rope_cos is None
 
 
+@pytest.mark.parametrize("kw", [{}, {"attn_pos_encoding": "none"}, {"rope_fraction": 0.5}], ids=str)
+def test_document_mask_gives_each_document_its_own_outputs(kw):
+    """With document_eos_id set, every document of a packed row (EOS-terminated, the last cut off) has the logits
+    it has alone: attention stays inside it with RoPE positions restarting, and the Mamba-2 blocks' conv window and
+    SSD state restart after each EOS; without it the later documents differ."""
+    eos = 3
+    model = debug_model(seed=2, **kw)
+    assert model.args.has("A") and model.args.has("M")
+    gen = torch.Generator().manual_seed(0)
+    docs = [torch.randint(4, 512, (n,), generator=gen) for n in (5, 1, 12, 7)]
+    docs = [torch.cat([d, torch.tensor([eos])]) for d in docs[:-1]] + [docs[-1]]  # the last one runs off the row
+    row = torch.cat(docs)[None]  # (1, 28)
+    with torch.no_grad():
+        plain = model(row)
+        model.document_eos_id = eos
+        packed = model(torch.cat([row, row.flip(1)]))  # two rows with their boundaries in different places
+        alone = torch.cat([model(d[None]) for d in docs], dim=1)
+        alone_flipped = torch.cat([model(d[None]) for d in _documents(row.flip(1)[0], eos)], dim=1)
+    torch.testing.assert_close(packed[:1], alone, rtol=0, atol=1e-5)
+    torch.testing.assert_close(packed[1:], alone_flipped, rtol=0, atol=1e-5)
+    torch.testing.assert_close(plain[:, :6], packed[:1, :6], rtol=0, atol=1e-6)  # the first document is unchanged
+    assert not torch.allclose(plain[:, 6:], packed[:1, 6:], atol=1e-3)
+
+
+@pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
+def test_document_mask_gpu_dispatch_equals_documents_alone(monkeypatch):
+    """The GPU path of the attention blocks (a document BlockMask into flex_attention; eager flex here, the kernel's
+    math) on CPU tensors gives every document its outputs alone too."""
+    from torch.nn.attention.flex_attention import flex_attention
+
+    from anytrain import hardware
+    from anytrain.models import layers
+
+    eos, model = 3, debug_model(seed=4)
+    gen = torch.Generator().manual_seed(1)
+    docs = [torch.cat([torch.randint(4, 512, (n,), generator=gen), torch.tensor([eos])]) for n in (6, 9, 4)]
+    row = torch.cat(docs)[None]
+    with torch.no_grad():
+        model.document_eos_id = eos
+        alone = torch.cat([model(d[None]) for d in docs], dim=1)
+        monkeypatch.setattr(layers, "_FLEX_ATTENTION", flex_attention)
+        monkeypatch.setattr(hardware, "is_gpu", lambda device=None: True)
+        packed = model(row)
+    torch.testing.assert_close(packed, alone, rtol=0, atol=1e-5)
+
+
+def _documents(row: torch.Tensor, eos: int) -> list[torch.Tensor]:
+    """The row's documents, each ending at (and including) an EOS; the last may have none."""
+    ends = [i + 1 for i, t in enumerate(row.tolist()) if t == eos]
+    starts = [0, *ends]
+    return [row[a:b] for a, b in zip(starts, [*ends, len(row)], strict=True) if b > a]
+
+
+def test_document_mask_is_accepted_for_hybrids():
+    from anytrain.config import RunConfig, check_document_mask
+
+    cfg = RunConfig(model=ModelConfig(arch="hybrid", flavour="debug"))
+    cfg.data.document_mask = True
+    check_document_mask(cfg)
+    cfg.parallel.pp = 2
+    with pytest.raises(ConfigError, match=r"^data\.document_mask: not available with pipeline parallelism"):
+        check_document_mask(cfg)
+
+
 def _meta_then_init(seed: int, tie: bool) -> Hybrid:
     with torch.device("meta"):
         model = Hybrid(HybridArgs(**{**HYBRID_FLAVOURS["debug"], "tie_embeddings": tie}))

@@ -129,8 +129,8 @@ def check_fp8(cfg: RunConfig) -> None:
 
 
 def check_document_mask(cfg: RunConfig) -> None:
-    """data.document_mask: the Transformer and Mamba-2 families only, and no pipeline stages (they receive hidden
-    states, not the token ids the document boundaries are read from)."""
+    """data.document_mask: the Transformer, Mamba-2 and hybrid families only, and no pipeline stages (they receive
+    hidden states, not the token ids the document boundaries are read from)."""
     if not cfg.data.document_mask:
         return
     if cfg.model.arch == "mamba":
@@ -138,9 +138,9 @@ def check_document_mask(cfg: RunConfig) -> None:
             "data.document_mask: Mamba carries its scan state across documents (a per-document state "
             "reset is not implemented); set --data.document_mask false"
         )
-    if cfg.model.arch not in ("transformer", "mamba2"):
+    if cfg.model.arch not in ("transformer", "mamba2", "hybrid"):
         raise ConfigError(
-            f"data.document_mask: applies to model.arch transformer and mamba2 only, not "
+            f"data.document_mask: applies to model.arch transformer, mamba2 and hybrid only, not "
             f"{cfg.model.arch}; set --data.document_mask false"
         )
     if cfg.parallel.pp > 1:

@@ -58,13 +58,14 @@ class DataConfig:
     validation loss per source (``val_loss/NAME``; ``val_loss`` is their weighted mean). ``path`` is then replaced
     by the first source's (the tokenizer's home for eval and export)."""
     document_mask: bool = False
-    """Keep attention inside each document of a packed sequence (model.arch transformer): the data's EOS token
+    """Keep each document of a packed sequence to itself (model.arch transformer, mamba2, hybrid): the data's EOS token
     (index.json's ``eos_id``, appended by ``prepare`` after every document) ends a document, positions restart at the
     next token (RoPE angles, learned position rows; ALiBi's distances are relative already) and a token attends only
-    to earlier tokens of its own document. The loss is unchanged: every position keeps its target, so the EOS still
-    predicts the next document's first token (from its own document's context). Costs a mask per batch: on GPUs
+    to earlier tokens of its own document; Mamba-2 blocks restart their conv window and SSD state there. The loss is
+    unchanged: every position keeps its target, so the EOS still predicts the next document's first token (from its
+    own document's context). Costs a mask per batch: on GPUs
     flex_attention with a document-causal block mask instead of SDPA (bench/packing.py measures it); on CPU SDPA with
-    an explicit (B, 1, T, T) mask. Not with pipeline parallelism or Mamba; CUDA graphs then run eagerly."""
+    an explicit (B, 1, T, T) mask. Not with pipeline parallelism or Mamba-1; CUDA graphs then run eagerly."""
 
 
 @dataclass

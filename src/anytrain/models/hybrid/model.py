@@ -37,8 +37,16 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
+from anytrain import hardware
 from anytrain.errors import ConfigError
-from anytrain.models.layers import BackboneLM, RMSNorm, residual_stream
+from anytrain.models.layers import (
+    BackboneLM,
+    RMSNorm,
+    document_block_mask,
+    document_causal_mask,
+    document_ids,
+    residual_stream,
+)
 from anytrain.models.llama.model import Attention, FeedForward, TransformerArgs, rope_tables
 from anytrain.models.mamba2.model import Mamba2Args, Mamba2Block, ssd_layer_flops
 from anytrain.models.sampling import SamplingMixin
@@ -225,8 +233,8 @@ class MambaLayer(Mamba2Block):
 
     kind = MAMBA
 
-    def forward(self, h: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
-        return super().forward(h)
+    def forward(self, h: torch.Tensor, rope: Any = None, mask: Any = None, seq_idx: Any = None) -> torch.Tensor:
+        return super().forward(h, seq_idx)
 
     @torch.no_grad()
     def reset_parameters(self, out_scale: float) -> None:
@@ -259,9 +267,9 @@ class AttentionLayer(_ResidualLayer):
         super().__init__(args)
         self.attention = Attention(args.attention_args())
 
-    def forward(self, h: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+    def forward(self, h: torch.Tensor, rope: Any = None, mask: Any = None, seq_idx: Any = None) -> torch.Tensor:
         cos, sin = rope if rope is not None else (None, None)
-        return self.residual(h, lambda x: self.attention(x, cos, sin))
+        return self.residual(h, lambda x: self.attention(x, cos, sin, mask=mask))
 
     @torch.no_grad()
     def reset_parameters(self, std: float, out_std: float) -> None:
@@ -280,7 +288,7 @@ class MLPLayer(_ResidualLayer):
         super().__init__(args)
         self.feed_forward = FeedForward(args.d_model, args.ffn_dim, args.mlp)
 
-    def forward(self, h: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+    def forward(self, h: torch.Tensor, rope: Any = None, mask: Any = None, seq_idx: Any = None) -> torch.Tensor:
         return self.residual(h, self.feed_forward)
 
     @torch.no_grad()
@@ -318,6 +326,7 @@ class HybridBackbone(nn.Module):
         self.layers = nn.ModuleDict({str(i): _LAYERS[kind](args) for i, kind in enumerate(args.kinds)})
         self.norm_f = RMSNorm(args.d_model, args.norm_eps)
         self.residual_in_fp32 = args.residual_in_fp32
+        self.has_attention = args.has(ATTENTION)
         cos, sin = partial_rope_tables(args) if args.has(ATTENTION) and args.rotary_dim else (None, None)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
@@ -326,16 +335,37 @@ class HybridBackbone(nn.Module):
         """The RoPE tables' first ``seq_len`` rows, (T, E) each; None without RoPE."""
         return None if self.rope_cos is None else (self.rope_cos[:seq_len], self.rope_sin[:seq_len])
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, eos_id: int | None = None) -> torch.Tensor:
+        """Token ids (B, T) -> hidden states (B, T, D); with ``eos_id`` every row is split into documents there."""
+        documents, positions = (None, None) if eos_id is None else document_ids(tokens, eos_id)  # (B, T) each
         h = self.stream(self.embeddings(tokens))  # (B, T, D)
-        return self.final_norm(self.run_layers(h))
+        return self.final_norm(self.run_layers(h, documents, positions))
 
-    def run_layers(self, h: torch.Tensor) -> torch.Tensor:
-        """Hidden states (B, T, D) through the blocks this module holds."""
-        rope = self.rope(h.shape[1])
+    def run_layers(
+        self, h: torch.Tensor, documents: torch.Tensor | None = None, positions: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """Hidden states (B, T, D) through the blocks this module holds. Every block takes (h, rope, mask, seq_idx):
+        attention blocks the RoPE tables and the attention mask, Mamba-2 blocks the per-token document index."""
+        rope, mask = self.layer_inputs(h.shape[1], documents, positions)
         for block in self.layers.values():
-            h = block(h, rope)
+            h = block(h, rope, mask, documents)
         return h
+
+    def layer_inputs(
+        self, seq_len: int, documents: torch.Tensor | None, positions: torch.Tensor | None
+    ) -> tuple[Any, Any]:
+        """(rope, mask) for the attention blocks: the tables' first ``seq_len`` rows (T, E) and None (plain causal
+        attention); under document masking ((B, T) document ids and in-document positions) the tables' rows at the
+        positions (B, T, E) and the document-causal mask: a flex_attention ``BlockMask`` on GPUs (built here, per
+        batch, outside compiled blocks), an explicit (B, 1, T, T) bool tensor elsewhere."""
+        if documents is None:
+            return self.rope(seq_len), None
+        if not self.has_attention:
+            return None, None
+        gpu = hardware.is_gpu(documents.device)
+        mask = document_block_mask(documents) if gpu else document_causal_mask(documents)
+        rope = None if self.rope_cos is None else (self.rope_cos[positions], self.rope_sin[positions])
+        return rope, mask
 
     def stream(self, h: torch.Tensor) -> torch.Tensor:
         """The residual stream's dtype for hidden states entering the blocks."""
@@ -352,6 +382,12 @@ class Hybrid(SamplingMixin, BackboneLM):
 
     Parameters (``num_params``) per block, with D·(…) the norm's D extra: M as ``Mamba2``'s layer; A D·H·E + 2·D·K·E
     + H·E·D; - 3·D·F (SwiGLU) or 2·D·F (GELU). Model: V·D + the blocks + D (norm_f) + V·D when the head is untied."""
+
+    document_eos_id: int | None = None
+    """Document masking (``data.document_mask``; the trainer sets it to the data's EOS id): each row is split into
+    documents at this token (a document ends with it); attention stays inside each document with RoPE positions
+    restarting at its start, and every Mamba-2 block's conv window and SSD state restart there, so a document's
+    outputs are those it would have alone. None: one document per row."""
 
     def __init__(self, args: HybridArgs) -> None:
         super().__init__()
@@ -394,7 +430,7 @@ class Hybrid(SamplingMixin, BackboneLM):
     def forward(self, tokens: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
         """Logits (B, T, V), or with ``targets`` (B, T) the mean next-token loss (a scalar)."""
         self.check_length(tokens)
-        return self.head(self.backbone(tokens), targets)  # backbone: (B, T, D)
+        return self.head(self.backbone(tokens, self.document_eos_id), targets)  # backbone: (B, T, D)
 
     def flops_per_token(self, seq_len: int) -> float:
         """Training FLOPs per token: 6·N + 12·L_A·D·T + L_M · 6·(Q·(G·N_s + E_m) + 2·E_m·N_s).
