@@ -149,6 +149,20 @@ def autocast_block_outputs(models: dict, block_of, tokens) -> tuple[dict, dict, 
     return block_out, losses, plain
 
 
+def packed_documents(eos: int, lengths: tuple[int, ...], vocab: int = 512, seed: int = 0) -> list[torch.Tensor]:
+    """Random documents of ``lengths`` tokens (ids 4..vocab-1), each followed by ``eos`` except the last, which runs
+    off the row as a window's cut does: ``torch.cat(docs)[None]`` is the packed (1, T) row of the document tests."""
+    gen = torch.Generator().manual_seed(seed)
+    docs = [torch.randint(4, vocab, (n,), generator=gen) for n in lengths]
+    return [torch.cat([d, torch.tensor([eos])]) for d in docs[:-1]] + [docs[-1]]
+
+
+def split_documents(row: torch.Tensor, eos: int) -> list[torch.Tensor]:
+    """A (T,) row's documents, each ending at (and including) an EOS; the last may have none."""
+    ends = [i + 1 for i, t in enumerate(row.tolist()) if t == eos]
+    return [row[a:b] for a, b in zip([0, *ends], [*ends, len(row)], strict=True) if b > a]
+
+
 def _corpus_files(n: int) -> list[Path]:
     from anytrain.data.prepare import embedded_corpus_dir
 

@@ -17,6 +17,7 @@ from anytrain.models.hybrid import HYBRID_FLAVOURS, Hybrid, HybridArgs, bamba_pa
 from anytrain.models.hybrid import hf as hybrid_hf
 from anytrain.models.llama.model import Attention, FeedForward
 from anytrain.models.mamba2.model import Mamba2Mixer, ssd_layer_flops
+from tests.conftest import packed_documents, split_documents
 
 transformers = pytest.importorskip("transformers")
 
@@ -234,16 +235,14 @@ def test_document_mask_gives_each_document_its_own_outputs(kw):
     eos = 3
     model = debug_model(seed=2, **kw)
     assert model.args.has("A") and model.args.has("M")
-    gen = torch.Generator().manual_seed(0)
-    docs = [torch.randint(4, 512, (n,), generator=gen) for n in (5, 1, 12, 7)]
-    docs = [torch.cat([d, torch.tensor([eos])]) for d in docs[:-1]] + [docs[-1]]  # the last one runs off the row
+    docs = packed_documents(eos, (5, 1, 12, 7))
     row = torch.cat(docs)[None]  # (1, 28)
     with torch.no_grad():
         plain = model(row)
         model.document_eos_id = eos
         packed = model(torch.cat([row, row.flip(1)]))  # two rows with their boundaries in different places
         alone = torch.cat([model(d[None]) for d in docs], dim=1)
-        alone_flipped = torch.cat([model(d[None]) for d in _documents(row.flip(1)[0], eos)], dim=1)
+        alone_flipped = torch.cat([model(d[None]) for d in split_documents(row.flip(1)[0], eos)], dim=1)
     torch.testing.assert_close(packed[:1], alone, rtol=0, atol=1e-5)
     torch.testing.assert_close(packed[1:], alone_flipped, rtol=0, atol=1e-5)
     torch.testing.assert_close(plain[:, :6], packed[:1, :6], rtol=0, atol=1e-6)  # the first document is unchanged
@@ -260,8 +259,7 @@ def test_document_mask_gpu_dispatch_equals_documents_alone(monkeypatch):
     from anytrain.models import layers
 
     eos, model = 3, debug_model(seed=4)
-    gen = torch.Generator().manual_seed(1)
-    docs = [torch.cat([torch.randint(4, 512, (n,), generator=gen), torch.tensor([eos])]) for n in (6, 9, 4)]
+    docs = packed_documents(eos, (6, 9, 4), seed=1)
     row = torch.cat(docs)[None]
     with torch.no_grad():
         model.document_eos_id = eos
@@ -270,13 +268,6 @@ def test_document_mask_gpu_dispatch_equals_documents_alone(monkeypatch):
         monkeypatch.setattr(hardware, "is_gpu", lambda device=None: True)
         packed = model(row)
     torch.testing.assert_close(packed, alone, rtol=0, atol=1e-5)
-
-
-def _documents(row: torch.Tensor, eos: int) -> list[torch.Tensor]:
-    """The row's documents, each ending at (and including) an EOS; the last may have none."""
-    ends = [i + 1 for i, t in enumerate(row.tolist()) if t == eos]
-    starts = [0, *ends]
-    return [row[a:b] for a, b in zip(starts, [*ends, len(row)], strict=True) if b > a]
 
 
 def test_document_mask_is_accepted_for_hybrids():

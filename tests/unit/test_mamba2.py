@@ -15,6 +15,7 @@ from anytrain.config.checks import check_document_mask
 from anytrain.errors import ConfigError
 from anytrain.models.mamba2 import MAMBA2_FLAVOURS, Mamba2, Mamba2Args
 from anytrain.models.mamba2 import hf as mamba2_hf
+from tests.conftest import packed_documents
 
 transformers = pytest.importorskip("transformers")
 
@@ -164,9 +165,7 @@ def test_document_mask_gives_each_document_its_own_outputs():
     it has alone: the conv window and the SSD state restart after each EOS; without it the later documents differ."""
     eos = 3
     model = debug_model(seed=2)
-    gen = torch.Generator().manual_seed(0)
-    docs = [torch.randint(4, 512, (n,), generator=gen) for n in (5, 1, 12, 7)]
-    docs = [torch.cat([d, torch.tensor([eos])]) for d in docs[:-1]] + [docs[-1]]  # the last one runs off the row
+    docs = packed_documents(eos, (5, 1, 12, 7))
     row = torch.cat(docs)[None]  # (1, 28)
     with torch.no_grad():
         plain = model(row)
