@@ -100,6 +100,24 @@ def test_bad_input_is_one_line(tmp_path, capsys):
     assert code == 2 and err.strip() == "error: --by: expected step or tokens, got 'time'"
 
 
+def test_assert_metric_picks_the_losses_the_gate_reads(tmp_path, capsys):
+    """--assert-metric loss gates the training loss only, val_loss the validation loss only, both (the default) each;
+    a run whose last val_loss is 0.1 off but whose final smoothed loss is 0.02 off passes only the first at 0.05."""
+    a = write_run(tmp_path / "a", LOSSES)
+    late = write_run(tmp_path / "late", LOSSES, bump={20: 0.1})  # the last step: its val point and 1/5 of the mean
+    gate = ["compare", str(a), str(late), "--final", "5", "--assert-within", "0.05"]
+    code, _, err = cli(capsys, *gate, "--assert-metric", "loss")
+    assert code == 0, err
+    code, _, err = cli(capsys, *gate)
+    assert code == 1 and err.strip() == "error: late: last val_loss differs from a's by 0.1 (> --assert-within 0.05)"
+    code, _, err = cli(capsys, *gate, "--assert-metric", "val_loss")
+    assert code == 1
+    code, _, err = cli(capsys, "compare", str(a), str(late), "--assert-within", "0.05", "--assert-metric", "loss")
+    assert code == 1 and "late: loss differs from a by up to 0.1" in err  # every point of the training curve
+    code, _, err = cli(capsys, *gate, "--assert-metric", "ppl")
+    assert code == 2 and err.strip() == "error: --assert-metric: expected loss, val_loss or both, got 'ppl'"
+
+
 def test_final_smoothed_loss_gates_assert_within(tmp_path, capsys):
     """--final N: the mean of the last N losses and the last val_loss are compared; a run noisy step by step but
     ending at the same loss passes, one ending higher fails; --final 0 is one line."""

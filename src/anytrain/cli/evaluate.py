@@ -100,6 +100,11 @@ def compare(
         help="Fail (exit 1) when a loss differs from the reference's by more than this at a common step "
         "(with --final: in the final smoothed loss or the last val_loss).",
     ),
+    assert_metric: str = typer.Option(
+        "both",
+        "--assert-metric",
+        help="Which losses --assert-within checks: loss (training), val_loss or both.",
+    ),
     final: int = typer.Option(
         None,
         "--final",
@@ -109,14 +114,14 @@ def compare(
     overwrite: bool = typer.Option(False, "--overwrite", help="Replace an existing --out PNG."),
 ) -> None:
     """Compare runs' training / validation loss curves (metrics.jsonl): differences and throughput tables."""
-    from anytrain.evals.compare import check_within, compare_runs, format_report
+    from anytrain.evals.compare import ASSERT_METRICS, check_within, compare_runs, format_report
 
-    if assert_within is not None and assert_within < 0:
-        check_within({}, assert_within)  # the one-line error, before any work
+    if assert_within is not None and (assert_within < 0 or assert_metric not in ASSERT_METRICS):
+        check_within({}, assert_within, assert_metric)  # the one-line error, before any work
     result = compare_runs(runs, by=by, out=out, overwrite=overwrite, final=final)
     typer.echo(json.dumps(result, indent=1) if json_out else format_report(result))
     if assert_within is not None:
-        check_within(result, assert_within)
+        check_within(result, assert_within, assert_metric)
 
 
 def register(app: typer.Typer) -> None:

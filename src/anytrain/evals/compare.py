@@ -162,18 +162,24 @@ def _unique_names(run_dirs: list[str | Path]) -> list[str]:
     return [str(r) for r in run_dirs]
 
 
-def check_within(result: dict[str, Any], limit: float) -> None:
+ASSERT_METRICS = ("loss", "val_loss", "both")
+
+
+def check_within(result: dict[str, Any], limit: float, metric: str = "both") -> None:
     """Raise ``CurvesDiverge`` (exit 1) when a run's loss differs from the reference's by more than ``limit`` at a
     common point (with ``final``: in the final smoothed loss or the last validation loss), or when nothing is
-    compared."""
+    compared. ``metric``: which curves the check reads, ``loss`` (training), ``val_loss`` or ``both``."""
     if limit < 0:
         raise RunDirError(f"--assert-within: must be >= 0, got {limit}")
+    if metric not in ASSERT_METRICS:
+        raise RunDirError(f"--assert-metric: expected loss, val_loss or both, got {metric!r}")
+    checked = ("loss", "val_loss") if metric == "both" else (metric,)
     compared, reference = 0, result["reference"]
     if "final" in result:
         window = result["final"]["window"]
         for name, per_metric in result["final"]["differences"].items():
             for metric, gap in per_metric.items():
-                if gap is None:
+                if gap is None or metric not in checked:
                     continue
                 compared += 1
                 if gap > limit:
@@ -186,7 +192,7 @@ def check_within(result: dict[str, Any], limit: float) -> None:
         return
     for name, per_metric in result["differences"].items():
         for metric, d in per_metric.items():
-            if d["max_abs"] is None:
+            if d["max_abs"] is None or metric not in checked:
                 continue
             compared += 1
             if d["max_abs"] > limit:
