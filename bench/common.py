@@ -111,6 +111,13 @@ def print_row(row: dict) -> None:
     print(ROW_MARK + json.dumps(row, default=str), flush=True)
 
 
+def print_profile(name: str, step_s: float, profile: dict) -> None:
+    """The top kernels of one profiled step (``train.profiling.profile_call``) beside the timed steps' wall time."""
+    print(f"\nprofile of one step of {name}: wall {1e3 * step_s:.0f} ms, kernels {profile['kernel_ms']:.0f} ms")
+    for k in profile["top"]:
+        print(f"  {k['ms']:>9.1f} ms {100 * k['share']:>5.1f}% x{k['calls']:<5} {k['kernel'][:90]}")
+
+
 def child_env(**extra: str) -> dict[str, str]:
     """This process's environment with the checkout first on ``PYTHONPATH`` (``bench`` and ``src``), so that a child
     ``python -m bench.<name>`` runs this tree's benches and anytrain from any working directory."""

@@ -57,6 +57,7 @@ from bench.common import (
     ROOT,
     RandomBatches,
     bench_device,
+    print_profile,
     print_row,
     release,
     results_path,
@@ -339,11 +340,7 @@ def main() -> int:
     print_table(rows)
     for r in rows:
         if "kernel_profile" in r:
-            p = r["kernel_profile"]
-            wall_ms = 1e3 * r["seconds"] / args.steps
-            print(f"\nprofile of one step of {r['row']}: wall {wall_ms:.0f} ms, kernels {p['kernel_ms']:.0f} ms")
-            for k in p["top"]:
-                print(f"  {k['ms']:>9.1f} ms {100 * k['share']:>5.1f}% x{k['calls']:<5} {k['kernel'][:90]}")
+            print_profile(r["row"], r["seconds"] / args.steps, r["kernel_profile"])
     print(f"\nwrote {out_path}")
     return 1 if any("error" in r for r in rows) else 0
 

@@ -51,7 +51,7 @@ from anytrain.models import build_model, resolve_args
 from anytrain.parallel import parallelize
 from anytrain.train.optim import build_optimizer
 from anytrain.train.profiling import profile_call
-from bench.common import RandomBatches, release, row_error, versions
+from bench.common import RandomBatches, print_profile, release, row_error, versions
 
 
 @dataclass
@@ -521,11 +521,7 @@ def main() -> None:
     print_table(rows)
     for r in rows:
         if "kernel_profile" in r:
-            p = r["kernel_profile"]
-            wall_ms = 1e3 * r["seconds"] / r["steps"]
-            print(f"\nprofile of one step of {r['name']}: wall {wall_ms:.0f} ms, kernels {p['kernel_ms']:.0f} ms")
-            for k in p["top"]:
-                print(f"  {k['ms']:>9.1f} ms {100 * k['share']:>5.1f}% x{k['calls']:<5} {k['kernel'][:90]}")
+            print_profile(r["name"], r["seconds"] / r["steps"], r["kernel_profile"])
     print(f"\nwrote {out_path}")
 
 

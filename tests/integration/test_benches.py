@@ -13,6 +13,11 @@ from tests.conftest import ROOT, cli_env
 
 
 def _bench(tmp_path, script: str, *flags: str) -> list[dict]:
+    return _bench_run(tmp_path, script, *flags)[0]
+
+
+def _bench_run(tmp_path, script: str, *flags: str) -> tuple[list[dict], str]:
+    """The bench's result rows and its standard output."""
     proc = subprocess.run(
         [sys.executable, "-m", f"bench.{script}", *flags, "--out", str(tmp_path)],
         cwd=ROOT,
@@ -21,14 +26,35 @@ def _bench(tmp_path, script: str, *flags: str) -> list[dict]:
         text=True,
         timeout=600,
     )
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     (path,) = tmp_path.glob(f"{script}_*.json")
-    return json.loads(path.read_text())["rows"]
+    return json.loads(path.read_text())["rows"], proc.stdout
 
 
 def test_mamba_train_bench_drives_the_trainer(tmp_path):
     rows = [r for r in _bench(tmp_path, "mamba_train", "--quick") if not r.get("name", "").startswith("hf")]
     assert rows and all(r.get("driver") == "Trainer.train_step" and r.get("tokens_per_s", 0) > 0 for r in rows), rows
+
+
+def test_mamba2_train_bench_smoke_rows_drive_the_trainer(tmp_path):
+    """The Mamba-2 and hybrid recipe rows train through Trainer.train_step at the debug flavours, with the recipe's
+    activation checkpointing; ``--profile`` adds one profiled step to the row it names."""
+    rows = ["mamba2-1.3b", "hybrid-1.2b"]
+    flags = ["--smoke", "--in-process", "--rows", *rows, "--profile", "mamba2-1.3b"]
+    got, stdout = _bench_run(tmp_path, "mamba2_train", *flags)
+    assert [r["row"] for r in got] == rows
+    for r in got:
+        assert "error" not in r and r["driver"] == "Trainer.train_step" and r["tokens_per_s"] > 0, r
+        assert (r["flavour"], r["activation_checkpointing"], r["recipe"]) == (
+            "debug",
+            "full",
+            f"configs/{r['row']}.yaml",
+        )
+    assert [r["arch"] for r in got] == ["mamba2", "hybrid"]
+    # --profile: one more step of the named row under torch.profiler (operators on CPU), the others untouched
+    profile = got[0]["kernel_profile"]
+    assert profile["kernel_ms"] > 0 and profile["top"] and "kernel_profile" not in got[1]
+    assert "profile of one step of mamba2-1.3b" in stdout
 
 
 def test_transformer_bench_smoke_rows_run(tmp_path):

@@ -1,5 +1,5 @@
 """bench/mamba2_train.py without a GPU: its rows are the recipes they name, and the mamba-ssm row's config is the
-recipe's Mamba-2 model (the smoke run of the anytrain rows is in tests/integration/test_mamba2_bench_smoke.py)."""
+recipe's Mamba-2 model (the smoke run of the anytrain rows is in tests/integration/test_benches.py)."""
 
 from __future__ import annotations
 
