@@ -208,7 +208,8 @@ def side_by_side_cases() -> list[Case]:
     Within a group: same seq, global batch and tokens per step; each stack at its own best settings, stated in the
     label and options: compile (anytrain: compile_scope auto; torchtitan: per block + loss), no activation
     checkpointing, and the largest micro-batch that leaves memory headroom on one H200 (torchtitan's and HF's loss
-    keep full fp32 logits, anytrain's is chunked)."""
+    keep full fp32 logits, anytrain's is chunked); where torchtitan's micro-batch is smaller, anytrain also at its
+    micro-batch (equal memory footing)."""
     ours = {"train.compile_scope": "auto", "train.activation_checkpointing": "none"}
     theirs = {"activation_checkpoint.mode": "none"}  # with --compile.enable unless --no-compile
     cases, hf_cases = [], []  # the HF rows last: a time budget drops them first
@@ -220,6 +221,9 @@ def side_by_side_cases() -> list[Case]:
             theirs_label = f"torchtitan {precision}, compile, no AC"
             cases.append(Case(**row, micro=ours_mb, stack="anytrain", options=ours, label=ours_label))
             cases.append(Case(**row, micro=theirs_mb, stack="torchtitan", options=theirs, label=theirs_label))
+            if theirs_mb != ours_mb:  # the same micro-batch as torchtitan's row: the equal-memory comparison
+                label = f"{ours_label}, torchtitan's micro-batch"
+                cases.append(Case(**row, micro=theirs_mb, stack="anytrain", options=ours, label=label))
         for precision in ("fp8-tensorwise", "fp8-rowwise"):
             hf = dict(micro=hf_mb, stack="hf-compile", precision=precision)
             hf_cases.append(Case(**shape, **hf, label=f"HF + torchao {precision} + compile"))

@@ -4,7 +4,8 @@
 # one_gpu_check_<device>.json, key fp8_side):
 #   1.1b  the 1.1B recipe's shape (configs/1.1b.yaml): anytrain bf16, fp8-tensorwise, fp8-rowwise
 #   1b    Llama-3.2-1B: anytrain vs torchtitan 0.2.2, bf16 / fp8-tensorwise / fp8-rowwise
-#   3b    Llama-3.2-3B: the same six rows (3b-tw: bf16 and tensorwise, 3b-rw: rowwise)
+#   3b    Llama-3.2-3B: the same six rows (3b-tw: bf16 and tensorwise, 3b-rw: rowwise; 3b-mb:
+#         anytrain's rows at torchtitan's micro-batch)
 #   1b-fp8  Llama-3.2-1B's FP8 rows only (tensorwise pair, then rowwise pair)
 #   hf    HF + torchao float8 + torch.compile at the 1.1B and 1B shapes (tensorwise, rowwise)
 #   hf-1.1b-tw  HF + torchao tensorwise at the 1.1B shape only
@@ -29,7 +30,8 @@ for part in "$@"; do
     1b-fp8) sel=(--groups llama-1b-2048 --stacks anytrain torchtitan --match fp8-tensorwise fp8-rowwise) ;;
     hf-1.1b-tw) sel=(--groups 1.1b-2048-mb8 --stacks hf-compile --match "torchao fp8-tensorwise") ;;
     3b) sel=(--groups llama-3b-2048 --stacks anytrain torchtitan) ;;
-    3b-tw) sel=(--groups llama-3b-2048 --stacks anytrain torchtitan --match bf16 fp8-tensorwise) ;;
+    3b-tw) sel=(--groups llama-3b-2048 --stacks anytrain torchtitan --match "bf16, compile" "tensorwise, compile") ;;
+    3b-mb) sel=(--groups llama-3b-2048 --stacks anytrain --match "torchtitan's micro-batch") ;;
     3b-rw) sel=(--groups llama-3b-2048 --stacks anytrain torchtitan --match fp8-rowwise) ;;
     hf) sel=(--groups 1.1b-2048-mb8 llama-1b-2048 --stacks hf-compile --match "torchao") ;;
     *) echo "unknown part $part" && exit 2 ;;

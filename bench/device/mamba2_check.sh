@@ -5,7 +5,8 @@
 # (`pip download --no-deps --no-binary :all: mamba-ssm` with MAMBA_SKIP_CUDA_BUILD=TRUE): it is unpacked, not built
 # (its CUDA extensions are not used by the Mamba-2 path).
 #   bash bench/device/mamba2_check.sh [seconds]   (default 570)
-# TESTS: GPU test files run first (empty: none); ROWS: bench.mamba2_train rows; PROFILE: rows to profile one step of
+# TESTS: GPU test files run first (empty: none); ROWS: bench.mamba2_train rows; PROFILE: rows to profile one step of;
+# OP=0: no bench.ssd
 set -uo pipefail
 budget=${1:-570}
 OUT=${OUT:-bench/results}
@@ -28,7 +29,7 @@ PYTHONPATH=/tmp/site:src:$mss timeout $(($(left) - 5)) python3 -m bench.mamba2_t
   ${ROWS:+--rows $ROWS} ${PROFILE:+--profile $PROFILE} --budget-s $(($(left) - 15)) \
   >"$OUT/mamba2_train.log" 2>&1
 tail -12 "$OUT/mamba2_train.log"
-[ "$(left)" -gt 60 ] && PYTHONPATH=/tmp/site:src:$mss timeout $(($(left) - 5)) python3 -m bench.ssd --out "$OUT" \
+[ "${OP:-1}" = 1 ] && [ "$(left)" -gt 60 ] && PYTHONPATH=/tmp/site:src:$mss timeout $(($(left) - 5)) python3 -m bench.ssd --out "$OUT" \
   >"$OUT/ssd.log" 2>&1
 tail -12 "$OUT/ssd.log" 2>/dev/null
 echo "done at ${SECONDS}s"

@@ -136,3 +136,32 @@ def test_public_op_takes_the_triton_path_on_gpu_and_repeats_bitwise():
     assert torch.equal(first[0], second[0])
     for k, grad in first[2].items():
         assert torch.equal(grad, second[2][k]), k
+
+
+def test_compiled_checkpointed_mamba2_block_is_one_graph_with_the_eager_values():
+    """A Mamba-2 block at the 1.3b width under torch.compile (inductor) and bf16 autocast, checkpointed as
+    train.activation_checkpointing does it: one graph (the Triton conv and SSD are custom ops inside it; a graph break
+    in a checkpointed region would run the whole block eagerly), and the eager block's output and input gradient."""
+    from torch.utils.checkpoint import checkpoint
+
+    from anytrain.models.mamba2.model import Mamba2Args, Mamba2Block
+
+    torch.manual_seed(0)
+    block = Mamba2Block(Mamba2Args(d_model=2048, n_layers=1)).cuda()
+    block.mixer.reset_parameters()
+
+    def f(h):
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            return checkpoint(block, h, use_reentrant=False)
+
+    h = torch.randn(2, 1024, 2048, device="cuda", requires_grad=True)
+    eager = f(h)
+    (grad,) = torch.autograd.grad(eager.float().pow(2).mean(), h)
+    torch._dynamo.reset()
+    explained = torch._dynamo.explain(f)(h)
+    assert (explained.graph_count, explained.graph_break_count) == (1, 0), explained.break_reasons
+    compiled = torch.compile(f)(h)
+    (compiled_grad,) = torch.autograd.grad(compiled.float().pow(2).mean(), h)
+    torch._dynamo.reset()
+    assert (compiled.float() - eager.float()).abs().max() <= 2e-2 * eager.float().abs().max()
+    assert (compiled_grad - grad).abs().max() <= 2e-2 * grad.abs().max()

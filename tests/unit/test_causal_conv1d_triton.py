@@ -201,3 +201,36 @@ def test_launchers_take_three_different_layouts_and_out():
     assert len({x.stride(0), dout.stride(0), dx.stride(0)}) == 3
     dx_ref, dw_ref, db_ref = _bwd(x.contiguous(), w, b, dout.contiguous(), True, cfg)
     assert torch.equal(dx, dx_ref) and torch.equal(dw, dw_ref) and torch.equal(db, db_ref)
+
+
+@pytest.mark.parametrize("has_bias", [True, False])
+def test_custom_ops_pass_opcheck_and_compile_without_graph_breaks(has_bias):
+    """Under torch.compile the conv is ``anytrain::causal_conv1d_fwd`` (fake kernels and autograd registered right:
+    opcheck), and a compiled function around it is one graph with the eager op's values and gradients."""
+    from anytrain.kernels import causal_conv1d_triton as conv_mod
+
+    assert conv_mod.HAS_CUSTOM_OP
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(2, 5, 13, generator=gen, requires_grad=True)
+    w = torch.randn(5, 4, generator=gen, requires_grad=True)
+    b = torch.randn(5, generator=gen, requires_grad=True) if has_bias else None
+    torch.library.opcheck(torch.ops.anytrain.causal_conv1d_fwd.default, (x, w, b, True))
+    dout = torch.randn(2, 5, 13, generator=gen)
+    bwd = (x.detach(), w.detach(), None if b is None else b.detach(), dout, True)
+    torch.library.opcheck(
+        torch.ops.anytrain.causal_conv1d_bwd.default, bwd, test_utils=("test_schema", "test_faketensor")
+    )
+
+    def f(x, w, b):
+        return causal_conv1d_triton(x * 2, w, b, "silu").sin()
+
+    leaves = [t for t in (x, w, b) if t is not None]
+    eager = f(x, w, b)
+    grads = torch.autograd.grad((eager * dout).sum(), leaves)
+    torch._dynamo.reset()
+    explained = torch._dynamo.explain(f)(x, w, b)
+    assert (explained.graph_count, explained.graph_break_count) == (1, 0), explained.break_reasons
+    compiled = torch.compile(f, backend="aot_eager")(x, w, b)
+    torch.testing.assert_close(compiled, eager, rtol=0, atol=0)
+    for got, want in zip(torch.autograd.grad((compiled * dout).sum(), leaves), grads, strict=True):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)

@@ -177,3 +177,76 @@ def test_document_counter_and_tiles():
         SSDConfig(block_t=24)
     with pytest.raises(ValueError, match="heads_per_program"):
         SSDConfig(heads_per_program=0)
+
+
+@pytest.mark.parametrize("options", [True, False])
+def test_custom_ops_pass_opcheck_and_compile_to_the_eager_gradients(options):
+    """Under torch.compile the SSD is ``anytrain::ssd_fwd`` / ``ssd_bwd``: schema, fake kernels (shapes, dtypes,
+    strides: the forward's x is a strided view, as the Mamba-2 mixer's conv output is) and autograd registration
+    pass opcheck; compiled with dynamic shapes (AOTAutograd), the output, final state and every gradient equal the
+    eager op's for cotangents on both differentiable outputs (the y-before-gate output is not differentiable)."""
+    assert ssd_mod.HAS_CUSTOM_OP
+    args = make_case(2, 7, 4, 3, 2, 4, seed=11, init=options, options=options)
+    x = args["x"].detach().transpose(1, 2).contiguous().transpose(1, 2).requires_grad_()  # same values, not contiguous
+    assert not x.is_contiguous()
+    names = [k for k in ("dt", "A", "B", "C", "D", "z", "dt_bias", "init") if k in args]
+    leaves = {"x": x, **{k: args[k].detach().clone().requires_grad_() for k in names}}
+    seq = document_counter(torch.tensor([[0, 0, 0, 1, 1, 1, 1], [0, 1, 1, 1, 1, 2, 2]])) if options else None
+
+    def fwd_args(t):
+        opt = [t.get(k) for k in ("D", "z", "dt_bias")]
+        return (t["x"], t["dt"], t["A"], t["B"], t["C"], 4, *opt, options, seq, t.get("init"))
+
+    utils = ("test_schema", "test_autograd_registration", "test_faketensor")
+    torch.library.opcheck(torch.ops.anytrain.ssd_fwd.default, fwd_args(leaves), test_utils=utils)
+    out, final, ypre = torch.ops.anytrain.ssd_fwd(*fwd_args(leaves))
+    gen = torch.Generator().manual_seed(5)
+    dout, dfinal = torch.randn(out.shape, generator=gen, dtype=F64), torch.randn(final.shape, generator=gen, dtype=F64)
+    detached = {k: v.detach() for k, v in leaves.items()}
+    bwd = (dout, dfinal, *fwd_args(detached), ypre.detach() if options else None)
+    torch.library.opcheck(torch.ops.anytrain.ssd_bwd.default, bwd, test_utils=("test_schema", "test_faketensor"))
+
+    def loss(t):
+        y, state, _ = torch.ops.anytrain.ssd_fwd(*fwd_args(t))
+        return (y * dout).sum() + (state * dfinal).sum()
+
+    eager = torch.autograd.grad(loss(leaves), list(leaves.values()))
+    torch._dynamo.reset()
+    compiled = torch.autograd.grad(
+        torch.compile(loss, backend="aot_eager", dynamic=True)(leaves), list(leaves.values())
+    )
+    for k, got, want in zip(leaves, compiled, eager, strict=True):
+        torch.testing.assert_close(got, want, rtol=0, atol=0, msg=lambda m, k=k: f"d{k}: {m}")
+    torch._dynamo.reset()
+
+
+def test_compiled_checkpointed_mamba2_block_is_one_graph_with_the_eager_values():
+    """A Mamba-2 block (Triton conv and SSD) under torch.compile, checkpointed as train.activation_checkpointing does
+    it, is one graph with no break (a break inside a checkpointed region makes dynamo run the whole block eagerly),
+    and gives the eager block's output and input gradient."""
+    from torch.utils.checkpoint import checkpoint
+
+    from anytrain.models.mamba2.model import Mamba2Args, Mamba2Block
+
+    torch.manual_seed(0)
+    block = Mamba2Block(Mamba2Args(d_model=32, n_layers=1, d_state=16, headdim=16, chunk_size=16, vocab_size=64))
+    block.mixer.reset_parameters()
+    old = ops.get_backend()
+    try:
+        ops.set_backend("triton")
+
+        def f(h):
+            return checkpoint(block, h, use_reentrant=False)
+
+        h = torch.randn(2, 24, 32, requires_grad=True)
+        eager = f(h)
+        (grad,) = torch.autograd.grad(eager.sum(), h)
+        torch._dynamo.reset()
+        explained = torch._dynamo.explain(f)(h)
+        assert (explained.graph_count, explained.graph_break_count) == (1, 0), explained.break_reasons
+        compiled = torch.compile(f, backend="aot_eager")(h)  # the graph as AOTAutograd runs it
+        torch.testing.assert_close(compiled, eager, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(torch.autograd.grad(compiled.sum(), h)[0], grad, rtol=1e-5, atol=1e-5)
+    finally:
+        ops.set_backend(old)
+        torch._dynamo.reset()

@@ -684,6 +684,74 @@ class _CausalConv1dFn(torch.autograd.Function):
         return dx, dweight, dbias, None
 
 
+# Under torch.compile the op is the custom ops ``anytrain::causal_conv1d_fwd`` / ``_bwd`` (torch.library, opaque to
+# the compiler, with fake kernels), so that a compiled block, checkpointed or not, keeps one graph around it (dynamo
+# cannot trace the direct launches of ``kernels.launch``; a graph break inside a checkpointed block makes dynamo run
+# the whole block eagerly). The default tiles only; absent outputs (no bias) are 0-element tensors.
+def _forward_op(x: Tensor, weight: Tensor, bias: Tensor | None, silu: bool) -> Tensor:
+    return _launch_fwd(_plan(x, weight, bias, "silu" if silu else None, None), x, weight, bias)
+
+
+def _backward_op(x: Tensor, weight: Tensor, bias: Tensor | None, dout: Tensor, silu: bool) -> tuple[Tensor, ...]:
+    plan = _plan(x, weight, bias, "silu" if silu else None, None)
+    dx, dweight, dbias = _launch_bwd(plan, x, weight, bias, _unit_last(dout))
+    return dx, dweight, weight.new_empty(0) if dbias is None else dbias
+
+
+def _register_custom_ops() -> bool:
+    """``anytrain::causal_conv1d_fwd`` / ``_bwd`` (torch >= 2.4); False where the API is missing."""
+    library = torch.library
+    if not all(hasattr(library, n) for n in ("custom_op", "register_fake", "register_autograd")):
+        return False
+    try:
+        fwd_op = library.custom_op(
+            "anytrain::causal_conv1d_fwd",
+            mutates_args=(),
+            schema="(Tensor x, Tensor w, Tensor? b, bool silu) -> Tensor",
+        )(_forward_op)
+        bwd_op = library.custom_op(
+            "anytrain::causal_conv1d_bwd",
+            mutates_args=(),
+            schema="(Tensor x, Tensor w, Tensor? b, Tensor dout, bool silu) -> (Tensor, Tensor, Tensor)",
+        )(_backward_op)
+    except (TypeError, RuntimeError, ValueError):  # API variants of older torch
+        return False
+
+    @fwd_op.register_fake
+    def _(x, weight, bias, silu):
+        return x.new_empty(x.shape)  # contiguous (batch, dim, L), as the kernel writes it
+
+    @bwd_op.register_fake
+    def _(x, weight, bias, dout, silu):
+        return (
+            torch.empty_like(x),
+            torch.empty_like(weight),
+            weight.new_empty(0) if bias is None else torch.empty_like(bias),
+        )
+
+    def setup_context(ctx, inputs, output):
+        x, weight, bias, silu = inputs
+        ctx.save_for_backward(x, weight, bias)
+        ctx.silu = silu
+
+    def backward(ctx, dout):
+        x, weight, bias = ctx.saved_tensors
+        dx, dweight, dbias = torch.ops.anytrain.causal_conv1d_bwd(x, weight, bias, dout, ctx.silu)
+        return dx, dweight, None if bias is None else dbias, None
+
+    library.register_autograd("anytrain::causal_conv1d_fwd", backward, setup_context=setup_context)
+    return True
+
+
+HAS_CUSTOM_OP = _register_custom_ops()
+
+
+@torch.compiler.disable
+def _conv_eager(x: Tensor, weight: Tensor, bias: Tensor | None, plan: _Plan) -> Tensor:
+    """``_CausalConv1dFn`` kept out of compiled graphs (a non-default ``config``, or no custom-op API)."""
+    return _CausalConv1dFn.apply(x, weight, bias, plan)
+
+
 def causal_conv1d_triton(
     x: Tensor,
     weight: Tensor,
@@ -692,13 +760,20 @@ def causal_conv1d_triton(
     config: ConvConfig | None = None,
 ) -> Tensor:
     """Triton causal depthwise conv1d. x: (batch, dim, L); weight: (dim, width), width 2..4; bias: (dim,);
-    activation None or "silu". ``config``: the tiles (default ``default_config(x.device)``)."""
-    plan = _plan(x, weight, bias, activation, config)
+    activation None or "silu". ``config``: the tiles (default ``default_config(x.device)``). Inside compiled code it
+    is the custom op ``anytrain::causal_conv1d_fwd`` (one node of the graph)."""
+    if activation not in (None, "silu"):
+        raise ValueError(f"causal_conv1d: activation must be None or 'silu', got {activation!r}")
     x = _unit_last(x)
     if not weight.is_contiguous():
         weight = weight.contiguous()
     if bias is not None and bias.stride(0) != 1:
         bias = bias.contiguous()
+    if torch.compiler.is_compiling():
+        if HAS_CUSTOM_OP and config is None:
+            return torch.ops.anytrain.causal_conv1d_fwd(x, weight, bias, activation == "silu")
+        return _conv_eager(x, weight, bias, _plan(x, weight, bias, activation, config))
+    plan = _plan(x, weight, bias, activation, config)
     if torch.is_grad_enabled() and (
         x.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad)
     ):

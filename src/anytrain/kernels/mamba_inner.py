@@ -124,7 +124,7 @@ def _flat(x: Tensor) -> Tensor:
 
 
 def _modules():
-    return ops._triton_modules()  # (selective_scan_triton, causal_conv1d) modules; imports triton on first use
+    return ops._triton_modules()[:2]  # (selective_scan_triton, causal_conv1d); imports triton on first use
 
 
 def _scan_inputs(xz: Tensor, x_dbl: Tensor, conv_out: Tensor, delta: Tensor, A_log: Tensor, batch: int, R: int):

@@ -52,17 +52,19 @@ def is_deterministic() -> bool:
     return _deterministic
 
 
-_modules: tuple[ModuleType, ModuleType] | None | bool = False  # False: not tried yet
+_modules: tuple[ModuleType, ModuleType, ModuleType] | None | bool = False  # False: not tried yet
 
 
-def _triton_modules() -> tuple[ModuleType, ModuleType] | None:
-    """(selective_scan_triton, causal_conv1d_triton) modules, imported on first use; None without Triton."""
+def _triton_modules() -> tuple[ModuleType, ModuleType, ModuleType] | None:
+    """(selective_scan_triton, causal_conv1d_triton, ssd_triton) modules, imported on first use (``_use_triton``
+    asks first, through ``triton_available``, which compiled code calls eagerly); None without Triton."""
     global _modules
     if _modules is False:
         try:
             _modules = (
                 importlib.import_module("anytrain.kernels.selective_scan_triton"),
                 importlib.import_module("anytrain.kernels.causal_conv1d_triton"),
+                importlib.import_module("anytrain.kernels.ssd_triton"),
             )
         except ImportError:
             _modules = None
@@ -119,7 +121,7 @@ def selective_scan(
     D, delta_bias: (dim,). Returns out (batch, dim, L) in u's dtype [, last_state (batch, dim, dstate) fp32].
     """
     if _use_triton(u):
-        scan_mod, _ = _triton_modules()  # type: ignore[misc]
+        scan_mod = _triton_modules()[0]  # type: ignore[index]
         return scan_mod.selective_scan_triton(
             u, delta, A, B, C, D, z, delta_bias, delta_softplus, return_last_state, deterministic=_deterministic
         )
@@ -131,6 +133,6 @@ def causal_conv1d(x: Tensor, weight: Tensor, bias: Tensor | None = None, activat
     if activation not in (None, "silu"):
         raise ValueError(f"causal_conv1d: activation must be None or 'silu', got {activation!r}")
     if _use_triton(x):
-        _, conv_mod = _triton_modules()  # type: ignore[misc]
+        conv_mod = _triton_modules()[1]  # type: ignore[index]
         return conv_mod.causal_conv1d_triton(x, weight, bias, activation)
     return causal_conv1d_ref(x, weight, bias, activation)

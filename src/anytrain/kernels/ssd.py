@@ -12,8 +12,6 @@ chunked form cuts L into c chunks of Q = chunk_size positions (l and s index pos
 
 from __future__ import annotations
 
-import importlib
-
 import torch
 import torch.nn.functional as F
 from torch import Tensor
@@ -56,7 +54,7 @@ def ssd_chunk_scan(
     """
     _check_shapes(x, dt, A, B, C, chunk_size, D, z, dt_bias, seq_idx, initial_states)
     if x.shape[1] > 0 and ops._use_triton(x):
-        return importlib.import_module("anytrain.kernels.ssd_triton").ssd_chunk_scan_triton(
+        return ops._triton_modules()[2].ssd_chunk_scan_triton(
             x, dt, A, B, C, chunk_size, D, z, dt_bias, dt_softplus, seq_idx, initial_states, return_final_states
         )
     return ssd_chunk_scan_torch(

@@ -556,6 +556,8 @@ def _backward(dout, dfinal, x, dt, A, B, C, chunk, D, z, dt_bias, softplus, seq,
 
 
 class _SSDFn(torch.autograd.Function):
+    """The op in eager code (and with a non-default ``config``, which the custom ops below do not take)."""
+
     @staticmethod
     def forward(ctx, x, dt, A, B, C, chunk, D, z, dt_bias, softplus, seq, init, return_final, cfg):
         store_y = z is not None and any(ctx.needs_input_grad)
@@ -576,7 +578,87 @@ class _SSDFn(torch.autograd.Function):
         return dx, ddt, dA, dB, dC, None, dD, dz, dbias, None, None, dinit, None, None
 
 
+# Under torch.compile the op is the custom ops ``anytrain::ssd_fwd`` / ``anytrain::ssd_bwd`` (torch.library, opaque
+# to the compiler, with fake kernels): a compiled block keeps one graph around it, and a checkpointed compiled block
+# (train.activation_checkpointing) recomputes inside its graph; a torch.compiler.disable'd op would break the graph
+# there, and dynamo then runs the whole checkpointed block eagerly. Absent outputs are 0-element tensors.
+_OPTIONAL = "Tensor? D, Tensor? z, Tensor? dt_bias, bool softplus, Tensor? seq, Tensor? init"
+_FWD_SCHEMA = f"(Tensor x, Tensor dt, Tensor A, Tensor B, Tensor C, int chunk, {_OPTIONAL}) -> (Tensor, Tensor, Tensor)"
+_BWD_SCHEMA = (
+    f"(Tensor dout, Tensor? dfinal, Tensor x, Tensor dt, Tensor A, Tensor B, Tensor C, int chunk, {_OPTIONAL}, "
+    "Tensor? ypre) -> (" + ", ".join(["Tensor"] * 9) + ")"
+)
+
+
+def _none_as_empty(t: Tensor | None, like: Tensor) -> Tensor:
+    return like.new_empty(0) if t is None else t
+
+
+def _forward_op(x, dt, A, B, C, chunk, D, z, dt_bias, softplus, seq, init):
+    out, final, ypre = _forward(x, dt, A, B, C, chunk, D, z, dt_bias, softplus, seq, init, CONFIG, z is not None)
+    return out, final, _none_as_empty(ypre, x)
+
+
+def _backward_op(dout, dfinal, x, dt, A, B, C, chunk, D, z, dt_bias, softplus, seq, init, ypre):
+    grads = _backward(dout, dfinal, x, dt, A, B, C, chunk, D, z, dt_bias, softplus, seq, init, ypre, CONFIG)
+    return tuple(_none_as_empty(g, x) for g in grads)
+
+
+def _register_custom_ops() -> bool:
+    """``anytrain::ssd_fwd`` / ``ssd_bwd`` (torch >= 2.4); False where the API is missing."""
+    library = torch.library
+    if not all(hasattr(library, n) for n in ("custom_op", "register_fake", "register_autograd")):
+        return False
+    try:
+        fwd_op = library.custom_op("anytrain::ssd_fwd", mutates_args=(), schema=_FWD_SCHEMA)(_forward_op)
+        bwd_op = library.custom_op("anytrain::ssd_bwd", mutates_args=(), schema=_BWD_SCHEMA)(_backward_op)
+    except (TypeError, RuntimeError, ValueError):  # API variants of older torch
+        return False
+
+    @fwd_op.register_fake
+    def _(x, dt, A, B, C, chunk, D, z, dt_bias, softplus, seq, init):
+        b, _, h, p = x.shape
+        acc = _acc_dtype(x, dt, A, B, C, D, z, dt_bias, init)
+        ypre = x.new_empty(x.shape) if z is not None else x.new_empty(0)  # contiguous, as the kernels write them
+        return x.new_empty(x.shape), x.new_empty((b, h, p, B.shape[3]), dtype=acc), ypre
+
+    @bwd_op.register_fake
+    def _(dout, dfinal, x, dt, A, B, C, chunk, D, z, dt_bias, softplus, seq, init, ypre):
+        given = (x, dt, A, B, C, D, z, dt_bias, init)
+        return tuple(x.new_empty(0) if t is None else t.new_empty(t.shape) for t in given)  # contiguous
+
+    def setup_context(ctx, inputs, output):
+        x, dt, A, B, C, chunk, D, z, dt_bias, softplus, seq, init = inputs
+        ypre = output[2] if z is not None else None
+        ctx.save_for_backward(x, dt, A, B, C, D, z, dt_bias, seq, init, ypre)
+        ctx.chunk, ctx.softplus = chunk, softplus
+        ctx.mark_non_differentiable(output[2])
+        ctx.set_materialize_grads(False)
+
+    def backward(ctx, dout, dfinal, _unused):
+        x, dt, A, B, C, D, z, dt_bias, seq, init, ypre = ctx.saved_tensors
+        grads = torch.ops.anytrain.ssd_bwd(
+            dout, dfinal, x, dt, A, B, C, ctx.chunk, D, z, dt_bias, ctx.softplus, seq, init, ypre
+        )
+        inputs = (x, dt, A, B, C, D, z, dt_bias, init)
+        dx, ddt, dA, dB, dC, dD, dz, dbias, dinit = (
+            g if t is not None else None for g, t in zip(grads, inputs, strict=True)
+        )
+        return dx, ddt, dA, dB, dC, None, dD, dz, dbias, None, None, dinit
+
+    library.register_autograd("anytrain::ssd_fwd", backward, setup_context=setup_context)
+    return True
+
+
+HAS_CUSTOM_OP = _register_custom_ops()
+
+
 @torch.compiler.disable
+def _ssd_eager(*args):
+    """``_SSDFn`` kept out of compiled graphs (a non-default ``config`` inside compiled code, or no custom-op API)."""
+    return _SSDFn.apply(*args)
+
+
 def ssd_chunk_scan_triton(
     x: Tensor,
     dt: Tensor,
@@ -595,25 +677,16 @@ def ssd_chunk_scan_triton(
 ) -> Tensor | tuple[Tensor, Tensor]:
     """Triton SSD; see ``anytrain.kernels.ssd.ssd_chunk_scan`` for the semantics and shapes. ``config`` overrides
     the tiles (benchmarks). The backward has no atomics, so it is deterministic whatever ``kernels.deterministic``
-    says. Runs eagerly inside compiled code (a graph break around it), as the PyTorch twin does."""
+    says. Inside compiled code it is the custom op ``anytrain::ssd_fwd`` (one node of the graph)."""
     B, C = _unit_last(B), _unit_last(C)
     D = None if D is None else D.contiguous()
     dt_bias = None if dt_bias is None else dt_bias.contiguous()
     init = None if initial_states is None else initial_states.contiguous()
     seq = None if seq_idx is None or x.shape[1] < 2 else document_counter(seq_idx)
-    return _SSDFn.apply(
-        x,
-        dt,
-        A.contiguous(),
-        B,
-        C,
-        int(chunk_size),
-        D,
-        z,
-        dt_bias,
-        bool(dt_softplus),
-        seq,
-        init,
-        bool(return_final_states),
-        config or CONFIG,
-    )
+    args = (x, dt, A.contiguous(), B, C, int(chunk_size), D, z, dt_bias, bool(dt_softplus), seq, init)
+    if torch.compiler.is_compiling():
+        if HAS_CUSTOM_OP and config is None:
+            out, final, _ = torch.ops.anytrain.ssd_fwd(*args)
+            return (out, final) if return_final_states else out
+        return _ssd_eager(*args, bool(return_final_states), config or CONFIG)
+    return _SSDFn.apply(*args, bool(return_final_states), config or CONFIG)
