@@ -20,7 +20,16 @@ from __future__ import annotations
 import math
 
 from anytrain.cost import fp8
-from anytrain.cost.shapes import MIB, Layout, Mamba2Shape, MambaShape, ModelShape, Precision, Workload
+from anytrain.cost.shapes import (
+    MIB,
+    HybridShape,
+    Layout,
+    Mamba2Shape,
+    MambaShape,
+    ModelShape,
+    Precision,
+    Workload,
+)
 
 LOGITS_CHUNK_BYTES = 256 * MIB  # anytrain.kernels.fused_linear_ce.LOGITS_CHUNK_BYTES
 BLAS_WORKSPACES = 2  # cuBLAS/hipBLAS workspaces: one per (thread, stream): the forward thread and autograd's thread
@@ -36,8 +45,8 @@ def residual_bytes(shape: ModelShape | MambaShape, prec: Precision) -> int:
     """Bytes of the residual stream. Transformer: 4 when ``residual_fp32`` meets autocast, else the activation dtype
     (anytrain casts the embedding output to the autocast dtype). Mamba: 4 when ``residual_fp32`` (its blocks upcast
     the residual, also under FSDP's bf16 parameters), else the activation dtype (the embedding output is cast to the
-    autocast dtype, as for the Transformer). Mamba-2 as Mamba."""
-    if isinstance(shape, (MambaShape, Mamba2Shape)):
+    autocast dtype, as for the Transformer). Mamba-2 and hybrids as Mamba."""
+    if isinstance(shape, (MambaShape, Mamba2Shape, HybridShape)):
         return 4 if shape.residual_fp32 else prec.act
     return 4 if shape.residual_fp32 and prec.autocast else prec.residual
 
@@ -82,6 +91,8 @@ def activation_bytes_per_token(
         return mamba_activation_bytes_per_token(shape, prec, compiled)
     if isinstance(shape, Mamba2Shape):
         return mamba2_activation_bytes_per_token(shape, prec, seq_len, ssd_kernel)
+    if isinstance(shape, HybridShape):
+        return hybrid_activation_bytes_per_token(shape, prec, seq_len, ssd_kernel)
     d, f, a, r = shape.dim, shape.ffn_dim, prec.act, residual_bytes(shape, prec)
     kv, swiglu = kv_width(shape), shape.mlp == "swiglu"
     small = 4 * shape.n_heads + shape.norm_stat_bytes  # log-sum-exp, the norms' fp32 1/rms (LayerNorm: mean, 1/std)
@@ -109,6 +120,20 @@ def mamba_activation_bytes_per_token(shape: MambaShape, prec: Precision, compile
     mixer = a * d + a * (2 * e + shape.dt_rank + 2 * shape.d_state + e) + 4 * e * shape.d_state / shape.state_every
     around = residual_bytes(shape, prec) * d + 4 if compiled else 8 * d + 4
     return around + mixer
+
+
+def hybrid_activation_bytes_per_token(
+    shape: HybridShape, prec: Precision, seq_len: int, ssd_kernel: str = "triton"
+) -> float:
+    """Mean bytes one hybrid block saves per token. Mamba-2 blocks: ``mamba2_activation_bytes_per_token`` (its eager
+    count); attention and MLP blocks: their parts of the compiled Transformer block's count, each with its own input
+    r·d and norm output a·d — attention q, its output and k, v (3·a·d + 2·a·d_kv), flash attention's fp32 log-sum-exp
+    4·H and the norm's 1/rms; the MLP a·F per saved SwiGLU tensor (3·a·F; GELU 2·a·F) and the norm's 1/rms."""
+    d, a, r = shape.dim, prec.act, residual_bytes(shape, prec)
+    attention = r * d + a * d + 3 * a * d + 2 * a * shape.kv_dim + 4 * shape.attn_heads + 4
+    mlp = r * d + a * d + (3 if shape.mlp == "swiglu" else 2) * a * shape.ffn_dim + 4
+    mamba = mamba2_activation_bytes_per_token(shape.mamba, prec, seq_len, ssd_kernel) if shape.n_mamba else 0.0
+    return (shape.n_mamba * mamba + shape.n_attention * attention + shape.n_mlp * mlp) / shape.n_layers
 
 
 def mamba2_activation_bytes_per_token(

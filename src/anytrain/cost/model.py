@@ -40,6 +40,7 @@ from anytrain.cost.shapes import (  # noqa: F401  (re-exported)
     PRECISIONS,
     SCHEDULES,
     STRATEGIES,
+    HybridShape,
     Layout,
     Mamba2Shape,
     MambaShape,
@@ -283,19 +284,19 @@ def communication(
 def gemm_bytes_per_token(shape: ModelShape | MambaShape, prec: Precision) -> float:
     """HBM traffic of the matmuls' activation operands per token, forward + backward: each linear (K → N) reads its
     input and writes its output in forward, reads the output gradient and writes the input gradient (dgrad), reads
-    both for the weight gradient (wgrad): 3·a·(K + N); summed over a block's linears × L, plus the LM head
-    3·a·(d + V). Added to the GEMMs' arithmetic time (an additive roofline): small-width models (K, N ≲ 1k) spend a
-    visibly larger share of their GEMM time on it."""
+    both for the weight gradient (wgrad): 3·a·(K + N); summed over every block's linears (``block_linears``), plus
+    the LM head 3·a·(d + V). Added to the GEMMs' arithmetic time (an additive roofline): small-width models (K, N ≲
+    1k) spend a visibly larger share of their GEMM time on it."""
     a = prec.act
-    per_layer = sum(3 * a * (k + n) for k, n in shape.linears())
-    return shape.n_layers * per_layer + 3 * a * (shape.dim + shape.vocab_size)
+    blocks = sum(3 * a * (k + n) for k, n in shape.block_linears())
+    return blocks + 3 * a * (shape.dim + shape.vocab_size)
 
 
 def gemm_weight_bytes(shape: ModelShape | MambaShape, prec: Precision) -> float:
     """The matmuls' weight operands per micro-batch: each weight read in forward and in dgrad, its gradient written
     in wgrad (3·a·K·N per linear), blocks and LM head."""
     a = prec.act
-    return 3 * a * (shape.n_layers * sum(k * n for k, n in shape.linears()) + shape.vocab_size * shape.dim)
+    return 3 * a * (sum(k * n for k, n in shape.block_linears()) + shape.vocab_size * shape.dim)
 
 
 def elementwise_bytes_per_token(shape: ModelShape | MambaShape, prec: Precision, compiled: bool) -> float:
@@ -314,13 +315,24 @@ def elementwise_bytes_per_token(shape: ModelShape | MambaShape, prec: Precision,
         forward = (3 * r + 4) * shape.dim + 8 * shape.d_inner
         return shape.n_layers * 3.0 * forward * (1.0 if compiled else 2.5) + loss
     if isinstance(shape, Mamba2Shape):  # norm, residual add, conv in/out a·C each, gated norm y, z in and out 3·a·E
-        a = prec.act
-        forward = (3 * r + 4) * shape.dim + 2 * a * shape.conv_dim + 3 * a * shape.d_inner
-        return shape.n_layers * 3.0 * forward * (1.0 if compiled else 2.5) + loss
+        return shape.n_layers * 3.0 * _mamba2_block_bytes(shape, r, prec.act) * (1.0 if compiled else 2.5) + loss
+    if isinstance(shape, HybridShape):  # each kind's part of the Transformer's or Mamba-2's block, per block
+        d = shape.dim
+        attention = (r + 2) * d + 4 * d + 4 * shape.kv_dim + (2 * r + 2) * d  # norm, RoPE on q and k, residual add
+        mlp = (r + 2) * d + (6 if shape.mlp == "swiglu" else 4) * shape.ffn_dim + (2 * r + 2) * d
+        forward = shape.n_mamba * _mamba2_block_bytes(shape.mamba, r, prec.act)
+        forward += shape.n_attention * attention + shape.n_mlp * mlp
+        return 3.0 * forward * (1.0 if compiled else 2.5) + loss
     d, f = shape.dim, shape.ffn_dim
     forward = (r + 2) * d + 4 * d + 4 * shape.kv_dim + (2 * r + 2) * d + (r + 2) * d + 6 * f + (2 * r + 2) * d
     per_block = 3.0 * forward * (1.0 if compiled else 2.5)
     return shape.n_layers * per_block + loss
+
+
+def _mamba2_block_bytes(shape: Mamba2Shape, r: int, a: int) -> float:
+    """One Mamba-2 block's elementwise bytes per token, forward, fused: norm and residual add (3r + 4)·d, the conv's
+    input and output a·C each, the gated norm's y, z in and out 3·a·E."""
+    return (3 * r + 4) * shape.dim + 2 * a * shape.conv_dim + 3 * a * shape.d_inner
 
 
 def parameter_traffic_bytes(shape: ModelShape | MambaShape, layout: Layout, wl: Workload, prec: Precision) -> float:
@@ -370,14 +382,15 @@ def elementwise_seconds(shape: ModelShape, layout: Layout, wl: Workload, prec: P
     kernels' and the GEMM operands' traffic of its tokens, the weight operands per micro-batch, and the parameter
     traffic (casts, FSDP copies, DDP buckets: ``parameter_traffic_bytes``). Tensor parallelism splits all of it;
     pipeline stages hold L/p blocks. With ``wl.fp8``: the converted linears' cast traffic and their FP8 operands
-    (cost/fp8.py); Mamba-2: its SSD's traffic (``ssd_bytes_per_token``)."""
+    (cost/fp8.py); Mamba-2 (and a hybrid's Mamba-2 blocks): the SSD's traffic (``ssd_bytes_per_token``)."""
     m = max(1, wl.global_batch // (layout.dp * layout.micro_batch))
     tokens = layout.micro_batch * wl.seq_len * m
     per_token = elementwise_bytes_per_token(shape, prec, wl.compiled) + gemm_bytes_per_token(shape, prec)
     recipe, rule, a = wl.fp8, wl.fp8_filter, prec.act
     per_token += fp8.cast_bytes_per_token(shape, recipe, rule, a) + fp8.operand_bytes_per_token(shape, recipe, rule, a)
-    if isinstance(shape, Mamba2Shape):
-        per_token += shape.n_layers * ssd_bytes_per_token(shape, prec, wl.seq_len, wl.ssd_kernel)
+    if isinstance(shape, (Mamba2Shape, HybridShape)):
+        ssd = shape if isinstance(shape, Mamba2Shape) else shape.mamba  # its n_layers: the Mamba-2 blocks
+        per_token += ssd.n_layers * ssd_bytes_per_token(ssd, prec, wl.seq_len, wl.ssd_kernel)
     gathered_fp8 = fp8.gather_bytes_per_param(prec.gather, recipe, layout.strategy) < prec.gather
     gathered_fp8 = gathered_fp8 and layout.shard_size > 1 and layout.strategy in ("fsdp", "hsdp")
     # the converted weights' cast reads their fp32 master (autocast, fp32) or FSDP's bf16 gathered parameters

@@ -9,6 +9,7 @@ m micro-batches per step, t/p/n tensor-, pipeline-, data-parallel degrees.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import re
 from dataclasses import dataclass
@@ -42,6 +43,10 @@ class _LanguageModelParams:
     def dense_params(self) -> int:
         """N of 6·N: parameters without the input embedding, the LM head's V·d counted even when tied."""
         return self.num_params - self.embedding_params + (self.vocab_size * self.dim if self.tie_embeddings else 0)
+
+    def block_linears(self) -> list[tuple[int, int]]:
+        """(in, out) widths of every block's matmuls, all blocks (each block's ``linears`` L times)."""
+        return self.linears() * self.n_layers
 
 
 @dataclass(frozen=True)
@@ -328,6 +333,116 @@ class Mamba2Shape(_LanguageModelParams):
 
 
 @dataclass(frozen=True)
+class HybridShape(_LanguageModelParams):
+    """Hybrid Mamba-2 + attention LM shape (anytrain's models/hybrid/model.py): ``n_layers`` pre-norm blocks, of which
+    ``n_mamba`` Mamba-2 blocks (``mamba``: their Mamba2Shape, its ``n_layers`` = n_mamba), ``n_attention`` attention
+    blocks (H query / K key-value heads of d / H, no biases) and ``n_mlp`` MLP blocks (``mlp`` 'swiglu' 3 matrices or
+    'gelu' 2, width F). The per-block quantities the cost model multiplies by a block count (``layer_params``,
+    ``eager_ops``, ``memory.activation_bytes_per_token``) are means over the blocks; what differs by kind
+    (``block_linears``, FLOPs, the elementwise and SSD traffic) is summed per kind. No tensor-parallel or FP8 terms
+    (``n_heads`` = 1 keeps tp = 1; no FP8 candidates: the family's parallelize plan has no ``fp8_linears``)."""
+
+    n_layers: int
+    dim: int
+    vocab_size: int
+    n_mamba: int
+    n_attention: int
+    n_mlp: int
+    mamba: Mamba2Shape
+    attn_heads: int
+    attn_kv_heads: int
+    ffn_dim: int
+    mlp: str = "swiglu"
+    tie_embeddings: bool = False
+    residual_fp32: bool = False
+    name: str = ""
+    n_heads: int = 1
+    n_kv_heads: int = 1
+    expand_kv: bool = True
+    kind: str = "hybrid"
+
+    @property
+    def kv_dim(self) -> int:
+        return self.attn_kv_heads * (self.dim // self.attn_heads)
+
+    def attention_linears(self) -> list[tuple[int, int]]:
+        """(in, out) of an attention block's matmuls: q, k, v, o."""
+        d, kv = self.dim, self.kv_dim
+        return [(d, d), (d, kv), (d, kv), (d, d)]
+
+    def mlp_linears(self) -> list[tuple[int, int]]:
+        """(in, out) of an MLP block's matmuls: w1, w3, w2 (SwiGLU) or w1, w2 (GELU)."""
+        d, f = self.dim, self.ffn_dim
+        return [(d, f), (d, f), (f, d)] if self.mlp == "swiglu" else [(d, f), (f, d)]
+
+    def block_linears(self) -> list[tuple[int, int]]:
+        return (
+            self.mamba.linears() * self.n_mamba
+            + self.attention_linears() * self.n_attention
+            + self.mlp_linears() * self.n_mlp
+        )
+
+    @property
+    def block_params(self) -> int:
+        """Parameters of all blocks: each Mamba-2 block's (``Mamba2Shape.layer_params``, its norm included); each
+        attention and MLP block its matmuls plus its pre-norm d."""
+        attention = sum(k * n for k, n in self.attention_linears()) + self.dim
+        mlp = sum(k * n for k, n in self.mlp_linears()) + self.dim
+        return self.n_mamba * self.mamba.layer_params + self.n_attention * attention + self.n_mlp * mlp
+
+    @property
+    def layer_params(self) -> float:
+        """Mean parameters per block (``block_params`` / L)."""
+        return self.block_params / self.n_layers
+
+    @property
+    def num_params(self) -> int:
+        return self.embedding_params + self.block_params + self.head_params
+
+    def fp8_candidates(self) -> None:
+        """None: ``train.fp8`` is not implemented for hybrids."""
+        return None
+
+    def eager_ops(self, seq_len: int) -> float:
+        """Mean host-side ATen ops of one eager block: Mamba-2 blocks as ``Mamba2Shape.eager_ops``, attention and MLP
+        blocks half of the Transformer block's 121 each (not counted apart)."""
+        ops = self.n_mamba * self.mamba.eager_ops(seq_len) + (self.n_attention + self.n_mlp) * 121 / 2
+        return ops / self.n_layers
+
+    @property
+    def eager_ops_per_block(self) -> float:
+        return self.eager_ops(0)
+
+    def flops_per_token(self, seq_len: int) -> float:
+        """6·N + 12·L_A·d·s + the Mamba-2 blocks' SSD matmuls (as ``Hybrid.flops_per_token``)."""
+        attention = 12.0 * self.n_attention * self.dim * seq_len
+        return 6.0 * self.dense_params() + attention + self.mamba.ssd_flops_per_token(seq_len)
+
+    @classmethod
+    def from_args(cls, args: Any, name: str = "") -> HybridShape:
+        """From anytrain's HybridArgs."""
+        kinds = args.kinds
+        n_mamba = kinds.count("M")
+        mamba = dataclasses.replace(Mamba2Shape.from_args(args.mamba_args()), n_layers=n_mamba)
+        return cls(
+            args.n_layers,
+            args.d_model,
+            args.vocab_size,
+            n_mamba,
+            kinds.count("A"),
+            kinds.count("-"),
+            mamba,
+            args.attn_heads,
+            args.attn_kv_heads,
+            args.ffn_dim,
+            mlp=args.mlp,
+            tie_embeddings=bool(args.tie_embeddings),
+            residual_fp32=bool(args.residual_in_fp32),
+            name=name,
+        )
+
+
+@dataclass(frozen=True)
 class Precision:
     """Bytes per parameter of each state, the dtypes of activations, and whose training loop it describes.
 
@@ -487,7 +602,7 @@ def gradient_matrices(shape: ModelShape | MambaShape | Mamba2Shape) -> list[tupl
     """(rows, columns) of every weight matrix: each block's linears (out x in) L times, the token embedding and the
     LM head (V x d; one matrix when tied). The other parameters (norms, biases, Mamba's conv, A_log, D) are vectors
     or thin matrices that PowerSGD sends whole."""
-    blocks = [(n_out, n_in) for n_in, n_out in shape.linears()] * shape.n_layers
+    blocks = [(n_out, n_in) for n_in, n_out in shape.block_linears()]
     return blocks + [(shape.vocab_size, shape.dim)] * (1 if shape.tie_embeddings else 2)
 
 
@@ -523,20 +638,22 @@ def gradient_reduce_bytes(
     return prec.reduce
 
 
-def shape_from_config(cfg: object) -> ModelShape | MambaShape | Mamba2Shape:
+def shape_from_config(cfg: object) -> ModelShape | MambaShape | Mamba2Shape | HybridShape:
     """Shape of the model a RunConfig builds, read from its resolved args (exact parameter count as built)."""
     from anytrain.models import resolve_args
 
     name = f"{cfg.model.arch}/{cfg.model.flavour}"
-    if cfg.model.arch not in ("transformer", "mamba", "mamba2"):
+    if cfg.model.arch not in ("transformer", "mamba", "mamba2", "hybrid"):
         raise ConfigError(
-            f"model.arch: the cost model covers transformer, mamba and mamba2 models, not {cfg.model.arch!r}"
+            f"model.arch: the cost model covers transformer, mamba, mamba2 and hybrid models, not {cfg.model.arch!r}"
         )
     args = resolve_args(cfg.model)
     if cfg.model.arch == "mamba":
         return MambaShape.from_args(args, name=name)
     if cfg.model.arch == "mamba2":
         return Mamba2Shape.from_args(args, name=name)
+    if cfg.model.arch == "hybrid":
+        return HybridShape.from_args(args, name=name)
     return ModelShape.from_args(args, name=name)
 
 
