@@ -28,9 +28,14 @@ overheads, the operand and all-gather bytes. ``model.estimate`` and ``memory.mem
 * **Operands.** An FP8 GEMM reads its operands in 1 byte and writes its output in a: (a + 2)·(K + N) per token for
   the three GEMMs (rowwise_with_gw_hp: (2a + 1)·(K + N), its weight gradient reading bf16), (2 + a)·K·N weight
   bytes per micro-batch, against 3·a·(K + N) and 3·a·K·N in high precision.
-* **Memory.** torchao saves the linear's high-precision input and its weight parameter, as ``nn.Linear`` does, so
-  the activations are unchanged; under autocast the converted weights have no bf16 copy (the cast goes straight
-  from fp32 to FP8 inside the layer); FSDP's FP8 all-gather holds 1 byte per converted parameter gathered.
+* **Memory.** Eager, torchao saves the linear's high-precision input and its weight parameter, as ``nn.Linear``
+  does. In a compiled Transformer block under tensorwise the partitioner keeps the input's FP8 cast (1 byte) in place
+  of the a-byte input wherever every consumer of that input is converted (``saved_input_savings_per_token``: the
+  attention norm's output for q, k, v; the attention output for o; the MLP norm's output for w1 and w3; the SwiGLU
+  product for w2): the measured FP8 peaks (one H200, 1.1B, Llama-3.2-1B and 3B) are within 8% with it and 12-20% over
+  without. Row-wise recipes need the input scaled along both axes, so nothing is saved there. Under autocast the
+  converted weights have no bf16 copy (the cast goes straight from fp32 to FP8 inside the layer); FSDP's FP8
+  all-gather holds 1 byte per converted parameter gathered.
 """
 
 from __future__ import annotations
@@ -52,6 +57,7 @@ __all__ = [
     "gemm_split_per_token",
     "operand_bytes_per_token",
     "operand_weight_bytes",
+    "saved_input_savings_per_token",
 ]
 
 ACT_CAST = {"tensorwise": (2, 2), "rowwise": (3, 2), "rowwise_with_gw_hp": (1, 1)}
@@ -142,6 +148,20 @@ def operand_weight_bytes(shape: Any, recipe: str, fp8_filter: str, act: int) -> 
     if recipe == "none":
         return 0.0
     return shape.n_layers * (2 + act - 3 * act) * converted_params_per_layer(shape, recipe, fp8_filter)
+
+
+def saved_input_savings_per_token(shape: Any, recipe: str, fp8_filter: str, act: int, compiled: bool) -> float:
+    """Activation bytes per token and block that a compiled Transformer block under tensorwise does not keep: (a − 1)
+    per element of each saved matmul input whose consumers are all converted (the module docstring's "Memory"); 0
+    for other recipes, eager blocks and the other families (their blocks save other tensors)."""
+    if recipe != "tensorwise" or not compiled or getattr(shape, "kind", "transformer") != "transformer":
+        return 0.0
+    candidates = shape.fp8_candidates()
+    keep = [gemm_keep_reason(n, k, recipe, fp8_filter) is None for k, n in candidates]
+    # the linears in candidate order: q, k, v, o, then w1, w3, w2 (SwiGLU) or w1, w2 (GELU); groups share an input
+    groups = [(0, 1, 2), (3,), (4, 5), (6,)] if len(candidates) == 7 else [(0, 1, 2), (3,), (4,), (5,)]
+    width = sum(candidates[g[0]][0] for g in groups if all(keep[i] for i in g))
+    return (act - 1) * width
 
 
 def gather_bytes_per_param(gather: float, recipe: str, strategy: str) -> float:

@@ -269,6 +269,7 @@ def _stage_phases(
     in_flight = pp_in_flight(layout, m) if first else 1.0
     split = ddp_splits_blocks(shape, layout, wl, prec)
     per_token = activation_bytes_per_token(shape, prec, wl.compiled, t, split, wl.seq_len, wl.ssd_kernel)
+    per_token -= fp8.saved_input_savings_per_token(shape, wl.fp8, wl.fp8_filter, prec.act, wl.compiled) / t
     checkpointed = residual_bytes(shape, prec) * d / t
     acts = {"activations": (f * checkpointed + (1 - f) * per_token) * tokens * layers * in_flight}
     loss_fwd = loss_bwd = 0.0
