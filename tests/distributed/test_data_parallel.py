@@ -54,6 +54,7 @@ def runs(tmp_path_factory, small_data):
     for name, nproc, extra in (
         ("single", 1, ()),
         ("ddp", 2, ("--parallel.strategy", "ddp")),
+        ("ddp-bucket-view", 2, ("--parallel.strategy", "ddp", "--parallel.ddp_bucket_view", "true")),
         ("fsdp", 2, ("--parallel.strategy", "fsdp")),
         ("zero2", 2, ("--parallel.strategy", "fsdp", "--parallel.reshard_after_forward", "false")),
         ("hsdp", 4, ("--parallel.strategy", "fsdp", "--parallel.dp_replicate", "2")),
@@ -66,7 +67,7 @@ def losses(records: list[dict]) -> np.ndarray:
     return np.array([r["loss"] for r in records if r["kind"] == "train"])
 
 
-@pytest.mark.parametrize("name", ["ddp", "fsdp", "zero2", "hsdp"])
+@pytest.mark.parametrize("name", ["ddp", "ddp-bucket-view", "fsdp", "zero2", "hsdp"])
 def test_first_losses_match_single_process(runs, name):
     single = losses(runs["single"][1])
     other = losses(runs[name][1])
@@ -95,6 +96,7 @@ def test_checkpoint_written_by_every_strategy(runs):
         expected = {
             "single": ("single", 1),
             "ddp": ("ddp", 2),
+            "ddp-bucket-view": ("ddp", 2),
             "fsdp": ("fsdp", 2),
             "zero2": ("fsdp", 2),
             "hsdp": ("fsdp", 4),

@@ -702,3 +702,23 @@ def test_layout_from_config_is_the_layout_the_trainer_runs():
     )
     assert (layout(1).strategy, layout(1).dp) == ("ddp", 1)
     assert layout(2, "--parallel.strategy", "zero1").strategy == "zero1"
+
+
+def test_ddp_bucket_views_drop_the_bucket_copy_and_keep_the_gradients():
+    """parallel.ddp_bucket_view: no ddp_buckets component and no bucket-copy traffic; the gradients are held through
+    the forward even without accumulation (zeroed in place, not freed); one process is unchanged."""
+    from anytrain.cost.model import parameter_traffic_bytes
+    from anytrain.cost.shapes import AMP, shape_from_params
+
+    shape, device = shape_from_params(1.1e9), get_device("h100")
+    layout, one = Layout(dp=4, micro_batch=8, strategy="ddp"), Layout(micro_batch=8)
+    plain, views = Workload(2048, 32), Workload(2048, 32, ddp_bucket_view=True)
+    copies, held = estimate(shape, layout, plain, device).memory, estimate(shape, layout, views, device).memory
+    assert copies["ddp_buckets"] > 0 and "ddp_buckets" not in held
+    fp32_grads = memory_phases(shape, layout, views, AMP)["forward"]["grads"]  # Ψ_dev · 4 B, as DDP's buckets
+    assert fp32_grads == pytest.approx(copies["ddp_buckets"])
+    assert "grads" not in memory_phases(shape, layout, plain, AMP)["forward"]
+    saved = parameter_traffic_bytes(shape, layout, plain, AMP) - parameter_traffic_bytes(shape, layout, views, AMP)
+    block_and_head = shape.n_layers * shape.layer_params + shape.head_params  # the parameters the casts count
+    assert saved == pytest.approx(16 * block_and_head)  # gradient -> bucket -> gradient, 16 B per parameter
+    assert estimate(shape, one, views, device).memory == estimate(shape, one, plain, device).memory

@@ -340,9 +340,10 @@ def parameter_traffic_bytes(shape: ModelShape | MambaShape, layout: Layout, wl: 
     per micro-batch the dtype casts (``prec.cast``: autocast's weight casts and the fp32 gradient accumulation, 16 B
     per parameter; FSDP2: the bf16 → fp32 gradient upcast and accumulation, 10 B) and, for FSDP2, each all-gather's
     copy-in (6/z), NCCL's output (2) and copy-out (4) B per parameter; per step DDP's bucket copies (gradient →
-    bucket → gradient, 16 B) and ZeRO-1's all-gather packing (8 + 8/z B). FP8 (``wl.fp8``): under autocast the
-    converted weights skip autocast's cast (−6 B each per micro-batch); FSDP's FP8 all-gather moves 1 byte per
-    converted parameter where bf16 moves 2, after one amax read of each fp32 shard (4/z B) per step."""
+    bucket → gradient, 16 B; none with ``wl.ddp_bucket_view``) and ZeRO-1's all-gather packing (8 + 8/z B). FP8
+    (``wl.fp8``): under autocast the converted weights skip autocast's cast (−6 B each per micro-batch); FSDP's FP8
+    all-gather moves 1 byte per converted parameter where bf16 moves 2, after one amax read of each fp32 shard (4/z
+    B) per step."""
     m = max(1, wl.global_batch // (layout.dp * layout.micro_batch))
     z = layout.shard_size
     psi = (shape.n_layers / layout.pp * shape.layer_params + shape.head_params / layout.pp) / layout.tp
@@ -357,7 +358,7 @@ def parameter_traffic_bytes(shape: ModelShape | MambaShape, layout: Layout, wl: 
         total += layout.gathers_per_step(m) * (6.0 + 8.0 / z) * gathered / 2
         if gather_fp8 < prec.gather:  # the scales' amax over each fp32 shard, once per step
             total += 4.0 / z * converted
-    if layout.strategy in ("ddp", "zero1") and layout.dp > 1 and prec.ddp_bucket:
+    if layout.strategy in ("ddp", "zero1") and layout.dp > 1 and prec.ddp_bucket and not wl.ddp_bucket_view:
         total += 4 * prec.ddp_bucket * psi
     if layout.strategy == "zero1" and anytrain and z > 1:
         total += (8.0 + 8.0 / z) * psi

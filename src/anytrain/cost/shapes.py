@@ -578,6 +578,7 @@ class Workload:
     fragmentation: float = 0.05
     overhead_gib: float = 1.0  # CUDA/HIP context, NCCL buffers: outside the allocator (not in its peak)
     ddp_bucket_mib: float = 100.0  # parallel.ddp_bucket_mb (DDP's bucket cap); torch.compile splits blocks at buckets
+    ddp_bucket_view: bool = False  # parallel.ddp_bucket_view: gradients are DDP's buckets, zeroed in place, kept
     grad_compression: str = "none"  # parallel.grad_compression: none | bf16 | fp16 | powersgd:rank=R
     fp8: str = "none"  # train.fp8: none | tensorwise | rowwise | rowwise_with_gw_hp (cost/fp8.py)
     fp8_filter: str = "auto"  # train.fp8_filter: auto | aligned
@@ -585,12 +586,13 @@ class Workload:
 
     @classmethod
     def from_config(cls, cfg: Any, **fields: Any) -> Workload:
-        """A run config's sequence length, global batch, compile and CUDA-graph switches, DDP bucket size, gradient
-        compression and FP8 recipe and filter, plus ``fields``."""
+        """A run config's sequence length, global batch, compile and CUDA-graph switches, DDP bucket size and bucket
+        views, gradient compression and FP8 recipe and filter, plus ``fields``."""
         base = dict(
             compiled=cfg.train.compile,
             cuda_graphs=cfg.train.cuda_graphs,
             ddp_bucket_mib=cfg.parallel.ddp_bucket_mb,
+            ddp_bucket_view=cfg.parallel.ddp_bucket_view,
             grad_compression=cfg.parallel.grad_compression,
             fp8=cfg.train.fp8,
             fp8_filter=cfg.train.fp8_filter,
@@ -764,7 +766,9 @@ def plan_workload(
         parse_grad_compression(compression)
     except ConfigError as exc:
         raise ConfigError(str(exc).replace("parallel.grad_compression", "--grad-compression")) from None
-    bucket = {"ddp_bucket_mib": cfg.parallel.ddp_bucket_mb} if cfg else {}
+    bucket = (
+        {"ddp_bucket_mib": cfg.parallel.ddp_bucket_mb, "ddp_bucket_view": cfg.parallel.ddp_bucket_view} if cfg else {}
+    )
     recipe = fp8 or (cfg.train.fp8 if cfg else "none")
     fp8_filter = cfg.train.fp8_filter if cfg else "auto"
     return Workload(

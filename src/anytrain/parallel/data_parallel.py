@@ -87,7 +87,8 @@ def apply_ddp(
     model: nn.Module, dims: ParallelDims, device: torch.device, parallel: ParallelConfig, train: TrainConfig
 ) -> nn.Module:
     """DDP over the data-parallel ranks (ddp and zero1: replicated parameters and gradients; ``train/optim.py``
-    shards zero1's optimizer state), with ``parallel.grad_compression``'s communication hook, if any."""
+    shards zero1's optimizer state), with ``parallel.grad_compression``'s communication hook, if any, and the
+    gradients as views of its buckets with ``parallel.ddp_bucket_view``."""
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     mesh = _dp_mesh(dims, device)
@@ -97,6 +98,7 @@ def apply_ddp(
         device_ids=[device.index] if hardware.is_gpu(device) else None,
         process_group=group,
         bucket_cap_mb=parallel.ddp_bucket_mb,
+        gradient_as_bucket_view=parallel.ddp_bucket_view,
     )
     compression.attach(model, parallel, train, group)
     return model

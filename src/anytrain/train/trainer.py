@@ -300,11 +300,13 @@ class Trainer:
         return self.guard.poison(self._step, self.layout.info.rank, loss)
 
     def zero_grad(self) -> None:
-        """Drop the step's gradients: freed (set to None), or zeroed in place when a captured graph writes to them."""
+        """Drop the step's gradients: freed (set to None), or zeroed in place when a captured graph writes to them or
+        they are views of DDP's buckets (``parallel.ddp_bucket_view``)."""
         if self.graphed is not None and self.graphed.graph is not None:
             self.graphed.zero_grads()
         else:
-            self.optimizer.zero_grad(set_to_none=True)
+            bucket_views = self.cfg.parallel.ddp_bucket_view and self.strategy in ("ddp", "zero1")
+            self.optimizer.zero_grad(set_to_none=not bucket_views)
 
     # ----------------------------------------------------------------------------------------------------------------
     # loop
