@@ -1,5 +1,5 @@
-"""Pipeline parallelism (1F1B, GPipe, Interleaved1F1B, with FSDP) and ZeRO-1 on real gloo processes, against the
-single-process run of the same 4-layer debug model; checkpoints moving between these layouts."""
+"""Pipeline parallelism (1F1B, GPipe, Interleaved1F1B, InterleavedZeroBubble, with FSDP) and ZeRO-1 on real gloo
+processes, against the single-process run of the same 4-layer debug model; checkpoints moving between these layouts."""
 
 from __future__ import annotations
 
@@ -18,6 +18,10 @@ LAYOUTS = {  # name: (processes, extra arguments)
     "pp2_v2_interleaved": (
         2,
         ("--parallel.pp", "2", "--parallel.pp_schedule", "Interleaved1F1B", "--parallel.pp_virtual_stages", "2"),
+    ),
+    "pp2_v2_zerobubble": (
+        2,
+        ("--parallel.pp", "2", "--parallel.pp_schedule", "InterleavedZeroBubble", "--parallel.pp_virtual_stages", "2"),
     ),
     "dp2_pp2_gpipe_fsdp": (4, ("--parallel.pp", "2", "--parallel.pp_schedule", "GPipe", "--parallel.strategy", "fsdp")),
     "zero1": (2, ("--parallel.strategy", "zero1")),

@@ -722,3 +722,24 @@ def test_ddp_bucket_views_drop_the_bucket_copy_and_keep_the_gradients():
     block_and_head = shape.n_layers * shape.layer_params + shape.head_params  # the parameters the casts count
     assert saved == pytest.approx(16 * block_and_head)  # gradient -> bucket -> gradient, 16 B per parameter
     assert estimate(shape, one, views, device).memory == estimate(shape, one, plain, device).memory
+
+
+def test_interleaved_zero_bubble_keeps_interleaved_memory_with_a_third_of_its_bubble():
+    """parallel.pp_schedule InterleavedZeroBubble is the cost model's 'zerobubble': the first stage holds as many
+    micro-batches as interleaved 1F1B, and the bubble is a third of interleaved 1F1B's."""
+    from types import SimpleNamespace
+
+    from anytrain.config import ParallelConfig, RunConfig, TrainConfig
+    from anytrain.cost.memory import pp_in_flight
+
+    cfg = RunConfig(
+        parallel=ParallelConfig(pp=4, pp_schedule="InterleavedZeroBubble", pp_virtual_stages=2),
+        train=TrainConfig(global_batch=32, micro_batch=2),
+    )
+    dims = SimpleNamespace(dp_replicate=1, dp_shard=1, tp=1, pp=4)
+    zb = Layout.from_config(cfg, dims, "none", 2)
+    interleaved = replace(zb, pp_schedule="interleaved")
+    assert zb.pp_schedule == "zerobubble" and zb.pp_chunks == 2
+    assert pp_in_flight(zb, 16) == pp_in_flight(interleaved, 16)
+    assert bubble_fraction(zb, 16) == pytest.approx(bubble_fraction(interleaved, 16) / 3)
+    assert bubble_fraction(interleaved, 16) == pytest.approx(3 / (2 * 16))

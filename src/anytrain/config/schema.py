@@ -191,11 +191,14 @@ class ParallelConfig:
     """Tensor-parallel degree (inside a node)."""
     pp: int = 1
     """Pipeline-parallel ranks; micro-batches per step = per-rank batch / train.micro_batch (must be >= pp)."""
-    pp_schedule: Literal["1F1B", "GPipe", "Interleaved1F1B"] = "1F1B"
+    pp_schedule: Literal["1F1B", "GPipe", "Interleaved1F1B", "InterleavedZeroBubble"] = "1F1B"
     """Pipeline schedule: 1F1B and GPipe run one stage per pipeline rank; Interleaved1F1B runs
-    ``pp_virtual_stages`` stages per rank (round-robin: rank r holds stages r, r+pp, ...), a smaller bubble."""
+    ``pp_virtual_stages`` stages per rank (round-robin: rank r holds stages r, r+pp, ...), a smaller bubble;
+    InterleavedZeroBubble (PyTorch's ZB1P schedule, Qi et al. 2024) the same placement with each backward split into
+    its input-gradient and weight-gradient halves, the weight halves filling the bubble."""
     pp_virtual_stages: int = 1
-    """Stages per pipeline rank (Interleaved1F1B only; the layers split into pp x pp_virtual_stages stages)."""
+    """Stages per pipeline rank (Interleaved1F1B and InterleavedZeroBubble only; the layers split into pp x
+    pp_virtual_stages stages)."""
     async_tp: bool = False
     """Tensor parallelism only (tp > 1, train.compile true, CUDA GPUs): overlap each sequence-parallel all-gather and
     reduce-scatter with the matmul that consumes or produces it (inductor's micro-pipelined TP over symmetric memory,

@@ -199,13 +199,14 @@ def loss_chunk_bytes(tokens: int, vocab: int, act: int) -> float:
 
 def pp_in_flight(layout: Layout, micro_batches: int) -> float:
     """Micro-batches whose activations the first pipeline stage holds at once: GPipe m; 1F1B min(p, m);
-    interleaved 1F1B min(m, p·(1 + (p−1)/(p·v))) (Korthikanti et al. 2022, §4.2.3)."""
+    interleaved 1F1B min(m, p·(1 + (p−1)/(p·v))) (Korthikanti et al. 2022, §4.2.3); interleaved zero-bubble as
+    interleaved 1F1B (ZB1P keeps 1F1B's activation memory, Qi et al. 2024)."""
     p, m = layout.pp, micro_batches
     if p == 1:
         return 1.0
     if layout.pp_schedule == "gpipe":
         return float(m)
-    if layout.pp_schedule == "interleaved":
+    if layout.pp_schedule in ("interleaved", "zerobubble"):
         return min(m, p * (1 + (p - 1) / (p * layout.pp_chunks)))
     return float(min(p, m))
 

@@ -462,11 +462,14 @@ def fit_host_op_us(est: Estimate, measured_step_s: float) -> float:
 
 
 def bubble_fraction(layout: Layout, micro_batches: int) -> float:
-    """Pipeline idle time / compute: (p−1)/m for GPipe and 1F1B, (p−1)/(v·m) for interleaved 1F1B (v chunks)."""
+    """Pipeline idle time / compute: (p−1)/m for GPipe and 1F1B, (p−1)/(v·m) for interleaved 1F1B (v chunks), a
+    third of that for interleaved zero-bubble (ZB-H1's bubble with equal forward, input-gradient and weight-gradient
+    times, Qi et al. 2024; not measured here)."""
     if layout.pp == 1:
         return 0.0
-    v = layout.pp_chunks if layout.pp_schedule == "interleaved" else 1
-    return (layout.pp - 1) / (v * micro_batches)
+    v = layout.pp_chunks if layout.pp_schedule in ("interleaved", "zerobubble") else 1
+    share = 1 / 3 if layout.pp_schedule == "zerobubble" else 1.0
+    return share * (layout.pp - 1) / (v * micro_batches)
 
 
 def resolve_shape(shape: ModelShape | MambaShape, device: Device) -> ModelShape | MambaShape:

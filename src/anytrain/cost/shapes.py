@@ -21,7 +21,7 @@ from anytrain.errors import ConfigError
 GIB = 2**30
 MIB = 2**20
 STRATEGIES = ("ddp", "zero1", "zero2", "fsdp", "hsdp")
-SCHEDULES = ("gpipe", "1f1b", "interleaved")
+SCHEDULES = ("gpipe", "1f1b", "interleaved", "zerobubble")  # zerobubble: parallel.pp_schedule InterleavedZeroBubble
 
 
 class _LanguageModelParams:
@@ -548,7 +548,9 @@ class Layout:
             shard=dims.dp_shard if hsdp else 0,
             micro_batch=micro_batch,
             ac=cfg.train.activation_checkpointing,
-            pp_schedule=cfg.parallel.pp_schedule.lower().replace("interleaved1f1b", "interleaved"),
+            pp_schedule={"interleaved1f1b": "interleaved", "interleavedzerobubble": "zerobubble"}.get(
+                cfg.parallel.pp_schedule.lower(), cfg.parallel.pp_schedule.lower()
+            ),
             pp_chunks=cfg.parallel.pp_virtual_stages,
             reshard_after_forward=cfg.parallel.reshard_after_forward,
             reshard_during_accumulation=cfg.parallel.reshard_during_accumulation,

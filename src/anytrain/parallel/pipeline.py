@@ -21,7 +21,9 @@ from torch import nn
 from anytrain.errors import ConfigError
 from anytrain.models import spec_of
 
-SCHEDULES = ("1F1B", "GPipe", "Interleaved1F1B")
+SCHEDULES = ("1F1B", "GPipe", "Interleaved1F1B", "InterleavedZeroBubble")
+MULTI_STAGE = ("Interleaved1F1B", "InterleavedZeroBubble")
+"""Schedules with ``pp_virtual_stages`` >= 2 stages per rank (round-robin placement)."""
 
 
 def stage_layer_ranges(n_layers: int, n_stages: int) -> list[range]:
@@ -48,14 +50,14 @@ def check_pipeline_layout(n_layers: int, pp: int, virtual: int, schedule: str, n
         raise ConfigError(f"parallel.pp_virtual_stages: must be >= 1, got {virtual}")
     if pp == 1:
         return
-    if virtual > 1 and schedule != "Interleaved1F1B":
+    if virtual > 1 and schedule not in MULTI_STAGE:
         raise ConfigError(
             f"parallel.pp_virtual_stages: {schedule} runs one stage per pipeline rank; set "
-            "--parallel.pp_schedule Interleaved1F1B or pp_virtual_stages 1"
+            "--parallel.pp_schedule Interleaved1F1B (or InterleavedZeroBubble) or pp_virtual_stages 1"
         )
-    if schedule == "Interleaved1F1B" and virtual < 2:
+    if schedule in MULTI_STAGE and virtual < 2:
         raise ConfigError(
-            "parallel.pp_virtual_stages: Interleaved1F1B needs >= 2 stages per rank; set "
+            f"parallel.pp_virtual_stages: {schedule} needs >= 2 stages per rank; set "
             "--parallel.pp_virtual_stages 2 (or use 1F1B)"
         )
     if pp * virtual > n_layers:
@@ -71,9 +73,9 @@ def check_pipeline_layout(n_layers: int, pp: int, virtual: int, schedule: str, n
             f"(per-rank batch / micro_batch); lower train.micro_batch so there are >= {pp}"
         )
     rounds = max(1, n_microbatches // pp)
-    if schedule == "Interleaved1F1B" and n_microbatches % rounds:
+    if schedule in MULTI_STAGE and n_microbatches % rounds:
         raise ConfigError(
-            f"train.micro_batch: Interleaved1F1B needs the micro-batch count ({n_microbatches}) to be a "
+            f"train.micro_batch: {schedule} needs the micro-batch count ({n_microbatches}) to be a "
             f"multiple of {rounds} (= count // pp); use a multiple of pp={pp}"
         )
 
@@ -186,11 +188,17 @@ def build_schedule(
     Every rank passes the loss function (a schedule without one runs forward only, and the other ranks then wait
     forever for its backward sends); gradients are divided by ``n_microbatches`` (the loss is a per-micro-batch mean).
     """
-    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
+    from torch.distributed import pipelining
 
+    PipelineStage, Schedule1F1B, ScheduleGPipe = (
+        pipelining.PipelineStage,
+        pipelining.Schedule1F1B,
+        pipelining.ScheduleGPipe,
+    )
     pipe_stages = [PipelineStage(part, s, n_stages, device, group=group) for part, s in zip(parts, stages, strict=True)]
-    if schedule == "Interleaved1F1B":
-        return ScheduleInterleaved1F1B(pipe_stages, n_microbatches=n_microbatches, loss_fn=loss_fn)
+    if schedule in MULTI_STAGE:  # ZeroBubble: ZB1P, the backward split into input and weight gradients
+        cls = {"Interleaved1F1B": "ScheduleInterleaved1F1B", "InterleavedZeroBubble": "ScheduleInterleavedZeroBubble"}
+        return getattr(pipelining, cls[schedule])(pipe_stages, n_microbatches=n_microbatches, loss_fn=loss_fn)
     cls = {"1F1B": Schedule1F1B, "GPipe": ScheduleGPipe}[schedule]
     return cls(pipe_stages[0], n_microbatches=n_microbatches, loss_fn=loss_fn)
 
