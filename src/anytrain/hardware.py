@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -287,6 +288,30 @@ def apply_env_defaults() -> None:
     if vendor() == ROCM:
         # hipBLASLt is the fast GEMM path on MI200/MI300 with recent ROCm.
         os.environ.setdefault("TORCH_BLAS_PREFER_HIPBLASLT", "1")
+
+
+COMMUNICATION_ENV = {"nccl_protocol": "NCCL_PROTO", "nccl_min_ctas": "NCCL_MIN_CTAS", "nccl_max_ctas": "NCCL_MAX_CTAS"}
+"""parallel.<field> -> the environment variable NCCL reads at communicator creation (RCCL reads the same names)."""
+
+
+def communication_env(parallel: Any) -> dict[str, str]:
+    """The environment the ``parallel.nccl_*`` fields ask for (unset fields: nothing)."""
+    values = {name: getattr(parallel, name) for name in COMMUNICATION_ENV}
+    return {COMMUNICATION_ENV[name]: str(value) for name, value in values.items() if value not in ("", 0)}
+
+
+def apply_communication_env(env: dict[str, str]) -> None:
+    """Set ``env`` (``communication_env``) in this process before its process group starts; a variable the user set
+    to another value is a ConfigError naming the field (the config is what the run directory records)."""
+    field = {var: name for name, var in COMMUNICATION_ENV.items()}
+    for var, value in env.items():
+        have = os.environ.get(var)
+        if have is not None and have != value:
+            raise ConfigError(
+                f"parallel.{field[var]}: {value} but the environment has {var}={have}; unset {var} or set the "
+                f"field to {have}"
+            )
+        os.environ[var] = value
 
 
 def enable_async_tp(device: torch.device, group_name: str) -> None:

@@ -163,6 +163,14 @@ def check_fsdp_only_options(parallel: ParallelConfig, strategy: str) -> None:
         )
     if not parallel.ddp_bucket_mb > 0:
         raise ConfigError(f"parallel.ddp_bucket_mb: expected a size in MB > 0, got {parallel.ddp_bucket_mb}")
+    for name in ("nccl_min_ctas", "nccl_max_ctas"):
+        if getattr(parallel, name) < 0:
+            raise ConfigError(f"parallel.{name}: expected a thread-block count >= 0 (0: NCCL's default)")
+    if 0 < parallel.nccl_max_ctas < parallel.nccl_min_ctas:
+        raise ConfigError(
+            f"parallel.nccl_min_ctas: {parallel.nccl_min_ctas} is above parallel.nccl_max_ctas "
+            f"{parallel.nccl_max_ctas}; lower it"
+        )
     check_grad_compression(parallel, strategy)
     if not parallel.reshard_during_accumulation and strategy in ("ddp", "zero1"):
         raise ConfigError(

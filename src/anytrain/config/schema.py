@@ -225,6 +225,15 @@ class ParallelConfig:
     """DDP / ZeRO-1 only: size of the gradient buckets all-reduced as one collective while backward runs (PyTorch's
     ``bucket_cap_mb``). 100, not PyTorch's 25: measured faster and smaller for the 1.1B under DDP, and 250 no better
     (docs/scaling.md). Larger buckets: fewer, larger collectives, started later in backward."""
+    nccl_protocol: Literal["", "Simple", "LL", "LL128"] = ""
+    """NCCL's (and RCCL's) protocol for every collective (``NCCL_PROTO``), set in each process before its process
+    group starts; '' = the library's own choice per message. A different NCCL_PROTO already in the environment is
+    refused."""
+    nccl_min_ctas: int = 0
+    """Fewest thread blocks (CTAs, SMs) per NCCL communicator (``NCCL_MIN_CTAS``; 0 = NCCL's default)."""
+    nccl_max_ctas: int = 0
+    """Most thread blocks (CTAs, SMs) per NCCL communicator (``NCCL_MAX_CTAS``; 0 = NCCL's default): fewer leaves more
+    SMs to the GEMMs that overlap the collectives. RCCL ignores the CTA fields."""
     ddp_bucket_view: bool = False
     """DDP / ZeRO-1 only: the gradients are views into DDP's all-reduce buckets (PyTorch's
     ``gradient_as_bucket_view``) and are zeroed in place between steps instead of freed: no separate bucket copy of

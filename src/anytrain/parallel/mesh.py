@@ -28,11 +28,13 @@ ORDER = ("pp", "dp_replicate", "dp_shard", "tp")
 
 
 def init_distributed(
-    device_request: str = "auto", timeout_s: int = 600, cpu_affinity: str = "none"
+    device_request: str = "auto", timeout_s: int = 600, cpu_affinity: str = "none", comm_env: dict | None = None
 ) -> tuple[DistInfo, torch.device]:
     """Initialise the default process group if launched with several processes; pick this rank's device. With
-    ``cpu_affinity="cores"`` the process is bound to its cores first, so the communication threads inherit it."""
+    ``cpu_affinity="cores"`` the process is bound to its cores first, so the communication threads inherit it.
+    ``comm_env``: the ``parallel.nccl_*`` fields' variables (``hardware.communication_env``), set before the group."""
     hardware.apply_env_defaults()
+    hardware.apply_communication_env(comm_env or {})
     info = launch_env()
     if cpu_affinity == "cores":
         bind_to_cores(info.local_rank, local_world_size())

@@ -204,7 +204,8 @@ class Layout:
 def setup_layout(cfg: RunConfig) -> Layout:
     """Processes and devices, the parallel layout (``parallel.auto`` applied to ``cfg``), the batch plan, the model
     args; refuses a layout the model cannot take and a model that cannot fit one device."""
-    info, device = init_distributed(cfg.device, cpu_affinity=cfg.parallel.cpu_affinity)
+    comm_env = hardware.communication_env(cfg.parallel)
+    info, device = init_distributed(cfg.device, cpu_affinity=cfg.parallel.cpu_affinity, comm_env=comm_env)
     affinity = gather_affinity() if cfg.parallel.cpu_affinity == "cores" else None
     auto_reason = apply_auto_layout(cfg, info.world_size, device) if cfg.parallel.auto else None
     dims = ParallelDims.from_config(cfg.parallel, info.world_size)
