@@ -205,8 +205,8 @@ def test_launchers_take_three_different_layouts_and_out():
 
 @pytest.mark.parametrize("has_bias", [True, False])
 def test_custom_ops_pass_opcheck_and_compile_without_graph_breaks(has_bias):
-    """Under torch.compile the conv is ``anytrain::causal_conv1d_fwd`` (fake kernels and autograd registered right:
-    opcheck), and a compiled function around it is one graph with the eager op's values and gradients."""
+    """Under torch.compile the conv is ``anytrain::causal_conv1d_fwd`` (schema, fake kernels and autograd registered
+    right: opcheck), and a compiled function around it is one graph with the eager op's values and gradients."""
     from anytrain.kernels import causal_conv1d_triton as conv_mod
 
     assert conv_mod.HAS_CUSTOM_OP
@@ -214,7 +214,8 @@ def test_custom_ops_pass_opcheck_and_compile_without_graph_breaks(has_bias):
     x = torch.randn(2, 5, 13, generator=gen, requires_grad=True)
     w = torch.randn(5, 4, generator=gen, requires_grad=True)
     b = torch.randn(5, generator=gen, requires_grad=True) if has_bias else None
-    torch.library.opcheck(torch.ops.anytrain.causal_conv1d_fwd.default, (x, w, b, True))
+    utils = ("test_schema", "test_autograd_registration", "test_faketensor")  # the compile check is below
+    torch.library.opcheck(torch.ops.anytrain.causal_conv1d_fwd.default, (x, w, b, True), test_utils=utils)
     dout = torch.randn(2, 5, 13, generator=gen)
     bwd = (x.detach(), w.detach(), None if b is None else b.detach(), dout, True)
     torch.library.opcheck(

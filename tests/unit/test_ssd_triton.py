@@ -186,12 +186,12 @@ def test_custom_ops_pass_opcheck_and_compile_to_the_eager_gradients(options):
     pass opcheck; compiled with dynamic shapes (AOTAutograd), the output, final state and every gradient equal the
     eager op's for cotangents on both differentiable outputs (the y-before-gate output is not differentiable)."""
     assert ssd_mod.HAS_CUSTOM_OP
-    args = make_case(2, 7, 4, 3, 2, 4, seed=11, init=options, options=options)
+    args = make_case(1, 7, 2, 3, 1, 4, seed=11, init=options, options=options)  # small: the interpreter is slow
     x = args["x"].detach().transpose(1, 2).contiguous().transpose(1, 2).requires_grad_()  # same values, not contiguous
     assert not x.is_contiguous()
     names = [k for k in ("dt", "A", "B", "C", "D", "z", "dt_bias", "init") if k in args]
     leaves = {"x": x, **{k: args[k].detach().clone().requires_grad_() for k in names}}
-    seq = document_counter(torch.tensor([[0, 0, 0, 1, 1, 1, 1], [0, 1, 1, 1, 1, 2, 2]])) if options else None
+    seq = document_counter(torch.tensor([[0, 0, 0, 1, 1, 2, 2]])) if options else None
 
     def fwd_args(t):
         opt = [t.get(k) for k in ("D", "z", "dt_bias")]
