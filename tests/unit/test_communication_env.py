@@ -44,9 +44,14 @@ def test_bad_values_are_one_line_errors(overrides, message):
 
 
 def test_a_run_with_a_conflicting_environment_stops_before_training(tmp_path, small_data):
-    proc = run_cli(
-        "train", str(ROOT / "configs/tiny.yaml"), "--run-dir", str(tmp_path / "run"), "--data.path", str(small_data),
-        "--train.steps", "1", "--parallel.nccl_protocol", "Simple", NCCL_PROTO="LL",
-    )  # fmt: skip
+    args = [
+        "train",
+        str(ROOT / "configs/tiny.yaml"),
+        "--run-dir",
+        str(tmp_path / "run"),
+        "--data.path",
+        str(small_data),
+    ]
+    proc = run_cli(*args, "--train.steps", "1", "--parallel.nccl_protocol", "Simple", NCCL_PROTO="LL")
     assert proc.returncode != 0
     assert proc.stderr.strip().splitlines()[-1].startswith("error: parallel.nccl_protocol: Simple but the environment")

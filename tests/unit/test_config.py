@@ -93,6 +93,8 @@ def test_batch_plan():
 
 NUMERIC_BAD_VALUES = [
     ("parallel.ddp_bucket_mb", "0", "parallel.ddp_bucket_mb: expected a size in MB > 0, got 0.0"),
+    ("parallel.nccl_min_ctas", "-2", "parallel.nccl_min_ctas: expected a thread-block count >= 0"),
+    ("parallel.nccl_max_ctas", "-1", "parallel.nccl_max_ctas: expected a thread-block count >= 0"),
     ("train.steps", "0", "train.steps: must be > 0"),
     ("train.global_batch", "0", "train.global_batch: must be > 0"),
     ("train.micro_batch", "-1", "train.micro_batch: must be >= 0"),

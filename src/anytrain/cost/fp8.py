@@ -32,8 +32,8 @@ overheads, the operand and all-gather bytes. ``model.estimate`` and ``memory.mem
   does. In a compiled Transformer block under tensorwise the partitioner keeps the input's FP8 cast (1 byte) in place
   of the a-byte input wherever every consumer of that input is converted (``saved_input_savings_per_token``: the
   attention norm's output for q, k, v; the attention output for o; the MLP norm's output for w1 and w3; the SwiGLU
-  product for w2): the measured FP8 peaks (one H200, 1.1B, Llama-3.2-1B and 3B) are within 8% with it and 12-20% over
-  without. Row-wise recipes need the input scaled along both axes, so nothing is saved there. Under autocast the
+  product for w2), a term read from the measured FP8 peaks (docs/cost-model.md, "FP8"), not from a saved-tensor count.
+  Row-wise recipes need the input scaled along both axes, so nothing is saved there. Under autocast the
   converted weights have no bf16 copy (the cast goes straight from fp32 to FP8 inside the layer); FSDP's FP8
   all-gather holds 1 byte per converted parameter gathered.
 """

@@ -28,6 +28,7 @@ import triton.language as tl
 from torch import Tensor
 
 from anytrain import hardware
+from anytrain.kernels import ops
 from anytrain.kernels.fastmath import fast_math_ok, fast_sigmoid
 from anytrain.kernels.launch import Launcher
 
@@ -698,24 +699,16 @@ def _backward_op(x: Tensor, weight: Tensor, bias: Tensor | None, dout: Tensor, s
     return dx, dweight, weight.new_empty(0) if dbias is None else dbias
 
 
+_FWD_SCHEMA = "(Tensor x, Tensor w, Tensor? b, bool silu) -> Tensor"
+_BWD_SCHEMA = "(Tensor x, Tensor w, Tensor? b, Tensor dout, bool silu) -> (Tensor, Tensor, Tensor)"
+
+
 def _register_custom_ops() -> bool:
     """``anytrain::causal_conv1d_fwd`` / ``_bwd`` (torch >= 2.4); False where the API is missing."""
-    library = torch.library
-    if not all(hasattr(library, n) for n in ("custom_op", "register_fake", "register_autograd")):
+    pair = ops.define_op_pair("causal_conv1d", _forward_op, _FWD_SCHEMA, _backward_op, _BWD_SCHEMA)
+    if pair is None:
         return False
-    try:
-        fwd_op = library.custom_op(
-            "anytrain::causal_conv1d_fwd",
-            mutates_args=(),
-            schema="(Tensor x, Tensor w, Tensor? b, bool silu) -> Tensor",
-        )(_forward_op)
-        bwd_op = library.custom_op(
-            "anytrain::causal_conv1d_bwd",
-            mutates_args=(),
-            schema="(Tensor x, Tensor w, Tensor? b, Tensor dout, bool silu) -> (Tensor, Tensor, Tensor)",
-        )(_backward_op)
-    except (TypeError, RuntimeError, ValueError):  # API variants of older torch
-        return False
+    fwd_op, bwd_op = pair
 
     @fwd_op.register_fake
     def _(x, weight, bias, silu):
@@ -739,7 +732,7 @@ def _register_custom_ops() -> bool:
         dx, dweight, dbias = torch.ops.anytrain.causal_conv1d_bwd(x, weight, bias, dout, ctx.silu)
         return dx, dweight, None if bias is None else dbias, None
 
-    library.register_autograd("anytrain::causal_conv1d_fwd", backward, setup_context=setup_context)
+    torch.library.register_autograd("anytrain::causal_conv1d_fwd", backward, setup_context=setup_context)
     return True
 
 

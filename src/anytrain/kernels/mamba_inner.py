@@ -245,14 +245,10 @@ _BWD_SCHEMA = (
 
 def _register_custom_ops() -> bool:
     """``anytrain::mamba_inner_fwd`` / ``_bwd`` for torch.compile (torch >= 2.4); False where the API is missing."""
-    library = torch.library
-    if not all(hasattr(library, n) for n in ("custom_op", "register_fake", "register_autograd")):
+    pair = ops.define_op_pair("mamba_inner", _forward_op, _FWD_SCHEMA, _backward, _BWD_SCHEMA)
+    if pair is None:
         return False
-    try:
-        fwd_op = library.custom_op("anytrain::mamba_inner_fwd", mutates_args=(), schema=_FWD_SCHEMA)(_forward_op)
-        bwd_op = library.custom_op("anytrain::mamba_inner_bwd", mutates_args=(), schema=_BWD_SCHEMA)(_backward)
-    except (TypeError, RuntimeError, ValueError):  # API variants of older torch
-        return False
+    fwd_op, bwd_op = pair
 
     @fwd_op.register_fake
     def _(h, w_in, conv_w, conv_b, w_x, w_dt, dt_bias, A_log, D, w_out, deterministic):
@@ -280,7 +276,7 @@ def _register_custom_ops() -> bool:
     def backward(ctx, dout, *unused):
         return (*torch.ops.anytrain.mamba_inner_bwd(dout, *ctx.saved_tensors, ctx.deterministic), None)
 
-    library.register_autograd("anytrain::mamba_inner_fwd", backward, setup_context=setup_context)
+    torch.library.register_autograd("anytrain::mamba_inner_fwd", backward, setup_context=setup_context)
     return True
 
 

@@ -18,6 +18,7 @@ import importlib
 import warnings
 from types import ModuleType
 
+import torch
 from torch import Tensor
 
 from anytrain import hardware
@@ -69,6 +70,21 @@ def _triton_modules() -> tuple[ModuleType, ModuleType, ModuleType] | None:
         except ImportError:
             _modules = None
     return _modules  # type: ignore[return-value]
+
+
+def define_op_pair(name: str, forward, forward_schema: str, backward, backward_schema: str):
+    """(``anytrain::<name>_fwd``, ``anytrain::<name>_bwd``): ``forward`` and ``backward`` as torch.library custom ops,
+    opaque to torch.compile (the caller registers their fake kernels and the forward's autograd), or None where this
+    torch lacks the custom-op API (before 2.4, or a variant of it)."""
+    library = torch.library
+    if not all(hasattr(library, n) for n in ("custom_op", "register_fake", "register_autograd")):
+        return None
+    try:
+        fwd = library.custom_op(f"anytrain::{name}_fwd", mutates_args=(), schema=forward_schema)(forward)
+        bwd = library.custom_op(f"anytrain::{name}_bwd", mutates_args=(), schema=backward_schema)(backward)
+    except (TypeError, RuntimeError, ValueError):  # API variants of older torch
+        return None
+    return fwd, bwd
 
 
 def _constant_under_compile(fn):

@@ -24,6 +24,7 @@ import triton.language as tl
 from torch import Tensor
 
 from anytrain import hardware
+from anytrain.kernels import ops
 from anytrain.kernels.launch import launch
 from anytrain.kernels.ssd_bwd import (
     _ssd_bwd_db_kernel,
@@ -606,14 +607,10 @@ def _backward_op(dout, dfinal, x, dt, A, B, C, chunk, D, z, dt_bias, softplus, s
 
 def _register_custom_ops() -> bool:
     """``anytrain::ssd_fwd`` / ``ssd_bwd`` (torch >= 2.4); False where the API is missing."""
-    library = torch.library
-    if not all(hasattr(library, n) for n in ("custom_op", "register_fake", "register_autograd")):
+    pair = ops.define_op_pair("ssd", _forward_op, _FWD_SCHEMA, _backward_op, _BWD_SCHEMA)
+    if pair is None:
         return False
-    try:
-        fwd_op = library.custom_op("anytrain::ssd_fwd", mutates_args=(), schema=_FWD_SCHEMA)(_forward_op)
-        bwd_op = library.custom_op("anytrain::ssd_bwd", mutates_args=(), schema=_BWD_SCHEMA)(_backward_op)
-    except (TypeError, RuntimeError, ValueError):  # API variants of older torch
-        return False
+    fwd_op, bwd_op = pair
 
     @fwd_op.register_fake
     def _(x, dt, A, B, C, chunk, D, z, dt_bias, softplus, seq, init):
@@ -646,7 +643,7 @@ def _register_custom_ops() -> bool:
         )
         return dx, ddt, dA, dB, dC, None, dD, dz, dbias, None, None, dinit
 
-    library.register_autograd("anytrain::ssd_fwd", backward, setup_context=setup_context)
+    torch.library.register_autograd("anytrain::ssd_fwd", backward, setup_context=setup_context)
     return True
 
 
