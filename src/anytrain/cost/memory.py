@@ -245,8 +245,8 @@ def _stage_phases(
     tokens = layout.micro_batch * wl.seq_len
     v, d, a = shape.vocab_size, shape.dim, prec.act
     sharded_params = layout.strategy in ("fsdp", "hsdp") and z > 1
-    wrapped = layout.strategy in ("ddp", "zero1") and layout.dp > 1  # DDP's buckets (the gradients' own with views)
-    ddp_copies = wrapped and not wl.ddp_bucket_view
+    wrapped = layout.strategy in ("ddp", "zero1") and layout.dp > 1
+    bucket_views = wrapped and wl.ddp_bucket_view  # the gradients are DDP's buckets: no copy, never freed
     # parameters on this device: blocks / t; embedding / t (row-parallel); anytrain's LM head is not split by TP
     blocks = layers * shape.layer_params / t
     root = first * shape.embedding_params / t + last * shape.head_params / (1 if anytrain else t)
@@ -255,15 +255,13 @@ def _stage_phases(
     persistent = {
         "weights": psi * prec.weight / (z if sharded_params else 1),
         "optimizer": psi * prec.optimizer / (z if layout.strategy != "ddp" else 1),
-        "ddp_buckets": psi * prec.ddp_bucket if ddp_copies else 0.0,
+        "ddp_buckets": psi * prec.ddp_bucket if wrapped and not bucket_views else 0.0,
         "workspace": BLAS_WORKSPACES * workspace_mib * MIB,
     }
     grads_final = psi * prec.grad / (z if layout.strategy in ("zero2", "fsdp", "hsdp") else 1)
     # anytrain frees gradients after each step (Megatron keeps its buffers; so do anytrain's CUDA-graph runs)
     # (nor when they are DDP's buckets, zeroed in place: parallel.ddp_bucket_view)
-    accumulating = (
-        m > 1 or not anytrain or (wl.cuda_graphs and layout.dp == layout.pp == 1) or wrapped and not ddp_copies
-    )
+    accumulating = m > 1 or not anytrain or (wl.cuda_graphs and layout.dp == layout.pp == 1) or bucket_views
     grads_fwd = {}
     if accumulating and sharded_params and prec.nosync_grad:
         grads_fwd["nosync_grads"] = psi * prec.nosync_grad  # FSDP2: unsharded, in the reduce dtype

@@ -190,16 +190,12 @@ def build_schedule(
     """
     from torch.distributed import pipelining
 
-    PipelineStage, Schedule1F1B, ScheduleGPipe = (
-        pipelining.PipelineStage,
-        pipelining.Schedule1F1B,
-        pipelining.ScheduleGPipe,
-    )
-    pipe_stages = [PipelineStage(part, s, n_stages, device, group=group) for part, s in zip(parts, stages, strict=True)]
-    if schedule in MULTI_STAGE:  # ZeroBubble: ZB1P, the backward split into input and weight gradients
-        cls = {"Interleaved1F1B": "ScheduleInterleaved1F1B", "InterleavedZeroBubble": "ScheduleInterleavedZeroBubble"}
-        return getattr(pipelining, cls[schedule])(pipe_stages, n_microbatches=n_microbatches, loss_fn=loss_fn)
-    cls = {"1F1B": Schedule1F1B, "GPipe": ScheduleGPipe}[schedule]
+    pipe_stages = [
+        pipelining.PipelineStage(part, s, n_stages, device, group=group) for part, s in zip(parts, stages, strict=True)
+    ]
+    cls = getattr(pipelining, f"Schedule{schedule}")  # Schedule1F1B, ...GPipe, ...Interleaved1F1B, ...ZeroBubble
+    if schedule in MULTI_STAGE:  # InterleavedZeroBubble: ZB1P, each backward split into input and weight gradients
+        return cls(pipe_stages, n_microbatches=n_microbatches, loss_fn=loss_fn)
     return cls(pipe_stages[0], n_microbatches=n_microbatches, loss_fn=loss_fn)
 
 
