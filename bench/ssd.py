@@ -42,6 +42,11 @@ SWEEP = [
     {"heads_per_program": 16},
     {"block_n": 64},
     {"block_state": 1024},
+    {"block_k": 32},
+    {"block_k": 128},
+    {"block_p": 32},
+    {"block_l": 128, "block_s": 32},
+    {"num_warps": 8, "num_stages": 3},
 ]
 
 
@@ -158,6 +163,26 @@ def sweep_rows(batch: int) -> list[dict]:
     return rows
 
 
+def forward_profiles(mamba, batch: int) -> dict:
+    """Kernel tables of one forward (no z, the 1.3b shape) of ours and of mamba-ssm's op: which kernel differs."""
+    from anytrain.train.profiling import profile_call
+
+    args = layer_inputs(batch, LAYERS["mamba2-1.3b"], False)
+    xs = [args[k] for k in ("x", "dt", "A", "B", "C")]
+    opt = {k: args.get(k) for k in ("D", "dt_bias")}
+    out = {}
+    for name, fn in (("ours", ssd_chunk_scan), ("mamba_ssm", mamba)):
+        if fn is None:
+            continue
+        with torch.no_grad():
+            for _ in range(3):  # compiled and autotuned before the profile
+                fn(*xs, CHUNK, **opt, dt_softplus=True)
+            out[name] = profile_call(lambda fn=fn: fn(*xs, CHUNK, **opt, dt_softplus=True), torch.device("cuda"))
+        for k in out[name]["top"][:8]:
+            print(f"  {name:<10}{k['ms']:>8.3f} ms x{k['calls']:<3} {k['kernel'][:90]}")
+    return out
+
+
 def fmt(v) -> str:
     return f"{v:.3f}" if isinstance(v, float) else "-"
 
@@ -202,6 +227,7 @@ def main() -> int:
         "mamba_ssm_note": note,
         "rows": rows,
         "sweep": sweep_rows(max(args.batches)) if args.sweep else [],
+        "forward_profile": forward_profiles(mamba, max(args.batches)) if args.sweep else {},
     }
     path = results_path(args.out, "ssd", env)
     path.write_text(json.dumps(record, indent=1, default=str) + "\n")

@@ -5,7 +5,8 @@
 #   1.1b  the 1.1B recipe's shape (configs/1.1b.yaml): anytrain bf16, fp8-tensorwise, fp8-rowwise
 #   1b    Llama-3.2-1B: anytrain vs torchtitan 0.2.2, bf16 / fp8-tensorwise / fp8-rowwise
 #   3b    Llama-3.2-3B: the same six rows (3b-tw: bf16 and tensorwise, 3b-rw: rowwise; 3b-mb:
-#         anytrain's rows at torchtitan's micro-batch)
+#         anytrain's rows at torchtitan's micro-batch; 3b-prof: anytrain bf16 and tensorwise with one-step kernel
+#         profiles, and tensorwise at micro-batch 16; 3b-eq: tensorwise and rowwise at torchtitan's micro-batch)
 #   1b-fp8  Llama-3.2-1B's FP8 rows only (tensorwise pair, then rowwise pair)
 #   hf    HF + torchao float8 + torch.compile at the 1.1B and 1B shapes (tensorwise, rowwise)
 #   hf-1.1b-tw  HF + torchao tensorwise at the 1.1B shape only
@@ -33,10 +34,14 @@ for part in "$@"; do
     3b-tw) sel=(--groups llama-3b-2048 --stacks anytrain torchtitan --match "bf16, compile" "tensorwise, compile") ;;
     3b-mb) sel=(--groups llama-3b-2048 --stacks anytrain --match "torchtitan's micro-batch") ;;
     3b-rw) sel=(--groups llama-3b-2048 --stacks anytrain torchtitan --match fp8-rowwise) ;;
+    3b-prof) sel=(--groups llama-3b-2048 --stacks anytrain --match "anytrain bf16, compile auto, no AC" \
+      "tensorwise, compile auto, no AC" --exclude "torchtitan's micro-batch" --profile) ;;
+    3b-eq) sel=(--groups llama-3b-2048 --stacks anytrain torchtitan --match "fp8-tensorwise, compile, no AC" \
+      "fp8-rowwise, compile, no AC" "torchtitan's micro-batch" --exclude bf16) ;;
     hf) sel=(--groups 1.1b-2048-mb8 llama-1b-2048 --stacks hf-compile --match "torchao") ;;
     *) echo "unknown part $part" && exit 2 ;;
   esac
-  timeout $(($(left) - 5)) python3 -m bench.transformer --out "$OUT/$part" "${sel[@]}" "${common[@]}" \
+  timeout $(($(left) - 5)) python3 -m bench.transformer --out "$OUT/$part" "${common[@]}" "${sel[@]}" \
     --budget-s $(($(left) - 15)) 2>&1 | rows
 done
 echo "done at ${SECONDS}s"

@@ -6,10 +6,12 @@
 # (its CUDA extensions are not used by the Mamba-2 path).
 #   bash bench/device/mamba2_check.sh [seconds]   (default 570)
 # TESTS: GPU test files run first (empty: none); ROWS: bench.mamba2_train rows; PROFILE: rows to profile one step of;
-# OP=0: no bench.ssd
+# TRAIN=0: no bench.mamba2_train; OP=0: no bench.ssd; SSD_ARGS: bench.ssd's arguments (e.g. "--layers mamba2-1.3b
+# --batches 4 --sweep")
 set -uo pipefail
 budget=${1:-570}
 OUT=${OUT:-bench/results}
+mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
   >/dev/null 2>&1
@@ -25,11 +27,11 @@ python3 -m pip install -q --no-index --no-deps --no-build-isolation --target /tm
   ${TESTS-tests/gpu/test_ssd_gpu.py} >"$OUT/mamba2_gpu_tests.log" 2>&1
 tail -4 "$OUT/mamba2_gpu_tests.log" 2>/dev/null
 # the side by side first (mamba-ssm's row spends minutes in Triton autotuning), then the other rows, then the op
-PYTHONPATH=/tmp/site:src:$mss timeout $(($(left) - 5)) python3 -m bench.mamba2_train --out "$OUT" \
-  ${ROWS:+--rows $ROWS} ${PROFILE:+--profile $PROFILE} --budget-s $(($(left) - 15)) \
+[ "${TRAIN:-1}" = 1 ] && PYTHONPATH=/tmp/site:src:$mss timeout $(($(left) - 5)) python3 -m bench.mamba2_train \
+  --out "$OUT" ${ROWS:+--rows $ROWS} ${PROFILE:+--profile $PROFILE} --budget-s $(($(left) - 15)) \
   >"$OUT/mamba2_train.log" 2>&1
-tail -12 "$OUT/mamba2_train.log"
+tail -12 "$OUT/mamba2_train.log" 2>/dev/null
 [ "${OP:-1}" = 1 ] && [ "$(left)" -gt 60 ] && PYTHONPATH=/tmp/site:src:$mss timeout $(($(left) - 5)) python3 -m bench.ssd --out "$OUT" \
-  >"$OUT/ssd.log" 2>&1
+  ${SSD_ARGS-} >"$OUT/ssd.log" 2>&1
 tail -12 "$OUT/ssd.log" 2>/dev/null
 echo "done at ${SECONDS}s"
