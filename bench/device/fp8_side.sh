@@ -7,7 +7,8 @@
 #   3b    Llama-3.2-3B: the same six rows (3b-tw: bf16 and tensorwise, 3b-rw: rowwise; 3b-mb:
 #         anytrain's rows at torchtitan's micro-batch; 3b-prof: anytrain bf16 and tensorwise with one-step kernel
 #         profiles, and tensorwise at micro-batch 16; 3b-eq: tensorwise and rowwise at torchtitan's micro-batch)
-#   1b-fp8  Llama-3.2-1B's FP8 rows only (tensorwise pair, then rowwise pair)
+#   1b-fp8  Llama-3.2-1B's FP8 rows only (tensorwise pair, then rowwise pair; 1b-rw: the rowwise pair;
+#         3b-rw8: anytrain rowwise at 3B, its own micro-batch)
 #   hf    HF + torchao float8 + torch.compile at the 1.1B and 1B shapes (tensorwise, rowwise)
 #   hf-1.1b-tw  HF + torchao tensorwise at the 1.1B shape only
 #   bash bench/device/fp8_side.sh [seconds] part...        (seconds: the whole call's budget)
@@ -36,6 +37,9 @@ for part in "$@"; do
     3b-rw) sel=(--groups llama-3b-2048 --stacks anytrain torchtitan --match fp8-rowwise) ;;
     3b-prof) sel=(--groups llama-3b-2048 --stacks anytrain --match "anytrain bf16, compile auto, no AC" \
       "tensorwise, compile auto, no AC" --exclude "torchtitan's micro-batch" --profile) ;;
+    1b-rw) sel=(--groups llama-1b-2048 --stacks anytrain torchtitan --match "fp8-rowwise, compile") ;;
+    3b-rw8) sel=(--groups llama-3b-2048 --stacks anytrain --match "anytrain fp8-rowwise, compile auto, no AC" \
+      --exclude micro-batch) ;;
     3b-eq) sel=(--groups llama-3b-2048 --stacks anytrain torchtitan --match "fp8-tensorwise, compile, no AC" \
       "fp8-rowwise, compile, no AC" "torchtitan's micro-batch" --exclude bf16) ;;
     hf) sel=(--groups 1.1b-2048-mb8 llama-1b-2048 --stacks hf-compile --match "torchao") ;;

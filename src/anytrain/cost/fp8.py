@@ -29,11 +29,14 @@ overheads, the operand and all-gather bytes. ``model.estimate`` and ``memory.mem
   the three GEMMs (rowwise_with_gw_hp: (2a + 1)·(K + N), its weight gradient reading bf16), (2 + a)·K·N weight
   bytes per micro-batch, against 3·a·(K + N) and 3·a·K·N in high precision.
 * **Memory.** Eager, torchao saves the linear's high-precision input and its weight parameter, as ``nn.Linear``
-  does. In a compiled Transformer block under tensorwise the partitioner keeps the input's FP8 cast (1 byte) in place
+  does. In a compiled Transformer block under tensorwise or rowwise the partitioner keeps the input's FP8 cast (1
+  byte) in place
   of the a-byte input wherever every consumer of that input is converted (``saved_input_savings_per_token``: the
   attention norm's output for q, k, v; the attention output for o; the MLP norm's output for w1 and w3; the SwiGLU
   product for w2), a term read from the measured FP8 peaks (docs/cost-model.md, "FP8"), not from a saved-tensor count.
-  Row-wise recipes need the input scaled along both axes, so nothing is saved there. Under autocast the
+  At Llama-3.2-3B the rowwise rows peak exactly where the tensorwise rows do (q alone converts, so the shared
+  input of q, k, v stays in a bytes either way); rowwise_with_gw_hp's weight gradient reads the high-precision
+  input, so nothing is saved there (no measured row). Under autocast the
   converted weights have no bf16 copy (the cast goes straight from fp32 to FP8 inside the layer); FSDP's FP8
   all-gather holds 1 byte per converted parameter gathered.
 """
@@ -151,10 +154,10 @@ def operand_weight_bytes(shape: Any, recipe: str, fp8_filter: str, act: int) -> 
 
 
 def saved_input_savings_per_token(shape: Any, recipe: str, fp8_filter: str, act: int, compiled: bool) -> float:
-    """Activation bytes per token and block that a compiled Transformer block under tensorwise does not keep: (a − 1)
-    per element of each saved matmul input whose consumers are all converted (the module docstring's "Memory"); 0
-    for other recipes, eager blocks and the other families (their blocks save other tensors)."""
-    if recipe != "tensorwise" or not compiled or getattr(shape, "kind", "transformer") != "transformer":
+    """Activation bytes per token and block that a compiled Transformer block under tensorwise or rowwise does not
+    keep: (a − 1) per element of each saved matmul input whose consumers are all converted (the module docstring's
+    "Memory"); 0 for rowwise_with_gw_hp, eager blocks and the other families (their blocks save other tensors)."""
+    if recipe not in ("tensorwise", "rowwise") or not compiled or getattr(shape, "kind", "transformer") != "transformer":
         return 0.0
     candidates = shape.fp8_candidates()
     keep = [gemm_keep_reason(n, k, recipe, fp8_filter) is None for k, n in candidates]
