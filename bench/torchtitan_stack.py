@@ -36,11 +36,13 @@ import sys
 import tempfile
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import torch
 
 from anytrain import hardware
+from anytrain.train.profiling import StepProfiler
 from bench.common import ROW_MARK, RandomBatches, bench_device, child_env, print_row, row_error
 
 SPEC_NAME = "anytrain_llama3"
@@ -125,15 +127,21 @@ def build_random_loader(dp_world_size: int, dp_rank: int, tokenizer: Any, job_co
 class StepRecorder:
     """A logger in torchtitan's ``LoggerContainer`` (``BaseLogger``'s ``log`` / ``close``): keeps each logged
     step's metrics, the caching allocator's max allocated GiB since the previous log (torchtitan resets the peak
-    after each log) and the time of the log."""
+    after each log) and the time of the log. With ``profiler`` (anytrain's ``StepProfiler``, 0-based steps) it
+    profiles the steps it names: torchtitan logs step s (1-based) at its end, so that log ends 0-based step s - 1
+    and begins step s."""
 
     def __init__(self) -> None:
         self.steps: list[dict] = []
         self.device = torch.device("cpu")  # train_here sets the trainer's device
+        self.profiler: StepProfiler | None = None
 
     def log(self, metrics: dict[str, Any], step: int) -> None:
         allocated = hardware.peak_memory_gib(self.device)
         self.steps.append({"step": step, **metrics, "max_allocated_gib": allocated, "time": time.perf_counter()})
+        if self.profiler is not None:
+            self.profiler.after_step(step - 1)
+            self.profiler.before_step(step)
 
     def close(self) -> None:
         pass
@@ -234,8 +242,9 @@ def summarise(recorded: list[dict], warmup: int, steps: int, started: float) -> 
     }
 
 
-def train_here(case: dict, warmup: int, steps: int, compile_model: bool) -> dict:
-    """In the torchrun process: register the spec, parse the JobConfig, run torchtitan's Trainer; the row's fields."""
+def train_here(case: dict, warmup: int, steps: int, compile_model: bool, profile: bool = False) -> dict:
+    """In the torchrun process: register the spec, parse the JobConfig, run torchtitan's Trainer; the row's fields.
+    With ``profile`` one more step runs after the timed ones, under a kernel profile (``kernel_profile``)."""
     import torchtitan
     from torchtitan.config import ConfigManager
     from torchtitan.tools.logging import init_logger
@@ -247,7 +256,9 @@ def train_here(case: dict, warmup: int, steps: int, compile_model: bool) -> dict
     row = {"torchtitan_version": torchtitan.__version__, "torchtitan_spec": SPEC_NAME}
     row.update(check_shapes(case["flavour"], titan_model_args()[TORCHTITAN_FLAVOURS[case["flavour"]]]))
     with tempfile.TemporaryDirectory(prefix="bench-torchtitan-") as dump_folder:
-        argv = titan_argv(case, warmup, steps, compile_model, dump_folder)
+        argv = titan_argv(case, warmup, steps + int(profile), compile_model, dump_folder)
+        if profile:
+            RECORDER.profiler = StepProfiler(warmup + steps, 1, Path(dump_folder) / "profile", 0, RECORDER.device)
         row["torchtitan_args"] = " ".join(argv).replace(dump_folder, "<tmp>")
         config = ConfigManager().parse_args(argv)
         t0 = time.perf_counter()
@@ -267,15 +278,18 @@ def train_here(case: dict, warmup: int, steps: int, compile_model: bool) -> dict
 
         row["torchao_version"] = torchao.__version__
     row.update(summarise(RECORDER.steps, warmup, steps, started))
+    if RECORDER.profiler is not None and RECORDER.profiler.summary is not None:
+        row["kernel_profile"] = {"step_wall_ms": RECORDER.profiler.summary["wall_ms"], **RECORDER.profiler.summary}
     return row
 
 
-def run_row(case: dict, warmup: int, steps: int, compile_model: bool = True) -> dict:
+def run_row(case: dict, warmup: int, steps: int, compile_model: bool = True, profile: bool = False) -> dict:
     """One torchtitan row for a bench Case (as a dict): ``torchrun --standalone --nproc_per_node 1`` of this module's
     trainer mode; the fields it printed, or ``{"error": ...}`` with the end of its output."""
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "1"]
     trainer = ["-m", "bench.torchtitan_stack", "--in-trainer", json.dumps(case), "--warmup", str(warmup)]
     cmd = torchrun + trainer + ["--steps", str(steps)] + ([] if compile_model else ["--no-compile"])
+    cmd += ["--profile"] if profile else []
     proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=child_env())
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith(ROW_MARK)]
     if not lines:
@@ -296,11 +310,12 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--no-compile", action="store_true")
+    parser.add_argument("--profile", action="store_true", help="a kernel profile of one more step after the timed ones")
     parser.add_argument("--in-trainer", default=None, help=argparse.SUPPRESS)  # the torchrun process: a Case as JSON
     args = parser.parse_args()
     if args.in_trainer is not None:
         try:
-            row = train_here(json.loads(args.in_trainer), args.warmup, args.steps, not args.no_compile)
+            row = train_here(json.loads(args.in_trainer), args.warmup, args.steps, not args.no_compile, args.profile)
         except Exception as exc:  # noqa: BLE001 - the row says what failed (OOM in one line)
             row = {"error": row_error(exc)}
         print_row(row)
@@ -317,7 +332,7 @@ def main() -> None:
         "options": options,
         "stack": "torchtitan",
     }
-    row = {**case, **run_row(case, args.warmup, args.steps, not args.no_compile)}
+    row = {**case, **run_row(case, args.warmup, args.steps, not args.no_compile, args.profile)}
     if "seconds" in row:
         row["tokens_per_s"] = args.steps * args.global_batch * args.seq / row["seconds"]
     print(json.dumps(row, indent=1))

@@ -220,10 +220,12 @@ def side_by_side_cases() -> list[Case]:
             ours_label = f"anytrain {precision}, compile auto, no AC"  # the micro-batch is a column of its own
             theirs_label = f"torchtitan {precision}, compile, no AC"
             cases.append(Case(**row, micro=ours_mb, stack="anytrain", options=ours, label=ours_label, profile=True))
-            cases.append(Case(**row, micro=theirs_mb, stack="torchtitan", options=theirs, label=theirs_label))
+            cases.append(
+                Case(**row, micro=theirs_mb, stack="torchtitan", options=theirs, label=theirs_label, profile=True)
+            )
             if theirs_mb != ours_mb:  # the same micro-batch as torchtitan's row: the equal-memory comparison
                 label = f"{ours_label}, torchtitan's micro-batch"
-                cases.append(Case(**row, micro=theirs_mb, stack="anytrain", options=ours, label=label))
+                cases.append(Case(**row, micro=theirs_mb, stack="anytrain", options=ours, label=label, profile=True))
             if flavour == "llama-3b" and precision == "fp8-tensorwise":  # FP8's smaller activations fit the whole
                 # global batch in one micro-batch on one H200 (bf16 does not): no accumulation
                 label = f"{ours_label}, micro-batch {global_batch}"
@@ -422,7 +424,8 @@ def run_case(case: Case, device: torch.device, args: argparse.Namespace) -> dict
     holder = None
     try:
         if case.stack == "torchtitan":  # its own Trainer in a torchrun process of its own (bench/torchtitan_stack.py)
-            row.update(torchtitan_stack.run_row(asdict(case), args.warmup, args.steps, not args.no_compile))
+            profile = case.profile and args.profile  # one step after the timed ones, in torchtitan's process
+            row.update(torchtitan_stack.run_row(asdict(case), args.warmup, args.steps, not args.no_compile, profile))
             if "seconds" in row:
                 row["tokens_per_s"] = args.steps * row["tokens_per_step"] / row["seconds"]
             return row

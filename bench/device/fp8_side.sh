@@ -6,7 +6,8 @@
 #   1b    Llama-3.2-1B: anytrain vs torchtitan 0.2.2, bf16 / fp8-tensorwise / fp8-rowwise
 #   3b    Llama-3.2-3B: the same six rows (3b-tw: bf16 and tensorwise, 3b-rw: rowwise; 3b-mb:
 #         anytrain's rows at torchtitan's micro-batch; 3b-prof: anytrain bf16 and tensorwise with one-step kernel
-#         profiles, and tensorwise at micro-batch 16; 3b-eq: tensorwise and rowwise at torchtitan's micro-batch)
+#         profiles, and tensorwise at micro-batch 16; 3b-eq: tensorwise and rowwise at torchtitan's micro-batch;
+#         3b-rw-prof: the rowwise pair at micro-batch 4, each with a one-step kernel profile)
 #   1b-fp8  Llama-3.2-1B's FP8 rows only (tensorwise pair, then rowwise pair; 1b-rw: the rowwise pair;
 #         3b-rw8: anytrain rowwise at 3B, its own micro-batch)
 #   hf    HF + torchao float8 + torch.compile at the 1.1B and 1B shapes (tensorwise, rowwise)
@@ -40,6 +41,8 @@ for part in "$@"; do
     1b-rw) sel=(--groups llama-1b-2048 --stacks anytrain torchtitan --match "fp8-rowwise, compile") ;;
     3b-rw8) sel=(--groups llama-3b-2048 --stacks anytrain --match "anytrain fp8-rowwise, compile auto, no AC" \
       --exclude micro-batch) ;;
+    3b-rw-prof) sel=(--groups llama-3b-2048 --stacks anytrain torchtitan --match "fp8-rowwise, compile, no AC" \
+      "fp8-rowwise, compile auto, no AC, torchtitan's" --profile) ;;
     3b-eq) sel=(--groups llama-3b-2048 --stacks anytrain torchtitan --match "fp8-tensorwise, compile, no AC" \
       "fp8-rowwise, compile, no AC" "torchtitan's micro-batch" --exclude bf16) ;;
     hf) sel=(--groups 1.1b-2048-mb8 llama-1b-2048 --stacks hf-compile --match "torchao") ;;

@@ -101,3 +101,24 @@ def test_ratios_compare_rows_of_the_same_precision():
     transformer_bench.finish_rows(rows, peak=None)
     assert [r["ratio_vs_torchtitan"] for r in rows] == pytest.approx([1.2, 1.0, 1.0, 1.1, 110 / 150])
     assert rows[0]["ratio_vs_best_hf"] is None and rows[3]["ratio_vs_best_hf"] == pytest.approx(1.5)
+
+
+def test_recorder_profiles_the_step_between_two_logs(tmp_path):
+    """torchtitan logs step s (1-based) at its end: with a profiler for 0-based step 2, the profile covers what runs
+    between the logs of steps 2 and 3, and nothing before or after."""
+    from anytrain.train.profiling import StepProfiler
+
+    recorder = torchtitan_stack.StepRecorder()
+    recorder.profiler = StepProfiler(2, 1, tmp_path, 0, torch.device("cpu"))
+    a = torch.randn(64, 64)
+    for step in range(1, 5):
+        if step == 3:
+            torch.linalg.qr(a)  # the profiled step's work
+        else:
+            torch.linalg.svd(a)
+        recorder.log({"loss": 1.0}, step)
+    summary = recorder.profiler.summary
+    assert summary is not None and summary["steps"] == [2, 2] and (tmp_path / "rank0.json").exists()
+    ops = " ".join(r["op"] for r in summary["host_top"])
+    assert "qr" in ops and "svd" not in ops
+    assert [s["step"] for s in recorder.steps] == [1, 2, 3, 4]
