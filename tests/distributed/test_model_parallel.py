@@ -14,6 +14,12 @@ LAYOUTS = {
     "tp2": (2, ("--parallel.tp", "2", "--train.compile", "true")),
     "dp2_tp2": (4, ("--parallel.tp", "2", "--parallel.strategy", "fsdp")),
     "pp2_tp2": (4, ("--parallel.pp", "2", "--parallel.tp", "2")),  # TP inside each pipeline stage
+    # the LM head and the loss on each TP rank's sequence shard, its weight's gradient summed over the TP group
+    "tp2_seq_loss": (2, ("--parallel.tp", "2", "--train.compile", "true", "--parallel.tp_sequence_loss", "true")),
+    "dp2_tp2_seq_loss": (
+        4,
+        ("--parallel.tp", "2", "--parallel.strategy", "fsdp", "--parallel.tp_sequence_loss", "true"),
+    ),
 }
 
 
@@ -33,7 +39,9 @@ def runs(tmp_path_factory, small_data):
     return tmp, config, run
 
 
-@pytest.mark.parametrize("name", ["tp2", "dp2_tp2", pytest.param("pp2_tp2", marks=pytest.mark.slow)])
+@pytest.mark.parametrize(
+    "name", ["tp2", "dp2_tp2", "tp2_seq_loss", "dp2_tp2_seq_loss", pytest.param("pp2_tp2", marks=pytest.mark.slow)]
+)
 def test_first_losses_match_single_process(runs, name):
     _, _, run = runs
     single, other = losses(run("single")[1]), losses(run(name)[1])

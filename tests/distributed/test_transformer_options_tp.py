@@ -42,3 +42,15 @@ def test_tp2_first_losses_match_single_process(config, tmp_path, name):
     tp2 = losses(train(config, tmp_path / "tp2", 2, *extra, "--parallel.tp", "2"))
     assert len(tp2) == STEPS
     np.testing.assert_allclose(tp2, single, rtol=0, atol=1e-4)
+
+
+def test_tp2_sequence_loss_with_a_tied_head_matches_single_process_in_training_and_eval(config, tmp_path):
+    """``parallel.tp_sequence_loss`` with the MPT shape's tied embedding (the head's weight is the embedding table:
+    the lookup's gradient and the TP-summed head gradient add) and with evaluation (the loss without a backward)."""
+    extra = MODELS["mpt"]
+    single = train(config, tmp_path / "single", 1, *extra)
+    tp2 = train(config, tmp_path / "tp2", 2, *extra, "--parallel.tp", "2", "--parallel.tp_sequence_loss", "true")
+    np.testing.assert_allclose(losses(tp2), losses(single), rtol=0, atol=1e-4)
+    evals = [[r["val_loss"] for r in records if r["kind"] == "eval"] for records in (single, tp2)]
+    assert evals[0] and len(evals[1]) == len(evals[0])
+    np.testing.assert_allclose(evals[1], evals[0], rtol=0, atol=1e-4)

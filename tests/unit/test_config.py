@@ -61,6 +61,17 @@ def test_int_accepted_for_float_field(tmp_path):
             ["--parallel.async_tp", "true", "--parallel.tp", "2", "--train.compile", "false"],
             "got tp 2, compile false",
         ),
+        ("", ["--parallel.tp_sequence_loss", "true"], "parallel.tp_sequence_loss: scores each tensor-parallel rank"),
+        (
+            "",
+            ["--parallel.tp_sequence_loss", "true", "--parallel.tp", "2", "--parallel.pp", "2"],
+            "got tp 2, pp 2",
+        ),
+        (
+            "data: {seq_len: 33}\n",
+            ["--parallel.tp_sequence_loss", "true", "--parallel.tp", "2"],
+            "got tp 2, pp 1, seq_len 33",
+        ),
     ],
 )
 def test_config_errors_name_the_field(tmp_path, text, overrides, message):

@@ -589,6 +589,20 @@ def test_tp_repeats_the_unsplit_head_on_every_rank():
     assert gemm[1] == pytest.approx(gemm[0] / 2 + head)
 
 
+def test_tp_sequence_loss_splits_the_head_and_adds_one_head_gradient_all_reduce_per_micro_batch():
+    h200 = get_device("h200")
+    base, sharded = Workload(2048, 32), Workload(2048, 32, tp_sequence_loss=True)
+    one = estimate(LLAMA_1B, Layout(micro_batch=4), base, h200)
+    tp2 = [estimate(LLAMA_1B, Layout(tp=2, micro_batch=4), wl, h200) for wl in (base, sharded)]
+    gemm = [e.compute_s - e.elementwise_s for e in (one, *tp2)]
+    assert gemm[2] == pytest.approx(gemm[0] / 2)  # no head repeated on the second rank
+    extra = [c for c in tp2[1].comm if c not in tp2[0].comm]
+    assert [(c.axis, c.collective, c.count, c.message_bytes) for c in extra] == [
+        ("tp", "all_reduce", 8, 2 * 32000 * 2048)  # 32 sequences / micro-batch 4: 8 micro-batches, bf16 V x d
+    ]
+    assert tp2[1].allocated_gib < tp2[0].allocated_gib  # the loss's saved input gradient and logits chunk: the rank's shard
+
+
 def test_tp_step_is_the_gpu_or_the_host_whichever_is_longer():
     """Measured on 4 H100s (1.1B, TP4): eager and CUDA-graph steps took the same time at micro-batch 16 (the GPU's
     compute and exposed collectives are the step) and graphs halved it at micro-batch 4 (eager is host-bound there).

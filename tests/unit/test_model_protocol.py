@@ -52,3 +52,23 @@ def test_models_do_not_import_torch_distributed(path):
         names = [a.name for a in node.names] if isinstance(node, ast.Import) else []
         names += [node.module or ""] if isinstance(node, ast.ImportFrom) else []
         assert not any(n.startswith("torch.distributed") for n in names), f"{path.name} imports {names}"
+
+
+def test_a_family_without_the_sequence_sharded_loss_refuses_it_in_one_line():
+    cfg = load_config(
+        None,
+        [
+            "--model.arch",
+            "mamba2",
+            "--model.flavour",
+            "debug",
+            "--parallel.tp",
+            "2",
+            "--parallel.tp_sequence_loss",
+            "true",
+        ],
+    )
+    with pytest.raises(ConfigError, match="parallel.tp_sequence_loss: not implemented for mamba2"):
+        parallelize(
+            build_model(cfg.model), cfg, ParallelDims.from_config(cfg.parallel, 2), torch.device("cpu"), torch.float32
+        )

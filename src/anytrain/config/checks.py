@@ -85,6 +85,12 @@ def _validate_others(cfg: RunConfig) -> None:
             f"needs --parallel.tp >= 2 and --train.compile true (got tp {p.tp}, compile "
             f"{str(cfg.train.compile).lower()}); set --parallel.async_tp false"
         )
+    if p.tp_sequence_loss and (p.tp < 2 or p.pp > 1 or cfg.data.seq_len % p.tp):
+        raise ConfigError(
+            f"parallel.tp_sequence_loss: scores each tensor-parallel rank's sequence shard, so it needs "
+            f"--parallel.tp >= 2, --parallel.pp 1 and data.seq_len divisible by tp (got tp {p.tp}, pp {p.pp}, "
+            f"seq_len {cfg.data.seq_len}); set --parallel.tp_sequence_loss false"
+        )
     if p.dp_shard == 0 or p.dp_shard < -1:
         raise ConfigError(f"parallel.dp_shard: must be >= 1 or -1 (infer), got {p.dp_shard}")
     if cfg.device not in ("auto", "cpu", "gpu", "cuda"):

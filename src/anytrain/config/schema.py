@@ -204,6 +204,13 @@ class ParallelConfig:
     reduce-scatter with the matmul that consumes or produces it (inductor's micro-pipelined TP over symmetric memory,
     torchtitan's async TP): the collective runs in chunks while the GEMM works on the chunks already there. Same
     numerics up to summation order; speed only. See docs/scaling.md for when it pays."""
+    tp_sequence_loss: bool = False
+    """Tensor parallelism only (tp > 1, no pipeline parallelism; Transformer family): the LM head and the loss run on
+    each TP rank's sequence shard (T/tp positions, the whole head weight) instead of on the whole sequence on every
+    rank: the head's matmul and the cross-entropy split tp ways instead of repeated, no all-gather of the final hidden
+    states; the head weight's gradient is summed over the TP group in the backward (one V x D all-reduce per
+    micro-batch, in the compute dtype). The sequence length must be divisible by tp. Same losses up to summation
+    order."""
     auto: bool = False
     """Let the cost model choose strategy, micro-batch and activation checkpointing for this device and world size
     (``anytrain plan`` shows the ranking); the choice is written into the resolved config.yaml."""

@@ -157,7 +157,11 @@ def saved_input_savings_per_token(shape: Any, recipe: str, fp8_filter: str, act:
     """Activation bytes per token and block that a compiled Transformer block under tensorwise or rowwise does not
     keep: (a − 1) per element of each saved matmul input whose consumers are all converted (the module docstring's
     "Memory"); 0 for rowwise_with_gw_hp, eager blocks and the other families (their blocks save other tensors)."""
-    if recipe not in ("tensorwise", "rowwise") or not compiled or getattr(shape, "kind", "transformer") != "transformer":
+    if (
+        recipe not in ("tensorwise", "rowwise")
+        or not compiled
+        or getattr(shape, "kind", "transformer") != "transformer"
+    ):
         return 0.0
     candidates = shape.fp8_candidates()
     keep = [gemm_keep_reason(n, k, recipe, fp8_filter) is None for k, n in candidates]

@@ -184,10 +184,13 @@ def loss_bytes_per_token(shape: ModelShape | MambaShape) -> float:
     return 12.0 * shape.vocab_size
 
 
-def head_activation_bytes_per_token(shape: ModelShape | MambaShape, prec: Precision, tp: int = 1) -> float:
+def head_activation_bytes_per_token(
+    shape: ModelShape | MambaShape, prec: Precision, tp: int = 1, sequence_loss: bool = False
+) -> float:
     """anytrain's last stage outside the blocks, per token: the eager final RMSNorm's fp32 input, normalised output and
-    1/rms (8·d + 4, sequence-parallel under TP) and the fused loss's saved input gradient (a·d, full sequence)."""
-    return (8 * shape.dim + 4) / tp + prec.act * shape.dim
+    1/rms (8·d + 4, sequence-parallel under TP) and the fused loss's saved input gradient (a·d, full sequence; the
+    rank's shard of it with ``parallel.tp_sequence_loss``)."""
+    return (8 * shape.dim + 4) / tp + prec.act * shape.dim / (tp if sequence_loss else 1)
 
 
 def loss_chunk_bytes(tokens: int, vocab: int, act: int) -> float:
@@ -278,9 +281,11 @@ def _stage_phases(
     acts = {"activations": (f * checkpointed + (1 - f) * per_token) * tokens * layers * in_flight}
     loss_fwd = loss_bwd = 0.0
     if last and anytrain:
-        acts["head_activations"] = head_activation_bytes_per_token(shape, prec, t) * tokens + 4 * v * d  # + dW fp32
+        head = head_activation_bytes_per_token(shape, prec, t, wl.tp_sequence_loss)
+        acts["head_activations"] = head * tokens + 4 * v * d  # + dW fp32
         narrow = a < 4  # bf16 compute: the chunk's dW product and the returned weight gradient are separate tensors
-        loss_fwd = loss_chunk_bytes(tokens, v, a) + narrow * a * v * d + prec.autocast * a * v * d  # + cast head
+        scored = tokens // t if wl.tp_sequence_loss else tokens  # the positions this rank's loss scores
+        loss_fwd = loss_chunk_bytes(scored, v, a) + narrow * a * v * d + prec.autocast * a * v * d  # + cast head
         loss_bwd = 4 * v * d + narrow * a * v * d
     elif last:
         loss_fwd = loss_bwd = loss_bytes_per_token(shape) * tokens / t

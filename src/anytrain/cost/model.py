@@ -208,7 +208,8 @@ def communication(
     tp (sequence parallel): per layer and micro-batch 4 all_gather + 4 reduce_scatter of a·b·s·d (6 + 6 with
     full AC, which replays the forward); under anytrain's TP (DTensor) these run at ``tp_link_efficiency`` of the
     link and cost ``tp_collective_us`` each on top, plus one fp32 all-reduce per step of the norm weights' gradients
-    (2L + 1 vectors; one each under FSDP, which reduces them itself) — Megatron-style precisions keep the plain link
+    (2L + 1 vectors; one each under FSDP, which reduces them itself), and with ``wl.tp_sequence_loss`` an a·V·d
+    all-reduce of the head weight's gradient per micro-batch — Megatron-style precisions keep the plain link
     terms. pp: per micro-batch one activation send forward and one gradient back.
     Exposure: tp and pp are on the critical path; dp hides in ``overlap`` × (the last micro-batch's backward for
     ddp/zero, all compute for fsdp) — what is left is exposed.
@@ -272,6 +273,9 @@ def communication(
             fsdp = dp > 1 and layout.strategy in ("fsdp", "hsdp")
             count, msg = (norms, 4.0 * shape.dim) if fsdp else (1, 4.0 * shape.dim * norms)
             tp_comms.append(add_on(tp_device, "tp", "all_reduce", count, msg, t))
+        if measured and wl.tp_sequence_loss and p == 1:  # the head weight's gradient, summed over the TP group in
+            # each micro-batch's backward (the sequence-sharded loss), in the compute dtype
+            tp_comms.append(add_on(tp_device, "tp", "all_reduce", m, prec.act * shape.vocab_size * shape.dim, t))
         for comm in tp_comms:
             comm.seconds += comm.count * device.tp_collective_us * 1e-6 * measured
             comm.exposed_seconds = comm.seconds
@@ -488,7 +492,8 @@ def estimate(
                 FLOPs (``wl.fp8``) at the FP8 peak · fp8 efficiency instead (cost/fp8.py)
                 + memory-bound time (elementwise_seconds, × the same recompute factor; Mamba's scan at ``scan_ns``)
                 + optimizer_seconds
-                (+ under anytrain's TP the LM head's share that every TP rank repeats: 6·V·d and its traffic)
+                (+ under anytrain's TP the LM head's share that every TP rank repeats: 6·V·d and its traffic;
+                none with ``wl.tp_sequence_loss``, which adds an exposed V·d·a all-reduce per micro-batch instead)
     host_s = host_seconds (the host's launch floor)
     step_s = max(compute_s · (1 + bubble) + exposed communication, host_s) (the GPU's time or the host's launch
              floor, whichever is longer: docs/cost-model.md, "What still misses");  steps = D / (B·s);
@@ -511,7 +516,8 @@ def estimate(
         fp8_gemm_s = fp8_flops * recompute / (layout.world * fp8_rate)
     gemm_s += fp8_gemm_s
     elementwise_s = elementwise_seconds(shape, layout, wl, prec, device) * recompute
-    if layout.tp > 1 and prec.framework == "anytrain":  # every TP rank runs the whole (unsplit) LM head and loss
+    repeated_head = layout.tp > 1 and prec.framework == "anytrain" and not wl.tp_sequence_loss
+    if repeated_head:  # every TP rank runs the whole (unsplit) LM head and loss
         head_tokens = tokens_per_step / (layout.dp * layout.pp) * (1 - 1 / layout.tp)
         gemm_s += 6.0 * shape.vocab_size * shape.dim * head_tokens / (device.peak_flops * device.efficiency)
         head_bytes = 3 * prec.act * (shape.dim + 2 * shape.vocab_size)  # head GEMM operands + the CE row kernel

@@ -584,12 +584,13 @@ class Workload:
     grad_compression: str = "none"  # parallel.grad_compression: none | bf16 | fp16 | powersgd:rank=R
     fp8: str = "none"  # train.fp8: none | tensorwise | rowwise | rowwise_with_gw_hp (cost/fp8.py)
     fp8_filter: str = "auto"  # train.fp8_filter: auto | aligned
+    tp_sequence_loss: bool = False  # parallel.tp_sequence_loss: the LM head and loss on each TP rank's sequence shard
     ssd_kernel: str = "triton"  # Mamba-2's SSD: 'triton' (GPU tensors) or 'torch' (the PyTorch twin, CPU tensors)
 
     @classmethod
     def from_config(cls, cfg: Any, **fields: Any) -> Workload:
         """A run config's sequence length, global batch, compile and CUDA-graph switches, DDP bucket size and bucket
-        views, gradient compression and FP8 recipe and filter, plus ``fields``."""
+        views, gradient compression, FP8 recipe and filter and the TP sequence-sharded loss, plus ``fields``."""
         base = dict(
             compiled=cfg.train.compile,
             cuda_graphs=cfg.train.cuda_graphs,
@@ -598,6 +599,7 @@ class Workload:
             grad_compression=cfg.parallel.grad_compression,
             fp8=cfg.train.fp8,
             fp8_filter=cfg.train.fp8_filter,
+            tp_sequence_loss=cfg.parallel.tp_sequence_loss,
         )
         return cls(cfg.data.seq_len, cfg.train.global_batch, **{**base, **fields})
 

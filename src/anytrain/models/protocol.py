@@ -69,8 +69,9 @@ class LanguageModel(Protocol):
     ) -> torch.Tensor: ...
 
 
-TensorParallelPlan = Callable[[nn.Module, Any], None]
-"""(model or pipeline stage, 1D tensor-parallel DeviceMesh) -> None: shards the module in place with DTensor."""
+TensorParallelPlan = Callable[..., None]
+"""(model or pipeline stage, 1D tensor-parallel DeviceMesh[, sequence_loss=True where ``ParallelizePlan.
+sequence_loss``]) -> None: shards the module in place with DTensor."""
 
 PipelineSplit = Callable[[nn.Module, range, bool, bool], nn.Module]
 """(model, layer indices to keep, holds the first stage, holds the last stage) -> the stage module: the model with
@@ -91,6 +92,9 @@ class ParallelizePlan:
 
     tensor_parallel: TensorParallelPlan | None = None
     """Tensor (+ sequence) parallelism of the model or of one of its pipeline stages."""
+    sequence_loss: bool = False
+    """True when ``tensor_parallel`` takes ``sequence_loss=True`` (``parallel.tp_sequence_loss``): the LM head and
+    the loss on each TP rank's sequence shard."""
     check_tensor_parallel: Callable[[Any, int], None] | None = None
     """(the family's args, parallel.tp > 1) -> None: one ConfigError naming the field for a degree the model cannot be
     split over, before any process group exists. None: the Transformer's head checks (n_heads, n_kv_heads)."""

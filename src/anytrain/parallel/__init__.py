@@ -45,7 +45,7 @@ def parallelize(
     if cfg.train.fp8 != "none":  # first: TP, checkpointing, compile and FSDP then see the FP8 layers
         fp8.convert_model(model, cfg.train, strategy, device)
     if dims.tp > 1:
-        apply_tensor_parallel(model, dims, device, cfg.parallel.async_tp)
+        apply_tensor_parallel(model, dims, device, cfg.parallel.async_tp, cfg.parallel.tp_sequence_loss)
     if cfg.train.activation_checkpointing != "none":
         apply_activation_checkpointing(model, cfg.train.activation_checkpointing)
     if cfg.train.compile:

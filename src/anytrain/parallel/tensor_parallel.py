@@ -13,15 +13,27 @@ from anytrain.models import spec_of
 from anytrain.parallel.mesh import ParallelDims
 
 
-def apply_tensor_parallel(model: nn.Module, dims: ParallelDims, device: torch.device, async_tp: bool = False) -> None:
+def apply_tensor_parallel(
+    model: nn.Module, dims: ParallelDims, device: torch.device, async_tp: bool = False, sequence_loss: bool = False
+) -> None:
     """The family's ``ParallelizePlan.tensor_parallel`` over the run mesh's ``tp`` dimension, in place; with
-    ``async_tp`` (``parallel.async_tp``) the fused collective-matmul kernels on that group. Call it before compile:
-    the blocks' graphs are then built with the fused collectives."""
+    ``async_tp`` (``parallel.async_tp``) the fused collective-matmul kernels on that group, with ``sequence_loss``
+    (``parallel.tp_sequence_loss``) the LM head and loss on each rank's sequence shard. Call it before compile: the
+    blocks' graphs are then built with the fused collectives."""
     spec = spec_of(model)
-    if spec.parallelize_plan.tensor_parallel is None:
+    plan = spec.parallelize_plan
+    if plan.tensor_parallel is None:
         raise ConfigError(f"parallel.tp: tensor parallelism is not implemented for {spec.name}; set tp 1")
+    if sequence_loss and not plan.sequence_loss:
+        raise ConfigError(
+            f"parallel.tp_sequence_loss: not implemented for {spec.name} (the Transformer family has it); "
+            "set --parallel.tp_sequence_loss false"
+        )
     tp_mesh = dims.build_mesh(device.type)["tp"]
-    spec.parallelize_plan.tensor_parallel(model, tp_mesh)
+    if sequence_loss:
+        plan.tensor_parallel(model, tp_mesh, sequence_loss=True)
+    else:
+        plan.tensor_parallel(model, tp_mesh)
     if async_tp:
         hardware.enable_async_tp(device, tp_mesh.get_group().group_name)
 

@@ -317,6 +317,10 @@ class Transformer(SamplingMixin, nn.Module):
     into documents at this token (a document ends with it), positions restart at each document start (RoPE angles,
     learned position rows) and attention stays inside the document. None: plain causal attention over the whole
     sequence. Needs token ids at the input, so not on a pipeline stage after the first."""
+    sequence_loss: Any = None
+    """``parallel.tp_sequence_loss`` (set by the tensor-parallel plan): an ``anytrain.models.llama.parallelize.
+    SequenceShardedLoss`` scoring this TP rank's sequence shard of the final hidden states. None: the whole
+    sequence on every rank."""
 
     def __init__(self, args: TransformerArgs) -> None:
         super().__init__()
@@ -427,6 +431,10 @@ class Transformer(SamplingMixin, nn.Module):
         h = self.forward_hidden(tokens)
         if self.output is None:  # a pipeline stage before the last: hidden states go to the next stage
             return h
+        if self.sequence_loss is not None:  # parallel.tp_sequence_loss: h is this TP rank's sequence shard
+            if targets is not None:
+                return self.sequence_loss(h, self.output.weight, targets)
+            h = self.sequence_loss.gather(h)
         if targets is not None:
             return lm_cross_entropy(h, self.output.weight, targets)
         return self.output(h)  # (B, T, V)

@@ -6,8 +6,10 @@ and residual stream are sequence-parallel (each TP rank holds T/tp tokens), so a
 not replicated. The embedding is row-parallel with a sequence-sharded output. The final norm hands the LM head a full
 (replicated) tensor, and the head is *not* split: every TP rank computes the same fused linear+cross-entropy (the loss
 never forms full logits) — simpler, at the cost of repeating the head's matmul on each TP rank (vocab × d per token;
-~6% of a 1.1B model's FLOPs at tp 2). A tied embedding is the head's tensor, so it stays whole too (a plain tensor on
-every TP rank, no extra memory) and the first block shards its output by sequence on entry.
+~6% of a 1.1B model's FLOPs at tp 2). With ``parallel.tp_sequence_loss`` the final norm's output stays
+sequence-sharded instead and each rank scores its own positions (``SequenceShardedLoss`` below). A tied embedding
+is the head's tensor, so it stays whole too (a plain tensor on every TP rank, no extra memory) and the first block
+shards its output by sequence on entry.
 
 The options shard the same way: LayerNorm (weight and bias) is sequence-parallel like RMSNorm; biases of column-
 parallel projections are split with their rows, those of row-parallel ones replicated (added once after the
@@ -22,6 +24,7 @@ from __future__ import annotations
 import contextlib
 
 import torch
+import torch.distributed as dist
 from torch.distributed._functional_collectives import AsyncCollectiveTensor
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import (
@@ -34,7 +37,9 @@ from torch.distributed.tensor.parallel import (
 )
 
 from anytrain.kernels import wide_mm
+from anytrain.kernels.fused_linear_ce import IGNORE_INDEX
 from anytrain.models.llama.model import Transformer
+from anytrain.models.losses import lm_cross_entropy
 from anytrain.models.protocol import ParallelizePlan
 
 
@@ -76,8 +81,15 @@ def _wait_for_async_output(module: torch.nn.Module, inputs, output):
     return output.clone() if isinstance(output, AsyncCollectiveTensor) else output
 
 
-def apply_tensor_parallel(model: Transformer, tp_mesh) -> None:
-    """Shard the Transformer (or a pipeline stage of it) over the 1D ``tp_mesh`` in place."""
+def _to_local_shard() -> PrepareModuleOutput:
+    """A sequence-sharded output -> this rank's (B, T/tp, D) shard as a plain tensor (``parallel.tp_sequence_loss``)."""
+    return PrepareModuleOutput(output_layouts=Shard(1), desired_output_layouts=Shard(1), use_local_output=True)
+
+
+def apply_tensor_parallel(model: Transformer, tp_mesh, sequence_loss: bool = False) -> None:
+    """Shard the Transformer (or a pipeline stage of it) over the 1D ``tp_mesh`` in place. With ``sequence_loss``
+    the final hidden states stay sequence-sharded and the head and loss run on each rank's shard
+    (``SequenceShardedLoss``) instead of on the whole sequence on every rank."""
     top_plan = {}
     # A tied embedding is the (unsplit, plain) LM head's tensor: it stays whole on every TP rank, so the head keeps
     # it and the blocks shard the full embedding output on entry. Untied, the tables are row-parallel.
@@ -94,8 +106,10 @@ def apply_tensor_parallel(model: Transformer, tp_mesh) -> None:
         for table in (model.tok_embeddings, model.pos_embeddings):
             if table is not None:
                 table.register_forward_hook(_wait_for_async_output)
-    if model.norm is not None:  # the head and the loss see the whole sequence as a plain tensor on every TP rank
-        parallelize_module(model.norm, tp_mesh, _to_full())
+    # the head and the loss see the whole sequence as a plain tensor on every TP rank, or this rank's shard of it
+    last_output = _to_local_shard() if sequence_loss else _to_full()
+    if model.norm is not None:
+        parallelize_module(model.norm, tp_mesh, last_output)
     blocks = model.blocks()
     rank, tp = tp_mesh.get_local_rank(), tp_mesh.size()
     for block in blocks:
@@ -114,7 +128,9 @@ def apply_tensor_parallel(model: Transformer, tp_mesh) -> None:
             ),
         )
     if model.norm is None:
-        parallelize_module(blocks[-1], tp_mesh, _to_full())
+        parallelize_module(blocks[-1], tp_mesh, last_output)
+    if sequence_loss:
+        model.sequence_loss = SequenceShardedLoss(tp_mesh.get_group(), rank, tp)
 
 
 def pipeline_split(model: Transformer, layers: range, first: bool, last: bool) -> Transformer:
@@ -153,8 +169,92 @@ def step_context(model: Transformer, strategy: str, graphed: bool) -> contextlib
     return wide_mm.accumulate_in_gemm(strategy == "single")
 
 
+# ---------------------------------------------------------------------------------------------------------------------
+# The LM head and the loss on each TP rank's sequence shard (parallel.tp_sequence_loss)
+#
+# With sequence parallelism every TP rank holds T/tp positions of the final norm's output. Instead of gathering the
+# whole sequence and repeating the head's V x D matmul and the cross-entropy on every rank, each rank scores its own
+# positions against the whole (replicated) head weight:
+#
+# * the rank's targets are the same ``torch.chunk`` of the sequence that its hidden-state shard is (DTensor's
+#   ``Shard(1)``; the config check asks for a sequence length divisible by tp);
+# * its loss is the sum of its positions' token losses over the micro-batch's count of valid targets (every rank
+#   holds all targets, so the count needs no collective), and the micro-batch loss is the sum of the ranks' shares
+#   (an all-reduce in the forward whose backward is the identity: each rank's share reaches the loss once);
+# * the head weight enters through the identity whose backward all-reduces the gradient over the TP group (each
+#   rank's gradient covers only its positions), in the compute dtype: one V x D all-reduce per micro-batch, in place
+#   of the all-gather of the hidden states and tp - 1 repeats of the head's matmul. A tied embedding adds its
+#   lookup's gradient, the same on every rank, as before.
+#
+# A shard without a valid target scores one stand-in target weighted 0 (no NaN, no host sync). The logits path
+# (no targets: evaluation by logits, sampling) gathers the whole sequence first.
+
+
+class _SumOverGroup(torch.autograd.Function):
+    """Forward: the sum of ``x`` over the group (every rank gets it). Backward: the identity."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group) -> torch.Tensor:  # noqa: ARG004 - autograd's signature
+        out = x.clone()
+        dist.all_reduce(out, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):  # noqa: ARG004
+        return grad, None
+
+
+class _SumGradOverGroup(torch.autograd.Function):
+    """Forward: the identity. Backward: the gradient summed over the group."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group) -> torch.Tensor:
+        ctx.group = group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        grad = grad.contiguous().clone()
+        dist.all_reduce(grad, group=ctx.group)
+        return grad, None
+
+
+class SequenceShardedLoss:
+    """Installed on a model as ``sequence_loss`` by its tensor-parallel plan; ``__call__`` replaces
+    ``lm_cross_entropy(hidden, head_weight, targets)`` for the rank's (B, T/tp, D) hidden states and the full (B, T)
+    targets, ``gather`` gives the logits path the full (B, T, D) hidden states."""
+
+    def __init__(self, group, rank: int, size: int) -> None:
+        self.group, self.rank, self.size = group, rank, size
+
+    def __call__(self, hidden: torch.Tensor, head_weight: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        local = targets.chunk(self.size, dim=1)[self.rank]
+        if local.shape[1] != hidden.shape[1]:
+            raise ValueError(
+                f"parallel.tp_sequence_loss: hidden shard of {hidden.shape[1]} positions against {local.shape[1]} "
+                f"targets; the sequence length must be divisible by parallel.tp"
+            )
+        n_all = (targets != IGNORE_INDEX).sum()
+        n_local = (local != IGNORE_INDEX).sum()
+        stand_in = local.reshape(-1)[:1]
+        local = local.clone()
+        local.view(-1)[:1] = torch.where(n_local > 0, stand_in, torch.zeros_like(stand_in))
+        device_type = hidden.device.type
+        if torch.is_autocast_enabled(device_type):  # the gradient's all-reduce in the compute dtype
+            head_weight = head_weight.to(torch.get_autocast_dtype(device_type))
+        weight = _SumGradOverGroup.apply(head_weight, self.group)
+        share = lm_cross_entropy(hidden, weight, local) * (n_local / n_all.clamp_min(1))
+        return _SumOverGroup.apply(share, self.group)
+
+    def gather(self, hidden: torch.Tensor) -> torch.Tensor:
+        parts = [torch.empty_like(hidden) for _ in range(self.size)]
+        dist.all_gather(parts, hidden.contiguous(), group=self.group)
+        return torch.cat(parts, dim=1)
+
+
 PLAN = ParallelizePlan(
     tensor_parallel=apply_tensor_parallel,
+    sequence_loss=True,
     pipeline_split=pipeline_split,
     compile_model=compile_model,
     fp8_linears=fp8_linears,
