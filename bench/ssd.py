@@ -9,7 +9,8 @@ mamba-ssm's time over ours (above 1: ours is faster). Writes bench/results/ssd_<
 
     PYTHONPATH=src python3 -m bench.ssd [--out DIR] [--sweep] [--layers mamba2-1.3b] [--batches 2]
 
-``--sweep`` also times tile variants (``SSDConfig`` fields) of our op at the 1.3b shape, the largest batch given.
+``--sweep`` also times tile variants (``SSDConfig`` fields) of our op at the 1.3b shape, the largest batch given;
+``--sweep-scan`` first times the forward under variants of the forward output kernel's tiles and launch options.
 """
 
 from __future__ import annotations
@@ -163,6 +164,38 @@ def sweep_rows(batch: int) -> list[dict]:
     return rows
 
 
+SCAN_SWEEP = [
+    {"block_l": bl, "block_s": bs, "scan_warps": w, "scan_stages": st}
+    for bl in (64, 128)
+    for bs in (32, 64)
+    for w in (4, 8)
+    for st in (2, 3, 4)
+]
+"""``--sweep-scan``: tiles and launch options of the forward output kernel alone (the forward's largest kernel)."""
+
+
+def scan_sweep_rows(batch: int) -> list[dict]:
+    """Our forward at the 1.3b shape without z, at ``batch``, under each ``SCAN_SWEEP`` variant (only the chunk-scan
+    kernel's launch changes), fastest first."""
+    args = layer_inputs(batch, LAYERS["mamba2-1.3b"], False)
+    xs = [args[k] for k in ("x", "dt", "A", "B", "C")]
+    opt = {k: args.get(k) for k in ("D", "dt_bias")}
+    rows = []
+    for change in SCAN_SWEEP:
+        cfg = replace(CONFIG, **change)
+        row = {"change": change}
+        try:
+            with torch.no_grad():
+                row["fwd_ms"] = median_ms(
+                    lambda cfg=cfg: ssd_chunk_scan_triton(*xs, CHUNK, **opt, dt_softplus=True, config=cfg)
+                )
+        except Exception as exc:
+            row["error"] = row_error(exc)
+        rows.append(row)
+        print(f"scan sweep {change}: fwd {fmt(row.get('fwd_ms'))} ms", flush=True)
+    return sorted(rows, key=lambda r: r.get("fwd_ms", float("inf")))
+
+
 def forward_profiles(mamba, batch: int) -> dict:
     """Kernel tables of one forward (no z, the 1.3b shape) of ours and of mamba-ssm's op: which kernel differs."""
     from anytrain.train.profiling import profile_call
@@ -208,6 +241,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default=str(Path(__file__).resolve().parent / "results"))
     ap.add_argument("--sweep", action="store_true", help="also time tile variants of our op")
+    ap.add_argument("--sweep-scan", action="store_true", help="time the forward output kernel's variants first")
     ap.add_argument("--layers", nargs="+", default=list(LAYERS), choices=list(LAYERS), help="layer shapes to time")
     ap.add_argument("--batches", nargs="+", type=int, default=list(BATCHES), help="batch sizes to time")
     args = ap.parse_args()
@@ -215,6 +249,7 @@ def main() -> int:
         print("no GPU visible: nothing to benchmark", file=sys.stderr)
         return 1
     mamba, note = load_chunk_scan_combined()
+    scan = scan_sweep_rows(max(args.batches)) if args.sweep_scan else []
     rows = bench_rows(mamba, args.layers, args.batches)
     print_table(rows, note)
     env = versions(torch.device("cuda"))
@@ -228,6 +263,7 @@ def main() -> int:
         "rows": rows,
         "sweep": sweep_rows(max(args.batches)) if args.sweep else [],
         "forward_profile": forward_profiles(mamba, max(args.batches)) if args.sweep else {},
+        "scan_sweep": scan,
     }
     path = results_path(args.out, "ssd", env)
     path.write_text(json.dumps(record, indent=1, default=str) + "\n")

@@ -32,7 +32,16 @@ from tests.unit.test_ssd import inputs  # noqa: E402
 
 F64 = torch.float64
 SMALL = SSDConfig(
-    block_l=16, block_s=16, block_k=16, block_n=16, block_p=16, block_t=16, block_state=16, heads_per_program=2
+    block_l=16,
+    block_s=16,
+    block_k=16,
+    block_n=16,
+    block_p=16,
+    block_t=16,
+    block_state=16,
+    heads_per_program=2,
+    scan_warps=2,  # the forward output kernel's own launch options
+    scan_stages=1,
 )
 GRADS = ("x", "dt", "A", "B", "C", "D", "z", "dt_bias", "init")
 
@@ -177,6 +186,8 @@ def test_document_counter_and_tiles():
         SSDConfig(block_t=24)
     with pytest.raises(ValueError, match="heads_per_program"):
         SSDConfig(heads_per_program=0)
+    with pytest.raises(ValueError, match="scan_warps / scan_stages"):
+        SSDConfig(scan_stages=-1)
 
 
 @pytest.mark.parametrize("options", [True, False])

@@ -74,11 +74,19 @@ class SSDConfig:
     """Warps of the matmul kernels."""
     num_stages: int = 2
     """Software-pipeline stages of the matmul kernels' loops."""
+    scan_warps: int = 0
+    """Warps of the forward output kernel (the chunk scan); 0: ``num_warps``."""
+    scan_stages: int = 0
+    """Software-pipeline stages of the forward output kernel's loop; 0: ``num_stages``."""
 
     def __post_init__(self) -> None:
         for name in ("block_l", "block_s", "block_n", "block_p", "block_k", "block_state", "block_t"):
             if not _pow2(getattr(self, name)):
                 raise ValueError(f"SSDConfig.{name} must be a power of 2 >= 16, got {getattr(self, name)}")
+        if self.scan_warps < 0 or self.scan_stages < 0:
+            raise ValueError(
+                f"SSDConfig.scan_warps / scan_stages must be >= 0, got {self.scan_warps} / {self.scan_stages}"
+            )
         if self.heads_per_program < 1:
             raise ValueError(f"SSDConfig.heads_per_program must be >= 1, got {self.heads_per_program}")
 
@@ -332,7 +340,7 @@ def _forward(x, dt, A, B, C, chunk, D, z, dt_bias, softplus, seq, init, cfg, sto
         HAS_Z=z is not None,
         STORE_Y=ypre is not None,
         HAS_SEQ=seq is not None,
-        **sh.meta,
+        **{**sh.meta, "num_warps": cfg.scan_warps or cfg.num_warps, "num_stages": cfg.scan_stages or cfg.num_stages},
     )
     return out, final, ypre
 
