@@ -201,6 +201,29 @@ def reset_peak_memory(device: torch.device) -> None:
         torch.cuda.reset_peak_memory_stats(device)
 
 
+def record_memory_history(device: torch.device, enabled: bool) -> None:
+    """Start (or stop) recording the caching allocator's allocations and frees with their Python stacks (CUDA and
+    ROCm: HIP's allocator is the same one). A CPU device has no such allocator: ValueError."""
+    if not is_gpu(device):
+        raise ValueError("the allocator's history exists on CUDA/ROCm GPUs only")
+    if enabled:
+        torch.cuda.memory._record_memory_history(enabled="all", context="alloc", stacks="python", max_entries=2_000_000)
+    else:
+        torch.cuda.memory._record_memory_history(enabled=None)
+
+
+def memory_allocated_bytes(device: torch.device) -> int:
+    """Bytes the caching allocator holds in tensors now (0 on CPU: not tracked)."""
+    return torch.cuda.memory_allocated(device) if is_gpu(device) else 0
+
+
+def memory_snapshot(device: torch.device) -> dict:
+    """The allocator's segments and its recorded trace (``torch.cuda.memory._snapshot``; see record_memory_history)."""
+    if not is_gpu(device):
+        raise ValueError("the allocator's history exists on CUDA/ROCm GPUs only")
+    return torch.cuda.memory._snapshot(device)
+
+
 def peak_memory_gib(device: torch.device, reserved: bool = False) -> float:
     """Peak bytes held by the caching allocator since the last reset, in GiB (0.0 on CPU: not tracked).
 

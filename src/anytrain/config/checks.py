@@ -75,6 +75,10 @@ def _validate_others(cfg: RunConfig) -> None:
     _positive(cfg.checkpoint.keep_last, "checkpoint.keep_last")
     _positive(cfg.profile.steps, "profile.steps", allow_zero=True)
     _positive(cfg.profile.start_step, "profile.start_step", allow_zero=True)
+    if cfg.profile.memory_snapshot and cfg.profile.steps == 0:
+        raise ConfigError(
+            "profile.memory_snapshot: records the profiled steps, and profile.steps is 0; set --profile.steps 1"
+        )
     p = cfg.parallel
     for name in ("dp_replicate", "tp", "pp", "pp_virtual_stages"):
         if getattr(p, name) < 1:

@@ -287,6 +287,10 @@ class ProfileConfig:
     """First profiled step (0-based, counted from the start of this invocation's first step); after compile."""
     trace: bool = False
     """Also write each rank's Chrome trace, rank<r>.trace.json.gz (hundreds of MB for a 1B-parameter step)."""
+    memory_snapshot: bool = False
+    """GPUs only: also record the caching allocator's allocations over the profiled steps and write each rank's
+    rank<r>.memory_snapshot.pickle (open it in https://pytorch.org/memory_viz) and, in rank<r>.json and the log,
+    the peak with the allocations alive at it, summed by the Python line that made them."""
 
 
 @dataclass

@@ -10,6 +10,7 @@ kernel tables.
 from __future__ import annotations
 
 import json
+import pickle
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -165,7 +166,48 @@ def format_summary(summary: dict, title: str) -> str:
     if summary.get("host_top") and t["span_ms"] > 0:  # a GPU profile: the host operators too
         lines.append(f"  host: {summary['host_ms']:.1f} ms of self CPU time in operators; the top ones:")
         lines += [f"  {r['ms']:9.1f} ms x{r['calls']:<6} {r['op'][:90]}" for r in summary["host_top"][:8]]
+    if "memory_peak" in summary:
+        m = summary["memory_peak"]
+        lines.append(
+            f"  memory: peak {m['peak_gib']:.2f} GiB ({m['baseline_gib']:.2f} held before); alive at the peak:"
+        )
+        lines += [f"  {r['gib']:9.2f} GiB x{r['blocks']:<6} {r['site'][-100:]}" for r in m["top"][:8]]
     return "\n".join(lines)
+
+
+def memory_peak(trace: list[dict], baseline: int, top: int = 20) -> dict:
+    """The allocator's peak over a recorded trace (``torch.cuda.memory._snapshot()["device_traces"][i]``): replays
+    its ``alloc`` and frees (the first of ``free_requested`` / ``free_completed`` of an address ends its block) on
+    top of ``baseline`` bytes held before recording began, and lists the blocks alive at the peak, summed by the
+    allocating Python frame (the innermost anytrain frame, else the innermost one), largest first."""
+    live: dict[int, dict] = {}
+    total = best = 0
+    at_peak: list[dict] = []
+    for event in trace:
+        action, addr = event.get("action"), event.get("addr")
+        if action == "alloc":
+            live[addr] = event
+            total += event["size"]
+            if total > best:
+                best, at_peak = total, list(live.values())
+        elif action in ("free_requested", "free_completed") and addr in live:
+            total -= live.pop(addr)["size"]
+    sites: dict[str, list[int]] = {}
+    for event in at_peak:
+        frames = event.get("frames") or []
+        ours = [f for f in frames if "anytrain" in f.get("filename", "")]
+        frame = (ours or frames or [{}])[0]
+        site = f"{frame.get('filename', '?')}:{frame.get('line', '?')} {frame.get('name', '')}".strip()
+        entry = sites.setdefault(site, [0, 0])
+        entry[0] += event["size"]
+        entry[1] += 1
+    ranked = sorted(sites.items(), key=lambda kv: -kv[1][0])[:top]
+    return {
+        "baseline_gib": baseline / 2**30,
+        "peak_gib": (baseline + best) / 2**30,
+        "recorded_peak_gib": best / 2**30,
+        "top": [{"site": site, "gib": b / 2**30, "blocks": n} for site, (b, n) in ranked],
+    }
 
 
 def _activities(device: torch.device) -> list:
@@ -186,10 +228,21 @@ class StepProfiler:
     ``<out_dir>/rank<r>.json`` (the ``summarize`` dict plus the steps' wall time) and with ``trace`` the Chrome trace
     ``rank<r>.trace.json.gz``. Inactive when ``steps`` is 0; on CPU devices it records operators instead of kernels."""
 
-    def __init__(self, start: int, steps: int, out_dir: Path, rank: int, device: torch.device, trace: bool = False):
+    def __init__(
+        self,
+        start: int,
+        steps: int,
+        out_dir: Path,
+        rank: int,
+        device: torch.device,
+        trace: bool = False,
+        memory: bool = False,
+    ):
         self.start, self.end = start, start + steps
         self.out_dir, self.rank, self.device, self.trace = Path(out_dir), rank, device, trace
+        self.memory = memory
         self.enabled = steps > 0
+        self._baseline = 0
         self._prof = None
         self._t0 = 0.0
         self.summary: dict | None = None
@@ -198,6 +251,9 @@ class StepProfiler:
         if not self.enabled or step != self.start:
             return
         hardware.synchronize(self.device)
+        if self.memory:
+            self._baseline = hardware.memory_allocated_bytes(self.device)
+            hardware.record_memory_history(self.device, True)
         self._prof = profile(activities=_activities(self.device))
         self._prof.__enter__()
         self._t0 = time.perf_counter()
@@ -212,6 +268,13 @@ class StepProfiler:
         summary = summarize(self._prof)
         summary.update(steps=[self.start, self.end - 1], wall_ms=1e3 * wall, rank=self.rank)
         self.out_dir.mkdir(parents=True, exist_ok=True)
+        if self.memory:  # the pickle opens in https://pytorch.org/memory_viz
+            snapshot = hardware.memory_snapshot(self.device)
+            hardware.record_memory_history(self.device, False)
+            with open(self.out_dir / f"rank{self.rank}.memory_snapshot.pickle", "wb") as f:
+                pickle.dump(snapshot, f)
+            trace = snapshot["device_traces"][self.device.index or 0]
+            summary["memory_peak"] = memory_peak(trace, self._baseline)
         (self.out_dir / f"rank{self.rank}.json").write_text(json.dumps(summary, indent=2) + "\n")
         if self.trace:
             self._prof.export_chrome_trace(str(self.out_dir / f"rank{self.rank}.trace.json.gz"))

@@ -27,7 +27,7 @@ from anytrain.config import RunConfig, to_dict
 from anytrain.data.loader import BatchProvider
 from anytrain.data.resolve import resolve_run_config
 from anytrain.data.shards import TokenDataset
-from anytrain.errors import RunDirError, TrainingError
+from anytrain.errors import ConfigError, RunDirError, TrainingError
 from anytrain.parallel.collectives import barrier, gather_object
 from anytrain.parallel.data_parallel import gradient_sync
 from anytrain.train import rundir
@@ -110,6 +110,11 @@ class Trainer:
         require_wandb(cfg.metrics.wandb)  # metrics.wandb without the package: one line, before anything is written
         self.layout = layout = setup_layout(cfg)
         info, device = layout.info, layout.device
+        if cfg.profile.memory_snapshot and not hardware.is_gpu(device):  # before anything is written
+            raise ConfigError(
+                f"profile.memory_snapshot: the allocator's history exists on CUDA/ROCm GPUs only, and this run is on "
+                f"{device.type}; set --profile.memory_snapshot false"
+            )
         self.guard = StepGuard(cfg, device, info.is_main, info.world_size)
         if batches is None or run_dir is not None:  # a run: a SIGTERM from here on is a clean stop (train())
             self.guard.install()
@@ -332,7 +337,8 @@ class Trainer:
         first_val = last_val = self._start(step)
         p = self.cfg.profile
         profile_dir = self.run_dir / "profile" if self.run_dir is not None else Path("profile")
-        profiler = StepProfiler(p.start_step, p.steps, profile_dir, self.layout.info.rank, self.layout.device, p.trace)
+        rank, device = self.layout.info.rank, self.layout.device
+        profiler = StepProfiler(p.start_step, p.steps, profile_dir, rank, device, p.trace, p.memory_snapshot)
         first_step = step
         gc_was_enabled = gc.isenabled()
         if cfg.gc_interval > 0:
