@@ -51,6 +51,8 @@ def test_tp2_sequence_loss_with_a_tied_head_matches_single_process_in_training_a
     single = train(config, tmp_path / "single", 1, *extra)
     tp2 = train(config, tmp_path / "tp2", 2, *extra, "--parallel.tp", "2", "--parallel.tp_sequence_loss", "true")
     np.testing.assert_allclose(losses(tp2), losses(single), rtol=0, atol=1e-4)
+    grads = [[r["grad_norm"] for r in records if r["kind"] == "train"] for records in (single, tp2)]
+    np.testing.assert_allclose(grads[1], grads[0], rtol=1e-3)  # the head's TP-summed gradient in the clipped norm
     evals = [[r["val_loss"] for r in records if r["kind"] == "eval"] for records in (single, tp2)]
     assert evals[0] and len(evals[1]) == len(evals[0])
     np.testing.assert_allclose(evals[1], evals[0], rtol=0, atol=1e-4)

@@ -257,6 +257,8 @@ def test_job_sizing_1b_on_h200s_fewest_cheapest_and_budget():
     assert 29 < one_gpu_bound_h < 30 and sized.tried[0]["total_s"] > one_gpu_bound_h * 3600
     overrides = trainer_overrides(sized.best)
     assert overrides[:2] == ["--parallel.strategy", "fsdp"] and overrides[-2:] == ["--train.steps", "152588"]
+    # a recipe's parallel.tp_sequence_loss would be refused at this layout's tp 1: the overrides turn it off
+    assert "--parallel.tp_sequence_loss" in overrides and load_config("configs/1.1b.yaml", overrides)
     cheapest = size_job(shape, device, wl, objective="cheapest", max_gpus=16, strategies=RUNNABLE_STRATEGIES)
     assert cheapest.gpus == 1 and len(cheapest.tried) == 5
     with pytest.raises(ConfigError, match=r"^--budget-gpu-hours: 38 device-hours are too few; .* 2 devices"):

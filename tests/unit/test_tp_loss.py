@@ -39,8 +39,13 @@ def test_rank_shares_sum_to_the_micro_batch_loss_and_an_ignored_shard_adds_zero(
 
 
 def test_gather_returns_the_whole_sequence_and_a_misaligned_shard_is_one_line(group):
-    loss = SequenceShardedLoss(group, 0, 1)
-    hidden = torch.randn(2, 6, 4)
-    torch.testing.assert_close(loss.gather(hidden), hidden)
+    from torch.distributed.device_mesh import init_device_mesh
+
+    loss = SequenceShardedLoss(group, 0, 1, init_device_mesh("cpu", (1,)))
+    hidden = torch.randn(2, 6, 4, requires_grad=True)
+    full = loss.gather(hidden)
+    torch.testing.assert_close(full, hidden)
+    (full * 3).sum().backward()  # differentiable: a loss computed from gathered logits trains the body
+    torch.testing.assert_close(hidden.grad, torch.full_like(hidden, 3.0))
     with pytest.raises(ValueError, match="parallel.tp_sequence_loss: hidden shard of 3 positions against 6 targets"):
         loss(hidden[:, :3], torch.randn(5, 4), torch.zeros(2, 6, dtype=torch.long))

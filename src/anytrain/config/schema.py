@@ -209,8 +209,8 @@ class ParallelConfig:
     each TP rank's sequence shard (T/tp positions, the whole head weight) instead of on the whole sequence on every
     rank: the head's matmul and the cross-entropy split tp ways instead of repeated, no all-gather of the final hidden
     states; the head weight's gradient is summed over the TP group in the backward (one V x D all-reduce per
-    micro-batch, in the compute dtype). The sequence length must be divisible by tp. Same losses up to summation
-    order."""
+    micro-batch, in the compute dtype: under bf16 that sum adds a rounding). The sequence length must be divisible by
+    tp. In fp32 the same losses up to summation order."""
     auto: bool = False
     """Let the cost model choose strategy, micro-batch and activation checkpointing for this device and world size
     (``anytrain plan`` shows the ranking); the choice is written into the resolved config.yaml."""

@@ -29,6 +29,7 @@ from anytrain.cost.shapes import (
     ModelShape,
     Precision,
     Workload,
+    sequence_loss_applies,
 )
 
 LOGITS_CHUNK_BYTES = 256 * MIB  # anytrain.kernels.fused_linear_ce.LOGITS_CHUNK_BYTES
@@ -281,12 +282,13 @@ def _stage_phases(
     acts = {"activations": (f * checkpointed + (1 - f) * per_token) * tokens * layers * in_flight}
     loss_fwd = loss_bwd = 0.0
     if last and anytrain:
-        head = head_activation_bytes_per_token(shape, prec, t, wl.tp_sequence_loss)
+        sharded_loss = sequence_loss_applies(layout, wl)
+        head = head_activation_bytes_per_token(shape, prec, t, sharded_loss)
         acts["head_activations"] = head * tokens + 4 * v * d  # + dW fp32
         narrow = a < 4  # bf16 compute: the chunk's dW product and the returned weight gradient are separate tensors
-        scored = tokens // t if wl.tp_sequence_loss else tokens  # the positions this rank's loss scores
+        scored = tokens // t if sharded_loss else tokens  # the positions this rank's loss scores
         loss_fwd = loss_chunk_bytes(scored, v, a) + narrow * a * v * d + prec.autocast * a * v * d  # + cast head
-        loss_bwd = 4 * v * d + narrow * a * v * d
+        loss_bwd = 4 * v * d + narrow * a * v * d + sharded_loss * a * v * d  # + the head gradient's all-reduce copy
     elif last:
         loss_fwd = loss_bwd = loss_bytes_per_token(shape) * tokens / t
 

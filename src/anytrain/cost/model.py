@@ -48,6 +48,7 @@ from anytrain.cost.shapes import (  # noqa: F401  (re-exported)
     Precision,
     Workload,
     gradient_reduce_bytes,
+    sequence_loss_applies,
     trainer_precision,
 )
 
@@ -273,7 +274,7 @@ def communication(
             fsdp = dp > 1 and layout.strategy in ("fsdp", "hsdp")
             count, msg = (norms, 4.0 * shape.dim) if fsdp else (1, 4.0 * shape.dim * norms)
             tp_comms.append(add_on(tp_device, "tp", "all_reduce", count, msg, t))
-        if measured and wl.tp_sequence_loss and p == 1:  # the head weight's gradient, summed over the TP group in
+        if measured and sequence_loss_applies(layout, wl):  # the head weight's gradient, summed over the TP group in
             # each micro-batch's backward (the sequence-sharded loss), in the compute dtype
             tp_comms.append(add_on(tp_device, "tp", "all_reduce", m, prec.act * shape.vocab_size * shape.dim, t))
         for comm in tp_comms:
@@ -516,7 +517,7 @@ def estimate(
         fp8_gemm_s = fp8_flops * recompute / (layout.world * fp8_rate)
     gemm_s += fp8_gemm_s
     elementwise_s = elementwise_seconds(shape, layout, wl, prec, device) * recompute
-    repeated_head = layout.tp > 1 and prec.framework == "anytrain" and not wl.tp_sequence_loss
+    repeated_head = layout.tp > 1 and prec.framework == "anytrain" and not sequence_loss_applies(layout, wl)
     if repeated_head:  # every TP rank runs the whole (unsplit) LM head and loss
         head_tokens = tokens_per_step / (layout.dp * layout.pp) * (1 - 1 / layout.tp)
         gemm_s += 6.0 * shape.vocab_size * shape.dim * head_tokens / (device.peak_flops * device.efficiency)

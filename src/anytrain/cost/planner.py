@@ -424,6 +424,8 @@ def trainer_overrides(best: Estimate) -> list[str]:
         out += ["--parallel.dp_replicate", str(lay.dp // lay.shard_size), "--parallel.dp_shard", str(lay.shard_size)]
     if lay.strategy == "zero2" or (lay.strategy in ("fsdp", "hsdp") and not lay.reshard_after_forward):
         out += ["--parallel.reshard_after_forward", "false"]
+    if lay.tp == 1 or lay.pp > 1:  # a recipe's parallel.tp_sequence_loss needs TP without pipeline stages
+        out += ["--parallel.tp_sequence_loss", "false"]
     return out + [
         "--train.micro_batch",
         str(lay.micro_batch),

@@ -585,6 +585,7 @@ class Workload:
     fp8: str = "none"  # train.fp8: none | tensorwise | rowwise | rowwise_with_gw_hp (cost/fp8.py)
     fp8_filter: str = "auto"  # train.fp8_filter: auto | aligned
     tp_sequence_loss: bool = False  # parallel.tp_sequence_loss: the LM head and loss on each TP rank's sequence shard
+    # (where a layout can run it: sequence_loss_applies)
     ssd_kernel: str = "triton"  # Mamba-2's SSD: 'triton' (GPU tensors) or 'torch' (the PyTorch twin, CPU tensors)
 
     @classmethod
@@ -784,5 +785,12 @@ def plan_workload(
         grad_compression=compression,
         fp8=recipe,
         fp8_filter=fp8_filter,
+        tp_sequence_loss=bool(cfg and cfg.parallel.tp_sequence_loss),
         **bucket,
     )
+
+
+def sequence_loss_applies(layout: Any, wl: Workload) -> bool:
+    """``parallel.tp_sequence_loss`` in effect for this layout: TP without pipeline stages (the trainer refuses it with
+    pp > 1, and a layout without TP has no sequence shards)."""
+    return wl.tp_sequence_loss and layout.tp > 1 and layout.pp == 1

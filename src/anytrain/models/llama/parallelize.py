@@ -26,7 +26,7 @@ import contextlib
 import torch
 import torch.distributed as dist
 from torch.distributed._functional_collectives import AsyncCollectiveTensor
-from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     PrepareModuleInput,
@@ -130,7 +130,7 @@ def apply_tensor_parallel(model: Transformer, tp_mesh, sequence_loss: bool = Fal
     if model.norm is None:
         parallelize_module(blocks[-1], tp_mesh, last_output)
     if sequence_loss:
-        model.sequence_loss = SequenceShardedLoss(tp_mesh.get_group(), rank, tp)
+        model.sequence_loss = SequenceShardedLoss(tp_mesh.get_group(), rank, tp, tp_mesh)
 
 
 def pipeline_split(model: Transformer, layers: range, first: bool, last: bool) -> Transformer:
@@ -224,8 +224,8 @@ class SequenceShardedLoss:
     ``lm_cross_entropy(hidden, head_weight, targets)`` for the rank's (B, T/tp, D) hidden states and the full (B, T)
     targets, ``gather`` gives the logits path the full (B, T, D) hidden states."""
 
-    def __init__(self, group, rank: int, size: int) -> None:
-        self.group, self.rank, self.size = group, rank, size
+    def __init__(self, group, rank: int, size: int, mesh=None) -> None:
+        self.group, self.rank, self.size, self.mesh = group, rank, size, mesh
 
     def __call__(self, hidden: torch.Tensor, head_weight: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         local = targets.chunk(self.size, dim=1)[self.rank]
@@ -247,9 +247,11 @@ class SequenceShardedLoss:
         return _SumOverGroup.apply(share, self.group)
 
     def gather(self, hidden: torch.Tensor) -> torch.Tensor:
-        parts = [torch.empty_like(hidden) for _ in range(self.size)]
-        dist.all_gather(parts, hidden.contiguous(), group=self.group)
-        return torch.cat(parts, dim=1)
+        """The rank's (B, T/tp, D) shard -> the whole (B, T, D), differentiably (a DTensor redistribution)."""
+        if self.mesh is None:
+            raise ValueError("SequenceShardedLoss.gather needs the tensor-parallel mesh")
+        shard = DTensor.from_local(hidden, self.mesh, [Shard(1)], run_check=False)
+        return shard.redistribute(self.mesh, [Replicate()]).to_local()
 
 
 PLAN = ParallelizePlan(
