@@ -63,3 +63,61 @@ def test_a_checkpoint_resumes_at_the_other_tensor_parallel_degree(runs, tmp_path
     resumed, expected = step_losses(run), step_losses(ref)
     for step in range(INTERVAL + 1, STEPS + 1):
         assert abs(resumed[step] - expected[step]) <= 1e-5, (step, resumed[step], expected[step])
+
+
+COMM_PROBE = """
+import json, sys, torch, torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor.debug import CommDebugMode
+from anytrain.config import ModelConfig
+from anytrain.models import build_model, spec_of
+dist.init_process_group("gloo")
+mesh, out = init_device_mesh("cpu", (2,)), {}
+for arch in ("mamba2", "hybrid"):
+    torch.manual_seed(0)
+    model = build_model(ModelConfig(arch=arch, flavour="debug"))
+    spec_of(model).parallelize_plan.tensor_parallel(model, mesh)
+    tokens = torch.randint(0, 100, (2, 32))
+    shapes, plain = [], dist.all_reduce
+    dist.all_reduce = lambda t, *a, **k: (shapes.append(list(t.shape)), plain(t, *a, **k))[1]
+    with CommDebugMode() as mode:
+        model(tokens, tokens).backward()
+    dist.all_reduce = plain
+    counts = {str(op): n for op, n in mode.get_comm_counts().items()}
+    out[arch] = {"dtensor_all_reduce": counts.get("c10d_functional.all_reduce", 0), "plain": shapes}
+if dist.get_rank() == 0:
+    open(sys.argv[1], "w").write(json.dumps(out))
+dist.destroy_process_group()
+"""
+
+
+def test_the_cost_model_counts_the_collectives_tensor_parallel_blocks_issue(tmp_path):
+    """One forward + backward of the debug Mamba-2 and hybrid LMs at tp 2 (batch 2 x 32 positions, one micro-batch)
+    on 2 gloo ranks, its collectives counted (DTensor's through CommDebugMode, the gated norm's plain all-reduces by
+    their shapes), against the cost model's TP all-reduces for that layout: a·b·s·d ones per block, b·s·G ones per
+    Mamba-2 mixer (one group spans both ranks)."""
+    import subprocess
+    import sys
+
+    from anytrain.config import ModelConfig, RunConfig
+    from anytrain.cost.devices import get_device
+    from anytrain.cost.model import Layout, Workload, estimate
+    from anytrain.cost.shapes import shape_from_config
+    from tests.conftest import ROOT, cli_env
+
+    script, result = tmp_path / "probe.py", tmp_path / "counts.json"
+    script.write_text(COMM_PROBE)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(script)]
+    proc = subprocess.run(
+        [*cmd, str(result)], cwd=ROOT, env=cli_env(False), capture_output=True, text=True, timeout=300
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    measured = json.loads(result.read_text())
+    for arch, got in measured.items():
+        shape = shape_from_config(RunConfig(model=ModelConfig(arch=arch, flavour="debug")))
+        est = estimate(shape, Layout(tp=2, micro_batch=2, strategy="single"), Workload(32, 2), get_device("h200"))
+        by_msg = {c.message_bytes / 2: c.count for c in est.comm if c.axis == "tp" and c.collective == "all_reduce"}
+        mamba = shape if arch == "mamba2" else shape.mamba
+        assert got["dtensor_all_reduce"] == by_msg[2 * 32 * shape.dim], arch  # bf16 messages in the model: / 2 bytes
+        assert all(s == [2, 32, mamba.ngroups] for s in got["plain"]), got["plain"]
+        assert len(got["plain"]) == by_msg[2 * 32 * mamba.ngroups * 2], arch  # fp32 sums of squares: 4 bytes / 2

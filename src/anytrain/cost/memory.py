@@ -91,9 +91,9 @@ def activation_bytes_per_token(
     if isinstance(shape, MambaShape):
         return mamba_activation_bytes_per_token(shape, prec, compiled)
     if isinstance(shape, Mamba2Shape):
-        return mamba2_activation_bytes_per_token(shape, prec, seq_len, ssd_kernel)
+        return mamba2_activation_bytes_per_token(shape, prec, seq_len, ssd_kernel, tp)
     if isinstance(shape, HybridShape):
-        return hybrid_activation_bytes_per_token(shape, prec, seq_len, ssd_kernel)
+        return hybrid_activation_bytes_per_token(shape, prec, seq_len, ssd_kernel, tp)
     d, f, a, r = shape.dim, shape.ffn_dim, prec.act, residual_bytes(shape, prec)
     kv, swiglu = kv_width(shape), shape.mlp == "swiglu"
     small = 4 * shape.n_heads + shape.norm_stat_bytes  # log-sum-exp, the norms' fp32 1/rms (LayerNorm: mean, 1/std)
@@ -124,21 +124,23 @@ def mamba_activation_bytes_per_token(shape: MambaShape, prec: Precision, compile
 
 
 def hybrid_activation_bytes_per_token(
-    shape: HybridShape, prec: Precision, seq_len: int, ssd_kernel: str = "triton"
+    shape: HybridShape, prec: Precision, seq_len: int, ssd_kernel: str = "triton", tp: int = 1
 ) -> float:
-    """Mean bytes one hybrid block saves per token. Mamba-2 blocks: ``mamba2_activation_bytes_per_token`` (its eager
-    count); attention and MLP blocks: their parts of the compiled Transformer block's count, each with its own input
-    r·d and norm output a·d — attention q, its output and k, v (3·a·d + 2·a·d_kv), flash attention's fp32 log-sum-exp
-    4·H and the norm's 1/rms; the MLP a·F per saved SwiGLU tensor (3·a·F; GELU 2·a·F) and the norm's 1/rms."""
-    d, a, r = shape.dim, prec.act, residual_bytes(shape, prec)
-    attention = r * d + a * d + 3 * a * d + 2 * a * shape.kv_dim + 4 * shape.attn_heads + 4
-    mlp = r * d + a * d + (3 if shape.mlp == "swiglu" else 2) * a * shape.ffn_dim + 4
-    mamba = mamba2_activation_bytes_per_token(shape.mamba, prec, seq_len, ssd_kernel) if shape.n_mamba else 0.0
+    """Mean bytes one hybrid block saves per token, on one of ``tp`` TP ranks. Mamba-2 blocks:
+    ``mamba2_activation_bytes_per_token`` (its eager count); attention and MLP blocks: their parts of the compiled
+    Transformer block's count, each with its own input r·d and norm output a·d (whole on every TP rank: no sequence
+    parallelism) — attention q, its output and k, v (3·a·d + 2·a·d_kv), flash attention's fp32 log-sum-exp 4·H and
+    the norm's 1/rms; the MLP a·F per saved SwiGLU tensor (3·a·F; GELU 2·a·F) and the norm's 1/rms; the parts after
+    the column-parallel projections divided by tp."""
+    d, a, r, t = shape.dim, prec.act, residual_bytes(shape, prec), tp
+    attention = r * d + a * d + (3 * a * d + 2 * a * shape.kv_dim + 4 * shape.attn_heads) / t + 4
+    mlp = r * d + a * d + (3 if shape.mlp == "swiglu" else 2) * a * shape.ffn_dim / t + 4
+    mamba = mamba2_activation_bytes_per_token(shape.mamba, prec, seq_len, ssd_kernel, tp) if shape.n_mamba else 0.0
     return (shape.n_mamba * mamba + shape.n_attention * attention + shape.n_mlp * mlp) / shape.n_layers
 
 
 def mamba2_activation_bytes_per_token(
-    shape: Mamba2Shape, prec: Precision, seq_len: int, ssd_kernel: str = "triton"
+    shape: Mamba2Shape, prec: Precision, seq_len: int, ssd_kernel: str = "triton", tp: int = 1
 ) -> float:
     """Bytes one Mamba-2 block saves per token, eager, at sequence length s (counted byte-exact against the tensors
     autograd saves, tests/unit/test_cost_mamba2.py; G = 1 groups, H > G).
@@ -150,14 +152,22 @@ def mamba2_activation_bytes_per_token(
     output a·(2E + 2GN + H) (through Δ, a view of it) and the conv's output a·C (through x), plus B and C copies
     2·a·G·N. 'torch' (CPU tensors: the PyTorch twins, e = 2 under autocast, else 4): the conv's zero-padded input
     e·C·(s + K − 1)/s and its pre-activation e·C, and ``ssd_activation_bytes_per_token`` with einsum operands of e
-    bytes."""
-    d, e, a, c = shape.dim, shape.d_inner, prec.act, shape.conv_dim
-    around = 8 * d + 4 + a * d + 20 * e + 4 * shape.ngroups + a * e
+    bytes.
+
+    On one of ``tp`` TP ranks (the mixer split over heads, no sequence parallelism): the norm, in_proj's input and
+    the gated norm's statistics are whole; the head-sized parts (E, H) are divided by tp, and so are B and C (2GN)
+    where tp divides the groups, else whole (replicated); the twin's SSD count is divided by tp (its per-head
+    terms dominate)."""
+    d, e, a, c, t = shape.dim, shape.d_inner, prec.act, shape.conv_dim, tp
+    gn = 2 * shape.ngroups * shape.d_state
+    gn_t = gn / t if shape.ngroups % t == 0 else gn
+    around = 8 * d + 4 + a * d + 20 * e / t + 4 * shape.ngroups + a * e / t
     if ssd_kernel == "triton":
-        return around + a * c + a * (shape.in_proj_dim + c + 2 * shape.ngroups * shape.d_state)
+        conv_t, in_proj_t = e / t + gn_t, (2 * e + shape.nheads) / t + gn_t
+        return around + a * conv_t + a * (in_proj_t + conv_t + gn_t)
     p, s = 2 if prec.autocast else 4, max(seq_len, 1)  # the PyTorch conv: padded input and pre-activation
-    conv = p * c * (s + shape.d_conv - 1) / s + p * c
-    return around + conv + ssd_activation_bytes_per_token(shape, p, seq_len)
+    conv = (p * c * (s + shape.d_conv - 1) / s + p * c) * (e / t + gn_t) / c
+    return around + conv + ssd_activation_bytes_per_token(shape, p, seq_len) / t
 
 
 def ssd_activation_bytes_per_token(shape: Mamba2Shape, operand_bytes: int, seq_len: int) -> float:

@@ -259,7 +259,9 @@ def communication(
         # their amaxes per step, after the optimizer and before the next forward (on the critical path)
         scales = 4.0 * shape.n_layers / p * len(fp8.converted_linears(shape, wl.fp8, wl.fp8_filter))
         add("dp_shard", "all_reduce", 1, scales, z, t).exposed_seconds = out[-1].seconds
-    if t > 1:
+    if t > 1 and isinstance(shape, (Mamba2Shape, HybridShape)):
+        _ssm_tp_comms(shape, layout, wl, prec, device, m, add_on)
+    elif t > 1:
         per_layer = 4 + 2 * ac_fraction(layout.ac)  # recomputed blocks replay their forward collectives
         layers = math.ceil(shape.n_layers / p)
         count = per_layer * m * layers
@@ -284,6 +286,42 @@ def communication(
         comm = add("pp", "p2p", 2 * m, act_msg / t, 2, t * dp)
         comm.exposed_seconds = comm.seconds
     return out
+
+
+def replicated_bc(shape: Mamba2Shape, tp: int) -> bool:
+    """Mamba-2's B and C projections (and their conv channels) are whole on every TP rank unless tp divides the
+    groups (``models/mamba2/parallelize.py``)."""
+    return tp > 1 and shape.ngroups % tp != 0
+
+
+def _ssm_tp_comms(shape, layout: Layout, wl: Workload, prec: Precision, device: Device, m: int, add_on) -> None:
+    """Mamba-2 and hybrid TP (Megatron's, without sequence parallelism; ``models/mamba2/parallelize.py``,
+    ``models/hybrid/parallelize.py``), per block and micro-batch: the output all-reduced in the forward (the
+    row-parallel projection) and the input's gradient in the backward, a·b·s·d each (a recomputed block replays its
+    forward one); a Mamba-2 mixer whose group spans the ranks (tp not dividing ngroups) also all-reduces its gated
+    norm's fp32 sums of squares (b·s·G) each way, and its B/C weights' gradients are Partial: one fp32 all-reduce per
+    step of them (one per tensor under FSDP). All exposed; under anytrain's DTensor TP at the measured link share and
+    per-call cost, as the Transformer's."""
+    t, f = layout.tp, ac_fraction(layout.ac)
+    blocks = math.ceil(shape.n_layers / layout.pp)
+    mamba = shape if isinstance(shape, Mamba2Shape) else shape.mamba
+    mixers = blocks if isinstance(shape, Mamba2Shape) else math.ceil(shape.n_mamba / layout.pp)
+    tokens = layout.micro_batch * wl.seq_len
+    measured = prec.framework == "anytrain"
+    tp_device = device.replace(intra_node_gb_per_s=device.intra_node_gb_per_s * device.tp_link_efficiency)
+    tp_device = tp_device if measured else device
+    comms = [add_on(tp_device, "tp", "all_reduce", (2 + f) * m * blocks, prec.act * tokens * shape.dim, t)]
+    if mixers and replicated_bc(mamba, t):
+        comms.append(add_on(tp_device, "tp", "all_reduce", (2 + f) * m * mixers, 4.0 * tokens * mamba.ngroups, t))
+        if measured:  # the B/C projections and conv channels: Partial gradients (reduce_partial_gradients)
+            gn = 2 * mamba.ngroups * mamba.d_state
+            params = mixers * (mamba.dim * gn + gn * (mamba.d_conv + 1))
+            fsdp = layout.dp > 1 and layout.strategy in ("fsdp", "hsdp")
+            count, msg = (4 * mixers, 4.0 * params / (4 * mixers)) if fsdp else (1, 4.0 * params)
+            comms.append(add_on(tp_device, "tp", "all_reduce", count, msg, t))
+    for comm in comms:
+        comm.seconds += comm.count * device.tp_collective_us * 1e-6 * measured
+        comm.exposed_seconds = comm.seconds
 
 
 def gemm_bytes_per_token(shape: ModelShape | MambaShape, prec: Precision) -> float:
@@ -493,7 +531,8 @@ def estimate(
                 FLOPs (``wl.fp8``) at the FP8 peak · fp8 efficiency instead (cost/fp8.py)
                 + memory-bound time (elementwise_seconds, × the same recompute factor; Mamba's scan at ``scan_ns``)
                 + optimizer_seconds
-                (+ under anytrain's TP the LM head's share that every TP rank repeats: 6·V·d and its traffic;
+                (+ under anytrain's TP the LM head's share that every TP rank repeats: 6·V·d and its traffic, and
+                Mamba-2's B/C projections where tp does not divide the groups;
                 none with ``wl.tp_sequence_loss``, which adds an exposed V·d·a all-reduce per micro-batch instead)
     host_s = host_seconds (the host's launch floor)
     step_s = max(compute_s · (1 + bubble) + exposed communication, host_s) (the GPU's time or the host's launch
@@ -523,6 +562,11 @@ def estimate(
         gemm_s += 6.0 * shape.vocab_size * shape.dim * head_tokens / (device.peak_flops * device.efficiency)
         head_bytes = 3 * prec.act * (shape.dim + 2 * shape.vocab_size)  # head GEMM operands + the CE row kernel
         elementwise_s += head_bytes * head_tokens / (device.hbm_tb_per_s * 1e12 * device.hbm_efficiency)
+    mamba2 = shape if isinstance(shape, Mamba2Shape) else shape.mamba if isinstance(shape, HybridShape) else None
+    if mamba2 is not None and replicated_bc(mamba2, layout.tp):  # every TP rank computes the whole B and C
+        # projections (6·d·2GN per token and Mamba-2 block) instead of its 1/tp of them
+        gn_flops = 6.0 * mamba2.dim * 2 * mamba2.ngroups * mamba2.d_state * mamba2.n_layers / layout.pp
+        gemm_s += gn_flops * tokens_per_step / layout.dp * (1 - 1 / layout.tp) / (device.peak_flops * device.efficiency)
     if isinstance(shape, MambaShape):  # the selective scan (forward + backward) at its benchmarked rate
         tokens_per_device = wl.global_batch * wl.seq_len / layout.dp
         elementwise_s += tokens_per_device * shape.n_layers / layout.pp * shape.d_inner * device.scan_ns * 1e-9
