@@ -180,18 +180,24 @@ def memory_peak(trace: list[dict], baseline: int, top: int = 20) -> dict:
     its ``alloc`` and frees (the first of ``free_requested`` / ``free_completed`` of an address ends its block) on
     top of ``baseline`` bytes held before recording began, and lists the blocks alive at the peak, summed by the
     allocating Python frame (the innermost anytrain frame, else the innermost one), largest first."""
-    live: dict[int, dict] = {}
-    total = best = 0
-    at_peak: list[dict] = []
-    for event in trace:
-        action, addr = event.get("action"), event.get("addr")
-        if action == "alloc":
-            live[addr] = event
-            total += event["size"]
-            if total > best:
-                best, at_peak = total, list(live.values())
-        elif action in ("free_requested", "free_completed") and addr in live:
-            total -= live.pop(addr)["size"]
+
+    def replay(events: list[dict]) -> tuple[dict[int, dict], int, int]:
+        """The blocks alive after ``events``, and the peak's total and the index of the event that reached it."""
+        live: dict[int, dict] = {}
+        total = best = where = 0
+        for i, event in enumerate(events):
+            action, addr = event.get("action"), event.get("addr")
+            if action == "alloc":
+                live[addr] = event
+                total += event["size"]
+                if total > best:
+                    best, where = total, i
+            elif action in ("free_requested", "free_completed") and addr in live:
+                total -= live.pop(addr)["size"]
+        return live, best, where
+
+    _, best, where = replay(trace)  # one pass for the peak, one up to it for its live set (no copy per new maximum)
+    at_peak = replay(trace[: where + 1])[0].values() if best else ()
     sites: dict[str, list[int]] = {}
     for event in at_peak:
         frames = event.get("frames") or []
