@@ -265,9 +265,7 @@ def communication(
         per_layer = 4 + 2 * ac_fraction(layout.ac)  # recomputed blocks replay their forward collectives
         layers = math.ceil(shape.n_layers / p)
         count = per_layer * m * layers
-        measured = prec.framework == "anytrain"  # anytrain's DTensor TP: the measured link share and per-call cost
-        tp_device = device.replace(intra_node_gb_per_s=device.intra_node_gb_per_s * device.tp_link_efficiency)
-        tp_device = tp_device if measured else device
+        measured, tp_device = _tp_link(prec, device)
         tp_comms = [add_on(tp_device, "tp", kind, count, act_msg, t) for kind in ("all_gather", "reduce_scatter")]
         if measured:  # the sequence-parallel norms' weight gradients (Partial on every TP rank): summed in one fp32
             # all-reduce per step (parallel.tensor_parallel.reduce_partial_gradients), or one each where FSDP2 reduces
@@ -294,6 +292,14 @@ def replicated_bc(shape: Mamba2Shape, tp: int) -> bool:
     return tp > 1 and shape.ngroups % tp != 0
 
 
+def _tp_link(prec: Precision, device: Device) -> tuple[bool, Device]:
+    """(anytrain's DTensor TP?, the device its TP collectives see): under anytrain the measured link share
+    (``tp_link_efficiency``; the per-call cost is added by the caller), Megatron-style precisions the plain link."""
+    measured = prec.framework == "anytrain"
+    scaled = device.replace(intra_node_gb_per_s=device.intra_node_gb_per_s * device.tp_link_efficiency)
+    return measured, scaled if measured else device
+
+
 def _ssm_tp_comms(shape, layout: Layout, wl: Workload, prec: Precision, device: Device, m: int, add_on) -> None:
     """Mamba-2 and hybrid TP (Megatron's, without sequence parallelism; ``models/mamba2/parallelize.py``,
     ``models/hybrid/parallelize.py``), per block and micro-batch: the output all-reduced in the forward (the
@@ -307,9 +313,7 @@ def _ssm_tp_comms(shape, layout: Layout, wl: Workload, prec: Precision, device: 
     mamba = shape if isinstance(shape, Mamba2Shape) else shape.mamba
     mixers = blocks if isinstance(shape, Mamba2Shape) else math.ceil(shape.n_mamba / layout.pp)
     tokens = layout.micro_batch * wl.seq_len
-    measured = prec.framework == "anytrain"
-    tp_device = device.replace(intra_node_gb_per_s=device.intra_node_gb_per_s * device.tp_link_efficiency)
-    tp_device = tp_device if measured else device
+    measured, tp_device = _tp_link(prec, device)
     comms = [add_on(tp_device, "tp", "all_reduce", (2 + f) * m * blocks, prec.act * tokens * shape.dim, t)]
     if mixers and replicated_bc(mamba, t):
         comms.append(add_on(tp_device, "tp", "all_reduce", (2 + f) * m * mixers, 4.0 * tokens * mamba.ngroups, t))
