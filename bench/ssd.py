@@ -24,6 +24,7 @@ from pathlib import Path
 
 import torch
 
+from anytrain.kernels import ssd_triton
 from anytrain.kernels.ssd import ssd_chunk_scan
 from anytrain.kernels.ssd_triton import CONFIG, ssd_chunk_scan_triton
 from bench.common import results_path, row_error, versions
@@ -166,10 +167,10 @@ def sweep_rows(batch: int) -> list[dict]:
 
 SCAN_SWEEP = [
     {"block_l": bl, "block_s": bs, "scan_warps": w, "scan_stages": st}
-    for bl in (64, 128)
+    for bl in (32, 64)
     for bs in (32, 64)
-    for w in (4, 8)
-    for st in (2, 3, 4)
+    for w in (2, 4)
+    for st in (2, 3, 4, 5)
 ]
 """``--sweep-scan``: tiles and launch options of the forward output kernel alone (the forward's largest kernel)."""
 
@@ -213,6 +214,14 @@ def forward_profiles(mamba, batch: int) -> dict:
             out[name] = profile_call(lambda fn=fn: fn(*xs, CHUNK, **opt, dt_softplus=True), torch.device("cuda"))
         for k in out[name]["top"][:8]:
             print(f"  {name:<10}{k['ms']:>8.3f} ms x{k['calls']:<3} {k['kernel'][:90]}")
+    if mamba is not None:  # the launch settings mamba-ssm's autotuner chose for its chunk-scan kernel at this shape
+        try:
+            from mamba_ssm.ops.triton.ssd_chunk_scan import _chunk_scan_fwd_kernel
+
+            out["mamba_ssm_scan_config"] = str(_chunk_scan_fwd_kernel.best_config)
+            print(f"  mamba_ssm chunk-scan config: {out['mamba_ssm_scan_config']}")
+        except (ImportError, AttributeError) as exc:
+            out["mamba_ssm_scan_config"] = f"unknown: {exc}"
     return out
 
 
@@ -242,6 +251,12 @@ def main() -> int:
     ap.add_argument("--out", default=str(Path(__file__).resolve().parent / "results"))
     ap.add_argument("--sweep", action="store_true", help="also time tile variants of our op")
     ap.add_argument("--sweep-scan", action="store_true", help="time the forward output kernel's variants first")
+    ap.add_argument(
+        "--scan-best",
+        action="store_true",
+        help="--sweep-scan, then the table under the fastest variant where it beats the default by 2%%",
+    )
+    ap.add_argument("--profile", action="store_true", help="kernel tables of one forward of each op (on with --sweep)")
     ap.add_argument("--layers", nargs="+", default=list(LAYERS), choices=list(LAYERS), help="layer shapes to time")
     ap.add_argument("--batches", nargs="+", type=int, default=list(BATCHES), help="batch sizes to time")
     args = ap.parse_args()
@@ -249,7 +264,16 @@ def main() -> int:
         print("no GPU visible: nothing to benchmark", file=sys.stderr)
         return 1
     mamba, note = load_chunk_scan_combined()
-    scan = scan_sweep_rows(max(args.batches)) if args.sweep_scan else []
+    scan = scan_sweep_rows(max(args.batches)) if args.sweep_scan or args.scan_best else []
+    effective = {"block_l": CONFIG.block_l, "block_s": CONFIG.block_s}
+    effective["scan_warps"] = CONFIG.scan_warps or CONFIG.num_warps
+    effective["scan_stages"] = CONFIG.scan_stages or CONFIG.num_stages
+    default = next((r for r in scan if r["change"] == effective), None)
+    if args.scan_best and scan and default and "fwd_ms" in scan[0] and scan[0]["fwd_ms"] < 0.98 * default["fwd_ms"]:
+        ssd_triton.CONFIG = replace(CONFIG, **scan[0]["change"])  # the op reads it at each call
+        print(
+            f"the table runs with {scan[0]['change']}: fwd {scan[0]['fwd_ms']:.3f} ms, default {default['fwd_ms']:.3f}"
+        )
     rows = bench_rows(mamba, args.layers, args.batches)
     print_table(rows, note)
     env = versions(torch.device("cuda"))
@@ -258,11 +282,11 @@ def main() -> int:
         "device": env,
         "shape": {"seqlen": SEQLEN, "headdim": HEADDIM, "dstate": DSTATE, "ngroups": 1, "chunk": CHUNK},
         "dtype": "bfloat16",
-        "config": asdict(CONFIG),
+        "config": asdict(ssd_triton.CONFIG),
         "mamba_ssm_note": note,
         "rows": rows,
         "sweep": sweep_rows(max(args.batches)) if args.sweep else [],
-        "forward_profile": forward_profiles(mamba, max(args.batches)) if args.sweep else {},
+        "forward_profile": forward_profiles(mamba, max(args.batches)) if args.sweep or args.profile else {},
         "scan_sweep": scan,
     }
     path = results_path(args.out, "ssd", env)

@@ -415,9 +415,14 @@ def _ssd_chunk_scan_fwd_kernel(
     # one (BL, BP) tile of the output of a (b, chunk, head): the entering state's part exp(cs_l) H_c C_l, the
     # chunk's own inputs sum_{s<=l} CB[l, s] exp(cs_l - cs_s) Δ_s x_s, + D x, then · silu(z). ``out`` and ``ypre``
     # (y before the gate, kept for the backward when STORE_Y) are contiguous (b, L, h, p).
-    # Grid (b * chunks, h, cdiv(Q, BL) * cdiv(p, BP)).
-    b, c, hh, g = _head_program(nchunks, heads_per_group)
-    lb, pb, _ = _split_pid(headdim, BP)
+    # Grid (cdiv(Q, BL) * cdiv(p, BP), h, b * chunks): the tiles of one (b, chunk, head) run next to each other (they
+    # read its entering state and inputs while these are in L2), and then the group's other heads (its C·B^T).
+    bc = tl.program_id(2)
+    b, c = (bc // nchunks).to(tl.int64), bc % nchunks
+    hh = tl.program_id(1)
+    g = hh // heads_per_group
+    nbp = tl.cdiv(headdim, BP)
+    lb, pb = tl.program_id(0) // nbp, tl.program_id(0) % nbp
     l0 = lb * BL
     offs_l = l0 + tl.arange(0, BL)
     offs_p = pb * BP + tl.arange(0, BP)

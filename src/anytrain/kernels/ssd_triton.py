@@ -303,10 +303,12 @@ def _forward(x, dt, A, B, C, chunk, D, z, dt_bias, softplus, seq, init, cfg, sto
     ypre = torch.empty_like(out) if z is not None and store_y else None
     zz = z if z is not None else x
     BL, BP = sh.block("block_l", chunk), sh.block("block_p", p)
+    if b * sh.nchunks > 65535:  # the output kernel's third grid axis
+        raise ValueError(f"SSD: batch x chunks is {b * sh.nchunks}, over 65,535; split the micro-batch")
     seq_t, s_seq = _seq_args(seq, x)
     launch(
         _ssd_chunk_scan_fwd_kernel,
-        (b * sh.nchunks, h, triton.cdiv(chunk, BL) * triton.cdiv(p, BP)),
+        (triton.cdiv(chunk, BL) * triton.cdiv(p, BP), h, b * sh.nchunks),
         x,
         zz,
         C,
