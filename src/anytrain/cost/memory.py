@@ -91,9 +91,9 @@ def activation_bytes_per_token(
     if isinstance(shape, MambaShape):
         return mamba_activation_bytes_per_token(shape, prec, compiled)
     if isinstance(shape, Mamba2Shape):
-        return mamba2_activation_bytes_per_token(shape, prec, seq_len, ssd_kernel, tp)
+        return mamba2_activation_bytes_per_token(shape, prec, seq_len, ssd_kernel, tp, compiled)
     if isinstance(shape, HybridShape):
-        return hybrid_activation_bytes_per_token(shape, prec, seq_len, ssd_kernel, tp)
+        return hybrid_activation_bytes_per_token(shape, prec, seq_len, ssd_kernel, tp, compiled)
     d, f, a, r = shape.dim, shape.ffn_dim, prec.act, residual_bytes(shape, prec)
     kv, swiglu = kv_width(shape), shape.mlp == "swiglu"
     small = 4 * shape.n_heads + shape.norm_stat_bytes  # log-sum-exp, the norms' fp32 1/rms (LayerNorm: mean, 1/std)
@@ -124,10 +124,15 @@ def mamba_activation_bytes_per_token(shape: MambaShape, prec: Precision, compile
 
 
 def hybrid_activation_bytes_per_token(
-    shape: HybridShape, prec: Precision, seq_len: int, ssd_kernel: str = "triton", tp: int = 1
+    shape: HybridShape,
+    prec: Precision,
+    seq_len: int,
+    ssd_kernel: str = "triton",
+    tp: int = 1,
+    compiled: bool = False,
 ) -> float:
     """Mean bytes one hybrid block saves per token, on one of ``tp`` TP ranks. Mamba-2 blocks:
-    ``mamba2_activation_bytes_per_token`` (its eager count); attention and MLP blocks: their parts of the compiled
+    ``mamba2_activation_bytes_per_token`` (with ``compiled``); attention and MLP blocks: their parts of the compiled
     Transformer block's count, each with its own input r·d and norm output a·d (whole on every TP rank: no sequence
     parallelism) — attention q, its output and k, v (3·a·d + 2·a·d_kv), flash attention's fp32 log-sum-exp 4·H and
     the norm's 1/rms; the MLP a·F per saved SwiGLU tensor (3·a·F; GELU 2·a·F) and the norm's 1/rms; the parts after
@@ -135,12 +140,21 @@ def hybrid_activation_bytes_per_token(
     d, a, r, t = shape.dim, prec.act, residual_bytes(shape, prec), tp
     attention = r * d + a * d + (3 * a * d + 2 * a * shape.kv_dim + 4 * shape.attn_heads) / t + 4
     mlp = r * d + a * d + (3 if shape.mlp == "swiglu" else 2) * a * shape.ffn_dim / t + 4
-    mamba = mamba2_activation_bytes_per_token(shape.mamba, prec, seq_len, ssd_kernel, tp) if shape.n_mamba else 0.0
+    mamba = (
+        mamba2_activation_bytes_per_token(shape.mamba, prec, seq_len, ssd_kernel, tp, compiled)
+        if shape.n_mamba
+        else 0.0
+    )
     return (shape.n_mamba * mamba + shape.n_attention * attention + shape.n_mlp * mlp) / shape.n_layers
 
 
 def mamba2_activation_bytes_per_token(
-    shape: Mamba2Shape, prec: Precision, seq_len: int, ssd_kernel: str = "triton", tp: int = 1
+    shape: Mamba2Shape,
+    prec: Precision,
+    seq_len: int,
+    ssd_kernel: str = "triton",
+    tp: int = 1,
+    compiled: bool = False,
 ) -> float:
     """Bytes one Mamba-2 block saves per token, eager, at sequence length s (counted byte-exact against the tensors
     autograd saves, tests/unit/test_cost_mamba2.py; G = 1 groups, H > G).
@@ -157,11 +171,18 @@ def mamba2_activation_bytes_per_token(
     On one of ``tp`` TP ranks (the mixer split over heads, no sequence parallelism): the norm, in_proj's input and
     the gated norm's statistics are whole; the head-sized parts (E, H) are divided by tp, and so are B and C (2GN)
     where tp divides the groups, else whole (replicated); the twin's SSD count is divided by tp (its per-head
-    terms dominate)."""
+    terms dominate).
+
+    ``compiled`` (torch.compile'd blocks: inductor fuses both norms and recomputes their fp32 intermediates): the
+    RMSNorm keeps the block input r·D and 1/rms instead of 8·D, and the gated norm the SSD's output y, a·E, instead
+    of its five fp32 tensors 20·E (z is in in_proj's output, already kept). Measured: the mamba2-1.3b recipe without
+    checkpointing (bench/results/mamba2_train_nvidia-h200.json) keeps 1.02x this count."""
     d, e, a, c, t = shape.dim, shape.d_inner, prec.act, shape.conv_dim, tp
     gn = 2 * shape.ngroups * shape.d_state
     gn_t = gn / t if shape.ngroups % t == 0 else gn
-    around = 8 * d + 4 + a * d + 20 * e / t + 4 * shape.ngroups + a * e / t
+    norm = residual_bytes(shape, prec) * d + 4 if compiled else 8 * d + 4
+    gated = a * e / t if compiled else 20 * e / t
+    around = norm + a * d + gated + 4 * shape.ngroups + a * e / t
     if ssd_kernel == "triton":
         conv_t, in_proj_t = e / t + gn_t, (2 * e + shape.nheads) / t + gn_t
         return around + a * conv_t + a * (in_proj_t + conv_t + gn_t)
@@ -187,6 +208,33 @@ def ssd_activation_bytes_per_token(shape: Mamba2Shape, operand_bytes: int, seq_l
     padded = 4 * h * q + p * h * q + p * h * n + 3 * p * e + p * g * q + (4 + 3 * p) * g * n + 4 * h
     per_chunk = (4 + p) * e * n
     return (padded * chunks * q + (4 * e + 8 * h) * s + per_chunk * chunks) / s
+
+
+def compiled_checkpoint_kept(shape: object, prec: Precision, tp: int = 1) -> tuple[float, float]:
+    """(bytes per token, bytes) a compiled, checkpointed block keeps beside its input, mean over the blocks:
+    inductor's partitioner does not recompute a matmul inside a checkpointed region, so what the ops after one need
+    for backward stays saved. Mamba-2 (measured: the memory snapshot of the mamba2-1.3b recipe's profiled step,
+    bench/results/mamba2_train_nvidia-h200.json, key memory_snapshot): in_proj's output a·(2E + 2GN + H) and its
+    input in the compute dtype a·D per token, and in_proj's weight in the compute dtype twice (the cast pieces
+    ``_StackedLinear`` saves and their concatenation); the head-sized parts divided by tp. Hybrids, by the same rule
+    (checked by the hybrid-1.2b recipe's peak in that file, not by a snapshot): their Mamba-2 blocks as Mamba-2's,
+    attention blocks q, k, v and the attention output a·(2D + 2·D_kv) and its fp32 log-sum-exp 4·H, MLP blocks the
+    two SwiGLU projections' outputs 2·a·F (GELU a·F; the product is recomputed). Other families: 0 (their
+    checkpointed compiled blocks are not measured)."""
+    if isinstance(shape, HybridShape):
+        a, t = prec.act, tp
+        mamba, weights = compiled_checkpoint_kept(shape.mamba, prec, tp) if shape.n_mamba else (0.0, 0.0)
+        attention = (a * (2 * shape.dim + 2 * shape.kv_dim) + 4 * shape.attn_heads) / t
+        mlp = (2 if shape.mlp == "swiglu" else 1) * a * shape.ffn_dim / t
+        per_token = shape.n_mamba * mamba + shape.n_attention * attention + shape.n_mlp * mlp
+        return per_token / shape.n_layers, weights * shape.n_mamba / shape.n_layers
+    if not isinstance(shape, Mamba2Shape):
+        return 0.0, 0.0
+    a, t = prec.act, tp
+    gn = 2 * shape.ngroups * shape.d_state
+    gn_t = gn / t if shape.ngroups % t == 0 else gn
+    in_proj_t = (2 * shape.d_inner + shape.nheads) / t + gn_t
+    return a * (in_proj_t + shape.dim), 2 * a * shape.dim * in_proj_t
 
 
 def loss_bytes_per_token(shape: ModelShape | MambaShape) -> float:
@@ -290,6 +338,9 @@ def _stage_phases(
     per_token -= fp8.saved_input_savings_per_token(shape, wl.fp8, wl.fp8_filter, prec.act, wl.compiled) / t
     checkpointed = residual_bytes(shape, prec) * d / t
     acts = {"activations": (f * checkpointed + (1 - f) * per_token) * tokens * layers * in_flight}
+    kept_per_token, kept_weights = compiled_checkpoint_kept(shape, prec, t) if wl.compiled and f else (0.0, 0.0)
+    if kept_per_token:
+        acts["compiled_checkpoint_kept"] = f * (kept_per_token * tokens + kept_weights) * layers * in_flight
     loss_fwd = loss_bwd = 0.0
     if last and anytrain:
         sharded_loss = sequence_loss_applies(layout, wl)
