@@ -332,7 +332,8 @@ def test_launch_slurm_nodes_auto_sizes_the_job_with_the_cost_model(tmp_path, cap
     assert "#SBATCH --nodes=1\n#SBATCH --ntasks-per-node=2\n#SBATCH --gpus-per-node=2\n" in script
     assert (
         "--parallel.strategy fsdp --parallel.tp 1 --parallel.pp 1 --parallel.reshard_after_forward false "
-        "--parallel.tp_sequence_loss false --train.micro_batch 16 --train.activation_checkpointing none --train.steps 152588\n"
+        "--parallel.tp_sequence_loss false --train.micro_batch 16 --train.activation_checkpointing none "
+        "--train.steps 152588\n"
     ) in script
     short = [*args[:10], "01:00:00", "--max-nodes", "1", *args[11:]]
     code, _, err = cli_in_process(capsys, *short)
