@@ -439,21 +439,35 @@ def _ssd_chunk_scan_fwd_kernel(
     H_base = _state_base(H_ptr, b, c, nchunks, nheads, hh, headdim, dstate) + offs_p[None, :] * dstate
     acc = _dot_over_n(C_base, ml, H_base, mp, dstate, BL, BP, BN, DOT, IEEE, ACC)
     acc = acc * tl.where(keep_l, tl.exp(cs_l), 0.0)[:, None]
-    # the chunk's own inputs: (BL, BS) @ (BS, BP) for s up to the tile's last row
-    cb_base = _cb_base(cb_ptr, b, c, nchunks, nheads // heads_per_group, g, chunk)
+    # the chunk's own inputs: (BL, BS) @ (BS, BP) for s up to the tile's last row (and the sequence's end). The
+    # operand pointers step by BS; one mask, offs_k < limit - s0, bounds every load (limit: the chunk's positions
+    # inside the sequence); padding loads as 0 (Δ = 0 there), so the pair mask is the causal one (and the documents')
+    limit = tl.minimum(chunk, seqlen - c * chunk)
+    offs_k = tl.arange(0, BS)
+    cb_ptrs = _cb_base(cb_ptr, b, c, nchunks, nheads // heads_per_group, g, chunk) + offs_l[:, None] * chunk
+    cb_ptrs += offs_k[None, :]
     x_base = x_ptr + b * s_x_b + hh * s_x_h
-    for s0 in range(0, tl.minimum(chunk, l0 + BL), BS):
-        offs_s = s0 + tl.arange(0, BS)
-        pos_s, ms = _positions(c, chunk, offs_s, seqlen)
-        keep = (offs_s[None, :] <= offs_l[:, None]) & ms[None, :] & ml[:, None]
+    x_ptrs = x_base + (c * chunk + offs_k)[:, None] * s_x_l + offs_p[None, :] * s_x_p
+    cs_ptrs = cs_ptr + row + offs_k
+    dl_ptrs = delta_ptr + row + offs_k
+    if HAS_SEQ:
+        sq_ptrs = seq_ptr + b * s_seq_b + c * chunk + offs_k
+    for s0 in range(0, tl.minimum(limit, l0 + BL), BS):
+        mk = offs_k < limit - s0
+        cb = tl.load(cb_ptrs, mask=ml[:, None] & mk[None, :], other=0.0)
+        cs_s = tl.load(cs_ptrs, mask=mk, other=0.0)
+        dl_s = tl.load(dl_ptrs, mask=mk, other=0.0)
+        keep = (s0 + offs_k)[None, :] <= offs_l[:, None]
         if HAS_SEQ:
-            keep &= _doc_of(seq_ptr, b, s_seq_b, pos_s, ms)[None, :] == seq_l[:, None]
-        cb = _square_tile(cb_base, offs_l, offs_s, chunk, False)
-        cs_s = _row_load(cs_ptr + row, offs_s, chunk)
-        dl_s = _row_load(delta_ptr + row, offs_s, chunk)
+            keep &= tl.load(sq_ptrs, mask=mk, other=-1)[None, :] == seq_l[:, None]
+            sq_ptrs += BS
         w = cb * _decay(cs_l[:, None], cs_s[None, :], keep) * dl_s[None, :]
-        xs = _tile(x_base, pos_s, s_x_l, offs_p, s_x_p, ms, mp)
+        xs = tl.load(x_ptrs, mask=mk[:, None] & mp[None, :], other=0.0)
         acc += _dot(w.to(DOT), xs.to(DOT), IEEE)
+        cb_ptrs += BS
+        x_ptrs += BS * s_x_l
+        cs_ptrs += BS
+        dl_ptrs += BS
     m = ml[:, None] & mp[None, :]
     if HAS_D:
         xl = _tile(x_base, pos_l, s_x_l, offs_p, s_x_p, ml, mp).to(ACC)
