@@ -14,7 +14,8 @@ RECIPES = Path(__file__).resolve().parents[2] / "configs"
 def _config(small_data, arch: str, graphs: bool, dtype: str, compile_blocks: bool = False, extra=()):
     from anytrain.config import load_config
 
-    recipe = "tiny-mamba.yaml" if arch == "mamba" else "tiny.yaml"
+    recipes = {"mamba": "tiny-mamba.yaml", "mamba2": "tiny-mamba2.yaml", "hybrid": "tiny-hybrid.yaml"}
+    recipe = recipes.get(arch, "tiny.yaml")
     cfg = load_config(
         RECIPES / recipe,
         [
@@ -71,7 +72,7 @@ def _run(trainer, steps: int = 6) -> tuple[list[float], list[torch.Tensor], floa
     return losses, weights, val
 
 
-@pytest.mark.parametrize("arch", ["transformer", "mamba"])
+@pytest.mark.parametrize("arch", ["transformer", "mamba", "mamba2", "hybrid"])
 def test_graph_replay_trains_like_eager_fp32(small_data, tmp_path, arch):
     """fp32 (and the deterministic scan backward): losses, validation loss and final weights of the graphed run equal
     the eager run's to float rounding; every micro-step after the first replayed the graph."""
@@ -88,7 +89,7 @@ def test_graph_replay_trains_like_eager_fp32(small_data, tmp_path, arch):
     assert graphed[0][-1] < graphed[0][0]
 
 
-@pytest.mark.parametrize("arch", ["transformer", "mamba"])
+@pytest.mark.parametrize("arch", ["transformer", "mamba", "mamba2", "hybrid"])
 def test_graph_replay_with_bf16_autocast_and_compile(small_data, tmp_path, arch):
     """The recipes' setting: bf16 autocast (weight casts captured), per-block compile inside the capture."""
     eager = _run(_trainer(small_data, tmp_path / "eager", arch, False, "bf16", compile_blocks=True))

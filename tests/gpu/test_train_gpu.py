@@ -10,11 +10,13 @@ from tests.conftest import run_cli
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA/ROCm GPU")]
 
 
-def test_bf16_training_on_gpu(tmp_path, small_data):
+@pytest.mark.parametrize("recipe", ["tiny.yaml", "tiny-mamba2.yaml", "tiny-hybrid.yaml"])
+def test_bf16_training_on_gpu(tmp_path, small_data, recipe):
+    """The Transformer, Mamba-2 (Triton SSD and conv) and hybrid debug models train in bf16 with falling loss."""
     run_dir = tmp_path / "gpu"
     proc = run_cli(
         "train",
-        "configs/tiny.yaml",
+        f"configs/{recipe}",
         "--model.flavour",
         "debug",
         "--data.path",
