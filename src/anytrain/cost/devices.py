@@ -63,6 +63,8 @@ class Device:
     host_step_us: float = 2000.0  # per optimizer step: optimizer, clipping, the guard's all-reduce (assumed)
     host_graph_us: float = 60.0  # per micro-batch replayed from a CUDA graph: two input copies + one launch (assumed)
     scan_ns: float = 0.062  # Mamba scan fwd+bwd per (token, inner channel), S=16; fitted: docs/cost-model.md
+    ssd_efficiency: float = 0.072  # achieved fraction of peak on the Triton SSD's (Mamba-2) matmul FLOPs, forward
+    # + backward, its traffic included; fitted: docs/cost-model.md
     hbm_efficiency: float = 0.85  # achieved fraction of HBM bandwidth by fused elementwise kernels
     # (measured copies: docs/cost-model.md)
     optimizer_bytes_per_param: float = 80.0  # clipping + fused AdamW, in HBM-equivalent bytes per parameter;

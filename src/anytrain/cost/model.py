@@ -414,14 +414,13 @@ def parameter_traffic_bytes(shape: ModelShape | MambaShape, layout: Layout, wl: 
 
 def ssd_bytes_per_token(shape: Mamba2Shape, prec: Precision, seq_len: int, ssd_kernel: str) -> float:
     """HBM traffic of one Mamba-2 SSD per token, forward + backward (its matmuls' arithmetic is in the FLOPs).
-    'triton': each pass reads x, Δ, B, C and writes y, a·(2E + H + 2GN), three passes (the forward, the
-    backward's recomputation and its gradients). 'torch' (the PyTorch twin): its fp32 (H, Q, Q) tensors dominate;
+    'triton': none apart (the kernels' measured rate, ``Device.ssd_efficiency``, includes their traffic).
+    'torch' (the PyTorch twin): its fp32 (H, Q, Q) tensors dominate;
     counting the kernels of ``ssd_chunk_scan_torch`` that read or write one such tensor, 11 passes forward
     (segment sums: four; the decays' exp; the scores' product; the matmul operand copy) and 17 backward, 4·H·Q
     bytes each."""
-    a = prec.act
     if ssd_kernel == "triton":
-        return 3.0 * a * (2 * shape.d_inner + shape.nheads + 2 * shape.ngroups * shape.d_state)
+        return 0.0
     return 28.0 * 4 * shape.nheads * shape.chunk(seq_len)
 
 
@@ -532,7 +531,8 @@ def estimate(
     """Memory, step time and totals of one layout.
 
     compute_s = flops_per_token(s)·B·s·(4/3 with full AC) / (world · peak · efficiency), the converted linears'
-                FLOPs (``wl.fp8``) at the FP8 peak · fp8 efficiency instead (cost/fp8.py)
+                FLOPs (``wl.fp8``) at the FP8 peak · fp8 efficiency instead (cost/fp8.py), the Triton SSD's
+                (Mamba-2) at ``ssd_efficiency``
                 + memory-bound time (elementwise_seconds, × the same recompute factor; Mamba's scan at ``scan_ns``)
                 + optimizer_seconds
                 (+ under anytrain's TP the LM head's share that every TP rank repeats: 6·V·d and its traffic, and
@@ -553,7 +553,12 @@ def estimate(
     flops = shape.flops_per_token(wl.seq_len) * tokens_per_step
     recompute = 1.0 + ac_fraction(layout.ac) / 3.0  # a recomputed forward is a third of forward + backward
     fp8_flops = fp8.gemm_split_per_token(shape, wl.fp8, wl.fp8_filter) * tokens_per_step
-    gemm_s = (flops - fp8_flops) * recompute / (layout.world * device.peak_flops * device.efficiency)
+    mamba2 = shape if isinstance(shape, Mamba2Shape) else shape.mamba if isinstance(shape, HybridShape) else None
+    ssd_flops = 0.0
+    if mamba2 is not None and wl.ssd_kernel == "triton":  # the SSD's chunked matmuls at their benchmarked rate
+        ssd_flops = mamba2.ssd_flops_per_token(wl.seq_len) * tokens_per_step
+    gemm_s = (flops - fp8_flops - ssd_flops) * recompute / (layout.world * device.peak_flops * device.efficiency)
+    gemm_s += ssd_flops * recompute / (layout.world * device.peak_flops * device.ssd_efficiency)
     fp8_gemm_s = 0.0
     if fp8_flops:  # the converted linears' GEMMs at the FP8 rate
         fp8_rate = device.peak_fp8_tflops * 1e12 * device.fp8_gemm_efficiency
@@ -566,7 +571,6 @@ def estimate(
         gemm_s += 6.0 * shape.vocab_size * shape.dim * head_tokens / (device.peak_flops * device.efficiency)
         head_bytes = 3 * prec.act * (shape.dim + 2 * shape.vocab_size)  # head GEMM operands + the CE row kernel
         elementwise_s += head_bytes * head_tokens / (device.hbm_tb_per_s * 1e12 * device.hbm_efficiency)
-    mamba2 = shape if isinstance(shape, Mamba2Shape) else shape.mamba if isinstance(shape, HybridShape) else None
     if mamba2 is not None and replicated_bc(mamba2, layout.tp):  # every TP rank computes the whole B and C
         # projections (6·d·2GN per token and Mamba-2 block) instead of its 1/tp of them
         gn_flops = 6.0 * mamba2.dim * 2 * mamba2.ngroups * mamba2.d_state * mamba2.n_layers / layout.pp
