@@ -73,11 +73,14 @@ def torchrun_ranks(
     nproc: int = 2,
     timeout: int = 300,
 ) -> list[dict]:
-    """Run a test file as a torchrun job of ``nproc`` CPU (gloo) ranks with the arguments (config file, ``tmp``): the
+    """Run a test file as a job of ``nproc`` CPU (gloo) ranks with the arguments (config file, ``tmp``), launched as
+    torchrun would (its launch variables; the ranks are forks of the pre-imported server, tests/forklaunch.py): the
     file's ``__main__`` trains in-process and ends with ``end_rank``. The config: the debug Transformer on ``data``,
     seq 32, micro-batch 2, fp32, ``steps`` steps of ``global_batch`` sequences, ``parallel`` (e.g. "strategy: fsdp").
     Returns each rank's ``tmp/rank<r>.json``."""
     import json
+
+    from tests import forklaunch
 
     config = tmp / "config.yaml"
     config.write_text(f"""
@@ -88,17 +91,7 @@ train: {{steps: {steps}, global_batch: {global_batch}, micro_batch: 2, lr: 3.0e-
 parallel: {{{parallel}}}
 device: cpu
 """)
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        f"--nproc_per_node={nproc}",
-        script,
-        str(config),
-        str(tmp),
-    ]
-    proc = subprocess.run(cmd, cwd=ROOT, env=cli_env(), capture_output=True, text=True, timeout=timeout)
+    proc = forklaunch.run([str(config), str(tmp)], cli_env(), ROOT, nproc=nproc, timeout=timeout, main=script)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return [json.loads((tmp / f"rank{r}.json").read_text()) for r in range(nproc)]
 

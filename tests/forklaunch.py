@@ -37,7 +37,7 @@ def _ctx():
     return _context
 
 
-def _child(argv: list[str], env: dict[str, str], cwd: str, out_path: str, err_path: str) -> None:
+def _child(argv: list[str], env: dict[str, str], cwd: str, out_path: str, err_path: str, main: str = "") -> None:
     os.environ.clear()
     os.environ.update(env)
     os.chdir(cwd)
@@ -52,12 +52,21 @@ def _child(argv: list[str], env: dict[str, str], cwd: str, out_path: str, err_pa
         os.dup2(target, fd)
         os.close(target)
     faulthandler.register(signal.SIGUSR1, all_threads=True)  # run() asks a hung rank for its threads' stacks
-    sys.argv = ["anytrain", *argv]
     code = 0
     try:
-        from anytrain import cli
+        if main:  # a script or ``-m`` module as ``__main__``: what ``python FILE ARGV`` / ``python -m M ARGV`` runs
+            import runpy
 
-        cli.main()
+            sys.argv = [main, *argv]
+            if main.endswith(".py"):
+                runpy.run_path(main, run_name="__main__")
+            else:
+                runpy.run_module(main, run_name="__main__", alter_sys=True)
+        else:
+            sys.argv = ["anytrain", *argv]
+            from anytrain import cli
+
+            cli.main()
     except SystemExit as exc:
         code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
     except BaseException:  # an uncaught exception: traceback on stderr, exit 1 as the interpreter would
@@ -108,9 +117,11 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-def run(argv: list[str], env: dict[str, str], cwd: Path, nproc: int = 1, timeout: float = 300):
+def run(argv: list[str], env: dict[str, str], cwd: Path, nproc: int = 1, timeout: float = 300, main: str = ""):
     """``anytrain ARGV`` (one process, or ``nproc`` ranks) -> CompletedProcess. With several ranks, stdout/stderr are
-    the ranks' in rank order and the return code is 0 when every rank exited 0, else 1 (as torchrun reports)."""
+    the ranks' in rank order and the return code is 0 when every rank exited 0, else 1 (as torchrun reports).
+    ``main``: run that script (a ``.py`` path) or module (``bench.tp_optimizer``) with ARGV instead of the CLI, as
+    ``torchrun --nproc-per-node NPROC MAIN ARGV`` would (the launch variables above, not torchrun's agent)."""
     ctx = _ctx()
     port = _free_port()
     procs, files = [], []
@@ -121,7 +132,7 @@ def run(argv: list[str], env: dict[str, str], cwd: Path, nproc: int = 1, timeout
                 ranks = dict(RANK=rank, LOCAL_RANK=rank, WORLD_SIZE=nproc, LOCAL_WORLD_SIZE=nproc, MASTER_PORT=port)
                 rank_env.update({key: str(value) for key, value in ranks.items()}, MASTER_ADDR="127.0.0.1")
             out, err = f"{tmp}/out{rank}", f"{tmp}/err{rank}"
-            proc = ctx.Process(target=_child, args=(list(argv), rank_env, str(cwd), out, err))
+            proc = ctx.Process(target=_child, args=(list(argv), rank_env, str(cwd), out, err, str(main)))
             proc.start()
             procs.append(proc)
             files.append((out, err))
@@ -139,9 +150,10 @@ def run(argv: list[str], env: dict[str, str], cwd: Path, nproc: int = 1, timeout
         errors = [_read(err) for _, err in files]
         stderr = "".join(errors)
         tails = [text[-(8000 if proc in hung else 1500) :] for text, proc in zip(errors, procs, strict=True)]
+    cmd = [str(main) or "anytrain", *argv]
     if hung:
         hung_ranks = [rank for rank, proc in enumerate(procs) if proc in hung]
-        raise RanksTimedOut(["anytrain", *argv], timeout, stdout, stderr, hung_ranks, tails)
+        raise RanksTimedOut(cmd, timeout, stdout, stderr, hung_ranks, tails)
     codes = [p.exitcode for p in procs]
     code = codes[0] if nproc == 1 else (0 if not any(codes) else 1)
-    return subprocess.CompletedProcess(["anytrain", *argv], code, stdout, stderr)
+    return subprocess.CompletedProcess(cmd, code, stdout, stderr)

@@ -3,8 +3,8 @@ all-gather per FSDP module per step, parameters sharded again after every step a
 With ``parallel.fsdp_group_blocks: 2`` as well, the debug model's two blocks are one FSDP unit: one all-gather for
 them (plus the root's) per step, and the same losses.
 
-The test launches this file under torchrun; each rank trains the debug transformer twice (default, then with the
-option off) in one process group and writes what it saw to ``<out>/rank<r>.json``."""
+The test launches this file as 2 ranks (``torchrun_ranks``); each rank trains the debug transformer twice (default,
+then with the option off) in one process group and writes what it saw to ``<out>/rank<r>.json``."""
 
 from __future__ import annotations
 
@@ -125,7 +125,7 @@ def test_parameters_sharded_after_each_step_and_resharding_restored(ranks):
         assert not all(default["after_eval_forward"]) and any(default["after_eval_forward"])
 
 
-if __name__ == "__main__":  # one torchrun rank (see ``ranks``)
+if __name__ == "__main__":  # one rank (see ``ranks``)
     _worker(Path(sys.argv[1]), Path(sys.argv[2]))
 
 

@@ -3,15 +3,15 @@ bytes they report are what their all-reduces carry (half of fp32; PowerSGD's (n 
 resumed PowerSGD run is bitwise the uninterrupted one, ZeRO-1 reduces through the same hooks and FSDP2 through its
 reduce dtype; PowerSGD's state survives DDP's bucket rebuild and a change of bucket layout; bad settings are one line.
 
-The fixtures launch this file under torchrun; each rank trains the debug transformer once per case in one process
-group and writes what it measured to ``<out>/rank<r>.json`` (rank 0 also leaves each run's metrics.jsonl)."""
+The fixtures launch this file as 2 ranks (torchrun's launch variables, forks of tests/forklaunch.py's pre-imported
+server); each rank trains the debug transformer once per case in one process group and writes what it measured to
+``<out>/rank<r>.json`` (rank 0 also leaves each run's metrics.jsonl)."""
 
 from __future__ import annotations
 
 import json
 import math
 import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -41,7 +41,7 @@ device: cpu
 
 
 # ---------------------------------------------------------------------------------------------------------------------
-# worker (one torchrun rank)
+# worker (one rank)
 
 
 def _train(config: Path, run_dir: Path, *overrides: str, resume: bool = False) -> dict:
@@ -198,7 +198,7 @@ def _worker(mode: str, data: Path, out: Path) -> None:
     os._exit(0)
 
 
-if __name__ == "__main__":  # one torchrun rank (see ``_launch``)
+if __name__ == "__main__":  # one rank (see ``_launch``)
     _worker(sys.argv[1], Path(sys.argv[2]), Path(sys.argv[3]))
 
 
@@ -207,20 +207,11 @@ if __name__ == "__main__":  # one torchrun rank (see ``_launch``)
 
 
 def _launch(mode: str, data: Path, out: Path) -> dict:
+    from tests import forklaunch
     from tests.conftest import ROOT, cli_env
 
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc_per_node=2",
-        __file__,
-        mode,
-        str(data),
-        str(out),
-    ]
-    proc = subprocess.run(cmd, cwd=ROOT, env=cli_env(), capture_output=True, text=True, timeout=600)
+    # two ranks as torchrun starts them (its launch variables), forked from the pre-imported server
+    proc = forklaunch.run([mode, str(data), str(out)], cli_env(), ROOT, nproc=2, timeout=600, main=__file__)
     assert proc.returncode == 0, proc.stderr[-3000:]
     ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
     for name in ranks[0]:

@@ -6,9 +6,9 @@ unwound, with the GIL held, and gloo's destructor waited for a worker thread tha
 finished collective's tensors: one rank of a 2-rank test printed the stop and never exited (py-spy: the main thread
 in ``~ProcessGroupGloo`` joining, a worker in ``~AsyncAllgatherWork`` acquiring the GIL). ``Trainer.close`` now
 unwraps DDP, so the wrapper and its Reducer go while the group is registered and the group's last reference is
-dropped by ``destroy_process_group`` (GIL released). The test launches this file under torchrun; each rank trains the
-debug Transformer for two steps under DDP and under ZeRO-1, closes the trainer while still holding it, and records
-whether the wrapper is gone."""
+dropped by ``destroy_process_group`` (GIL released). The test launches this file as 2 ranks (``torchrun_ranks``); each
+trains the debug Transformer for two steps under DDP and under ZeRO-1, closes the trainer while still holding it, and
+records whether the wrapper is gone."""
 
 from __future__ import annotations
 
@@ -62,5 +62,5 @@ def test_close_releases_the_ddp_wrapper_before_the_group_is_destroyed(ranks):
             assert run["params"] > 0 and run["state_is_module"]  # the module itself stays, for reading weights
 
 
-if __name__ == "__main__":  # one torchrun rank (see ``ranks``)
+if __name__ == "__main__":  # one rank (see ``ranks``)
     _worker(Path(sys.argv[1]), Path(sys.argv[2]))

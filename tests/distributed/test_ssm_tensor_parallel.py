@@ -96,21 +96,17 @@ def test_the_cost_model_counts_the_collectives_tensor_parallel_blocks_issue(tmp_
     on 2 gloo ranks, its collectives counted (DTensor's through CommDebugMode, the gated norm's plain all-reduces by
     their shapes), against the cost model's TP all-reduces for that layout: a·b·s·d ones per block, b·s·G ones per
     Mamba-2 mixer (one group spans both ranks)."""
-    import subprocess
-    import sys
-
     from anytrain.config import ModelConfig, RunConfig
     from anytrain.cost.devices import get_device
     from anytrain.cost.model import Layout, Workload, estimate
     from anytrain.cost.shapes import shape_from_config
+    from tests import forklaunch
     from tests.conftest import ROOT, cli_env
 
     script, result = tmp_path / "probe.py", tmp_path / "counts.json"
     script.write_text(COMM_PROBE)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(script)]
-    proc = subprocess.run(
-        [*cmd, str(result)], cwd=ROOT, env=cli_env(False), capture_output=True, text=True, timeout=300
-    )
+    # two ranks as torchrun starts them (its launch variables), forked from the pre-imported server
+    proc = forklaunch.run([str(result)], cli_env(False), ROOT, nproc=2, timeout=300, main=str(script))
     assert proc.returncode == 0, proc.stderr[-3000:]
     measured = json.loads(result.read_text())
     for arch, got in measured.items():

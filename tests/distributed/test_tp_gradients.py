@@ -2,7 +2,7 @@
 share). The trainer sums them in one all-reduce before clipping (``reduce_partial_gradients``): the reduced gradients
 equal DTensor's own Partial -> Replicate redistribution, and a step issues a fixed handful of all-reduces, not four
 per norm weight (the clipping norm and AdamW's ops each reduced every Partial gradient again). The test launches this
-file under torchrun (2 gloo ranks, TP 2); each rank writes what it saw."""
+file as 2 gloo ranks (``torchrun_ranks``, TP 2); each rank writes what it saw."""
 
 from __future__ import annotations
 
@@ -81,5 +81,5 @@ def test_a_step_does_not_reduce_each_norm_gradient_again(ranks):
         assert rank["step_all_reduces"] <= 4
 
 
-if __name__ == "__main__":  # one torchrun rank (see ``ranks``)
+if __name__ == "__main__":  # one rank (see ``ranks``)
     _worker(Path(sys.argv[1]), Path(sys.argv[2]))

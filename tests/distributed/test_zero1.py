@@ -1,6 +1,6 @@
 """ZeRO-1 (DDP's all-reduce, AdamW sharded across the ranks, the updated rows all-gathered) trains like DDP: the same
-losses, and the same parameters on every rank after the steps. The test launches this file under torchrun (2 gloo
-ranks); each rank writes what it saw."""
+losses, and the same parameters on every rank after the steps. The test launches this file as 2 gloo ranks
+(``torchrun_ranks``: torchrun's launch variables); each rank writes what it saw."""
 
 from __future__ import annotations
 
@@ -65,5 +65,5 @@ def test_losses_equal_ddp(ranks):
         np.testing.assert_allclose(rank["zero1"], rank["ddp"], rtol=0, atol=1e-6)
 
 
-if __name__ == "__main__":  # one torchrun rank (see ``ranks``)
+if __name__ == "__main__":  # one rank (see ``ranks``)
     _worker(Path(sys.argv[1]), Path(sys.argv[2]))

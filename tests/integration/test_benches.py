@@ -172,29 +172,12 @@ def test_spread_runs_each_job_on_one_gpu_under_its_limit_and_packs_one_file(tmp_
 
 
 def test_tp_optimizer_bench_times_per_parameter_and_per_mesh_updates_on_two_ranks(tmp_path):
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            "--nproc_per_node",
-            "2",
-            "-m",
-            "bench.tp_optimizer",
-            "--steps",
-            "2",
-            "--warmup",
-            "1",
-            "--out",
-            str(tmp_path),
-        ],
-        cwd=ROOT,
-        env=cli_env(),
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    from tests import forklaunch
+
+    # ``torchrun --nproc_per_node 2 -m bench.tp_optimizer``: two ranks with its launch variables, forked from the
+    # pre-imported server
+    args = ["--steps", "2", "--warmup", "1", "--out", str(tmp_path)]
+    proc = forklaunch.run(args, cli_env(), ROOT, nproc=2, timeout=300, main="bench.tp_optimizer")
     assert proc.returncode == 0, proc.stderr[-3000:]
     (path,) = tmp_path.glob("tp_optimizer_tp2_*.json")
     rows = {r["row"]: r for r in json.loads(path.read_text())["rows"]}
