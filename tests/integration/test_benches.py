@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 
 import pytest
 
@@ -17,15 +16,11 @@ def _bench(tmp_path, script: str, *flags: str) -> list[dict]:
 
 
 def _bench_run(tmp_path, script: str, *flags: str) -> tuple[list[dict], str]:
-    """The bench's result rows and its standard output."""
-    proc = subprocess.run(
-        [sys.executable, "-m", f"bench.{script}", *flags, "--out", str(tmp_path)],
-        cwd=ROOT,
-        env=cli_env(),
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
+    """The bench's result rows and its standard output (``python -m bench.SCRIPT FLAGS``, forked from the pre-imported
+    server: the same process without the interpreter and torch start-up)."""
+    from tests import forklaunch
+
+    proc = forklaunch.run([*flags, "--out", str(tmp_path)], cli_env(), ROOT, timeout=600, main=f"bench.{script}")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     (path,) = tmp_path.glob(f"{script}_*.json")
     return json.loads(path.read_text())["rows"], proc.stdout
