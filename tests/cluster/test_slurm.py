@@ -22,7 +22,7 @@ from tests.cluster.test_launch import (
     losses,
     write_config,
 )
-from tests.conftest import ROOT
+from tests.conftest import ROOT, cli_in_process
 
 STEPS = 10
 
@@ -32,6 +32,9 @@ def srun(cluster, *args: str, timeout: int = 120, **env: str) -> subprocess.Comp
     return subprocess.run(cmd, cwd=ROOT, env=cluster.env(**env), capture_output=True, text=True, timeout=timeout)
 
 
+# the disagreement check is test_launch.py::test_disagreeing_launchers_are_one_line_errors (WORLD_SIZE against
+# SLURM_STEP_NUM_TASKS); test_srun_two_tasks_doctor reads a real srun step's variables
+@pytest.mark.slow
 def test_srun_with_a_contradicting_world_size_is_a_one_line_error(slurm_cluster, small_data, tmp_path):
     proc = srun(
         slurm_cluster,
@@ -87,40 +90,24 @@ FINAL_STATES = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT
 
 
 def write_job(
-    cluster, tmp_path: Path, config: Path, run_dir: Path | str, *overrides: str, options: tuple = (), cwd: Path = ROOT
+    capsys,
+    monkeypatch,
+    tmp_path: Path,
+    config: Path,
+    run_dir: Path | str,
+    *overrides: str,
+    options: tuple = (),
+    cwd: Path = ROOT,
 ) -> Path:
-    """The script ``anytrain launch slurm --dry-run`` writes for 1 node x 2 CPU tasks (``options``: more flags)."""
+    """The script ``anytrain launch slurm --dry-run`` writes for 1 node x 2 CPU tasks (``options``: more flags), the
+    CLI run in this process from ``cwd``."""
     script = tmp_path / "job.sbatch"
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "anytrain",
-            "launch",
-            "slurm",
-            str(config),
-            "--nodes",
-            "1",
-            "--tasks-per-node",
-            "2",
-            "--run-dir",
-            str(run_dir),
-            "--script",
-            str(script),
-            "--dry-run",
-            "--time",
-            "00:10:00",
-            *options,
-            "--",
-            *overrides,
-        ],
-        cwd=cwd,
-        env=cluster.env(),
-        capture_output=True,
-        text=True,
-        timeout=60,
+    monkeypatch.chdir(cwd)
+    args = ["--nodes", "1", "--tasks-per-node", "2", "--run-dir", str(run_dir), "--script", str(script), "--dry-run"]
+    code, _, err = cli_in_process(
+        capsys, "launch", "slurm", str(config), *args, "--time", "00:10:00", *options, "--", *overrides
     )
-    assert proc.returncode == 0, proc.stderr
+    assert code == 0, err
     return script
 
 
@@ -147,14 +134,16 @@ def render_job(tmp_path: Path, **fields) -> Path:
     return script
 
 
-def test_sbatch_script_with_hostile_paths_and_a_preflight_trains(slurm_cluster, small_data, tmp_path):
+def test_sbatch_script_with_hostile_paths_and_a_preflight_trains(
+    slurm_cluster, small_data, tmp_path, capsys, monkeypatch
+):
     """The script for a config in a folder named with newlines, quotes and ``$(...)``, a run directory with a space,
     quotes, ``$(...)`` and ``%``, and such a job name, submitted with sbatch: the preflight doctor passes, the 10-step
     2-task gloo training completes, the log is where the script says, nothing in a name ran."""
     config = hostile_config(tmp_path, small_data, STEPS)
     run_dir = tmp_path / HOSTILE_RUN_DIR
     options = ("--preflight", "--job-name", HOSTILE_JOB_NAME)
-    script = write_job(slurm_cluster, tmp_path, config, HOSTILE_RUN_DIR, cwd=tmp_path, options=options)
+    script = write_job(capsys, monkeypatch, tmp_path, config, HOSTILE_RUN_DIR, cwd=tmp_path, options=options)
     assert "#SBATCH --signal=B:TERM@120" in script.read_text()
     job_id = submit(slurm_cluster, script, cwd=tmp_path)
     fields = wait_for(lambda: job_ended(slurm_cluster, job_id), 240, f"job {job_id}")
@@ -201,12 +190,12 @@ def test_sbatch_reads_directive_values_literally(slurm_cluster, small_data, tmp_
 
 
 @pytest.mark.slow
-def test_preempted_job_saves_requeues_and_resumes(slurm_cluster, small_data, tmp_path):
+def test_preempted_job_saves_requeues_and_resumes(slurm_cluster, small_data, tmp_path, capsys, monkeypatch):
     """SIGTERM to the batch shell (what --signal=B:TERM@grace sends) -> the tasks save and exit 143 -> the script
     requeues the job -> the second run resumes from the checkpoint (checkpoint.auto_resume); then a user's scancel
     ends it for good."""
     run_dir = tmp_path / "run"
-    script = write_job(slurm_cluster, tmp_path, write_config(tmp_path, small_data, 100_000), run_dir)
+    script = write_job(capsys, monkeypatch, tmp_path, write_config(tmp_path, small_data, 100_000), run_dir)
     job_id = submit(slurm_cluster, script)
     metrics = run_dir / "metrics.jsonl"
     wait_for(lambda: metrics.exists() and len(losses(run_dir)) >= 2, 180, "the first training steps")
