@@ -8,7 +8,6 @@ import json
 import os
 import shlex
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -224,39 +223,33 @@ def test_mpirun_line_takes_the_master_from_the_hostfile(tmp_path):
 # -- a real mpirun ---------------------------------------------------------------------------------------------------
 
 
-def test_mpirun_two_ranks_match_torchrun(small_data, tmp_path):
+def test_mpirun_two_ranks_match_torchrun(small_data, tmp_path, capfd, monkeypatch):
     if missing_tools(["mpirun"]):
         pytest.skip("Open MPI not installed (mpirun missing): run tests/cluster/install.sh as root")
     config = write_config(tmp_path, small_data, 5)
-    env = cli_env()
-    for key in [k for k in env if k.startswith(("SLURM_", "OMPI_", "PMI"))]:
-        env.pop(key)
+    for key in [k for k in os.environ if k.startswith(("SLURM_", "OMPI_", "PMI"))]:
+        monkeypatch.delenv(key)
+    for key, value in cli_env().items():  # what mpirun passes on to the ranks (PYTHONPATH, OMP_NUM_THREADS, ...)
+        monkeypatch.setenv(key, value)
+    monkeypatch.setenv("MPIEXEC_TIMEOUT", "300")  # Open MPI's own limit: a hung rank fails the test, as a timeout would
     extra = "--oversubscribe" + (" --allow-run-as-root" if os.geteuid() == 0 else "")
-    mpi = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "anytrain",
-            "launch",
-            "mpi",
-            str(config),
-            "-n",
-            "2",
-            "--execute",
-            "--run-dir",
-            str(tmp_path / "mpi"),
-            "--master-port",
-            str(_free_port()),
-            "--mpirun-args",
-            extra,
-        ],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
+    # the verb in this process (no interpreter start-up of its own); mpirun and its two ranks are real processes
+    code, out, err = cli_in_process(
+        capfd,
+        "launch",
+        "mpi",
+        str(config),
+        "-n",
+        "2",
+        "--execute",
+        "--run-dir",
+        str(tmp_path / "mpi"),
+        "--master-port",
+        str(_free_port()),
+        "--mpirun-args",
+        extra,
     )
-    assert mpi.returncode == 0, mpi.stdout[-2000:] + mpi.stderr[-3000:]
+    assert code == 0, out[-2000:] + err[-3000:]
     # the reference: two ranks with torchrun's launch variables (forks of the pre-imported CLI: tests/forklaunch.py;
     # torchrun's own agent is exercised by tests/distributed/test_preemption.py and the kill tests)
     reference = run_cli("train", str(config), "--run-dir", str(tmp_path / "reference"), nproc=2, timeout=300)
@@ -284,23 +277,12 @@ def test_launch_slurm_submit_runs_sbatch_and_reports_its_failure(tmp_path, small
         '&& exit 0\necho "sbatch: error: Batch job submission failed" >&2; exit 1\n'
     )
     fake.chmod(0o755)
-    env = cli_env(PATH=f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
-    args = [
-        sys.executable,
-        "-m",
-        "anytrain",
-        "launch",
-        "slurm",
-        str(config),
-        "--run-dir",
-        str(tmp_path / "run"),
-        "--submit",
-    ]
-    ok = subprocess.run(args, cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
-    assert ok.returncode == 0 and "Submitted batch job 42" in ok.stdout, ok.stderr
+    monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")  # the verb runs in this process
+    args = ["launch", "slurm", str(config), "--run-dir", str(tmp_path / "run"), "--submit"]
+    code, out, err = cli_in_process(capsys, *args)
+    assert code == 0 and "Submitted batch job 42" in out, err
     assert (tmp_path / "run.sbatch").is_file() and (tmp_path / "slurm-logs").is_dir()
-    monkeypatch.setenv("PATH", env["PATH"])  # the failing submission in this process (the verb's own process above)
-    code, _, err = cli_in_process(capsys, *args[3:], "--no-requeue")
+    code, _, err = cli_in_process(capsys, *args, "--no-requeue")
     assert code == 2 and "error: sbatch failed (1): sbatch: error: Batch job submission failed" in err
 
 
