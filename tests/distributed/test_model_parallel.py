@@ -39,8 +39,17 @@ def runs(tmp_path_factory, small_data):
     return tmp, config, run
 
 
+# the sequence-parallel loss entries slow: test_transformer_options_tp.py's
+# test_tp2_sequence_loss_with_a_tied_head_matches_single_process_in_training_and_eval checks that loss at tp 2
 @pytest.mark.parametrize(
-    "name", ["tp2", "dp2_tp2", "tp2_seq_loss", "dp2_tp2_seq_loss", pytest.param("pp2_tp2", marks=pytest.mark.slow)]
+    "name",
+    [
+        "tp2",
+        "dp2_tp2",
+        pytest.param("tp2_seq_loss", marks=pytest.mark.slow),
+        pytest.param("dp2_tp2_seq_loss", marks=pytest.mark.slow),
+        pytest.param("pp2_tp2", marks=pytest.mark.slow),
+    ],
 )
 def test_first_losses_match_single_process(runs, name):
     _, _, run = runs
