@@ -37,14 +37,24 @@ def cli_env(gpu: bool = False, **extra: str) -> dict[str, str]:
 
 
 def run_cli(
-    *args: str, cwd: Path | None = None, timeout: int = 600, gpu: bool = False, nproc: int = 1, **env: str
+    *args: str,
+    cwd: Path | None = None,
+    timeout: int = 600,
+    gpu: bool = False,
+    nproc: int = 1,
+    torchrun: bool | None = None,
+    **env: str,
 ) -> subprocess.CompletedProcess:
     """``anytrain ARGS`` in new processes (``nproc`` ranks, each with its own gloo process group) -> (returncode,
     stdout, stderr). CPU runs are forks of a pre-imported server (tests/forklaunch.py: the same CLI without the
-    interpreter start-up); GPU runs, and several ranks with a fault-injection kill (a dead rank must take the others
-    down, torchrun's job), start ``python -m anytrain`` / torchrun."""
+    interpreter start-up); GPU runs, and by default several ranks with a fault-injection kill (a dead rank must take
+    the others down, torchrun's job), start ``python -m anytrain`` / torchrun. ``torchrun=False``: such a kill in
+    forked ranks too (forklaunch then stops the others as torchrun's agent would), for tests of what the checkpoint
+    holds rather than of the agent."""
     environ = cli_env(gpu, **env)
-    if not gpu and not (nproc > 1 and environ.get("ANYTRAIN_TEST_KILL_AT_STEP")):
+    if torchrun is None:
+        torchrun = nproc > 1 and bool(environ.get("ANYTRAIN_TEST_KILL_AT_STEP"))
+    if not gpu and not torchrun:
         from tests import forklaunch
 
         return forklaunch.run(list(args), environ, cwd or ROOT, nproc=nproc, timeout=timeout)

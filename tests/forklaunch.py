@@ -134,9 +134,36 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
+STOP_GRACE_S = 30.0
+"""After a rank dies by a signal (a fault injection's SIGKILL), how long the others have between SIGTERM and SIGKILL:
+what torchrun's agent does when a worker fails."""
+
+
+def _wait(procs: list, timeout: float) -> None:
+    """Wait until every process ended or ``timeout`` passed. Once one dies by a signal, the others are stopped as
+    torchrun's agent stops the workers of a failed rank: SIGTERM, then SIGKILL after ``STOP_GRACE_S``."""
+    from multiprocessing.connection import wait
+
+    deadline, kill_at = time.monotonic() + timeout, None
+    while True:
+        alive = [p for p in procs if p.exitcode is None]
+        now = time.monotonic()
+        if not alive or now >= deadline:
+            return
+        if kill_at is None and any(p.exitcode is not None and p.exitcode < 0 for p in procs):
+            for proc in alive:
+                os.kill(proc.pid, signal.SIGTERM)
+            kill_at = now + STOP_GRACE_S
+        elif kill_at is not None and now >= kill_at:
+            for proc in alive:
+                proc.kill()
+        wait([p.sentinel for p in alive], timeout=max(0.05, min(deadline, kill_at or deadline) - now))
+
+
 def run(argv: list[str], env: dict[str, str], cwd: Path, nproc: int = 1, timeout: float = 300, main: str = ""):
     """``anytrain ARGV`` (one process, or ``nproc`` ranks) -> CompletedProcess. With several ranks, stdout/stderr are
-    the ranks' in rank order and the return code is 0 when every rank exited 0, else 1 (as torchrun reports).
+    the ranks' in rank order and the return code is 0 when every rank exited 0, else 1 (as torchrun reports); a rank
+    that dies by a signal gets the others stopped as torchrun's agent would (``_wait``).
     ``main``: run that script (a ``.py`` path) or module (``bench.tp_optimizer``) with ARGV instead of the CLI, as
     ``torchrun --nproc-per-node NPROC MAIN ARGV`` would (the launch variables above, not torchrun's agent)."""
     ctx = _ctx()
@@ -153,8 +180,7 @@ def run(argv: list[str], env: dict[str, str], cwd: Path, nproc: int = 1, timeout
             proc.start()
             procs.append(proc)
             files.append((out, err))
-        for proc in procs:
-            proc.join(timeout)
+        _wait(procs, timeout)
         hung = [p for p in procs if p.exitcode is None]
         for proc in hung:  # each hung rank writes every thread's Python stack to its stderr file first
             os.kill(proc.pid, signal.SIGUSR1)
