@@ -200,3 +200,52 @@ def run(argv: list[str], env: dict[str, str], cwd: Path, nproc: int = 1, timeout
     codes = [p.exitcode for p in procs]
     code = codes[0] if nproc == 1 else (0 if not any(codes) else 1)
     return subprocess.CompletedProcess(cmd, code, stdout, stderr)
+
+
+class Forked:
+    """One ``anytrain ARGV`` forked from the server and left running (``start``): the part of ``subprocess.Popen`` the
+    signal tests use (pid, poll, wait, communicate, send_signal, kill, returncode), output in files as ``run``'s."""
+
+    def __init__(self, argv: list[str], env: dict[str, str], cwd: Path):
+        self._tmp = tempfile.TemporaryDirectory()
+        self.stdout_path, self.stderr_path = f"{self._tmp.name}/out", f"{self._tmp.name}/err"
+        args = (list(argv), dict(env), str(cwd), self.stdout_path, self.stderr_path)
+        self._proc = _ctx().Process(target=_child, args=args)
+        self._proc.start()
+        self.pid, self.args = self._proc.pid, ["anytrain", *argv]
+
+    @property
+    def returncode(self) -> int | None:
+        return self._proc.exitcode
+
+    def poll(self) -> int | None:
+        return self._proc.exitcode
+
+    def stderr_text(self) -> str:
+        """What the command has written to stderr so far."""
+        return _read(self.stderr_path)
+
+    def wait(self, timeout: float | None = None) -> int:
+        self._proc.join(timeout)
+        if self._proc.exitcode is None:
+            raise subprocess.TimeoutExpired(self.args, timeout)
+        return self._proc.exitcode
+
+    def communicate(self, timeout: float | None = None) -> tuple[str, str]:
+        self.wait(timeout)
+        return _read(self.stdout_path), _read(self.stderr_path)
+
+    def send_signal(self, sig: int) -> None:
+        os.kill(self.pid, sig)
+
+    def kill(self) -> None:
+        self._proc.kill()
+        self._proc.join()
+
+    def __del__(self):
+        self._tmp.cleanup()
+
+
+def start(argv: list[str], env: dict[str, str], cwd: Path) -> Forked:
+    """``anytrain ARGV`` forked from the pre-imported server, not waited for (one process)."""
+    return Forked(argv, env, cwd)

@@ -8,12 +8,12 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 
+from tests import forklaunch
 from tests.conftest import ROOT, cli_env, run_cli
 
 
@@ -91,7 +91,7 @@ def test_overwrite_replaces_our_own_run(done_run, tmp_path):
     assert json.loads((run / ".anytrain-run.json").read_text())["pid"] != marker["pid"]
 
 
-def _wait_for_step(run_dir: Path, step: int, proc: subprocess.Popen, timeout: float = 60) -> None:
+def _wait_for_step(run_dir: Path, step: int, proc: forklaunch.Forked, timeout: float = 60) -> None:
     deadline = time.time() + timeout
     metrics = run_dir / "metrics.jsonl"
     while time.time() < deadline:
@@ -105,8 +105,8 @@ def _wait_for_step(run_dir: Path, step: int, proc: subprocess.Popen, timeout: fl
 def test_a_second_writer_is_refused_while_a_run_trains(tmp_path, small_data):
     config = write_config(tmp_path, small_data, steps=100_000, interval=0)
     run = tmp_path / "live"
-    argv = [sys.executable, "-m", "anytrain", "train", str(config), "--run-dir", str(run)]
-    first = subprocess.Popen(argv, cwd=ROOT, env=cli_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    # the first writer: a fork of the pre-imported CLI left running (tests/forklaunch.py), a process of its own
+    first = forklaunch.start(["train", str(config), "--run-dir", str(run)], cli_env(), ROOT)
     try:
         _wait_for_step(run, 2, first)
         for flags in (("--resume",), ("--overwrite",), ()):

@@ -8,16 +8,16 @@ import json
 import re
 import shutil
 import signal
-import subprocess
-import threading
+import time
 from pathlib import Path
 
 import pytest
 
 from anytrain.evals.compare import load_curves
 from anytrain.train.rundir import read_metrics
+from tests import forklaunch
 from tests.conftest import ROOT, cli_env, run_cli
-from tests.distributed.test_fault_tolerance import command, train, write_config
+from tests.distributed.test_fault_tolerance import train, write_config
 
 # measurements, which differ between any two runs (and the resume marker's path); every other field must be equal
 MEASURED = {
@@ -178,35 +178,21 @@ def test_sigterm_during_the_step_0_evaluation_is_a_preemption(tmp_path, small_da
     requeue script of docs/checkpointing.md requeues; the requeued command then trains the run."""
     config = write_config(tmp_path, small_data, steps=4, interval=2, log_sample_ids=False)
     run = tmp_path / "job"
-    argv = [*command(1), "train", str(config), "--run-dir", str(run), "--checkpoint.auto_resume", "true"]
-    proc = subprocess.Popen(
-        [*argv, "--train.eval_batches", "100"],
-        cwd=ROOT,
-        env=cli_env(),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-    err: list[str] = []
-    built = threading.Event()
-
-    def read_stderr() -> None:
-        for line in proc.stderr:
-            err.append(line)
-            if line.startswith("model: "):  # the trainer's last set-up line: the evaluation comes next
-                built.set()
-
-    reader = threading.Thread(target=read_stderr)
-    reader.start()
+    argv = ["train", str(config), "--run-dir", str(run), "--checkpoint.auto_resume", "true"]
+    # a fork of the pre-imported CLI left running (tests/forklaunch.py), a process of its own
+    proc = forklaunch.start([*argv, "--train.eval_batches", "100"], cli_env(), ROOT)
+    deadline = time.monotonic() + 120
     try:
-        assert built.wait(120), "".join(err)[-3000:]
+        # the trainer's last set-up line: the evaluation comes next
+        while not any(line.startswith("model: ") for line in proc.stderr_text().splitlines()):
+            assert proc.poll() is None and time.monotonic() < deadline, proc.stderr_text()[-3000:]
+            time.sleep(0.02)
         proc.send_signal(signal.SIGTERM)
         proc.wait(timeout=120)
     finally:
         if proc.poll() is None:
             proc.kill()
-        reader.join()
-    text = "".join(err)
+    text = proc.stderr_text()
     assert proc.returncode == 143, text[-3000:]
     assert "stopped: SIGTERM at step 0: before the first step, nothing to save (exit 143)" in text
     assert not (run / "checkpoints").exists() or not list((run / "checkpoints").iterdir())
