@@ -355,7 +355,9 @@ def test_saved_tensors_of_the_fused_mamba_mixer():
     from anytrain.kernels import mamba_inner
     from anytrain.models.mamba.model import MambaArgs, MambaMixer
 
-    args = MambaArgs(d_model=32, d_state=8, d_conv=4, expand=2, dt_rank=4, vocab_size=100)
+    # small widths (the interpreter's time grows with them), each its own number: d 10, E 20, S 4, R 2, K 3, T 16
+    d = 10
+    args = MambaArgs(d_model=d, d_state=4, d_conv=3, expand=2, dt_rank=2, vocab_size=100)
     torch.manual_seed(0)
     mixer = MambaMixer(args)
     mixer.reset_parameters()
@@ -370,10 +372,10 @@ def test_saved_tensors_of_the_fused_mamba_mixer():
         mixer.D,
         mixer.out_proj.weight,
     ]
-    h = torch.randn(1, 16, 32, dtype=torch.bfloat16, requires_grad=True)  # two state saves (every 8 steps)
+    h = torch.randn(1, 16, d, dtype=torch.bfloat16, requires_grad=True)  # two state saves (every 8 steps)
     saved = _saved_bytes(lambda: mamba_inner._MambaInnerFn.apply(h, *weights, False), [*weights, h])
-    shape = MambaShape(1, 32, 64, 8, 4, 4, 100)
-    per_token = mamba_activation_bytes_per_token(shape, AMP, compiled=True) - (4 * 32 + 4) - 2 * 32  # mixer less h
+    shape = MambaShape(1, d, 2 * d, 4, 2, 3, 100)
+    per_token = mamba_activation_bytes_per_token(shape, AMP, compiled=True) - (4 * d + 4) - 2 * d  # mixer less h
     assert saved == 16 * per_token
 
 
