@@ -53,6 +53,9 @@ def test_srun_with_a_contradicting_world_size_is_a_one_line_error(slurm_cluster,
     assert "Traceback" not in proc.stderr and not (tmp_path / "r").exists()
 
 
+# the sbatch test below runs the same `anytrain doctor --suite quick` on 2 real srun tasks (its preflight: the
+# all_reduce line asserted) and then trains on the srun step's ranks (world_size 2 in the summary)
+@pytest.mark.slow
 def test_srun_two_tasks_doctor(slurm_cluster, tmp_path):
     out = tmp_path / "doctor.json"
     proc = srun(slurm_cluster, "doctor", "--suite", "quick", "--json", str(out), "--expect-nodes", "1")

@@ -26,6 +26,9 @@ def _bench_run(tmp_path, script: str, *flags: str) -> tuple[list[dict], str]:
     return json.loads(path.read_text())["rows"], proc.stdout
 
 
+# the mamba2 bench smoke below drives Trainer.train_step the same way (bench.common's rows); Mamba-1's trainer path is
+# tests/distributed/test_mamba_parallel.py's
+@pytest.mark.slow
 def test_mamba_train_bench_drives_the_trainer(tmp_path):
     rows = [r for r in _bench(tmp_path, "mamba_train", "--quick") if not r.get("name", "").startswith("hf")]
     assert rows and all(r.get("driver") == "Trainer.train_step" and r.get("tokens_per_s", 0) > 0 for r in rows), rows
@@ -166,6 +169,9 @@ def test_spread_runs_each_job_on_one_gpu_under_its_limit_and_packs_one_file(tmp_
     assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["spread.tgz"]
 
 
+# the per-mesh groups (build_optimizer(by_mesh=True)) are what the trainer builds at tp > 1 (test_model_parallel,
+# test_transformer_options_tp); split_by_mesh is unit-tested in test_optim.py
+@pytest.mark.slow
 def test_tp_optimizer_bench_times_per_parameter_and_per_mesh_updates_on_two_ranks(tmp_path):
     from tests import forklaunch
 

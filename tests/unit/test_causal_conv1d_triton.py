@@ -203,7 +203,8 @@ def test_launchers_take_three_different_layouts_and_out():
     assert torch.equal(dx, dx_ref) and torch.equal(dw, dw_ref) and torch.equal(db, db_ref)
 
 
-@pytest.mark.parametrize("has_bias", [True, False])
+# no bias slow: the models' convs all have one ([True]); the no-bias numerics are test_matches_reference's nobias cases
+@pytest.mark.parametrize("has_bias", [True, pytest.param(False, marks=pytest.mark.slow)])
 def test_custom_ops_pass_opcheck_and_compile_without_graph_breaks(has_bias):
     """Under torch.compile the conv is ``anytrain::causal_conv1d_fwd`` (schema, fake kernels and autograd registered
     right: opcheck), and a compiled function around it is one graph with the eager op's values and gradients."""
