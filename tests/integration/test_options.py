@@ -57,6 +57,9 @@ def test_activation_checkpointing_gives_the_same_losses(baseline, small_data, tm
     np.testing.assert_allclose(with_ac, baseline, rtol=0, atol=1e-6)
 
 
+# per-block compile of the same debug Transformer against its eager losses (1e-4) is test_model_parallel.py's tp2
+# entry (compiled blocks, as the GPU recipes run TP)
+@pytest.mark.slow
 def test_compiled_blocks_give_the_same_losses(baseline, small_data, tmp_path):
     compiled = train(small_data, tmp_path / "compiled", "--train.compile", "true")
     np.testing.assert_allclose(compiled, baseline, rtol=0, atol=1e-4)
