@@ -4,7 +4,6 @@ masking) and two pipeline stages agree to 1e-5."""
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -19,18 +18,27 @@ MAMBA2 = ("--model.arch", "mamba2")  # the data-parallel test's recipe with the 
 LAYOUTS = (("single", 1, ()), ("ddp", 2, ("--parallel.strategy", "ddp")), ("fsdp", 2, ("--parallel.strategy", "fsdp")))
 
 
+class _Runs(dict):
+    """name -> (run dir, records): a layout, or one with "-documents" (each document's state kept to itself), trained
+    when a test first asks for it."""
+
+    def __init__(self, tmp, config, many_documents):
+        super().__init__()
+        self.tmp, self.config, self.many_documents = tmp, config, many_documents
+
+    def __missing__(self, key):
+        name = key.removesuffix("-documents")
+        nproc, extra = next((n, e) for layout, n, e in LAYOUTS if layout == name)
+        if key != name:
+            extra = (*extra, "--data.path", str(self.many_documents), "--data.document_mask", "true")
+        self[key] = (self.tmp / key, train(self.config, self.tmp / key, nproc, *MAMBA2, *extra))
+        return self[key]
+
+
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory, small_data, many_documents) -> dict[str, tuple[Path, list[dict]]]:
+def runs(tmp_path_factory, small_data, many_documents) -> _Runs:
     tmp = tmp_path_factory.mktemp("mamba2_dp")
-    config = write_config(tmp, small_data)
-    out = {}
-    for name, nproc, extra in LAYOUTS:
-        out[name] = (tmp / name, train(config, tmp / name, nproc, *MAMBA2, *extra))
-    for name, nproc, extra in LAYOUTS[::2]:  # single and FSDP with each document's state kept to itself
-        key = f"{name}-documents"
-        documents = ("--data.path", str(many_documents), "--data.document_mask", "true")
-        out[key] = (tmp / key, train(config, tmp / key, nproc, *MAMBA2, *extra, *documents))
-    return out
+    return _Runs(tmp, write_config(tmp, small_data), many_documents)
 
 
 def test_single_process_mamba2_trains(runs):
@@ -40,8 +48,15 @@ def test_single_process_mamba2_trains(runs):
     assert np.isfinite(train_records(runs["single-documents"][1], "loss")).all()
 
 
+# ddp slow: DDP wraps a model whole whatever its blocks, and the hybrid's DDP run (test_hybrid_parallel.py) holds
+# Mamba-2 blocks; FSDP shards each block (the fsdp entries)
 @pytest.mark.parametrize(
-    ("name", "reference"), [("ddp", "single"), ("fsdp", "single"), ("fsdp-documents", "single-documents")]
+    ("name", "reference"),
+    [
+        pytest.param("ddp", "single", marks=pytest.mark.slow),
+        ("fsdp", "single"),
+        ("fsdp-documents", "single-documents"),
+    ],
 )
 def test_data_parallel_mamba2_matches_single_process(runs, name, reference):
     single, other = train_records(runs[reference][1], "loss"), train_records(runs[name][1], "loss")
