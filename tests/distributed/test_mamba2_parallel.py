@@ -48,15 +48,8 @@ def test_single_process_mamba2_trains(runs):
     assert np.isfinite(train_records(runs["single-documents"][1], "loss")).all()
 
 
-# ddp slow: DDP wraps a model whole whatever its blocks, and the hybrid's DDP run (test_hybrid_parallel.py) holds
-# Mamba-2 blocks; FSDP shards each block (the fsdp entries)
 @pytest.mark.parametrize(
-    ("name", "reference"),
-    [
-        pytest.param("ddp", "single", marks=pytest.mark.slow),
-        ("fsdp", "single"),
-        ("fsdp-documents", "single-documents"),
-    ],
+    ("name", "reference"), [("ddp", "single"), ("fsdp", "single"), ("fsdp-documents", "single-documents")]
 )
 def test_data_parallel_mamba2_matches_single_process(runs, name, reference):
     single, other = train_records(runs[reference][1], "loss"), train_records(runs[name][1], "loss")
