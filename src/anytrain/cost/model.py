@@ -412,7 +412,7 @@ def parameter_traffic_bytes(shape: ModelShape | MambaShape, layout: Layout, wl: 
     return total
 
 
-def ssd_bytes_per_token(shape: Mamba2Shape, prec: Precision, seq_len: int, ssd_kernel: str) -> float:
+def ssd_bytes_per_token(shape: Mamba2Shape, seq_len: int, ssd_kernel: str) -> float:
     """HBM traffic of one Mamba-2 SSD per token, forward + backward (its matmuls' arithmetic is in the FLOPs).
     'triton': none apart (the kernels' measured rate, ``Device.ssd_efficiency``, includes their traffic).
     'torch' (the PyTorch twin): its fp32 (H, Q, Q) tensors dominate;
@@ -437,7 +437,7 @@ def elementwise_seconds(shape: ModelShape, layout: Layout, wl: Workload, prec: P
     per_token += fp8.cast_bytes_per_token(shape, recipe, rule, a) + fp8.operand_bytes_per_token(shape, recipe, rule, a)
     if isinstance(shape, (Mamba2Shape, HybridShape)):
         ssd = shape if isinstance(shape, Mamba2Shape) else shape.mamba  # its n_layers: the Mamba-2 blocks
-        per_token += ssd.n_layers * ssd_bytes_per_token(ssd, prec, wl.seq_len, wl.ssd_kernel)
+        per_token += ssd.n_layers * ssd_bytes_per_token(ssd, wl.seq_len, wl.ssd_kernel)
     gathered_fp8 = fp8.gather_bytes_per_param(prec.gather, recipe, layout.strategy) < prec.gather
     gathered_fp8 = gathered_fp8 and layout.shard_size > 1 and layout.strategy in ("fsdp", "hsdp")
     # the converted weights' cast reads their fp32 master (autocast, fp32) or FSDP's bf16 gathered parameters
